@@ -1,0 +1,182 @@
+//! Matrix products through the `gemm` crate. A Linear layer stores its weight as `[out, in]`
+//! (Hugging Face layout), so forward is `Y = X · Wᵀ`.
+
+use gemm::Parallelism;
+
+/// A strided view for `gemm`: element (r, c) lives at `ptr + r*rs + c*cs`.
+#[derive(Clone, Copy)]
+pub struct Strided {
+    pub ptr: *const f32,
+    pub rs: isize,
+    pub cs: isize,
+}
+
+impl Strided {
+    /// Row-major `[rows, cols]` matrix.
+    pub fn rows(m: &[f32], cols: usize) -> Self {
+        Strided { ptr: m.as_ptr(), rs: cols as isize, cs: 1 }
+    }
+    /// The transpose of a row-major `[rows, cols]` matrix.
+    pub fn transposed(m: &[f32], cols: usize) -> Self {
+        Strided { ptr: m.as_ptr(), rs: 1, cs: cols as isize }
+    }
+}
+
+/// How many threads `gemm` may use: all of rayon's for top-level products; one inside a
+/// parallel loop.
+pub fn threads() -> Parallelism {
+    match rayon::current_num_threads() {
+        0 | 1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    }
+}
+
+/// `dst[m,n] = accumulate·dst + alpha · lhs[m,k] · rhs[k,n]` with arbitrary strides.
+///
+/// # Safety
+/// The views must cover the addressed elements; `dst` must not alias the inputs.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    dst_cs: isize,
+    accumulate: bool,
+    lhs: Strided,
+    rhs: Strided,
+    alpha: f32,
+    par: Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                for c in 0..n {
+                    *dst.offset(r as isize * dst_rs + c as isize * dst_cs) = 0.0;
+                }
+            }
+        }
+        return;
+    }
+    gemm::gemm(
+        m, n, k, dst, dst_cs, dst_rs, accumulate, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs,
+        1.0, alpha, false, false, false, par,
+    );
+}
+
+/// `dst[m,n] (+)= lhs · rhs` for row-major operands, each optionally transposed.
+/// `lhs` is `[m,k]` (or `[k,m]` when `lhs_t`), `rhs` is `[k,n]` (or `[n,k]` when `rhs_t`).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    dst: &mut [f32],
+    lhs: &[f32],
+    lhs_t: bool,
+    rhs: &[f32],
+    rhs_t: bool,
+    m: usize,
+    k: usize,
+    n: usize,
+    accumulate: bool,
+    par: Parallelism,
+) {
+    assert!(dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= k * n, "matmul: operand too small");
+    let l = if lhs_t { Strided::transposed(lhs, m) } else { Strided::rows(lhs, k) };
+    let r = if rhs_t { Strided::transposed(rhs, k) } else { Strided::rows(rhs, n) };
+    // SAFETY: sizes were checked above; `dst` is a distinct &mut borrow.
+    unsafe { gemm_strided(m, n, k, dst.as_mut_ptr(), n as isize, 1, accumulate, l, r, 1.0, par) }
+}
+
+/// Linear forward: `y[rows, out] = x[rows, in] · w[out, in]ᵀ` (overwrites `y`).
+pub fn linear_forward(y: &mut [f32], x: &[f32], w: &[f32], rows: usize, d_in: usize, d_out: usize) {
+    matmul(y, x, false, w, true, rows, d_in, d_out, false, threads());
+}
+
+/// Linear backward into the input: `dx (+)= dy · w`.
+pub fn linear_backward_input(
+    dx: &mut [f32],
+    dy: &[f32],
+    w: &[f32],
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+    accumulate: bool,
+) {
+    matmul(dx, dy, false, w, false, rows, d_out, d_in, accumulate, threads());
+}
+
+/// Linear backward into the weight: `dw += dyᵀ · x` (always accumulates).
+pub fn linear_backward_weight(dw: &mut [f32], dy: &[f32], x: &[f32], rows: usize, d_in: usize, d_out: usize) {
+    matmul(dw, dy, true, x, false, d_out, rows, d_in, true, threads());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+        let mut c = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                for p in 0..k {
+                    c[i * n + j] += a[i * k + p] as f64 * b[p * n + j] as f64;
+                }
+            }
+        }
+        c.into_iter().map(|x| x as f32).collect()
+    }
+
+    fn transpose(a: &[f32], r: usize, c: usize) -> Vec<f32> {
+        let mut t = vec![0.0; r * c];
+        for i in 0..r {
+            for j in 0..c {
+                t[j * r + i] = a[i * c + j];
+            }
+        }
+        t
+    }
+
+    #[test]
+    fn all_transpose_combinations_match_naive() {
+        let (m, k, n) = (37, 53, 29);
+        let a: Vec<f32> = (0..m * k).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i * 104729) % 89) as f32 / 89.0 - 0.5).collect();
+        let want = naive(&a, &b, m, k, n);
+        for (lt, rt) in [(false, false), (true, false), (false, true), (true, true)] {
+            let la = if lt { transpose(&a, m, k) } else { a.clone() };
+            let rb = if rt { transpose(&b, k, n) } else { b.clone() };
+            let mut c = vec![1.0; m * n];
+            matmul(&mut c, &la, lt, &rb, rt, m, k, n, true, threads());
+            for (x, y) in c.iter().zip(&want) {
+                assert!((x - (y + 1.0)).abs() < 1e-4, "lt={lt} rt={rt}: {x} vs {}", y + 1.0);
+            }
+        }
+    }
+
+    #[test]
+    fn linear_gradients_match_definition() {
+        let (rows, din, dout) = (5, 4, 3);
+        let x: Vec<f32> = (0..rows * din).map(|i| (i as f32 * 0.37).sin()).collect();
+        let w: Vec<f32> = (0..dout * din).map(|i| (i as f32 * 0.71).cos()).collect();
+        let dy: Vec<f32> = (0..rows * dout).map(|i| (i as f32 * 1.3).sin()).collect();
+        let mut dx = vec![0.0; rows * din];
+        let mut dw = vec![0.0; dout * din];
+        linear_backward_input(&mut dx, &dy, &w, rows, din, dout, false);
+        linear_backward_weight(&mut dw, &dy, &x, rows, din, dout);
+        for r in 0..rows {
+            for i in 0..din {
+                let want: f32 = (0..dout).map(|o| dy[r * dout + o] * w[o * din + i]).sum();
+                assert!((dx[r * din + i] - want).abs() < 1e-5);
+            }
+        }
+        for o in 0..dout {
+            for i in 0..din {
+                let want: f32 = (0..rows).map(|r| dy[r * dout + o] * x[r * din + i]).sum();
+                assert!((dw[o * din + i] - want).abs() < 1e-5);
+            }
+        }
+    }
+}

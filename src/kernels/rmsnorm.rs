@@ -1,0 +1,102 @@
+//! RMSNorm with a learnable gain: `y = x / sqrt(mean(x²) + eps) ⊙ g` (statistics in f32,
+//! as Hugging Face's `LlamaRMSNorm` computes them).
+
+use super::{dot, par_reduce_rows, par_rows_mut};
+
+/// Per-row reciprocal RMS, `1 / sqrt(mean(x²) + eps)`, into `rstd[rows]`.
+pub fn rstd(rstd: &mut [f32], x: &[f32], d: usize, eps: f32) {
+    par_rows_mut(rstd, 1, |r0, out| {
+        for (i, o) in out.iter_mut().enumerate() {
+            let row = &x[(r0 + i) * d..(r0 + i + 1) * d];
+            *o = 1.0 / (dot(row, row) / d as f32 + eps).sqrt();
+        }
+    });
+}
+
+/// Forward: writes `y` and the per-row `rstd` that backward needs.
+pub fn forward(y: &mut [f32], rstd_out: &mut [f32], x: &[f32], g: &[f32], d: usize, eps: f32) {
+    rstd(rstd_out, x, d, eps);
+    let rs = &*rstd_out;
+    par_rows_mut(y, d, |r0, out| {
+        for (i, yrow) in out.chunks_mut(d).enumerate() {
+            let r = rs[r0 + i];
+            let xrow = &x[(r0 + i) * d..(r0 + i + 1) * d];
+            for j in 0..d {
+                yrow[j] = xrow[j] * r * g[j];
+            }
+        }
+    });
+}
+
+/// Backward: `dx` is overwritten, `dg` accumulates.
+/// With `u = g ⊙ dy`: `dx = r·u − (r³/d)·⟨u, x⟩·x`.
+pub fn backward(dx: &mut [f32], dg: &mut [f32], dy: &[f32], x: &[f32], g: &[f32], rstd: &[f32], d: usize) {
+    let rows = rstd.len();
+    par_rows_mut(dx, d, |r0, out| {
+        for (i, dxrow) in out.chunks_mut(d).enumerate() {
+            let row = r0 + i;
+            let (xr, dyr) = (&x[row * d..(row + 1) * d], &dy[row * d..(row + 1) * d]);
+            let r = rstd[row];
+            let mut ux = 0.0f32;
+            for j in 0..d {
+                ux += g[j] * dyr[j] * xr[j];
+            }
+            let c = r * r * r * ux / d as f32;
+            for j in 0..d {
+                dxrow[j] = r * g[j] * dyr[j] - c * xr[j];
+            }
+        }
+    });
+    let part = par_reduce_rows(rows, d, d, |range, acc| {
+        for row in range {
+            let r = rstd[row];
+            let (xr, dyr) = (&x[row * d..(row + 1) * d], &dy[row * d..(row + 1) * d]);
+            for j in 0..d {
+                acc[j] += dyr[j] * xr[j] * r;
+            }
+        }
+    });
+    dg.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{assert_close, fd_check, rand_vec};
+
+    #[test]
+    fn forward_matches_naive() {
+        let (rows, d, eps) = (7, 13, 1e-5);
+        let x = rand_vec(rows * d, 1, 1.0);
+        let g = rand_vec(d, 2, 1.0);
+        let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
+        forward(&mut y, &mut r, &x, &g, d, eps);
+        let mut want = vec![0.0; rows * d];
+        for i in 0..rows {
+            let ms: f64 = x[i * d..(i + 1) * d].iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
+            for j in 0..d {
+                want[i * d + j] = (x[i * d + j] as f64 / (ms + eps as f64).sqrt() * g[j] as f64) as f32;
+            }
+        }
+        assert_close(&y, &want, 1e-5, "rmsnorm forward");
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        let (rows, d, eps) = (5, 8, 1e-5);
+        let x = rand_vec(rows * d, 3, 1.0);
+        let g = rand_vec(d, 4, 1.0);
+        let dy = rand_vec(rows * d, 5, 1.0);
+        let loss = |x: &[f32], g: &[f32]| {
+            let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
+            forward(&mut y, &mut r, x, g, d, eps);
+            y.iter().zip(&dy).map(|(a, b)| (a * b) as f64).sum::<f64>()
+        };
+        let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
+        forward(&mut y, &mut r, &x, &g, d, eps);
+        let (mut dx, mut dg) = (vec![0.0; rows * d], vec![0.0; d]);
+        backward(&mut dx, &mut dg, &dy, &x, &g, &r, d);
+        fd_check(&x, &dx, |xp| loss(xp, &g), "rmsnorm dx");
+        fd_check(&g, &dg, |gp| loss(&x, gp), "rmsnorm dg");
+    }
+}

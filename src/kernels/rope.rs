@@ -1,0 +1,97 @@
+//! Rotary position embedding in the "rotate half" layout of Hugging Face Llama: dimension `i`
+//! of a head pairs with `i + head_dim/2`, frequency `theta^(-2i/head_dim)`, positions from 0.
+
+use super::par_rows_mut;
+
+/// Cos/sin tables `[max_pos, head_dim/2]`.
+pub struct RopeTable {
+    pub half: usize,
+    pub cos: Vec<f32>,
+    pub sin: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(head_dim: usize, max_pos: usize, theta: f64) -> Self {
+        let half = head_dim / 2;
+        let mut cos = vec![0.0; max_pos * half];
+        let mut sin = vec![0.0; max_pos * half];
+        for i in 0..half {
+            // Computed as Hugging Face does: inverse frequency in f32, angle in f32.
+            let inv = (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32;
+            for p in 0..max_pos {
+                let ang = p as f32 * inv;
+                cos[p * half + i] = ang.cos();
+                sin[p * half + i] = ang.sin();
+            }
+        }
+        RopeTable { half, cos, sin }
+    }
+}
+
+/// Rotates, in place, `n_heads` consecutive heads starting at column `col0` of each row of
+/// `x` (`[rows, width]`). Row `r` sits at position `r % seq_len`. `inverse` applies the
+/// transpose rotation (the backward pass).
+pub fn apply(x: &mut [f32], width: usize, col0: usize, n_heads: usize, seq_len: usize, table: &RopeTable, inverse: bool) {
+    let half = table.half;
+    let hd = 2 * half;
+    let sign = if inverse { -1.0 } else { 1.0 };
+    par_rows_mut(x, width, |r0, chunk| {
+        for (i, row) in chunk.chunks_mut(width).enumerate() {
+            let pos = (r0 + i) % seq_len;
+            let (c, s) = (&table.cos[pos * half..(pos + 1) * half], &table.sin[pos * half..(pos + 1) * half]);
+            for h in 0..n_heads {
+                let head = &mut row[col0 + h * hd..col0 + (h + 1) * hd];
+                let (a, b) = head.split_at_mut(half);
+                for j in 0..half {
+                    let (x1, x2) = (a[j], b[j]);
+                    let sj = sign * s[j];
+                    a[j] = x1 * c[j] - x2 * sj;
+                    b[j] = x2 * c[j] + x1 * sj;
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{assert_close, rand_vec};
+
+    #[test]
+    fn matches_rotate_half_definition() {
+        let (hd, heads, seq, rows) = (8, 2, 3, 6);
+        let t = RopeTable::new(hd, 16, 10000.0);
+        let x = rand_vec(rows * heads * hd, 9, 1.0);
+        let mut y = x.clone();
+        apply(&mut y, heads * hd, 0, heads, seq, &t, false);
+        let mut want = vec![0.0; x.len()];
+        for r in 0..rows {
+            let pos = (r % seq) as f64;
+            for h in 0..heads {
+                let base = r * heads * hd + h * hd;
+                for i in 0..hd {
+                    let f = pos / 10000f64.powf((2 * (i % (hd / 2))) as f64 / hd as f64);
+                    let rot = if i < hd / 2 { -x[base + i + hd / 2] } else { x[base + i - hd / 2] };
+                    want[base + i] = (x[base + i] as f64 * f.cos() + rot as f64 * f.sin()) as f32;
+                }
+            }
+        }
+        assert_close(&y, &want, 1e-5, "rope");
+    }
+
+    #[test]
+    fn inverse_is_the_transpose() {
+        // A rotation's backward is its transpose: <R x, y> == <x, Rᵀ y>.
+        let (hd, heads, seq, rows) = (6, 3, 4, 8);
+        let t = RopeTable::new(hd, seq, 500.0);
+        let x = rand_vec(rows * heads * hd, 1, 1.0);
+        let y = rand_vec(rows * heads * hd, 2, 1.0);
+        let (mut rx, mut rty) = (x.clone(), y.clone());
+        apply(&mut rx, heads * hd, 0, heads, seq, &t, false);
+        apply(&mut rty, heads * hd, 0, heads, seq, &t, true);
+        let a: f64 = rx.iter().zip(&y).map(|(a, b)| (a * b) as f64).sum();
+        let b: f64 = x.iter().zip(&rty).map(|(a, b)| (a * b) as f64).sum();
+        assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+    }
+}

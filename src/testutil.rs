@@ -1,0 +1,49 @@
+//! Helpers shared by the unit tests: deterministic random data and finite-difference checks.
+
+use rand_chacha::ChaCha8Rng;
+use rand_core::{Rng, SeedableRng};
+
+/// Uniform values in `[-scale, scale)`, deterministic in `seed`.
+pub fn rand_vec(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| ((rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * scale)
+        .collect()
+}
+
+pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: got {g}, want {w} (tol {tol})"
+        );
+    }
+}
+
+/// Compares an analytic gradient with central differences of `f` (evaluated in f32, summed
+/// in f64) at every coordinate of `x`.
+pub fn fd_check(x: &[f32], grad: &[f32], f: impl Fn(&[f32]) -> f64, what: &str) {
+    fd_check_at(x, grad, f, what, &(0..x.len()).collect::<Vec<_>>(), 1e-2)
+}
+
+/// Like [`fd_check`] on chosen coordinates, with step `h`. The tolerance is relative to the
+/// largest gradient so that tiny entries do not fail on f32 rounding.
+pub fn fd_check_at(x: &[f32], grad: &[f32], f: impl Fn(&[f32]) -> f64, what: &str, idx: &[usize], h: f32) {
+    let scale = grad.iter().fold(0.0f32, |m, g| m.max(g.abs())).max(1e-3);
+    let mut xp = x.to_vec();
+    for &i in idx {
+        let orig = xp[i];
+        xp[i] = orig + h;
+        let up = f(&xp);
+        xp[i] = orig - h;
+        let down = f(&xp);
+        xp[i] = orig;
+        let fd = ((up - down) / (2.0 * h as f64)) as f32;
+        assert!(
+            (fd - grad[i]).abs() <= 1e-2 * scale + 1e-2 * fd.abs(),
+            "{what}[{i}]: analytic {} vs finite difference {fd} (scale {scale})",
+            grad[i]
+        );
+    }
+}
