@@ -1,0 +1,94 @@
+//! Checkpoint directories: `config.json` (Hugging Face Llama format plus `residual` and
+//! `num_blocks`) and `model.safetensors` (Hugging Face tensor names, f32). Files are written to
+//! a temporary name and renamed, so a crash never leaves a half-written file under the real name.
+
+use super::config::Config;
+use super::params::Layout;
+use super::transformer::Model;
+use anyhow::{bail, ensure, Context, Result};
+use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::collections::{BTreeSet, HashMap};
+use std::fs;
+use std::path::Path;
+
+pub const CONFIG_FILE: &str = "config.json";
+pub const WEIGHTS_FILE: &str = "model.safetensors";
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let name = path.file_name().context("output path has no file name")?.to_string_lossy();
+    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
+    fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+}
+
+/// Serialises named f32 tensors in safetensors format.
+pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, &[f32])], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
+    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+    let views = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((name, shape, _), b)| Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), b)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    Ok(safetensors::serialize(views, metadata)?)
+}
+
+/// Reads an f32 tensor's values (little-endian) after checking its dtype.
+pub fn f32_values(name: &str, t: &TensorView) -> Result<Vec<f32>> {
+    ensure!(t.dtype() == Dtype::F32, "tensor {name:?} has dtype {:?}, expected F32", t.dtype());
+    Ok(t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+/// Saves a model as a checkpoint directory (created if needed).
+pub fn save(model: &Model, dir: &Path) -> Result<()> {
+    fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let tensors: Vec<(String, Vec<usize>, &[f32])> = model
+        .layout
+        .specs
+        .iter()
+        .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range.clone()]))
+        .collect();
+    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    write_atomic(&dir.join(WEIGHTS_FILE), &safetensors_bytes(&tensors, Some(meta))?)?;
+    write_atomic(&dir.join(CONFIG_FILE), model.config.to_json().as_bytes())
+}
+
+/// Loads and validates a checkpoint directory. Every mismatch is an error naming the tensor.
+pub fn load(dir: &Path) -> Result<Model> {
+    ensure!(dir.is_dir(), "checkpoint {} is not a directory", dir.display());
+    let cpath = dir.join(CONFIG_FILE);
+    let text = fs::read_to_string(&cpath).with_context(|| format!("cannot read {}", cpath.display()))?;
+    let config = Config::from_json(&text).with_context(|| format!("in {}", cpath.display()))?;
+    let wpath = dir.join(WEIGHTS_FILE);
+    let bytes = fs::read(&wpath).with_context(|| format!("cannot read {}", wpath.display()))?;
+    let params = params_from_safetensors(&config, &bytes).with_context(|| format!("in {}", wpath.display()))?;
+    Model::new(config, params)
+}
+
+/// Checks a safetensors file against the layout the config implies and returns the flat
+/// parameter buffer.
+pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| anyhow::anyhow!("not a valid safetensors file: {e}"))?;
+    let layout = Layout::new(config);
+    let have: BTreeSet<String> = st.names().into_iter().map(String::from).collect();
+    let want: BTreeSet<String> = layout.specs.iter().map(|s| s.name.clone()).collect();
+    let missing: Vec<_> = want.difference(&have).cloned().collect();
+    let extra: Vec<_> = have.difference(&want).cloned().collect();
+    if !missing.is_empty() {
+        bail!("missing tensor(s) for residual = {:?}: {}", config.residual, missing.join(", "));
+    }
+    if !extra.is_empty() {
+        bail!("unexpected tensor(s) for residual = {:?}: {}", config.residual, extra.join(", "));
+    }
+    let mut params = vec![0.0f32; layout.total];
+    for s in &layout.specs {
+        let t = st.tensor(&s.name)?;
+        ensure!(t.shape() == s.shape.as_slice(), "tensor {:?} has shape {:?}, expected {:?}", s.name, t.shape(), s.shape);
+        let vals = f32_values(&s.name, &t)?;
+        if let Some(i) = vals.iter().position(|x| !x.is_finite()) {
+            bail!("tensor {:?} holds a non-finite value at index {i}", s.name);
+        }
+        params[s.range.clone()].copy_from_slice(&vals);
+    }
+    Ok(params)
+}

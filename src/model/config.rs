@@ -1,0 +1,332 @@
+//! Model configuration: the Hugging Face Llama `config.json` plus the keys `residual` and
+//! `num_blocks`. Loading is strict: unknown keys and impossible values are errors that name
+//! the problem.
+
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Which residual connection the model uses (SPEC §2–4).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ResidualKind {
+    /// PreNorm residual: `h_{l+1} = h_l + f_l(h_l)`.
+    Standard,
+    /// Full AttnRes: every sublayer attends over the embedding and all earlier outputs.
+    Full,
+    /// Block AttnRes with `num_blocks` blocks of consecutive sublayers.
+    Block,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RopeParameters {
+    pub rope_type: String,
+    pub rope_theta: f64,
+}
+
+/// The model's shape and numerics. Field names are those of Hugging Face's `LlamaConfig`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model_type: String,
+    pub architectures: Vec<String>,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+    pub initializer_range: f64,
+    pub hidden_act: String,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub attention_dropout: f64,
+    pub torch_dtype: String,
+    /// `standard`, `full` or `block`.
+    pub residual: ResidualKind,
+    /// Number of blocks for `residual = block` (must divide `2 * num_hidden_layers`); ignored
+    /// otherwise.
+    pub num_blocks: usize,
+}
+
+/// Keys that Hugging Face writes and that do not change the computation; accepted and dropped.
+const IGNORED_HF_KEYS: &[&str] = &[
+    "transformers_version",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "use_cache",
+    "dtype",
+    "_name_or_path",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "pretraining_tp",
+    "rope_scaling",
+    "rope_parameters",
+];
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            model_type: "llama".into(),
+            architectures: vec!["LlamaForCausalLM".into()],
+            vocab_size: 4096,
+            hidden_size: 256,
+            intermediate_size: 704,
+            num_hidden_layers: 8,
+            num_attention_heads: 4,
+            num_key_value_heads: 4,
+            head_dim: 64,
+            max_position_embeddings: 256,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            tie_word_embeddings: true,
+            initializer_range: 0.02,
+            hidden_act: "silu".into(),
+            attention_bias: false,
+            mlp_bias: false,
+            attention_dropout: 0.0,
+            torch_dtype: "float32".into(),
+            residual: ResidualKind::Block,
+            num_blocks: 8,
+        }
+    }
+}
+
+impl Config {
+    /// Number of sublayers `L = 2 · num_hidden_layers`.
+    pub fn sublayers(&self) -> usize {
+        2 * self.num_hidden_layers
+    }
+
+    /// Sublayers per depth block: 1 for `full`, `L / num_blocks` for `block`, `None` for
+    /// `standard`.
+    pub fn block_size(&self) -> Option<usize> {
+        match self.residual {
+            ResidualKind::Standard => None,
+            ResidualKind::Full => Some(1),
+            ResidualKind::Block => Some(self.sublayers() / self.num_blocks),
+        }
+    }
+
+    pub fn qkv_width(&self) -> usize {
+        (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
+    }
+
+    /// Checks every value; the error names the offending key.
+    pub fn validate(&self) -> Result<()> {
+        ensure!(self.model_type == "llama", "config: model_type must be \"llama\", got {:?}", self.model_type);
+        for (key, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            ensure!(v > 0, "config: {key} must be positive, got {v}");
+        }
+        ensure!(self.vocab_size <= u32::MAX as usize, "config: vocab_size {} is too large", self.vocab_size);
+        ensure!(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            "config: num_key_value_heads ({}) must divide num_attention_heads ({})",
+            self.num_key_value_heads,
+            self.num_attention_heads
+        );
+        ensure!(self.head_dim % 2 == 0, "config: head_dim must be even for rotary embedding, got {}", self.head_dim);
+        ensure!(
+            self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0,
+            "config: rms_norm_eps must be a positive number, got {}",
+            self.rms_norm_eps
+        );
+        ensure!(self.rope_theta.is_finite() && self.rope_theta > 0.0, "config: rope_theta must be positive, got {}", self.rope_theta);
+        ensure!(
+            self.initializer_range.is_finite() && self.initializer_range >= 0.0,
+            "config: initializer_range must be a non-negative number, got {}",
+            self.initializer_range
+        );
+        ensure!(self.hidden_act == "silu", "config: only hidden_act = \"silu\" is supported, got {:?}", self.hidden_act);
+        ensure!(!self.attention_bias, "config: attention_bias = true is not supported (Llama has no biases)");
+        ensure!(!self.mlp_bias, "config: mlp_bias = true is not supported (Llama has no biases)");
+        ensure!(self.attention_dropout == 0.0, "config: attention_dropout must be 0, got {}", self.attention_dropout);
+        ensure!(self.torch_dtype == "float32", "config: only torch_dtype = \"float32\" is supported, got {:?}", self.torch_dtype);
+        if self.residual == ResidualKind::Block {
+            let l = self.sublayers();
+            ensure!(
+                self.num_blocks > 0 && l % self.num_blocks == 0,
+                "config: num_blocks = {} must be a positive divisor of the sublayer count 2 * num_hidden_layers = {l} \
+                 (for example {})",
+                self.num_blocks,
+                divisors(l).iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+            );
+        }
+        Ok(())
+    }
+
+    /// Parses and validates `config.json` text.
+    pub fn from_json(text: &str) -> Result<Config> {
+        let value: Value = serde_json::from_str(text).context("config.json is not valid JSON")?;
+        let Value::Object(map) = value else { bail!("config.json must hold a JSON object") };
+        Self::from_map(map)
+    }
+
+    /// Builds a config from key/value pairs laid over the defaults, then validates it.
+    pub fn from_map(mut map: Map<String, Value>) -> Result<Config> {
+        check_hf_extras(&mut map)?;
+        // Fill keys a third-party config may omit from our defaults, but never the ones that
+        // define the shape: those must be given.
+        for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"] {
+            ensure!(map.contains_key(key), "config: missing key {key:?}");
+        }
+        if !map.contains_key("num_key_value_heads") {
+            map.insert("num_key_value_heads".into(), map["num_attention_heads"].clone());
+        }
+        if !map.contains_key("head_dim") {
+            let (h, n) = (map["hidden_size"].as_u64(), map["num_attention_heads"].as_u64());
+            if let (Some(h), Some(n)) = (h, n) {
+                ensure!(n > 0 && h % n == 0, "config: num_attention_heads ({n}) must divide hidden_size ({h}) when head_dim is not given");
+                map.insert("head_dim".into(), Value::from(h / n));
+            }
+        }
+        let defaults = serde_json::to_value(Config { residual: ResidualKind::Standard, ..Config::default() })?;
+        let defaults = defaults.as_object().expect("struct serialises to an object");
+        for (k, v) in &map {
+            let Some(d) = defaults.get(k) else { bail!("config: unknown key {k:?}") };
+            let ok = match d {
+                Value::Number(n) if n.is_u64() => v.is_u64(),
+                Value::Number(_) => v.is_number(),
+                Value::Bool(_) => v.is_boolean(),
+                Value::String(_) => v.is_string(),
+                Value::Array(_) => v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
+                _ => true,
+            };
+            let want = match d {
+                Value::Number(n) if n.is_u64() => "a non-negative integer",
+                Value::Number(_) => "a number",
+                Value::Bool(_) => "true or false",
+                Value::String(_) => "a string",
+                _ => "a list of strings",
+            };
+            ensure!(ok, "config: {k} must be {want}, got {v}");
+        }
+        if let Some(r) = map.get("residual") {
+            ensure!(
+                serde_json::from_value::<ResidualKind>(r.clone()).is_ok(),
+                "config: residual must be \"standard\", \"full\" or \"block\", got {r}"
+            );
+        }
+        for (k, v) in defaults {
+            map.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        let cfg: Config = serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("config: {e}"))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Applies `key=value` overrides (values parsed as JSON, else taken as strings) to this
+    /// config. Unknown keys and ill-typed values are errors.
+    pub fn with_overrides(&self, sets: &[String]) -> Result<Config> {
+        let Value::Object(mut map) = serde_json::to_value(self)? else { unreachable!() };
+        let mut given = Vec::new();
+        for s in sets {
+            let (k, v) = s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
+            let k = k.trim();
+            ensure!(map.contains_key(k), "--set {k}: unknown config key (known: {})", map.keys().cloned().collect::<Vec<_>>().join(", "));
+            let v = serde_json::from_str(v.trim()).unwrap_or_else(|_| Value::String(v.trim().to_string()));
+            map.insert(k.to_string(), v);
+            given.push(k.to_string());
+        }
+        // A new width or head count implies head_dim = hidden_size / heads unless given too.
+        let reshaped = given.iter().any(|k| k == "hidden_size" || k == "num_attention_heads");
+        if reshaped && !given.iter().any(|k| k == "head_dim") {
+            map.remove("head_dim");
+        }
+        Self::from_map(map).map_err(|e| anyhow::anyhow!("--set: {e}"))
+    }
+
+    /// `config.json` text: our fields plus `rope_parameters`, which newer `transformers` reads.
+    pub fn to_json(&self) -> String {
+        let mut v = serde_json::to_value(self).expect("config serialises");
+        v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
+        serde_json::to_string_pretty(&v).expect("config serialises")
+    }
+}
+
+/// Validates and removes the Hugging Face keys we accept but do not store.
+fn check_hf_extras(map: &mut Map<String, Value>) -> Result<()> {
+    if let Some(v) = map.get("pretraining_tp") {
+        ensure!(v.as_u64() == Some(1), "config: pretraining_tp must be 1, got {v}");
+    }
+    if let Some(v) = map.get("rope_scaling") {
+        ensure!(v.is_null(), "config: rope_scaling is not supported, got {v}");
+    }
+    if let Some(v) = map.get("dtype") {
+        ensure!(v.is_null() || v == "float32", "config: only dtype float32 is supported, got {v}");
+    }
+    if let Some(rp) = map.get("rope_parameters").cloned() {
+        let rp: RopeParameters = serde_json::from_value(rp).context("config: rope_parameters")?;
+        ensure!(rp.rope_type == "default", "config: only rope_type \"default\" is supported, got {:?}", rp.rope_type);
+        match map.get("rope_theta").and_then(Value::as_f64) {
+            Some(t) => ensure!(t == rp.rope_theta, "config: rope_theta ({t}) disagrees with rope_parameters.rope_theta ({})", rp.rope_theta),
+            None => {
+                map.insert("rope_theta".into(), Value::from(rp.rope_theta));
+            }
+        }
+    }
+    for k in IGNORED_HF_KEYS {
+        map.remove(*k);
+    }
+    Ok(())
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n % d == 0).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_through_json() {
+        let c = Config::default();
+        assert_eq!(Config::from_json(&c.to_json()).unwrap(), c);
+    }
+
+    #[test]
+    fn rejects_bad_values_by_name() {
+        let c = Config::default();
+        let err = |sets: &[&str]| c.with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap_err().to_string();
+        assert!(err(&["num_blocks=3"]).contains("num_blocks = 3"));
+        assert!(err(&["hidden_sizee=3"]).contains("unknown config key"));
+        assert!(err(&["hidden_size=-1"]).contains("hidden_size"));
+        assert!(err(&["num_key_value_heads=3"]).contains("num_key_value_heads"));
+        assert!(err(&["residual=sideways"]).contains("residual must be"));
+        assert!(err(&["tie_word_embeddings=3"]).contains("tie_word_embeddings must be true or false"));
+        assert!(err(&["rms_norm_eps=0"]).contains("rms_norm_eps"));
+        assert!(Config::from_json("{").unwrap_err().to_string().contains("not valid JSON"));
+        assert!(Config::from_json("{\"hidden_size\": 4}").unwrap_err().to_string().contains("missing key"));
+        let ok = c.with_overrides(&["residual=full".into(), "num_blocks=3".into()]).unwrap();
+        assert_eq!(ok.block_size(), Some(1));
+    }
+
+    #[test]
+    fn accepts_a_transformers_written_config() {
+        let text = r#"{"architectures":["LlamaForCausalLM"],"model_type":"llama","vocab_size":100,
+            "hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"max_position_embeddings":64,"rms_norm_eps":1e-5,
+            "rope_parameters":{"rope_type":"default","rope_theta":500.0},"tie_word_embeddings":false,
+            "transformers_version":"5.0.0","bos_token_id":1,"eos_token_id":2,"use_cache":true,"dtype":"float32"}"#;
+        let c = Config::from_json(text).unwrap();
+        assert_eq!((c.head_dim, c.rope_theta, c.residual), (8, 500.0, ResidualKind::Standard));
+    }
+}

@@ -1,0 +1,10 @@
+//! The model: configuration, parameters, the residual connection and the transformer.
+
+pub mod checkpoint;
+pub mod config;
+pub mod params;
+pub mod residual;
+pub mod transformer;
+
+pub use config::{Config, ResidualKind};
+pub use transformer::{Forward, Model};

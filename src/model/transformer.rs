@@ -1,0 +1,211 @@
+//! The decoder-only transformer (Hugging Face `LlamaForCausalLM` semantics) with a selectable
+//! residual connection: forward keeps what backward needs, backward yields every gradient.
+
+use super::config::Config;
+use super::params::Layout;
+use super::residual::{ResidualBackward, ResidualForward};
+use crate::kernels::attention::{self, AttnShape};
+use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
+use crate::kernels::rope::{self, RopeTable};
+use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu};
+use anyhow::{ensure, Result};
+
+pub struct Model {
+    pub config: Config,
+    pub layout: Layout,
+    pub params: Vec<f32>,
+    rope: RopeTable,
+}
+
+/// What the attention sublayer saved: its input, norm statistics, normed input, rotated q/k
+/// with v, the attention probabilities and the attention output.
+struct AttnSaved {
+    h: Vec<f32>,
+    rstd: Vec<f32>,
+    xn: Vec<f32>,
+    qkv: Vec<f32>,
+    probs: Vec<f32>,
+    o: Vec<f32>,
+}
+
+/// What the MLP sublayer saved: input, norm statistics, normed input, gate/up pre-activations
+/// and the activation fed to `down_proj`.
+struct MlpSaved {
+    h: Vec<f32>,
+    rstd: Vec<f32>,
+    xn: Vec<f32>,
+    gu: Vec<f32>,
+    act: Vec<f32>,
+}
+
+/// A forward pass over `batch` sequences of `seq` tokens, with everything backward needs.
+pub struct Forward {
+    pub batch: usize,
+    pub seq: usize,
+    ids: Vec<u32>,
+    attn: Vec<AttnSaved>,
+    mlp: Vec<MlpSaved>,
+    pub residual: ResidualForward,
+    h_final: Vec<f32>,
+    rstd_final: Vec<f32>,
+    xn_final: Vec<f32>,
+    /// `[batch·seq, vocab]`.
+    pub logits: Vec<f32>,
+}
+
+impl Model {
+    pub fn new(config: Config, params: Vec<f32>) -> Result<Model> {
+        config.validate()?;
+        let layout = Layout::new(&config);
+        ensure!(params.len() == layout.total, "parameter buffer has {} values, the config needs {}", params.len(), layout.total);
+        let rope = RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
+        Ok(Model { config, layout, params, rope })
+    }
+
+    /// A freshly initialised model (see [`Layout::init`]).
+    pub fn init(config: Config, seed: u64) -> Result<Model> {
+        config.validate()?;
+        let params = Layout::new(&config).init(&config, seed);
+        Model::new(config, params)
+    }
+
+    fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
+        let c = &self.config;
+        AttnShape { batch, seq, heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim }
+    }
+
+    /// Checks a batch of token ids against the vocabulary and the context length.
+    pub fn check_batch(&self, ids: &[u32], batch: usize, seq: usize) -> Result<()> {
+        ensure!(batch > 0 && seq > 0, "empty batch");
+        ensure!(ids.len() == batch * seq, "batch has {} ids, expected {batch} x {seq}", ids.len());
+        ensure!(
+            seq <= self.config.max_position_embeddings,
+            "sequence length {seq} exceeds max_position_embeddings = {}",
+            self.config.max_position_embeddings
+        );
+        if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size) {
+            anyhow::bail!("token id {t} at position {i} is out of range for vocab_size = {}", self.config.vocab_size);
+        }
+        Ok(())
+    }
+
+    pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
+        self.check_batch(ids, batch, seq)?;
+        let c = &self.config;
+        let (n, d, f, v) = (batch * seq, c.hidden_size, c.intermediate_size, c.vocab_size);
+        let eps = c.rms_norm_eps as f32;
+        let p = &self.params;
+        let sh = self.attn_shape(batch, seq);
+        let (qw, ow) = (sh.qkv_width(), sh.out_width());
+
+        let mut e = vec![0.0; n * d];
+        embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d);
+        let mut res = ResidualForward::new(c.block_size(), e, d, eps);
+        let (mut attn, mut mlp) = (Vec::new(), Vec::new());
+        for (i, lp) in self.layout.layers.iter().enumerate() {
+            // Attention sublayer 2i.
+            let h = res.input(2 * i, p, &self.layout);
+            let (mut xn, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
+            rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.input_norm.clone()], d, eps);
+            let mut qkv = vec![0.0; n * qw];
+            linear_forward(&mut qkv, &xn, &p[lp.qkv.clone()], n, d, qw);
+            rope::apply(&mut qkv, qw, 0, sh.heads + sh.kv_heads, seq, &self.rope, false);
+            let (mut o, mut probs) = (vec![0.0; n * ow], vec![0.0; sh.probs_len()]);
+            attention::forward(&mut o, &mut probs, &qkv, sh);
+            let mut out = vec![0.0; n * d];
+            linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d);
+            res.push_output(2 * i, out);
+            attn.push(AttnSaved { h, rstd, xn, qkv, probs, o });
+
+            // MLP sublayer 2i+1.
+            let h = res.input(2 * i + 1, p, &self.layout);
+            let (mut xn, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
+            rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.post_norm.clone()], d, eps);
+            let mut gu = vec![0.0; n * 2 * f];
+            linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f);
+            let mut act = vec![0.0; n * f];
+            swiglu::forward(&mut act, &gu, f);
+            let mut out = vec![0.0; n * d];
+            linear_forward(&mut out, &act, &p[lp.down.clone()], n, f, d);
+            res.push_output(2 * i + 1, out);
+            mlp.push(MlpSaved { h, rstd, xn, gu, act });
+        }
+        let h_final = res.output(p, &self.layout);
+        let (mut xn_final, mut rstd_final) = (vec![0.0; n * d], vec![0.0; n]);
+        rmsnorm::forward(&mut xn_final, &mut rstd_final, &h_final, &p[self.layout.final_norm.clone()], d, eps);
+        let mut logits = vec![0.0; n * v];
+        linear_forward(&mut logits, &xn_final, &p[self.layout.head.clone()], n, d, v);
+        Ok(Forward { batch, seq, ids: ids.to_vec(), attn, mlp, residual: res, h_final, rstd_final, xn_final, logits })
+    }
+
+    /// Checks targets against the vocabulary.
+    pub fn check_targets(&self, targets: &[u32], fwd: &Forward) -> Result<()> {
+        ensure!(targets.len() == fwd.ids.len(), "targets have {} ids, inputs have {}", targets.len(), fwd.ids.len());
+        if let Some((i, &t)) = targets.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size) {
+            anyhow::bail!("target id {t} at position {i} is out of range for vocab_size = {}", self.config.vocab_size);
+        }
+        Ok(())
+    }
+
+    /// Mean cross-entropy of the forward pass against `targets`.
+    pub fn loss(&self, fwd: &Forward, targets: &[u32]) -> Result<f32> {
+        self.check_targets(targets, fwd)?;
+        Ok(cross_entropy::forward_backward(&fwd.logits, targets, self.config.vocab_size, None))
+    }
+
+    /// Loss and the gradient of every parameter (same layout as `params`).
+    pub fn backward(&self, fwd: &Forward, targets: &[u32]) -> Result<(f32, Vec<f32>)> {
+        self.check_targets(targets, fwd)?;
+        let c = &self.config;
+        let (n, d, f, v) = (fwd.batch * fwd.seq, c.hidden_size, c.intermediate_size, c.vocab_size);
+        let p = &self.params;
+        let lay = &self.layout;
+        let sh = self.attn_shape(fwd.batch, fwd.seq);
+        let (qw, ow) = (sh.qkv_width(), sh.out_width());
+        let mut g = vec![0.0f32; lay.total];
+
+        let mut dlogits = vec![0.0; n * v];
+        let loss = cross_entropy::forward_backward(&fwd.logits, targets, v, Some(&mut dlogits));
+        let mut dxn = vec![0.0; n * d];
+        linear_backward_input(&mut dxn, &dlogits, &p[lay.head.clone()], n, d, v, false);
+        linear_backward_weight(&mut g[lay.head.clone()], &dlogits, &fwd.xn_final, n, d, v);
+        drop(dlogits);
+        let mut dh = vec![0.0; n * d];
+        rmsnorm::backward(&mut dh, &mut g[lay.final_norm.clone()], &dxn, &fwd.h_final, &p[lay.final_norm.clone()], &fwd.rstd_final, d);
+        let mut res = ResidualBackward::new(&fwd.residual, dh, p, &mut g, lay);
+
+        // Scratch buffers reused across layers.
+        let mut dact = vec![0.0; n * f];
+        let mut dgu = vec![0.0; n * 2 * f];
+        let mut do_ = vec![0.0; n * ow];
+        let mut dqkv = vec![0.0; n * qw];
+        let mut dh = vec![0.0; n * d];
+        for (i, lp) in lay.layers.iter().enumerate().rev() {
+            // MLP sublayer 2i+1.
+            let s = &fwd.mlp[i];
+            let dout = res.output_grad(2 * i + 1, &fwd.residual);
+            linear_backward_weight(&mut g[lp.down.clone()], dout, &s.act, n, f, d);
+            linear_backward_input(&mut dact, dout, &p[lp.down.clone()], n, f, d, false);
+            swiglu::backward(&mut dgu, &dact, &s.gu, f);
+            linear_backward_weight(&mut g[lp.gate_up.clone()], &dgu, &s.xn, n, d, 2 * f);
+            linear_backward_input(&mut dxn, &dgu, &p[lp.gate_up.clone()], n, d, 2 * f, false);
+            rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d);
+            res.input_grad(2 * i + 1, &dh, &fwd.residual, p, &mut g, lay);
+
+            // Attention sublayer 2i.
+            let s = &fwd.attn[i];
+            let dout = res.output_grad(2 * i, &fwd.residual);
+            linear_backward_weight(&mut g[lp.o_proj.clone()], dout, &s.o, n, ow, d);
+            linear_backward_input(&mut do_, dout, &p[lp.o_proj.clone()], n, ow, d, false);
+            attention::backward(&mut dqkv, &do_, &s.qkv, &s.probs, sh);
+            rope::apply(&mut dqkv, qw, 0, sh.heads + sh.kv_heads, fwd.seq, &self.rope, true);
+            linear_backward_weight(&mut g[lp.qkv.clone()], &dqkv, &s.xn, n, d, qw);
+            linear_backward_input(&mut dxn, &dqkv, &p[lp.qkv.clone()], n, d, qw, false);
+            rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d);
+            res.input_grad(2 * i, &dh, &fwd.residual, p, &mut g, lay);
+        }
+        let de = res.embedding_grad();
+        embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d);
+        Ok((loss, g))
+    }
+}
