@@ -235,22 +235,29 @@ impl Config {
     /// Applies `key=value` overrides (values parsed as JSON, else taken as strings) to this
     /// config. Unknown keys and ill-typed values are errors.
     pub fn with_overrides(&self, sets: &[String]) -> Result<Config> {
-        let Value::Object(mut map) = serde_json::to_value(self)? else { unreachable!() };
-        let mut given = Vec::new();
+        let mut values = Map::new();
         for s in sets {
             let (k, v) = s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
-            let k = k.trim();
-            ensure!(map.contains_key(k), "--set {k}: unknown config key (known: {})", map.keys().cloned().collect::<Vec<_>>().join(", "));
             let v = serde_json::from_str(v.trim()).unwrap_or_else(|_| Value::String(v.trim().to_string()));
-            map.insert(k.to_string(), v);
-            given.push(k.to_string());
+            values.insert(k.trim().to_string(), v);
         }
-        // A new width or head count implies head_dim = hidden_size / heads unless given too.
-        let reshaped = given.iter().any(|k| k == "hidden_size" || k == "num_attention_heads");
-        if reshaped && !given.iter().any(|k| k == "head_dim") {
+        self.with_values(values).map_err(|e| anyhow::anyhow!("--set: {e}"))
+    }
+
+    /// Lays `values` over this config and validates the result. A new `hidden_size` or
+    /// `num_attention_heads` implies `head_dim = hidden_size / heads` unless `head_dim` is
+    /// given too.
+    pub fn with_values(&self, values: Map<String, Value>) -> Result<Config> {
+        let Value::Object(mut map) = serde_json::to_value(self)? else { unreachable!() };
+        for k in values.keys() {
+            ensure!(map.contains_key(k), "unknown config key {k:?} (known: {})", map.keys().cloned().collect::<Vec<_>>().join(", "));
+        }
+        let reshaped = values.contains_key("hidden_size") || values.contains_key("num_attention_heads");
+        if reshaped && !values.contains_key("head_dim") {
             map.remove("head_dim");
         }
-        Self::from_map(map).map_err(|e| anyhow::anyhow!("--set: {e}"))
+        map.extend(values);
+        Self::from_map(map)
     }
 
     /// `config.json` text: our fields plus `rope_parameters`, which newer `transformers` reads.
