@@ -18,6 +18,9 @@ pub struct ModeResult {
     pub gflops: f64,
     /// Step time relative to the `standard` step (1.0 = same).
     pub relative_to_standard: Option<f64>,
+    /// Seconds per step spent in each phase, when profiling was on (largest first).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<(String, f64)>,
 }
 
 #[derive(Serialize, Debug)]
@@ -71,6 +74,7 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
     let ids: Vec<u32> = (0..batch * seq).map(|_| next()).collect();
     let targets: Vec<u32> = (0..batch * seq).map(|_| next()).collect();
     let mut times = vec![Vec::new(); models.len()];
+    let mut phases: Vec<std::collections::BTreeMap<&str, f64>> = vec![Default::default(); models.len()];
     for round in 0..warmup + steps {
         for (i, m) in models.iter().enumerate() {
             let t = Instant::now();
@@ -78,8 +82,12 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
             let (loss, grads) = m.backward(&f, &targets)?;
             let dt = t.elapsed().as_secs_f64();
             std::hint::black_box((loss, grads));
+            let prof = crate::profile::take();
             if round >= warmup {
                 times[i].push(dt);
+                for (name, secs, _) in prof {
+                    *phases[i].entry(name).or_default() += secs / steps as f64;
+                }
             }
             progress(&format!(
                 "{} {:>8} step {:>2}/{}: {:.3} s",
@@ -95,7 +103,10 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
     let mut modes: Vec<ModeResult> = models
         .iter()
         .zip(&mut times)
-        .map(|(m, t)| {
+        .zip(&phases)
+        .map(|((m, t), ph)| {
+            let mut profile: Vec<(String, f64)> = ph.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+            profile.sort_by(|a, b| b.1.total_cmp(&a.1));
             t.sort_by(|a, b| a.total_cmp(b));
             let med = t[t.len() / 2];
             ModeResult {
@@ -106,6 +117,7 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
                 tokens_per_second: (batch * seq) as f64 / med,
                 gflops: step_flops(&m.config, batch, seq) / med / 1e9,
                 relative_to_standard: None,
+                profile,
             }
         })
         .collect();

@@ -5,11 +5,15 @@
 //!   the transformer and checkpoints.
 //! - [`presets`]: named configurations embedded from `configs/`.
 //! - [`bench`]: the training-step benchmark.
+//! - [`alloc`]: the allocator the binary uses, which recycles large buffers between steps.
 
+pub mod alloc;
 pub mod bench;
 pub mod kernels;
 pub mod model;
 pub mod presets;
+pub mod profile;
 
 #[cfg(test)]
 pub(crate) mod testutil;
+

@@ -9,6 +9,9 @@ use clap::{Args, Parser, Subcommand};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
+#[global_allocator]
+static ALLOC: attnres::alloc::Recycling = attnres::alloc::Recycling;
+
 #[derive(Parser)]
 #[command(name = "attnres", version, about = "Train, evaluate, inspect and serve transformer language models with Attention Residuals")]
 struct Cli {
@@ -95,6 +98,9 @@ struct BenchArgs {
     /// Print the result as JSON on stdout.
     #[arg(long)]
     json: bool,
+    /// Also report the time per step of each phase (linear layers, attention, norms, ...).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn main() {
@@ -210,6 +216,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         a.seq,
         rayon::current_num_threads()
     );
+    attnres::profile::enable(a.profile);
     let report = bench::run(&configs, a.batch, a.seq, a.warmup, a.steps, |line| eprintln!("  {line}"))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -228,6 +235,12 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
             100.0 * m.gflops / report.matmul_peak_gflops,
             m.relative_to_standard.map_or("-".into(), |r| format!("{r:.3}x"))
         );
+    }
+    for m in report.modes.iter().filter(|m| !m.profile.is_empty()) {
+        println!("\nphases of one {} step:", m.residual);
+        for (name, secs) in &m.profile {
+            println!("  {name:<16} {:>8.1} ms  {:>5.1}%", secs * 1e3, 100.0 * secs / m.step_seconds);
+        }
     }
     Ok(())
 }

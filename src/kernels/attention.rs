@@ -5,7 +5,7 @@
 //! scaled by `1/sqrt(hd)`; row `i` of a sequence attends to positions `0..=i`.
 
 use super::matmul::{gemm_strided, Strided};
-use super::SendPtr;
+use super::{simd, SendPtr};
 use gemm::Parallelism;
 use rayon::prelude::*;
 
@@ -40,6 +40,10 @@ impl AttnShape {
     }
 }
 
+/// Rows per tile: the causal mask lets tile `i` skip every key after its last row, so about
+/// half of the score matrix is never computed.
+const TILE: usize = 64;
+
 /// Forward: writes `out[B·T, H·hd]` and the softmax probabilities `probs[B,H,T,T]`
 /// (zero above the diagonal).
 pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
@@ -51,28 +55,27 @@ pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
         let (b, h) = (bh / s.heads, bh % s.heads);
         let kvh = h / s.group();
         let row0 = b * t * w;
-        let q = Strided { ptr: qkv[row0 + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
         let kt = Strided { ptr: qkv[row0 + s.k_col(kvh)..].as_ptr(), rs: 1, cs: w as isize };
         let v = Strided { ptr: qkv[row0 + s.v_col(kvh)..].as_ptr(), rs: w as isize, cs: 1 };
-        // SAFETY: each task writes its own probs chunk and its own (b, h) block of `out`.
-        unsafe {
-            gemm_strided(t, t, hd, p.as_mut_ptr(), t as isize, 1, false, q, kt, scale, Parallelism::None);
-        }
-        for i in 0..t {
-            let row = &mut p[i * t..(i + 1) * t];
-            let m = row[..=i].iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut sum = 0.0f32;
-            for x in row[..=i].iter_mut() {
-                *x = (*x - m).exp();
-                sum += *x;
+        for r0 in (0..t).step_by(TILE) {
+            let r1 = (r0 + TILE).min(t);
+            let q = Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
+            let pt = &mut p[r0 * t..r1 * t];
+            // SAFETY: each task writes its own probs chunk and its own (b, h) block of `out`.
+            unsafe {
+                // Scores of rows r0..r1 against keys 0..r1.
+                gemm_strided(r1 - r0, r1, hd, pt.as_mut_ptr(), t as isize, 1, false, q, kt, scale, Parallelism::None);
             }
-            let inv = 1.0 / sum;
-            row[..=i].iter_mut().for_each(|x| *x *= inv);
-            row[i + 1..].iter_mut().for_each(|x| *x = 0.0);
-        }
-        unsafe {
-            let dst = out_ptr.get().add(b * t * ow + h * hd);
-            gemm_strided(t, hd, t, dst, ow as isize, 1, false, Strided::rows(p, t), v, 1.0, Parallelism::None);
+            for (i, row) in (r0..r1).zip(pt.chunks_mut(t)) {
+                let m = simd::max(&row[..=i]);
+                let z = simd::exp_shift_sum(&mut row[..=i], m);
+                simd::scale(&mut row[..=i], 1.0 / z);
+                row[i + 1..].fill(0.0);
+            }
+            unsafe {
+                let dst = out_ptr.get().add(b * t * ow + r0 * ow + h * hd);
+                gemm_strided(r1 - r0, hd, r1, dst, ow as isize, 1, false, Strided::rows(pt, t), v, 1.0, Parallelism::None);
+            }
         }
     });
 }
@@ -88,37 +91,42 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
     (0..s.batch * s.kv_heads).into_par_iter().for_each(|task| {
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let row0 = b * t * w;
-        let mut ds = vec![0.0f32; t * t];
-        for (gi, h) in (kvh * s.group()..(kvh + 1) * s.group()).enumerate() {
+        // SAFETY: this task alone writes rows of batch b in the q columns of its heads and in
+        // the k/v columns of its kv head.
+        for r in 0..t {
+            let row = unsafe { dptr.slice(row0 + r * w, w) };
+            row[s.k_col(kvh)..s.k_col(kvh) + hd].fill(0.0);
+            row[s.v_col(kvh)..s.v_col(kvh) + hd].fill(0.0);
+        }
+        let mut ds = vec![0.0f32; TILE * t];
+        let k = Strided { ptr: qkv[row0 + s.k_col(kvh)..].as_ptr(), rs: w as isize, cs: 1 };
+        let vt = Strided { ptr: qkv[row0 + s.v_col(kvh)..].as_ptr(), rs: 1, cs: w as isize };
+        for h in kvh * s.group()..(kvh + 1) * s.group() {
             let p = &probs[(b * s.heads + h) * t * t..(b * s.heads + h + 1) * t * t];
-            let dout_h = Strided { ptr: dout[b * t * ow + h * hd..].as_ptr(), rs: ow as isize, cs: 1 };
-            let vt = Strided { ptr: qkv[row0 + s.v_col(kvh)..].as_ptr(), rs: 1, cs: w as isize };
-            // SAFETY: this task alone writes rows of batch b in the q columns of its heads and in
-            // the k/v columns of its kv head.
-            unsafe {
-                // dP = dO · Vᵀ
-                gemm_strided(t, t, hd, ds.as_mut_ptr(), t as isize, 1, false, dout_h, vt, 1.0, Parallelism::None);
-            }
-            for i in 0..t {
-                let (prow, drow) = (&p[i * t..=i * t + i], &mut ds[i * t..(i + 1) * t]);
-                let dot: f32 = prow.iter().zip(drow.iter()).map(|(a, b)| a * b).sum();
-                for j in 0..=i {
-                    drow[j] = prow[j] * (drow[j] - dot) * scale;
+            for r0 in (0..t).step_by(TILE) {
+                let (r1, rows) = ((r0 + TILE).min(t), (r0 + TILE).min(t) - r0);
+                let pt = &p[r0 * t..r1 * t];
+                let dout_h = Strided { ptr: dout[b * t * ow + r0 * ow + h * hd..].as_ptr(), rs: ow as isize, cs: 1 };
+                let q = Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
+                unsafe {
+                    // dP = dO · Vᵀ for rows r0..r1, keys 0..r1.
+                    gemm_strided(rows, r1, hd, ds.as_mut_ptr(), t as isize, 1, false, dout_h, vt, 1.0, Parallelism::None);
                 }
-                drow[i + 1..].iter_mut().for_each(|x| *x = 0.0);
-            }
-            let k = Strided { ptr: qkv[row0 + s.k_col(kvh)..].as_ptr(), rs: w as isize, cs: 1 };
-            let q = Strided { ptr: qkv[row0 + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
-            let dst = Strided::transposed(&ds, t);
-            let pt = Strided::transposed(p, t);
-            let acc = gi > 0;
-            unsafe {
-                // dQ = dS · K
-                gemm_strided(t, hd, t, dptr.get().add(row0 + h * hd), w as isize, 1, false, Strided::rows(&ds, t), k, 1.0, Parallelism::None);
-                // dK += dSᵀ · Q
-                gemm_strided(t, hd, t, dptr.get().add(row0 + s.k_col(kvh)), w as isize, 1, acc, dst, q, 1.0, Parallelism::None);
-                // dV += Pᵀ · dO
-                gemm_strided(t, hd, t, dptr.get().add(row0 + s.v_col(kvh)), w as isize, 1, acc, pt, dout_h, 1.0, Parallelism::None);
+                for (i, (prow, drow)) in (r0..r1).zip(pt.chunks(t).zip(ds.chunks_mut(t))) {
+                    let dot = simd::dot(&prow[..=i], &drow[..=i]);
+                    for j in 0..=i {
+                        drow[j] = prow[j] * (drow[j] - dot) * scale;
+                    }
+                    drow[i + 1..r1].fill(0.0);
+                }
+                unsafe {
+                    // dQ = dS · K
+                    gemm_strided(rows, hd, r1, dptr.get().add(row0 + r0 * w + h * hd), w as isize, 1, false, Strided::rows(&ds, t), k, 1.0, Parallelism::None);
+                    // dK += dSᵀ · Q
+                    gemm_strided(r1, hd, rows, dptr.get().add(row0 + s.k_col(kvh)), w as isize, 1, true, Strided::transposed(&ds, t), q, 1.0, Parallelism::None);
+                    // dV += Pᵀ · dO
+                    gemm_strided(r1, hd, rows, dptr.get().add(row0 + s.v_col(kvh)), w as isize, 1, true, Strided::transposed(pt, t), dout_h, 1.0, Parallelism::None);
+                }
             }
         }
     });
@@ -158,6 +166,8 @@ mod tests {
     }
 
     const SHAPE: AttnShape = AttnShape { batch: 2, seq: 5, heads: 4, kv_heads: 2, head_dim: 4 };
+    /// Longer than one tile, and not a multiple of it.
+    const LONG: AttnShape = AttnShape { batch: 1, seq: 2 * TILE + 7, heads: 2, kv_heads: 1, head_dim: 4 };
 
     #[test]
     fn forward_matches_naive_with_gqa() {
@@ -167,6 +177,36 @@ mod tests {
         let mut p = vec![0.0; s.probs_len()];
         forward(&mut out, &mut p, &qkv, s);
         assert_close(&out, &naive(&qkv, s), 1e-5, "attention forward");
+    }
+
+    #[test]
+    fn tiled_forward_matches_naive_beyond_one_tile() {
+        let s = LONG;
+        let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 14, 1.5);
+        let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
+        let mut p = vec![f32::NAN; s.probs_len()];
+        forward(&mut out, &mut p, &qkv, s);
+        assert_close(&out, &naive(&qkv, s), 1e-5, "attention forward (long)");
+    }
+
+    #[test]
+    fn tiled_backward_matches_finite_differences_beyond_one_tile() {
+        let s = LONG;
+        let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 15, 1.0);
+        let dout = rand_vec(s.batch * s.seq * s.out_width(), 16, 1.0);
+        let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
+        let mut p = vec![0.0; s.probs_len()];
+        forward(&mut out, &mut p, &qkv, s);
+        let mut d = vec![f32::NAN; qkv.len()];
+        backward(&mut d, &dout, &qkv, &p, s);
+        let loss = |x: &[f32]| {
+            let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
+            let mut p = vec![0.0; s.probs_len()];
+            forward(&mut out, &mut p, x, s);
+            out.iter().zip(&dout).map(|(a, b)| (a * b) as f64).sum::<f64>()
+        };
+        let idx: Vec<usize> = (0..qkv.len()).step_by(37).collect();
+        crate::testutil::fd_check_at(&qkv, &d, loss, "attention dqkv (long)", &idx, 1e-2);
     }
 
     #[test]

@@ -1,41 +1,42 @@
-//! Softmax cross-entropy over the vocabulary, averaged over tokens, fused with its gradient.
+//! Softmax cross-entropy over the vocabulary, averaged over tokens, fused with its gradient:
+//! one pass of exponentials per row serves both.
 
-use super::par_rows_mut;
-use rayon::prelude::*;
+use super::{par_reduce_rows, simd, SendPtr};
 
 /// Mean cross-entropy of `logits[rows, V]` against `targets[rows]`. When `dlogits` is given it
 /// receives `(softmax − onehot) / rows`, the gradient of the mean loss.
 pub fn forward_backward(logits: &[f32], targets: &[u32], v: usize, dlogits: Option<&mut [f32]>) -> f32 {
     let rows = targets.len();
     assert_eq!(logits.len(), rows * v);
-    let losses: Vec<f64> = (0..rows)
-        .into_par_iter()
-        .map(|r| {
+    let inv = 1.0 / rows as f32;
+    let dptr = dlogits.map(|d| {
+        assert_eq!(d.len(), rows * v);
+        SendPtr(d.as_mut_ptr())
+    });
+    let total = par_reduce_rows(rows, v, 1, |range, acc| {
+        let mut scratch = Vec::new();
+        for r in range {
             let row = &logits[r * v..(r + 1) * v];
-            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let z: f64 = row.iter().map(|x| ((x - m) as f64).exp()).sum();
-            z.ln() + m as f64 - row[targets[r] as usize] as f64
-        })
-        .collect();
-    if let Some(d) = dlogits {
-        let inv = 1.0 / rows as f32;
-        par_rows_mut(d, v, |r0, chunk| {
-            for (i, drow) in chunk.chunks_mut(v).enumerate() {
-                let r = r0 + i;
-                let row = &logits[r * v..(r + 1) * v];
-                let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                let mut z = 0.0f32;
-                for (d, x) in drow.iter_mut().zip(row) {
-                    *d = (x - m).exp();
-                    z += *d;
+            let e: &mut [f32] = match dptr {
+                // SAFETY: row r of dlogits belongs to this task only.
+                Some(p) => unsafe { p.slice(r * v, v) },
+                None => {
+                    scratch.resize(v, 0.0);
+                    &mut scratch
                 }
-                let s = inv / z;
-                drow.iter_mut().for_each(|d| *d *= s);
-                drow[targets[r] as usize] -= inv;
+            };
+            e.copy_from_slice(row);
+            let m = simd::max(e);
+            let z = simd::exp_shift_sum(e, m);
+            let t = targets[r] as usize;
+            acc[0] += (z as f64).ln() as f32 + m - row[t];
+            if dptr.is_some() {
+                simd::scale(e, inv / z);
+                e[t] -= inv;
             }
-        });
-    }
-    (losses.iter().sum::<f64>() / rows as f64) as f32
+        }
+    });
+    total[0] * inv
 }
 
 #[cfg(test)]
@@ -52,11 +53,12 @@ mod tests {
         for r in 0..rows {
             let row = &logits[r * v..(r + 1) * v];
             let z: f64 = row.iter().map(|x| (*x as f64).exp()).sum();
-            want += -(row[targets[r] as usize] as f64).exp().ln() + z.ln();
+            want += -(row[targets[r] as usize] as f64) + z.ln();
         }
         let mut d = vec![0.0; rows * v];
         let loss = forward_backward(&logits, &targets, v, Some(&mut d));
         assert!((loss as f64 - want / rows as f64).abs() < 1e-5);
+        assert_eq!(loss, forward_backward(&logits, &targets, v, None));
         fd_check(&logits, &d, |x| forward_backward(x, &targets, v, None) as f64, "cross-entropy");
     }
 }

@@ -10,7 +10,7 @@
 //! Each source's `r_i` is computed once per token by the caller (`rmsnorm::rstd`) and shared by
 //! every consumer that reads the source. All statistics are f32.
 
-use super::{dot, par_reduce_rows, par_rows_mut, SendPtr};
+use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
 
 /// Forward over `K = sources.len()` sources of shape `[rows, d]`: writes `h[rows, d]` and, per
 /// token, the weights `alpha[rows, K]` and `logits[rows, K]` that backward needs.
@@ -99,10 +99,7 @@ pub fn backward(
                 let dv = unsafe { dptrs[s].slice(t * d, d) };
                 // value path + key path: d(r⟨w,v⟩)/dv = r·w − (r²·logit/d)·v
                 let c = dl * r * r * l[s] / d as f32;
-                for j in 0..d {
-                    dv[j] += a[s] * g[j] + dl * r * w[j] - c * v[j];
-                    dw[j] += dl * r * v[j];
-                }
+                simd::depth_source_grad(dv, dw, g, &w, v, a[s], dl * r, c);
             }
         }
     });

@@ -12,6 +12,7 @@ pub mod embedding;
 pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;
+pub mod simd;
 pub mod swiglu;
 
 use rayon::prelude::*;
@@ -34,27 +35,65 @@ where
         .for_each(|(i, c)| f(i * chunk, c));
 }
 
-/// Sums per-task partial vectors of length `n` produced by `f(row_range)` over `rows` rows.
+/// Sums per-task partial vectors of length `n` produced by `f(row_range, acc)` over `rows` rows.
+/// Tasks cover fixed row ranges and are summed in order, so the result does not depend on
+/// thread scheduling.
 pub(crate) fn par_reduce_rows<F>(rows: usize, cols: usize, n: usize, f: F) -> Vec<f32>
 where
     F: Fn(std::ops::Range<usize>, &mut [f32]) + Sync + Send,
 {
     let chunk = rows_per_task(rows, cols).max(64.min(rows.max(1)));
     let n_tasks = rows.div_ceil(chunk);
-    (0..n_tasks)
+    let parts: Vec<Vec<f32>> = (0..n_tasks)
         .into_par_iter()
         .map(|i| {
             let mut acc = vec![0.0f32; n];
             f(i * chunk..((i + 1) * chunk).min(rows), &mut acc);
             acc
         })
-        .reduce(
-            || vec![0.0f32; n],
-            |mut a, b| {
-                a.iter_mut().zip(&b).for_each(|(x, y)| *x += y);
-                a
-            },
-        )
+        .collect();
+    let mut total = vec![0.0f32; n];
+    for p in &parts {
+        total.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+    }
+    total
+}
+
+/// Buffers at least this long are filled by several threads.
+const PAR_MIN: usize = 1 << 16;
+
+/// A zero-filled buffer, filled in parallel when large (the step allocates hundreds of
+/// megabytes of activations; filling them on one thread would leave the other cores idle).
+pub fn zeros(n: usize) -> Vec<f32> {
+    if n < PAR_MIN {
+        return vec![0.0; n];
+    }
+    let mut v = Vec::with_capacity(n);
+    v.par_extend(rayon::iter::repeat_n(0.0f32, n));
+    v
+}
+
+/// A copy of `src`, made in parallel when large.
+pub fn copy(src: &[f32]) -> Vec<f32> {
+    if src.len() < PAR_MIN {
+        return src.to_vec();
+    }
+    let mut v = Vec::with_capacity(src.len());
+    v.par_extend(src.par_iter().copied());
+    v
+}
+
+/// `dst += src`, in parallel when large.
+pub fn add_assign(dst: &mut [f32], src: &[f32]) {
+    assert_eq!(dst.len(), src.len());
+    dst.par_chunks_mut(PAR_MIN).zip(src.par_chunks(PAR_MIN)).for_each(|(d, s)| simd::axpy(d, 1.0, s));
+}
+
+/// `a + b` as a new buffer, in parallel when large.
+pub fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut out = copy(a);
+    add_assign(&mut out, b);
+    out
 }
 
 /// A raw pointer that may cross threads: used where parallel tasks write provably disjoint
@@ -76,24 +115,4 @@ impl SendPtr {
     }
 }
 
-#[inline]
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators let the compiler vectorise without reassociation flags.
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        for j in 0..8 {
-            acc[j] += a[c * 8 + j] * b[c * 8 + j];
-        }
-    }
-    let mut s = 0.0f32;
-    for i in chunks * 8..a.len() {
-        s += a[i] * b[i];
-    }
-    s + acc.iter().sum::<f32>()
-}
-
-#[inline]
-pub(crate) fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
-}
+pub(crate) use simd::{axpy, dot};

@@ -1,12 +1,7 @@
 //! SwiGLU activation over a fused gate/up buffer: `gu[rows, 2F]` holds the gate projection in
 //! columns `0..F` and the up projection in `F..2F`; `act = silu(gate) ⊙ up`.
 
-use super::par_rows_mut;
-
-#[inline]
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
+use super::{par_rows_mut, simd};
 
 /// Forward: writes `act[rows, F]`.
 pub fn forward(act: &mut [f32], gu: &[f32], f: usize) {
@@ -14,9 +9,7 @@ pub fn forward(act: &mut [f32], gu: &[f32], f: usize) {
         for (i, a) in chunk.chunks_mut(f).enumerate() {
             let row = &gu[(r0 + i) * 2 * f..(r0 + i + 1) * 2 * f];
             let (g, u) = row.split_at(f);
-            for j in 0..f {
-                a[j] = g[j] * sigmoid(g[j]) * u[j];
-            }
+            simd::swiglu_forward_row(a, g, u);
         }
     });
 }
@@ -29,12 +22,7 @@ pub fn backward(dgu: &mut [f32], dact: &[f32], gu: &[f32], f: usize) {
             let (g, u) = gu[row * 2 * f..(row + 1) * 2 * f].split_at(f);
             let da = &dact[row * f..(row + 1) * f];
             let (dg, du) = d.split_at_mut(f);
-            for j in 0..f {
-                let s = sigmoid(g[j]);
-                let silu = g[j] * s;
-                du[j] = da[j] * silu;
-                dg[j] = da[j] * u[j] * s * (1.0 + g[j] * (1.0 - s));
-            }
+            simd::swiglu_backward_row(dg, du, da, g, u);
         }
     });
 }

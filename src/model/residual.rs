@@ -11,7 +11,7 @@
 //! embedding, `b_n` the sum of the raw outputs of block n.
 
 use super::params::{DepthParams, Layout};
-use crate::kernels::{depth, rmsnorm};
+use crate::kernels::{self, depth, rmsnorm, zeros};
 
 /// What one depth attention saved for backward.
 struct DepthCall {
@@ -56,7 +56,7 @@ impl ResidualForward {
         let state = match block_size {
             None => State::Standard { stream: e },
             Some(s) => {
-                let mut r = vec![0.0; e.len() / d];
+                let mut r = zeros(e.len() / d);
                 rmsnorm::rstd(&mut r, &e, d, eps);
                 State::Depth {
                     block_size: s,
@@ -75,13 +75,13 @@ impl ResidualForward {
     pub fn input(&mut self, l: usize, params: &[f32], layout: &Layout) -> Vec<f32> {
         let (d, eps) = (self.d, self.eps);
         match &mut self.state {
-            State::Standard { stream } => stream.clone(),
+            State::Standard { stream } => kernels::copy(stream),
             State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls } => {
                 debug_assert_eq!(calls.len(), l);
                 debug_assert_eq!(blocks.len(), l / *block_size + 1);
                 let p = layout.depth_params(l).expect("AttnRes layout has depth parameters");
                 if let Some(part) = partial.as_ref() {
-                    let mut r = vec![0.0; part.len() / d];
+                    let mut r = zeros(part.len() / d);
                     rmsnorm::rstd(&mut r, part, d, eps);
                     *partial_rstd = Some(r);
                 }
@@ -97,18 +97,18 @@ impl ResidualForward {
         let d = self.d;
         let eps = self.eps;
         match &mut self.state {
-            State::Standard { stream } => stream.iter_mut().zip(&out).for_each(|(h, o)| *h += o),
+            State::Standard { stream } => kernels::add_assign(stream, &out),
             State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls } => {
                 let next = match partial.take() {
                     None => out,
                     Some(p) => {
-                        let sum: Vec<f32> = p.iter().zip(&out).map(|(a, b)| a + b).collect();
+                        let sum = kernels::sum(&p, &out);
                         calls[l].partial = Some((p, partial_rstd.take().expect("partial was read")));
                         sum
                     }
                 };
                 if (l + 1) % *block_size == 0 {
-                    let mut r = vec![0.0; next.len() / d];
+                    let mut r = zeros(next.len() / d);
                     rmsnorm::rstd(&mut r, &next, d, eps);
                     blocks.push(next);
                     block_rstd.push(r);
@@ -124,7 +124,7 @@ impl ResidualForward {
     pub fn output(&mut self, params: &[f32], layout: &Layout) -> Vec<f32> {
         let d = self.d;
         match &mut self.state {
-            State::Standard { stream } => stream.clone(),
+            State::Standard { stream } => kernels::copy(stream),
             State::Depth { blocks, block_rstd, calls, .. } => {
                 let p = layout.output_depth.as_ref().expect("AttnRes layout has output depth parameters");
                 let (h, call) = mix(blocks, block_rstd, None, p, params, d);
@@ -160,8 +160,8 @@ fn mix(
     }
     let rows = blocks[0].len() / d;
     let k = srcs.len();
-    let mut h = vec![0.0; rows * d];
-    let (mut alpha, mut logits) = (vec![0.0; rows * k], vec![0.0; rows * k]);
+    let mut h = zeros(rows * d);
+    let (mut alpha, mut logits) = (zeros(rows * k), zeros(rows * k));
     depth::forward(&mut h, &mut alpha, &mut logits, &srcs, &rs, &params[p.query.clone()], &params[p.gain.clone()], d);
     (h, DepthCall { alpha, logits, partial: None })
 }
@@ -182,7 +182,7 @@ impl ResidualBackward {
         match &fwd.state {
             State::Standard { .. } => ResidualBackward { acc: dh, g_blocks: Vec::new() },
             State::Depth { blocks, block_rstd, calls, .. } => {
-                let mut g_blocks = vec![vec![0.0; dh.len()]; blocks.len()];
+                let mut g_blocks: Vec<Vec<f32>> = (0..blocks.len()).map(|_| zeros(dh.len())).collect();
                 let call = calls.last().expect("output aggregation ran");
                 let p = layout.output_depth.as_ref().expect("AttnRes layout");
                 unmix(&mut g_blocks, None, &dh, blocks, block_rstd, call, p, params, grads, fwd.d);
@@ -205,7 +205,7 @@ impl ResidualBackward {
     /// Backpropagates `dh`, the gradient of the input `h_l` of sublayer `l`.
     pub fn input_grad(&mut self, l: usize, dh: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
         match &fwd.state {
-            State::Standard { .. } => self.acc.iter_mut().zip(dh).for_each(|(a, g)| *a += g),
+            State::Standard { .. } => kernels::add_assign(&mut self.acc, dh),
             State::Depth { block_size, blocks, block_rstd, calls, .. } => {
                 let n = l / block_size + 1;
                 let call = &calls[l];

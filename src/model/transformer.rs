@@ -7,7 +7,8 @@ use super::residual::{ResidualBackward, ResidualForward};
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
 use crate::kernels::rope::{self, RopeTable};
-use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu};
+use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
+use crate::profile::phase;
 use anyhow::{ensure, Result};
 
 pub struct Model {
@@ -98,43 +99,43 @@ impl Model {
         let sh = self.attn_shape(batch, seq);
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
 
-        let mut e = vec![0.0; n * d];
-        embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d);
+        let mut e = zeros(n * d);
+        phase("fwd embed", || embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d));
         let mut res = ResidualForward::new(c.block_size(), e, d, eps);
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
         for (i, lp) in self.layout.layers.iter().enumerate() {
             // Attention sublayer 2i.
-            let h = res.input(2 * i, p, &self.layout);
-            let (mut xn, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
-            rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.input_norm.clone()], d, eps);
-            let mut qkv = vec![0.0; n * qw];
-            linear_forward(&mut qkv, &xn, &p[lp.qkv.clone()], n, d, qw);
-            rope::apply(&mut qkv, qw, 0, sh.heads + sh.kv_heads, seq, &self.rope, false);
-            let (mut o, mut probs) = (vec![0.0; n * ow], vec![0.0; sh.probs_len()]);
-            attention::forward(&mut o, &mut probs, &qkv, sh);
-            let mut out = vec![0.0; n * d];
-            linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d);
-            res.push_output(2 * i, out);
+            let h = phase("fwd residual", || res.input(2 * i, p, &self.layout));
+            let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
+            phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.input_norm.clone()], d, eps));
+            let mut qkv = zeros(n * qw);
+            phase("fwd linear", || linear_forward(&mut qkv, &xn, &p[lp.qkv.clone()], n, d, qw));
+            phase("fwd rope", || rope::apply(&mut qkv, qw, 0, sh.heads + sh.kv_heads, seq, &self.rope, false));
+            let (mut o, mut probs) = (zeros(n * ow), zeros(sh.probs_len()));
+            phase("fwd attention", || attention::forward(&mut o, &mut probs, &qkv, sh));
+            let mut out = zeros(n * d);
+            phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d));
+            phase("fwd residual", || res.push_output(2 * i, out));
             attn.push(AttnSaved { h, rstd, xn, qkv, probs, o });
 
             // MLP sublayer 2i+1.
-            let h = res.input(2 * i + 1, p, &self.layout);
-            let (mut xn, mut rstd) = (vec![0.0; n * d], vec![0.0; n]);
-            rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.post_norm.clone()], d, eps);
-            let mut gu = vec![0.0; n * 2 * f];
-            linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f);
-            let mut act = vec![0.0; n * f];
-            swiglu::forward(&mut act, &gu, f);
-            let mut out = vec![0.0; n * d];
-            linear_forward(&mut out, &act, &p[lp.down.clone()], n, f, d);
-            res.push_output(2 * i + 1, out);
+            let h = phase("fwd residual", || res.input(2 * i + 1, p, &self.layout));
+            let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
+            phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.post_norm.clone()], d, eps));
+            let mut gu = zeros(n * 2 * f);
+            phase("fwd linear", || linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f));
+            let mut act = zeros(n * f);
+            phase("fwd swiglu", || swiglu::forward(&mut act, &gu, f));
+            let mut out = zeros(n * d);
+            phase("fwd linear", || linear_forward(&mut out, &act, &p[lp.down.clone()], n, f, d));
+            phase("fwd residual", || res.push_output(2 * i + 1, out));
             mlp.push(MlpSaved { h, rstd, xn, gu, act });
         }
-        let h_final = res.output(p, &self.layout);
-        let (mut xn_final, mut rstd_final) = (vec![0.0; n * d], vec![0.0; n]);
-        rmsnorm::forward(&mut xn_final, &mut rstd_final, &h_final, &p[self.layout.final_norm.clone()], d, eps);
-        let mut logits = vec![0.0; n * v];
-        linear_forward(&mut logits, &xn_final, &p[self.layout.head.clone()], n, d, v);
+        let h_final = phase("fwd residual", || res.output(p, &self.layout));
+        let (mut xn_final, mut rstd_final) = (zeros(n * d), zeros(n));
+        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn_final, &mut rstd_final, &h_final, &p[self.layout.final_norm.clone()], d, eps));
+        let mut logits = zeros(n * v);
+        phase("fwd head", || linear_forward(&mut logits, &xn_final, &p[self.layout.head.clone()], n, d, v));
         Ok(Forward { batch, seq, ids: ids.to_vec(), attn, mlp, residual: res, h_final, rstd_final, xn_final, logits })
     }
 
@@ -162,50 +163,60 @@ impl Model {
         let lay = &self.layout;
         let sh = self.attn_shape(fwd.batch, fwd.seq);
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
-        let mut g = vec![0.0f32; lay.total];
+        let mut g = zeros(lay.total);
 
-        let mut dlogits = vec![0.0; n * v];
-        let loss = cross_entropy::forward_backward(&fwd.logits, targets, v, Some(&mut dlogits));
-        let mut dxn = vec![0.0; n * d];
-        linear_backward_input(&mut dxn, &dlogits, &p[lay.head.clone()], n, d, v, false);
-        linear_backward_weight(&mut g[lay.head.clone()], &dlogits, &fwd.xn_final, n, d, v);
+        let mut dlogits = zeros(n * v);
+        let loss = phase("cross-entropy", || cross_entropy::forward_backward(&fwd.logits, targets, v, Some(&mut dlogits)));
+        let mut dxn = zeros(n * d);
+        phase("bwd head", || {
+            linear_backward_input(&mut dxn, &dlogits, &p[lay.head.clone()], n, d, v, false);
+            linear_backward_weight(&mut g[lay.head.clone()], &dlogits, &fwd.xn_final, n, d, v);
+        });
         drop(dlogits);
-        let mut dh = vec![0.0; n * d];
+        let mut dh = zeros(n * d);
         rmsnorm::backward(&mut dh, &mut g[lay.final_norm.clone()], &dxn, &fwd.h_final, &p[lay.final_norm.clone()], &fwd.rstd_final, d);
-        let mut res = ResidualBackward::new(&fwd.residual, dh, p, &mut g, lay);
+        let mut res = phase("bwd residual", || ResidualBackward::new(&fwd.residual, dh, p, &mut g, lay));
 
         // Scratch buffers reused across layers.
-        let mut dact = vec![0.0; n * f];
-        let mut dgu = vec![0.0; n * 2 * f];
-        let mut do_ = vec![0.0; n * ow];
-        let mut dqkv = vec![0.0; n * qw];
-        let mut dh = vec![0.0; n * d];
+        let mut dact = zeros(n * f);
+        let mut dgu = zeros(n * 2 * f);
+        let mut do_ = zeros(n * ow);
+        let mut dqkv = zeros(n * qw);
+        let mut dh = zeros(n * d);
         for (i, lp) in lay.layers.iter().enumerate().rev() {
             // MLP sublayer 2i+1.
             let s = &fwd.mlp[i];
             let dout = res.output_grad(2 * i + 1, &fwd.residual);
-            linear_backward_weight(&mut g[lp.down.clone()], dout, &s.act, n, f, d);
-            linear_backward_input(&mut dact, dout, &p[lp.down.clone()], n, f, d, false);
-            swiglu::backward(&mut dgu, &dact, &s.gu, f);
-            linear_backward_weight(&mut g[lp.gate_up.clone()], &dgu, &s.xn, n, d, 2 * f);
-            linear_backward_input(&mut dxn, &dgu, &p[lp.gate_up.clone()], n, d, 2 * f, false);
-            rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d);
-            res.input_grad(2 * i + 1, &dh, &fwd.residual, p, &mut g, lay);
+            phase("bwd linear", || {
+                linear_backward_weight(&mut g[lp.down.clone()], dout, &s.act, n, f, d);
+                linear_backward_input(&mut dact, dout, &p[lp.down.clone()], n, f, d, false);
+            });
+            phase("bwd swiglu", || swiglu::backward(&mut dgu, &dact, &s.gu, f));
+            phase("bwd linear", || {
+                linear_backward_weight(&mut g[lp.gate_up.clone()], &dgu, &s.xn, n, d, 2 * f);
+                linear_backward_input(&mut dxn, &dgu, &p[lp.gate_up.clone()], n, d, 2 * f, false);
+            });
+            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d));
+            phase("bwd residual", || res.input_grad(2 * i + 1, &dh, &fwd.residual, p, &mut g, lay));
 
             // Attention sublayer 2i.
             let s = &fwd.attn[i];
             let dout = res.output_grad(2 * i, &fwd.residual);
-            linear_backward_weight(&mut g[lp.o_proj.clone()], dout, &s.o, n, ow, d);
-            linear_backward_input(&mut do_, dout, &p[lp.o_proj.clone()], n, ow, d, false);
-            attention::backward(&mut dqkv, &do_, &s.qkv, &s.probs, sh);
-            rope::apply(&mut dqkv, qw, 0, sh.heads + sh.kv_heads, fwd.seq, &self.rope, true);
-            linear_backward_weight(&mut g[lp.qkv.clone()], &dqkv, &s.xn, n, d, qw);
-            linear_backward_input(&mut dxn, &dqkv, &p[lp.qkv.clone()], n, d, qw, false);
-            rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d);
-            res.input_grad(2 * i, &dh, &fwd.residual, p, &mut g, lay);
+            phase("bwd linear", || {
+                linear_backward_weight(&mut g[lp.o_proj.clone()], dout, &s.o, n, ow, d);
+                linear_backward_input(&mut do_, dout, &p[lp.o_proj.clone()], n, ow, d, false);
+            });
+            phase("bwd attention", || attention::backward(&mut dqkv, &do_, &s.qkv, &s.probs, sh));
+            phase("bwd rope", || rope::apply(&mut dqkv, qw, 0, sh.heads + sh.kv_heads, fwd.seq, &self.rope, true));
+            phase("bwd linear", || {
+                linear_backward_weight(&mut g[lp.qkv.clone()], &dqkv, &s.xn, n, d, qw);
+                linear_backward_input(&mut dxn, &dqkv, &p[lp.qkv.clone()], n, d, qw, false);
+            });
+            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d));
+            phase("bwd residual", || res.input_grad(2 * i, &dh, &fwd.residual, p, &mut g, lay));
         }
         let de = res.embedding_grad();
-        embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d);
+        phase("bwd embed", || embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d));
         Ok((loss, g))
     }
 }
