@@ -169,3 +169,31 @@ fn bad_batches_are_rejected_with_names() {
     let f = m.forward(&[1, 2, 3], 1, 3).unwrap();
     assert!(m.loss(&f, &[1, 2]).unwrap_err().to_string().contains("targets"));
 }
+
+#[test]
+fn results_are_bitwise_deterministic_on_a_parallel_sized_model() {
+    // Large enough that every kernel splits its work across threads.
+    let cfg = Config {
+        vocab_size: 300,
+        hidden_size: 128,
+        intermediate_size: 256,
+        num_hidden_layers: 2,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        head_dim: 32,
+        max_position_embeddings: 128,
+        residual: ResidualKind::Block,
+        num_blocks: 2,
+        ..Config::default()
+    };
+    let m = perturbed(cfg);
+    let ids: Vec<u32> = (0..4 * 100).map(|i| (noise(i, 9).abs() * 299.0) as u32).collect();
+    let targets: Vec<u32> = ids.iter().map(|t| (t + 1) % 300).collect();
+    let run = || {
+        let f = m.forward(&ids, 4, 100).unwrap();
+        let (loss, g) = m.backward(&f, &targets).unwrap();
+        (f.logits, loss, g)
+    };
+    let (a, b) = (run(), run());
+    assert!(a.0 == b.0 && a.1 == b.1 && a.2 == b.2, "two identical runs differ");
+}
