@@ -6,8 +6,9 @@ weights and thread count, in one run.
 
 PyTorch runs the reference implementation (scripts/reference.py, scaled_dot_product_attention)
 for every mode, and transformers' LlamaForCausalLM (sdpa) for `standard`. One step is forward,
-mean cross-entropy and backward, in f32. Rounds alternate PyTorch and attnres; each system's
-figure is its best per-round median.
+mean cross-entropy and backward, in f32. Rounds alternate PyTorch and attnres; times are
+medians over rounds of per-round medians, and each speed-up is the median of the per-round ratios
+(its range over rounds beside it).
 """
 import argparse
 import json
@@ -87,31 +88,36 @@ def main():
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
     targets = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
-    best_t, best_r, report = {}, {}, None
+    rounds_t, rounds_r, report = [], [], None
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: PyTorch", file=sys.stderr)
-        for k, v in torch_round(ckpts, ids, targets, a.warmup, a.steps).items():
-            best_t[k] = min(best_t.get(k, 1e9), v)
+        rounds_t.append(torch_round(ckpts, ids, targets, a.warmup, a.steps))
         print(f"round {r + 1}/{a.rounds}: attnres", file=sys.stderr)
         res = subprocess.run([a.attnres, "--threads", str(a.threads), "bench", "--json", "--preset", a.preset,
                               "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
                               "--warmup", str(a.warmup), "--modes", ",".join(MODES)],
                              check=True, capture_output=True, text=True)
         report = json.loads(res.stdout)
-        for m in report["modes"]:
-            best_r[m["residual"]] = min(best_r.get(m["residual"], 1e9), m["step_seconds"])
+        rounds_r.append({m["residual"]: m["step_seconds"] for m in report["modes"]})
+    med = statistics.median
     n = a.batch * a.seq
     print(f"config: preset {a.preset} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
           f"{cfg['num_attention_heads']} heads, vocab {cfg['vocab_size']}, block num_blocks {cfg['num_blocks']}), "
-          f"batch {a.batch} x seq {a.seq}, {a.threads} threads, torch {torch.__version__}")
+          f"batch {a.batch} x seq {a.seq}, {a.threads} threads, torch {torch.__version__}, {a.rounds} rounds")
     print(f"attnres matrix-product peak: {report['matmul_peak_gflops']:.0f} GFLOP/s")
-    print("| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | speed-up vs PyTorch | attnres vs its standard |")
+    print("| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | speed-up vs PyTorch (range over rounds) | attnres vs its standard |")
     print("|---|---:|---:|---:|---:|---:|")
+
+    def speedup(torch_key, ours_key):
+        ratios = sorted(t[torch_key] / r[ours_key] for t, r in zip(rounds_t, rounds_r))
+        return f"{med(ratios):.2f}x ({ratios[0]:.2f}–{ratios[-1]:.2f})"
+
     for m in MODES:
-        print(f"| {m} | {best_r[m] * 1e3:.0f} | {n / best_r[m]:.0f} | {best_t[m] * 1e3:.0f} | "
-              f"{best_t[m] / best_r[m]:.2f}x | {best_r[m] / best_r['standard']:.3f}x |")
-    print(f"| standard (transformers LlamaForCausalLM) | | | {best_t['hf_standard'] * 1e3:.0f} | "
-          f"{best_t['hf_standard'] / best_r['standard']:.2f}x | |")
+        ours, theirs = med([r[m] for r in rounds_r]), med([t[m] for t in rounds_t])
+        rel = med([r[m] / r["standard"] for r in rounds_r])
+        print(f"| {m} | {ours * 1e3:.0f} | {n / ours:.0f} | {theirs * 1e3:.0f} | {speedup(m, m)} | {rel:.3f}x |")
+    hf = med([t["hf_standard"] for t in rounds_t])
+    print(f"| standard (transformers LlamaForCausalLM) | | | {hf * 1e3:.0f} | {speedup('hf_standard', 'standard')} | |")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ use super::config::Config;
 use super::params::Layout;
 use super::residual::{ResidualBackward, ResidualForward};
 use crate::kernels::attention::{self, AttnShape};
-use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
+use crate::kernels::matmul::{linear_backward, linear_forward};
 use crate::kernels::rope::{self, RopeTable};
 use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
 use crate::profile::phase;
@@ -169,8 +169,7 @@ impl Model {
         let loss = phase("cross-entropy", || cross_entropy::forward_backward(&fwd.logits, targets, v, Some(&mut dlogits)));
         let mut dxn = zeros(n * d);
         phase("bwd head", || {
-            linear_backward_input(&mut dxn, &dlogits, &p[lay.head.clone()], n, d, v, false);
-            linear_backward_weight(&mut g[lay.head.clone()], &dlogits, &fwd.xn_final, n, d, v);
+            linear_backward(&mut dxn, &mut g[lay.head.clone()], &dlogits, &fwd.xn_final, &p[lay.head.clone()], n, d, v, false);
         });
         drop(dlogits);
         let mut dh = zeros(n * d);
@@ -188,13 +187,11 @@ impl Model {
             let s = &fwd.mlp[i];
             let dout = res.output_grad(2 * i + 1, &fwd.residual);
             phase("bwd linear", || {
-                linear_backward_weight(&mut g[lp.down.clone()], dout, &s.act, n, f, d);
-                linear_backward_input(&mut dact, dout, &p[lp.down.clone()], n, f, d, false);
+                linear_backward(&mut dact, &mut g[lp.down.clone()], dout, &s.act, &p[lp.down.clone()], n, f, d, false);
             });
             phase("bwd swiglu", || swiglu::backward(&mut dgu, &dact, &s.gu, f));
             phase("bwd linear", || {
-                linear_backward_weight(&mut g[lp.gate_up.clone()], &dgu, &s.xn, n, d, 2 * f);
-                linear_backward_input(&mut dxn, &dgu, &p[lp.gate_up.clone()], n, d, 2 * f, false);
+                linear_backward(&mut dxn, &mut g[lp.gate_up.clone()], &dgu, &s.xn, &p[lp.gate_up.clone()], n, d, 2 * f, false);
             });
             phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d));
             phase("bwd residual", || res.input_grad(2 * i + 1, &dh, &fwd.residual, p, &mut g, lay));
@@ -203,14 +200,12 @@ impl Model {
             let s = &fwd.attn[i];
             let dout = res.output_grad(2 * i, &fwd.residual);
             phase("bwd linear", || {
-                linear_backward_weight(&mut g[lp.o_proj.clone()], dout, &s.o, n, ow, d);
-                linear_backward_input(&mut do_, dout, &p[lp.o_proj.clone()], n, ow, d, false);
+                linear_backward(&mut do_, &mut g[lp.o_proj.clone()], dout, &s.o, &p[lp.o_proj.clone()], n, ow, d, false);
             });
             phase("bwd attention", || attention::backward(&mut dqkv, &do_, &s.qkv, &s.probs, sh));
             phase("bwd rope", || rope::apply(&mut dqkv, qw, 0, sh.heads + sh.kv_heads, fwd.seq, &self.rope, true));
             phase("bwd linear", || {
-                linear_backward_weight(&mut g[lp.qkv.clone()], &dqkv, &s.xn, n, d, qw);
-                linear_backward_input(&mut dxn, &dqkv, &p[lp.qkv.clone()], n, d, qw, false);
+                linear_backward(&mut dxn, &mut g[lp.qkv.clone()], &dqkv, &s.xn, &p[lp.qkv.clone()], n, d, qw, false);
             });
             phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d));
             phase("bwd residual", || res.input_grad(2 * i, &dh, &fwd.residual, p, &mut g, lay));
