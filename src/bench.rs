@@ -16,7 +16,7 @@ pub struct ModeResult {
     pub step_seconds: f64,
     pub tokens_per_second: f64,
     pub gflops: f64,
-    /// Step time relative to the `standard` step (1.0 = same).
+    /// Median over rounds of (this step / the `standard` step of the same round).
     pub relative_to_standard: Option<f64>,
     /// Seconds per step spent in each phase, when profiling was on (largest first).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -100,6 +100,7 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
         }
     }
     let peak = matmul_peak(1024);
+    let raw = times.clone();
     let mut modes: Vec<ModeResult> = models
         .iter()
         .zip(&mut times)
@@ -121,8 +122,14 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
             }
         })
         .collect();
-    if let Some(base) = modes.iter().find(|m| m.residual == "standard").map(|m| m.step_seconds) {
-        modes.iter_mut().for_each(|m| m.relative_to_standard = Some(m.step_seconds / base));
+    // Relative cost: the median over rounds of each round's ratio, since the steps of one round
+    // run back to back and share the machine's state of the moment.
+    if let Some(base) = models.iter().position(|m| m.config.residual == ResidualKind::Standard) {
+        for (i, m) in modes.iter_mut().enumerate() {
+            let mut r: Vec<f64> = raw[i].iter().zip(&raw[base]).map(|(a, b)| a / b).collect();
+            r.sort_by(|a, b| a.total_cmp(b));
+            m.relative_to_standard = Some(r[r.len() / 2]);
+        }
     }
     Ok(BenchReport { batch, seq, threads: rayon::current_num_threads(), steps, matmul_peak_gflops: peak, modes })
 }

@@ -89,11 +89,15 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     dst.par_chunks_mut(PAR_MIN).zip(src.par_chunks(PAR_MIN)).for_each(|(d, s)| simd::axpy(d, 1.0, s));
 }
 
-/// `a + b` as a new buffer, in parallel when large.
+/// `a + b` as a new buffer, in one parallel pass when large.
 pub fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut out = copy(a);
-    add_assign(&mut out, b);
-    out
+    assert_eq!(a.len(), b.len());
+    if a.len() < PAR_MIN {
+        return a.iter().zip(b).map(|(x, y)| x + y).collect();
+    }
+    let mut v = Vec::with_capacity(a.len());
+    v.par_extend(a.par_iter().zip(b.par_iter()).map(|(x, y)| x + y));
+    v
 }
 
 /// A raw pointer that may cross threads: used where parallel tasks write provably disjoint
