@@ -109,6 +109,181 @@ pub fn backward(
     }
 }
 
+/// What phase 1 produced for one consumer (SPEC §7), per token: the logits over the completed
+/// sources, their maximum `m1`, the sum `l1 = Σ e^(logit − m1)` and the unnormalised mix
+/// `o1 = Σ e^(logit − m1) · v`.
+pub struct Phase1 {
+    /// `[rows, C]`.
+    pub logits: Vec<f32>,
+    pub m1: Vec<f32>,
+    pub l1: Vec<f32>,
+    /// `[rows, d]`.
+    pub o1: Vec<f32>,
+}
+
+/// Phase 1 of the two-phase computation: all consumers of a block (effective queries
+/// `ws[c] = q_c ⊙ γ_c`) score the `C` completed sources in one pass, so each source row is read
+/// from memory once per block instead of once per consumer.
+pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> Vec<Phase1> {
+    let (c, s) = (sources.len(), ws.len());
+    let rows = sources[0].len() / d;
+    let mut out: Vec<Phase1> = (0..s)
+        .map(|_| Phase1 { logits: super::zeros(rows * c), m1: super::zeros(rows), l1: super::zeros(rows), o1: super::zeros(rows * d) })
+        .collect();
+    let ptrs: Vec<[SendPtr; 4]> = out
+        .iter_mut()
+        .map(|p| [SendPtr(p.logits.as_mut_ptr()), SendPtr(p.m1.as_mut_ptr()), SendPtr(p.l1.as_mut_ptr()), SendPtr(p.o1.as_mut_ptr())])
+        .collect();
+    let chunk = super::rows_per_task(rows, c * d);
+    let tasks = rows.div_ceil(chunk);
+    use rayon::prelude::*;
+    (0..tasks).into_par_iter().for_each(|task| {
+        let mut e = vec![0.0f32; c];
+        for t in task * chunk..((task + 1) * chunk).min(rows) {
+            for (k, p) in ptrs.iter().enumerate() {
+                // SAFETY: row t of every output belongs to this task only.
+                let (lg, m1, l1, o1) = unsafe { (p[0].slice(t * c, c), p[1].slice(t, 1), p[2].slice(t, 1), p[3].slice(t * d, d)) };
+                let mut m = f32::NEG_INFINITY;
+                for i in 0..c {
+                    lg[i] = rstds[i][t] * dot(ws[k], &sources[i][t * d..(t + 1) * d]);
+                    m = m.max(lg[i]);
+                }
+                let mut z = 0.0f32;
+                for i in 0..c {
+                    e[i] = simd::exp(lg[i] - m);
+                    z += e[i];
+                }
+                o1.fill(0.0);
+                for i in 0..c {
+                    simd::axpy(o1, e[i], &sources[i][t * d..(t + 1) * d]);
+                }
+                m1[0] = m;
+                l1[0] = z;
+            }
+        }
+    });
+    out
+}
+
+/// Phase 2 for one consumer: merges the optional partial-sum source `(p, rstd_p)` into the
+/// phase-1 statistics by online softmax. Returns the input `h[rows, d]` and writes, per token,
+/// the weights `alpha[rows, K]` and logits `logits[rows, K]` over all `K = C (+1)` sources
+/// (completed first, partial last), which backward needs.
+pub fn phase2(p1: Phase1, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = p1.m1.len();
+    let c = p1.logits.len() / rows.max(1);
+    let k = c + partial.is_some() as usize;
+    let Phase1 { logits: l1_logits, m1, l1, o1: mut h } = p1;
+    let (mut alpha, mut logits) = (super::zeros(rows * k), super::zeros(rows * k));
+    let (aptr, lptr) = (SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
+    par_rows_mut(&mut h, d, |r0, chunk| {
+        for (i, hrow) in chunk.chunks_mut(d).enumerate() {
+            let t = r0 + i;
+            // SAFETY: row t of alpha/logits belongs to this task only.
+            let (a, l) = unsafe { (aptr.slice(t * k, k), lptr.slice(t * k, k)) };
+            l[..c].copy_from_slice(&l1_logits[t * c..(t + 1) * c]);
+            let (mut m, mut z) = (m1[t], l1[t]);
+            if let Some((pv, pr)) = partial {
+                let prow = &pv[t * d..(t + 1) * d];
+                let lp = pr[t] * dot(w, prow);
+                l[c] = lp;
+                let mm = m.max(lp);
+                let s1 = simd::exp(m - mm);
+                let sp = simd::exp(lp - mm);
+                z = s1 * z + sp;
+                m = mm;
+                simd::scale(hrow, s1);
+                simd::axpy(hrow, sp, prow);
+                a[c] = sp / z;
+            }
+            simd::scale(hrow, 1.0 / z);
+            for j in 0..c {
+                a[j] = simd::exp(l[j] - m) / z;
+            }
+        }
+    });
+    (h, alpha, logits)
+}
+
+/// One consumer's share of the backward pass, as the grouped backward reads it.
+pub struct ConsumerGrad<'a> {
+    /// Gradient of the consumer's input `h`, `[rows, d]`.
+    pub dh: &'a [f32],
+    /// Per token `⟨dh, h⟩ = Σ_i α_i ⟨dh, v_i⟩`, the softmax-normalisation term.
+    pub mean: &'a [f32],
+    pub alpha: &'a [f32],
+    pub logits: &'a [f32],
+    /// Sources this consumer read (`K`; the completed ones come first).
+    pub k: usize,
+    /// Effective query `q ⊙ γ`.
+    pub w: &'a [f32],
+}
+
+/// Per token `⟨dh, h⟩`.
+pub fn grad_mean(dh: &[f32], h: &[f32], d: usize) -> Vec<f32> {
+    let mut m = super::zeros(dh.len() / d);
+    par_rows_mut(&mut m, 1, |r0, out| {
+        for (i, o) in out.iter_mut().enumerate() {
+            let t = r0 + i;
+            *o = dot(&dh[t * d..(t + 1) * d], &h[t * d..(t + 1) * d]);
+        }
+    });
+    m
+}
+
+/// Backward into the source at index `src` of one consumer (used for the partial sum, which
+/// only its own consumer reads): accumulates into `dv` and the effective-query gradient `dw`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_one(dv: &mut [f32], dw: &mut [f32], g: &ConsumerGrad, src: usize, v: &[f32], rstd: &[f32], d: usize) {
+    let rows = rstd.len();
+    let k = g.k;
+    let dptr = SendPtr(dv.as_mut_ptr());
+    let part = par_reduce_rows(rows, d, d, |range, acc| {
+        for t in range {
+            let (a, l, r) = (g.alpha[t * k + src], g.logits[t * k + src], rstd[t]);
+            let (vrow, dh) = (&v[t * d..(t + 1) * d], &g.dh[t * d..(t + 1) * d]);
+            let dl = a * (dot(dh, vrow) - g.mean[t]);
+            // SAFETY: row t of dv belongs to this task only.
+            let dvrow = unsafe { dptr.slice(t * d, d) };
+            simd::depth_source_grad(dvrow, acc, dh, g.w, vrow, a, dl * r, dl * r * r * l / d as f32);
+        }
+    });
+    dw.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
+}
+
+/// Grouped backward into the `C` completed sources shared by several consumers (the consumers of
+/// one block): each source row is read once for all of them. Accumulates into `dsources[i]`
+/// and into each consumer's effective-query gradient `dws[c]`.
+pub fn backward_completed(dsources: &mut [&mut [f32]], dws: &mut [Vec<f32>], consumers: &[ConsumerGrad], sources: &[&[f32]], rstds: &[&[f32]], d: usize) {
+    let (c, s) = (sources.len(), consumers.len());
+    let rows = rstds[0].len();
+    let dptrs: Vec<SendPtr> = dsources.iter_mut().map(|x| SendPtr(x.as_mut_ptr())).collect();
+    let part = par_reduce_rows(rows, c * d, s * d, |range, dw| {
+        let mut acc = vec![0.0f32; d];
+        for t in range {
+            for i in 0..c {
+                let (v, r) = (&sources[i][t * d..(t + 1) * d], rstds[i][t]);
+                acc.fill(0.0);
+                let mut coef = 0.0f32;
+                for (j, g) in consumers.iter().enumerate() {
+                    let (a, l) = (g.alpha[t * g.k + i], g.logits[t * g.k + i]);
+                    let dh = &g.dh[t * d..(t + 1) * d];
+                    let dl = a * (dot(dh, v) - g.mean[t]);
+                    simd::axpy2(&mut acc, a, dh, dl * r, g.w);
+                    simd::axpy(&mut dw[j * d..(j + 1) * d], dl * r, v);
+                    coef += dl * l;
+                }
+                // SAFETY: row t of every source gradient belongs to this task only.
+                let dv = unsafe { dptrs[i].slice(t * d, d) };
+                simd::axpy2(dv, 1.0, &acc, -coef * r * r / d as f32, v);
+            }
+        }
+    });
+    for (j, dw) in dws.iter_mut().enumerate() {
+        dw.iter_mut().zip(&part[j * d..(j + 1) * d]).for_each(|(a, b)| *a += b);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -169,6 +344,122 @@ mod tests {
         assert!(a.iter().all(|x| (x - 0.2).abs() < 1e-7));
         let avg: Vec<f32> = (0..rows * d).map(|i| srcs.iter().map(|s| s[i]).sum::<f32>() / k as f32).collect();
         assert_close(&h, &avg, 1e-6, "uniform average");
+    }
+
+    /// A block of `s` consumers over `c` completed sources; consumer j > 0 also reads its own
+    /// partial sum, as in Block AttnRes.
+    struct Case {
+        srcs: Vec<Vec<f32>>,
+        rs: Vec<Vec<f32>>,
+        partials: Vec<Vec<f32>>,
+        prs: Vec<Vec<f32>>,
+        qs: Vec<Vec<f32>>,
+        gs: Vec<Vec<f32>>,
+    }
+
+    fn rstd_of(v: &[f32], d: usize) -> Vec<f32> {
+        let mut r = vec![0.0; v.len() / d];
+        rmsnorm::rstd(&mut r, v, d, EPS);
+        r
+    }
+
+    fn case(rows: usize, d: usize, c: usize, s: usize) -> Case {
+        let srcs: Vec<Vec<f32>> = (0..c).map(|i| rand_vec(rows * d, 100 + i as u64, 1.0 + i as f32)).collect();
+        let partials: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 200 + j as u64, 2.0)).collect();
+        Case {
+            rs: srcs.iter().map(|v| rstd_of(v, d)).collect(),
+            prs: partials.iter().map(|v| rstd_of(v, d)).collect(),
+            srcs,
+            partials,
+            qs: (0..s).map(|j| rand_vec(d, 300 + j as u64, 1.0)).collect(),
+            gs: (0..s).map(|j| rand_vec(d, 400 + j as u64, 1.5)).collect(),
+        }
+    }
+
+    /// Sources of consumer j: the completed ones, then its partial when j > 0.
+    fn sources_of<'a>(cs: &'a Case, j: usize) -> (Vec<&'a [f32]>, Vec<&'a [f32]>) {
+        let mut v: Vec<&[f32]> = cs.srcs.iter().map(|x| x.as_slice()).collect();
+        let mut r: Vec<&[f32]> = cs.rs.iter().map(|x| x.as_slice()).collect();
+        if j > 0 {
+            v.push(&cs.partials[j]);
+            r.push(&cs.prs[j]);
+        }
+        (v, r)
+    }
+
+    #[test]
+    fn two_phase_equals_one_pass() {
+        let (rows, d, c, s) = (37, 24, 4, 3);
+        let cs = case(rows, d, c, s);
+        let ws: Vec<Vec<f32>> = (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
+        let wr: Vec<&[f32]> = ws.iter().map(|w| w.as_slice()).collect();
+        let sv: Vec<&[f32]> = cs.srcs.iter().map(|x| x.as_slice()).collect();
+        let rv: Vec<&[f32]> = cs.rs.iter().map(|x| x.as_slice()).collect();
+        for (j, p1) in phase1(&sv, &rv, &wr, d).into_iter().enumerate() {
+            let partial = (j > 0).then(|| (cs.partials[j].as_slice(), cs.prs[j].as_slice()));
+            let (h, a, l) = phase2(p1, partial, &ws[j], d);
+            let (v, r) = sources_of(&cs, j);
+            let k = v.len();
+            let (mut h1, mut a1, mut l1) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
+            forward(&mut h1, &mut a1, &mut l1, &v, &r, &cs.qs[j], &cs.gs[j], d);
+            assert_close(&h, &h1, 1e-5, "two-phase h");
+            assert_close(&a, &a1, 1e-6, "two-phase alpha");
+            assert_close(&l, &l1, 1e-6, "two-phase logits");
+        }
+    }
+
+    #[test]
+    fn grouped_backward_equals_per_consumer_backward() {
+        let (rows, d, c, s) = (29, 16, 3, 3);
+        let cs = case(rows, d, c, s);
+        let dhs: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 500 + j as u64, 1.0)).collect();
+        // Reference: one-pass forward and backward per consumer.
+        let mut want_src = vec![vec![0.0f32; rows * d]; c];
+        let mut want_part = vec![vec![0.0f32; rows * d]; s];
+        let (mut want_dq, mut want_dg) = (vec![vec![0.0f32; d]; s], vec![vec![0.0f32; d]; s]);
+        let mut saved = Vec::new();
+        for j in 0..s {
+            let (v, r) = sources_of(&cs, j);
+            let k = v.len();
+            let (mut h, mut a, mut l) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
+            forward(&mut h, &mut a, &mut l, &v, &r, &cs.qs[j], &cs.gs[j], d);
+            let mut ds: Vec<&mut [f32]> = want_src.iter_mut().map(|x| x.as_mut_slice()).collect();
+            if j > 0 {
+                ds.push(want_part[j].as_mut_slice());
+            }
+            backward(&mut ds, &mut want_dq[j], &mut want_dg[j], &dhs[j], &v, &r, &a, &l, &cs.qs[j], &cs.gs[j], d);
+            saved.push((h, a, l, k));
+        }
+        // Grouped: partials one by one, completed sources once for all consumers.
+        let ws: Vec<Vec<f32>> = (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
+        let means: Vec<Vec<f32>> = (0..s).map(|j| grad_mean(&dhs[j], &saved[j].0, d)).collect();
+        let grads: Vec<ConsumerGrad> = (0..s)
+            .map(|j| ConsumerGrad { dh: &dhs[j], mean: &means[j], alpha: &saved[j].1, logits: &saved[j].2, k: saved[j].3, w: &ws[j] })
+            .collect();
+        let mut got_part = vec![vec![0.0f32; rows * d]; s];
+        let mut dws = vec![vec![0.0f32; d]; s];
+        for j in 1..s {
+            backward_one(&mut got_part[j], &mut dws[j], &grads[j], c, &cs.partials[j], &cs.prs[j], d);
+        }
+        let mut got_src = vec![vec![0.0f32; rows * d]; c];
+        {
+            let mut ds: Vec<&mut [f32]> = got_src.iter_mut().map(|x| x.as_mut_slice()).collect();
+            let sv: Vec<&[f32]> = cs.srcs.iter().map(|x| x.as_slice()).collect();
+            let rv: Vec<&[f32]> = cs.rs.iter().map(|x| x.as_slice()).collect();
+            backward_completed(&mut ds, &mut dws, &grads, &sv, &rv, d);
+        }
+        for i in 0..c {
+            assert_close(&got_src[i], &want_src[i], 1e-4, "completed source grad");
+        }
+        for j in 1..s {
+            assert_close(&got_part[j], &want_part[j], 1e-4, "partial grad");
+        }
+        for j in 0..s {
+            let dq: Vec<f32> = dws[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect();
+            let dg: Vec<f32> = dws[j].iter().zip(&cs.qs[j]).map(|(a, b)| a * b).collect();
+            assert_close(&dq, &want_dq[j], 1e-4, "dq");
+            assert_close(&dg, &want_dg[j], 1e-4, "dgamma");
+        }
     }
 
     #[test]

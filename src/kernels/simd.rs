@@ -149,6 +149,17 @@ multiversion!(
     #[allow(clippy::too_many_arguments)]
     depth_source_grad => depth_source_grad_imp(dv: &mut [f32], dw: &mut [f32], g: &[f32], w: &[f32], v: &[f32], a: f32, b: f32, c: f32)
 );
+#[inline(always)]
+fn axpy2_imp(y: &mut [f32], a: f32, x: &[f32], b: f32, z: &[f32]) {
+    for ((y, x), z) in y.iter_mut().zip(x).zip(z) {
+        *y += a * x + b * z;
+    }
+}
+
+multiversion!(
+    /// `y += a·x + b·z`.
+    axpy2 => axpy2_imp(y: &mut [f32], a: f32, x: &[f32], b: f32, z: &[f32])
+);
 multiversion!(
     /// `Σ a_i b_i`.
     dot => dot_imp(a: &[f32], b: &[f32]) -> f32

@@ -9,14 +9,24 @@
 //! same code with `block_size` S: sources of sublayer `l` are `[b_0 .. b_{l/S}]`, plus the
 //! running `partial` sum when `l` is not the first sublayer of its block; `b_0` is the
 //! embedding, `b_n` the sum of the raw outputs of block n.
+//!
+//! Both directions use the two-phase computation of SPEC §7. Forward: when a block starts, all
+//! of its sublayers score the completed blocks at once (phase 1); each sublayer then merges its
+//! partial sum by online softmax (phase 2). Backward: each sublayer's gradient into its partial
+//! sum is taken at once (the block's earlier outputs need it), while the gradients into the
+//! completed blocks wait until the whole block is done and are then taken for all its sublayers
+//! in one pass. Either way each completed block is read once per block, not once per sublayer.
 
 use super::params::{DepthParams, Layout};
-use crate::kernels::{self, depth, rmsnorm, zeros};
+use crate::kernels::depth::{self, ConsumerGrad, Phase1};
+use crate::kernels::{self, rmsnorm, zeros};
 
 /// What one depth attention saved for backward.
 struct DepthCall {
     alpha: Vec<f32>,
     logits: Vec<f32>,
+    /// Number of sources read (completed blocks, then the partial sum if any).
+    k: usize,
     /// The partial-sum source (value and per-token 1/rms), when it was read.
     partial: Option<(Vec<f32>, Vec<f32>)>,
 }
@@ -33,6 +43,8 @@ enum State {
         partial: Option<Vec<f32>>,
         /// Per-token 1/rms of `partial`, computed when a sublayer reads it.
         partial_rstd: Option<Vec<f32>>,
+        /// Phase-1 results waiting for the remaining sublayers of the current block.
+        pending: Vec<Phase1>,
         /// One per sublayer, then one for the output aggregation.
         calls: Vec<DepthCall>,
     },
@@ -50,23 +62,31 @@ pub struct DepthWeights<'a> {
     pub alpha: Vec<&'a [f32]>,
 }
 
+/// The effective query `q ⊙ γ` of a consumer.
+fn effective_query(p: &DepthParams, params: &[f32]) -> Vec<f32> {
+    params[p.query.clone()].iter().zip(&params[p.gain.clone()]).map(|(q, g)| q * g).collect()
+}
+
+fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
+    let mut r = zeros(v.len() / d);
+    rmsnorm::rstd(&mut r, v, d, eps);
+    r
+}
+
 impl ResidualForward {
     /// Starts from the embedding output `e` (`[rows, d]`).
     pub fn new(block_size: Option<usize>, e: Vec<f32>, d: usize, eps: f32) -> Self {
         let state = match block_size {
             None => State::Standard { stream: e },
-            Some(s) => {
-                let mut r = zeros(e.len() / d);
-                rmsnorm::rstd(&mut r, &e, d, eps);
-                State::Depth {
-                    block_size: s,
-                    blocks: vec![e],
-                    block_rstd: vec![r],
-                    partial: None,
-                    partial_rstd: None,
-                    calls: Vec::new(),
-                }
-            }
+            Some(s) => State::Depth {
+                block_size: s,
+                block_rstd: vec![rstd_of(&e, d, eps)],
+                blocks: vec![e],
+                partial: None,
+                partial_rstd: None,
+                pending: Vec::new(),
+                calls: Vec::new(),
+            },
         };
         ResidualForward { state, d, eps }
     }
@@ -76,17 +96,22 @@ impl ResidualForward {
         let (d, eps) = (self.d, self.eps);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls } => {
+            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, pending, calls } => {
                 debug_assert_eq!(calls.len(), l);
-                debug_assert_eq!(blocks.len(), l / *block_size + 1);
-                let p = layout.depth_params(l).expect("AttnRes layout has depth parameters");
-                if let Some(part) = partial.as_ref() {
-                    let mut r = zeros(part.len() / d);
-                    rmsnorm::rstd(&mut r, part, d, eps);
-                    *partial_rstd = Some(r);
+                let s = *block_size;
+                if l % s == 0 {
+                    // Phase 1 for every sublayer of the block that starts here.
+                    let ws: Vec<Vec<f32>> = (l..l + s).map(|c| effective_query(depth_param(layout, c), params)).collect();
+                    *pending = phase1(blocks, block_rstd, &ws, d);
+                    pending.reverse();
                 }
-                let (h, call) = mix(blocks, block_rstd, partial.as_deref().zip(partial_rstd.as_deref()), p, params, d);
-                calls.push(call);
+                let p1 = pending.pop().expect("phase 1 ran at the start of the block");
+                if let Some(part) = partial.as_ref() {
+                    *partial_rstd = Some(rstd_of(part, d, eps));
+                }
+                let w = effective_query(depth_param(layout, l), params);
+                let (h, alpha, logits) = depth::phase2(p1, partial.as_deref().zip(partial_rstd.as_deref()), &w, d);
+                calls.push(DepthCall { alpha, logits, k: blocks.len() + partial.is_some() as usize, partial: None });
                 h
             }
         }
@@ -94,11 +119,10 @@ impl ResidualForward {
 
     /// Records the raw output of sublayer `l`.
     pub fn push_output(&mut self, l: usize, out: Vec<f32>) {
-        let d = self.d;
-        let eps = self.eps;
+        let (d, eps) = (self.d, self.eps);
         match &mut self.state {
             State::Standard { stream } => kernels::add_assign(stream, &out),
-            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls } => {
+            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls, .. } => {
                 let next = match partial.take() {
                     None => out,
                     Some(p) => {
@@ -108,10 +132,8 @@ impl ResidualForward {
                     }
                 };
                 if (l + 1) % *block_size == 0 {
-                    let mut r = zeros(next.len() / d);
-                    rmsnorm::rstd(&mut r, &next, d, eps);
+                    block_rstd.push(rstd_of(&next, d, eps));
                     blocks.push(next);
-                    block_rstd.push(r);
                 } else {
                     *partial = Some(next);
                 }
@@ -126,9 +148,10 @@ impl ResidualForward {
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
             State::Depth { blocks, block_rstd, calls, .. } => {
-                let p = layout.output_depth.as_ref().expect("AttnRes layout has output depth parameters");
-                let (h, call) = mix(blocks, block_rstd, None, p, params, d);
-                calls.push(call);
+                let w = effective_query(layout.output_depth.as_ref().expect("AttnRes layout"), params);
+                let p1 = phase1(blocks, block_rstd, std::slice::from_ref(&w), d).pop().expect("one consumer");
+                let (h, alpha, logits) = depth::phase2(p1, None, &w, d);
+                calls.push(DepthCall { alpha, logits, k: blocks.len(), partial: None });
                 h
             }
         }
@@ -143,27 +166,25 @@ impl ResidualForward {
     }
 }
 
-/// One depth attention over the completed blocks and, optionally, the partial sum.
-fn mix(
-    blocks: &[Vec<f32>],
-    block_rstd: &[Vec<f32>],
-    partial: Option<(&[f32], &[f32])>,
-    p: &DepthParams,
-    params: &[f32],
-    d: usize,
-) -> (Vec<f32>, DepthCall) {
-    let mut srcs: Vec<&[f32]> = blocks.iter().map(|b| b.as_slice()).collect();
-    let mut rs: Vec<&[f32]> = block_rstd.iter().map(|b| b.as_slice()).collect();
-    if let Some((v, r)) = partial {
-        srcs.push(v);
-        rs.push(r);
-    }
-    let rows = blocks[0].len() / d;
-    let k = srcs.len();
-    let mut h = zeros(rows * d);
-    let (mut alpha, mut logits) = (zeros(rows * k), zeros(rows * k));
-    depth::forward(&mut h, &mut alpha, &mut logits, &srcs, &rs, &params[p.query.clone()], &params[p.gain.clone()], d);
-    (h, DepthCall { alpha, logits, partial: None })
+fn depth_param(layout: &Layout, l: usize) -> &DepthParams {
+    layout.depth_params(l).expect("AttnRes layout has depth parameters")
+}
+
+fn phase1(blocks: &[Vec<f32>], block_rstd: &[Vec<f32>], ws: &[Vec<f32>], d: usize) -> Vec<Phase1> {
+    let srcs: Vec<&[f32]> = blocks.iter().map(|b| b.as_slice()).collect();
+    let rs: Vec<&[f32]> = block_rstd.iter().map(|b| b.as_slice()).collect();
+    let wr: Vec<&[f32]> = ws.iter().map(|w| w.as_slice()).collect();
+    depth::phase1(&srcs, &rs, &wr, d)
+}
+
+/// A consumer whose gradient into the completed blocks is still owed.
+struct Owed {
+    l: usize,
+    dh: Vec<f32>,
+    mean: Vec<f32>,
+    w: Vec<f32>,
+    /// Gradient of `w` from the partial sum, completed when the block settles.
+    dw: Vec<f32>,
 }
 
 /// Gradients flowing back through the residual connection.
@@ -173,20 +194,22 @@ pub struct ResidualBackward {
     acc: Vec<f32>,
     /// Depth only: gradient of each `b_n`.
     g_blocks: Vec<Vec<f32>>,
+    /// Depth only: sublayers of the current block whose completed-block gradients are owed.
+    owed: Vec<Owed>,
 }
 
 impl ResidualBackward {
-    /// Starts from the gradient of the final norm's input; backpropagates the output
-    /// aggregation into `grads`.
-    pub fn new(fwd: &ResidualForward, dh: Vec<f32>, params: &[f32], grads: &mut [f32], layout: &Layout) -> Self {
+    /// Starts from `dh`, the gradient of the final norm's input `h` (what
+    /// [`ResidualForward::output`] returned); backpropagates the output aggregation into `grads`.
+    pub fn new(fwd: &ResidualForward, dh: Vec<f32>, h: &[f32], params: &[f32], grads: &mut [f32], layout: &Layout) -> Self {
         match &fwd.state {
-            State::Standard { .. } => ResidualBackward { acc: dh, g_blocks: Vec::new() },
-            State::Depth { blocks, block_rstd, calls, .. } => {
-                let mut g_blocks: Vec<Vec<f32>> = (0..blocks.len()).map(|_| zeros(dh.len())).collect();
-                let call = calls.last().expect("output aggregation ran");
-                let p = layout.output_depth.as_ref().expect("AttnRes layout");
-                unmix(&mut g_blocks, None, &dh, blocks, block_rstd, call, p, params, grads, fwd.d);
-                ResidualBackward { acc: Vec::new(), g_blocks }
+            State::Standard { .. } => ResidualBackward { acc: dh, g_blocks: Vec::new(), owed: Vec::new() },
+            State::Depth { blocks, calls, .. } => {
+                let g_blocks = (0..blocks.len()).map(|_| zeros(dh.len())).collect();
+                let mut rb = ResidualBackward { acc: Vec::new(), g_blocks, owed: Vec::new() };
+                rb.owe(calls.len() - 1, dh, h, fwd, params, layout);
+                rb.settle(fwd, params, grads, layout);
+                rb
             }
         }
     }
@@ -202,16 +225,62 @@ impl ResidualBackward {
         &self.acc
     }
 
-    /// Backpropagates `dh`, the gradient of the input `h_l` of sublayer `l`.
-    pub fn input_grad(&mut self, l: usize, dh: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
+    /// Backpropagates `dh`, the gradient of the input `h` of sublayer `l`.
+    pub fn input_grad(&mut self, l: usize, dh: Vec<f32>, h: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
         match &fwd.state {
-            State::Standard { .. } => kernels::add_assign(&mut self.acc, dh),
-            State::Depth { block_size, blocks, block_rstd, calls, .. } => {
-                let n = l / block_size + 1;
-                let call = &calls[l];
-                let p = layout.depth_params(l).expect("AttnRes layout");
-                let partial_grad = call.partial.as_ref().map(|_| &mut self.acc);
-                unmix(&mut self.g_blocks[..n], partial_grad, dh, &blocks[..n], &block_rstd[..n], call, p, params, grads, fwd.d);
+            State::Standard { .. } => kernels::add_assign(&mut self.acc, &dh),
+            State::Depth { block_size, .. } => {
+                self.owe(l, dh, h, fwd, params, layout);
+                if l % block_size == 0 {
+                    self.settle(fwd, params, grads, layout);
+                }
+            }
+        }
+    }
+
+    /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
+    /// block's earlier outputs) and records what its completed-block gradient needs.
+    fn owe(&mut self, l: usize, dh: Vec<f32>, h: &[f32], fwd: &ResidualForward, params: &[f32], layout: &Layout) {
+        let State::Depth { calls, .. } = &fwd.state else { unreachable!("depth state") };
+        let d = fwd.d;
+        let call = &calls[l];
+        let w = effective_query(depth_param(layout, l), params);
+        let mean = depth::grad_mean(&dh, h, d);
+        let mut dw = vec![0.0f32; d];
+        if let Some((pv, pr)) = &call.partial {
+            let g = ConsumerGrad { dh: &dh, mean: &mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w: &w };
+            depth::backward_one(&mut self.acc, &mut dw, &g, call.k - 1, pv, pr, d);
+        }
+        self.owed.push(Owed { l, dh, mean, w, dw });
+    }
+
+    /// Takes the owed completed-block gradients of the current block in one pass, and the
+    /// pseudo-query and gain gradients of its consumers.
+    fn settle(&mut self, fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
+        let State::Depth { blocks, block_rstd, calls, .. } = &fwd.state else { unreachable!("depth state") };
+        let d = fwd.d;
+        let owed = std::mem::take(&mut self.owed);
+        // Every consumer of one block reads the same completed blocks.
+        let first = &calls[owed[0].l];
+        let c = first.k - first.partial.is_some() as usize;
+        let consumers: Vec<ConsumerGrad> = owed
+            .iter()
+            .map(|o| {
+                let call = &calls[o.l];
+                ConsumerGrad { dh: &o.dh, mean: &o.mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w: &o.w }
+            })
+            .collect();
+        let mut dws: Vec<Vec<f32>> = owed.iter().map(|o| o.dw.clone()).collect();
+        let srcs: Vec<&[f32]> = blocks[..c].iter().map(|b| b.as_slice()).collect();
+        let rs: Vec<&[f32]> = block_rstd[..c].iter().map(|b| b.as_slice()).collect();
+        let mut dsrc: Vec<&mut [f32]> = self.g_blocks[..c].iter_mut().map(|g| g.as_mut_slice()).collect();
+        depth::backward_completed(&mut dsrc, &mut dws, &consumers, &srcs, &rs, d);
+        for (o, dw) in owed.iter().zip(&dws) {
+            // With w = q ⊙ γ: dq = dw ⊙ γ and dγ = dw ⊙ q.
+            let p = depth_param(layout, o.l);
+            for (j, dwj) in dw.iter().enumerate() {
+                grads[p.query.start + j] += dwj * params[p.gain.start + j];
+                grads[p.gain.start + j] += dwj * params[p.query.start + j];
             }
         }
     }
@@ -225,38 +294,6 @@ impl ResidualBackward {
         }
     }
 }
-
-/// Backward of [`mix`]: accumulates into the block gradients, the partial's gradient, and the
-/// depth parameters' gradients.
-#[allow(clippy::too_many_arguments)]
-fn unmix(
-    g_blocks: &mut [Vec<f32>],
-    g_partial: Option<&mut Vec<f32>>,
-    dh: &[f32],
-    blocks: &[Vec<f32>],
-    block_rstd: &[Vec<f32>],
-    call: &DepthCall,
-    p: &DepthParams,
-    params: &[f32],
-    grads: &mut [f32],
-    d: usize,
-) {
-    let mut srcs: Vec<&[f32]> = blocks.iter().map(|b| b.as_slice()).collect();
-    let mut rs: Vec<&[f32]> = block_rstd.iter().map(|b| b.as_slice()).collect();
-    let mut dsrc: Vec<&mut [f32]> = g_blocks.iter_mut().map(|g| g.as_mut_slice()).collect();
-    if let (Some((v, r)), Some(g)) = (&call.partial, g_partial) {
-        srcs.push(v);
-        rs.push(r);
-        dsrc.push(g.as_mut_slice());
-    }
-    // The pseudo-query precedes its gain in the layout, so one split separates their gradients.
-    debug_assert!(p.query.end <= p.gain.start);
-    let (lo, hi) = grads.split_at_mut(p.gain.start);
-    let dq = &mut lo[p.query.clone()];
-    let dg = &mut hi[..p.gain.len()];
-    depth::backward(&mut dsrc, dq, dg, dh, &srcs, &rs, &call.alpha, &call.logits, &params[p.query.clone()], &params[p.gain.clone()], d);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

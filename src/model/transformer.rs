@@ -174,14 +174,13 @@ impl Model {
         drop(dlogits);
         let mut dh = zeros(n * d);
         rmsnorm::backward(&mut dh, &mut g[lay.final_norm.clone()], &dxn, &fwd.h_final, &p[lay.final_norm.clone()], &fwd.rstd_final, d);
-        let mut res = phase("bwd residual", || ResidualBackward::new(&fwd.residual, dh, p, &mut g, lay));
+        let mut res = phase("bwd residual", || ResidualBackward::new(&fwd.residual, dh, &fwd.h_final, p, &mut g, lay));
 
         // Scratch buffers reused across layers.
         let mut dact = zeros(n * f);
         let mut dgu = zeros(n * 2 * f);
         let mut do_ = zeros(n * ow);
         let mut dqkv = zeros(n * qw);
-        let mut dh = zeros(n * d);
         for (i, lp) in lay.layers.iter().enumerate().rev() {
             // MLP sublayer 2i+1.
             let s = &fwd.mlp[i];
@@ -193,8 +192,9 @@ impl Model {
             phase("bwd linear", || {
                 linear_backward(&mut dxn, &mut g[lp.gate_up.clone()], &dgu, &s.xn, &p[lp.gate_up.clone()], n, d, 2 * f, false);
             });
+            let mut dh = zeros(n * d);
             phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d));
-            phase("bwd residual", || res.input_grad(2 * i + 1, &dh, &fwd.residual, p, &mut g, lay));
+            phase("bwd residual", || res.input_grad(2 * i + 1, dh, &s.h, &fwd.residual, p, &mut g, lay));
 
             // Attention sublayer 2i.
             let s = &fwd.attn[i];
@@ -207,8 +207,9 @@ impl Model {
             phase("bwd linear", || {
                 linear_backward(&mut dxn, &mut g[lp.qkv.clone()], &dqkv, &s.xn, &p[lp.qkv.clone()], n, d, qw, false);
             });
+            let mut dh = zeros(n * d);
             phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d));
-            phase("bwd residual", || res.input_grad(2 * i, &dh, &fwd.residual, p, &mut g, lay));
+            phase("bwd residual", || res.input_grad(2 * i, dh, &s.h, &fwd.residual, p, &mut g, lay));
         }
         let de = res.embedding_grad();
         phase("bwd embed", || embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d));
