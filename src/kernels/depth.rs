@@ -9,6 +9,10 @@
 //!
 //! Each source's `r_i` is computed once per token by the caller (`rmsnorm::rstd`) and shared by
 //! every consumer that reads the source. All statistics are f32.
+//!
+//! [`forward`] and [`backward`] are the plain one-pass form for one consumer. The model runs the
+//! two-phase form of SPEC §7 ([`phase1`], [`phase2`], [`backward_one`], [`backward_completed`]),
+//! which the tests hold equal to the one-pass form.
 
 use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
 
@@ -153,7 +157,7 @@ pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> 
                     e[i] = simd::exp(lg[i] - m);
                     z += e[i];
                 }
-                o1.fill(0.0);
+                // o1 starts zeroed (`zeros` above).
                 for i in 0..c {
                     simd::axpy(o1, e[i], &sources[i][t * d..(t + 1) * d]);
                 }

@@ -16,6 +16,7 @@ pub mod simd;
 pub mod swiglu;
 
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Rows handled per parallel task for row-wise kernels: big enough to amortise task overhead.
 pub(crate) fn rows_per_task(rows: usize, cols: usize) -> usize {
@@ -62,25 +63,34 @@ where
 /// Buffers at least this long are filled by several threads.
 const PAR_MIN: usize = 1 << 16;
 
+/// A new buffer of `n` values, each chunk of rows written by `fill(first_index, chunk)` on
+/// several threads when large. Every element is written before the buffer is returned.
+fn par_build(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync + Send) -> Vec<f32> {
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    let spare = &mut v.spare_capacity_mut()[..n];
+    if n < PAR_MIN {
+        fill(0, spare);
+    } else {
+        spare.par_chunks_mut(PAR_MIN).enumerate().for_each(|(i, c)| fill(i * PAR_MIN, c));
+    }
+    // SAFETY: `fill` initialised all n elements (each caller writes its whole chunk).
+    unsafe { v.set_len(n) };
+    v
+}
+
 /// A zero-filled buffer, filled in parallel when large (the step allocates hundreds of
 /// megabytes of activations; filling them on one thread would leave the other cores idle).
 pub fn zeros(n: usize) -> Vec<f32> {
-    if n < PAR_MIN {
-        return vec![0.0; n];
-    }
-    let mut v = Vec::with_capacity(n);
-    v.par_extend(rayon::iter::repeat_n(0.0f32, n));
-    v
+    par_build(n, |_, c| c.fill(MaybeUninit::new(0.0)))
 }
 
 /// A copy of `src`, made in parallel when large.
 pub fn copy(src: &[f32]) -> Vec<f32> {
-    if src.len() < PAR_MIN {
-        return src.to_vec();
-    }
-    let mut v = Vec::with_capacity(src.len());
-    v.par_extend(src.par_iter().copied());
-    v
+    par_build(src.len(), |i, c| {
+        for (o, x) in c.iter_mut().zip(&src[i..]) {
+            o.write(*x);
+        }
+    })
 }
 
 /// `dst += src`, in parallel when large.
@@ -92,12 +102,29 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
 /// `a + b` as a new buffer, in one parallel pass when large.
 pub fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
     assert_eq!(a.len(), b.len());
-    if a.len() < PAR_MIN {
-        return a.iter().zip(b).map(|(x, y)| x + y).collect();
+    par_build(a.len(), |i, c| {
+        for ((o, x), y) in c.iter_mut().zip(&a[i..]).zip(&b[i..]) {
+            o.write(x + y);
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn parallel_builders_match_serial_code() {
+        for n in [0, 5, super::PAR_MIN - 1, 3 * super::PAR_MIN + 17] {
+            let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+            assert_eq!(super::zeros(n), vec![0.0; n]);
+            assert_eq!(super::copy(&a), a);
+            let want: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+            assert_eq!(super::sum(&a, &b), want);
+            let mut c = a.clone();
+            super::add_assign(&mut c, &b);
+            assert_eq!(c, want);
+        }
     }
-    let mut v = Vec::with_capacity(a.len());
-    v.par_extend(a.par_iter().zip(b.par_iter()).map(|(x, y)| x + y));
-    v
 }
 
 /// A raw pointer that may cross threads: used where parallel tasks write provably disjoint
