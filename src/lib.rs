@@ -13,6 +13,7 @@ pub mod kernels;
 pub mod model;
 pub mod presets;
 pub mod profile;
+pub mod train;
 
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -1,0 +1,5 @@
+//! Training: corpora, tokenizers, token caches, optimisers, schedules and the training loop.
+
+pub mod data;
+pub mod tokenizer;
+pub mod optim;

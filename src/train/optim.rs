@@ -1,0 +1,311 @@
+//! Optimisers (AdamW and Muon), learning-rate schedules and gradient clipping, over the flat
+//! parameter buffer.
+//!
+//! Parameter groups:
+//! - **Muon** (when selected): the 2-D hidden matrices — `q/k/v/o_proj`, `gate/up/down_proj`.
+//!   Update `O = NewtonSchulz5(Nesterov momentum)`, scaled by `0.2·sqrt(max(rows, cols))` so its
+//!   RMS matches AdamW's and both groups share one learning rate (the scaling Moonshot uses for
+//!   Muon at scale), with decoupled weight decay.
+//! - **AdamW** for everything else, and for everything when `optimizer = "adamw"`.
+//! - **No weight decay** for RMSNorm gains, depth key-norm gains, pseudo-queries and the token
+//!   embedding; the untied LM head and the hidden matrices are decayed.
+
+use crate::kernels::matmul::{matmul, threads};
+use crate::model::params::{Init, Layout, ParamSpec};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    Adamw,
+    Muon,
+}
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ScheduleKind {
+    /// Linear warmup, then cosine decay to `min_lr_ratio · lr`.
+    Cosine,
+    /// Warmup-stable-decay: linear warmup, constant, then linear decay over the last
+    /// `decay_fraction` of the steps to `min_lr_ratio · lr`.
+    Wsd,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct OptimConfig {
+    pub optimizer: OptimizerKind,
+    pub lr: f64,
+    pub min_lr_ratio: f64,
+    pub warmup_steps: usize,
+    pub schedule: ScheduleKind,
+    pub decay_fraction: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub adam_eps: f64,
+    pub muon_momentum: f64,
+    /// Global gradient-norm clip (0 disables).
+    pub grad_clip: f64,
+}
+
+/// Learning rate at `step` (0-based) of `total`.
+pub fn lr_at(c: &OptimConfig, step: usize, total: usize) -> f64 {
+    let min = c.lr * c.min_lr_ratio;
+    if step < c.warmup_steps {
+        return c.lr * (step + 1) as f64 / c.warmup_steps as f64;
+    }
+    let total = total.max(c.warmup_steps + 1);
+    match c.schedule {
+        ScheduleKind::Cosine => {
+            let t = (step - c.warmup_steps) as f64 / (total - c.warmup_steps) as f64;
+            min + 0.5 * (c.lr - min) * (1.0 + (std::f64::consts::PI * t.min(1.0)).cos())
+        }
+        ScheduleKind::Wsd => {
+            let decay = ((total as f64) * c.decay_fraction).round().max(1.0) as usize;
+            let start = total.saturating_sub(decay).max(c.warmup_steps);
+            if step < start {
+                c.lr
+            } else {
+                let t = (step - start + 1) as f64 / (total - start) as f64;
+                c.lr + (min - c.lr) * t.min(1.0)
+            }
+        }
+    }
+}
+
+/// How one parameter tensor is updated.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Rule {
+    Adam { decay: bool },
+    Muon { rows: usize, cols: usize },
+}
+
+fn rule(spec: &ParamSpec, kind: OptimizerKind) -> Rule {
+    let hidden_matrix = spec.name.contains(".self_attn.") || spec.name.contains(".mlp.");
+    if kind == OptimizerKind::Muon && hidden_matrix && spec.shape.len() == 2 {
+        return Rule::Muon { rows: spec.shape[0], cols: spec.shape[1] };
+    }
+    let no_decay = spec.init != Init::Normal || spec.name == "model.embed_tokens.weight";
+    Rule::Adam { decay: !no_decay }
+}
+
+/// Optimiser state, laid out like the parameters.
+pub struct Optimizer {
+    pub config: OptimConfig,
+    /// Updates taken so far.
+    pub step: u64,
+    /// AdamW first and second moments (zero where Muon applies).
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    /// Muon momentum (zero where AdamW applies).
+    pub momentum: Vec<f32>,
+    rules: Vec<(std::ops::Range<usize>, Rule)>,
+}
+
+impl Optimizer {
+    pub fn new(config: OptimConfig, layout: &Layout) -> Optimizer {
+        let rules = layout.specs.iter().map(|s| (s.range.clone(), rule(s, config.optimizer))).collect();
+        let n = layout.total;
+        Optimizer { config, step: 0, m: vec![0.0; n], v: vec![0.0; n], momentum: vec![0.0; n], rules }
+    }
+
+    /// Global L2 norm of `grads`.
+    pub fn grad_norm(grads: &[f32]) -> f64 {
+        grads.par_chunks(1 << 16).map(|c| c.iter().map(|g| (*g as f64) * (*g as f64)).sum::<f64>()).sum::<f64>().sqrt()
+    }
+
+    /// Clips `grads` to the configured global norm; returns the norm before clipping.
+    pub fn clip(&self, grads: &mut [f32]) -> f64 {
+        let norm = Self::grad_norm(grads);
+        let max = self.config.grad_clip;
+        if max > 0.0 && norm > max {
+            let s = (max / (norm + 1e-12)) as f32;
+            grads.par_chunks_mut(1 << 16).for_each(|c| c.iter_mut().for_each(|g| *g *= s));
+        }
+        norm
+    }
+
+    /// One update of `params` with learning rate `lr`.
+    pub fn update(&mut self, params: &mut [f32], grads: &[f32], lr: f64) {
+        self.step += 1;
+        let c = self.config.clone();
+        let t = self.step as i32;
+        let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
+        for (range, rule) in self.rules.clone() {
+            let p = &mut params[range.clone()];
+            let g = &grads[range.clone()];
+            match rule {
+                Rule::Adam { decay } => {
+                    let wd = if decay { c.weight_decay } else { 0.0 };
+                    let (m, v) = (&mut self.m[range.clone()], &mut self.v[range.clone()]);
+                    p.par_chunks_mut(4096).zip(g.par_chunks(4096)).zip(m.par_chunks_mut(4096).zip(v.par_chunks_mut(4096))).for_each(
+                        |((p, g), (m, v))| {
+                            for i in 0..p.len() {
+                                let gi = g[i] as f64;
+                                let mi = c.beta1 * m[i] as f64 + (1.0 - c.beta1) * gi;
+                                let vi = c.beta2 * v[i] as f64 + (1.0 - c.beta2) * gi * gi;
+                                m[i] = mi as f32;
+                                v[i] = vi as f32;
+                                let upd = (mi / bc1) / ((vi / bc2).sqrt() + c.adam_eps) + wd * p[i] as f64;
+                                p[i] = (p[i] as f64 - lr * upd) as f32;
+                            }
+                        },
+                    );
+                }
+                Rule::Muon { rows, cols } => {
+                    let buf = &mut self.momentum[range.clone()];
+                    let mu = c.muon_momentum as f32;
+                    // Nesterov: B ← μB + G, direction G + μB.
+                    let mut dir = vec![0.0f32; g.len()];
+                    for i in 0..g.len() {
+                        buf[i] = mu * buf[i] + g[i];
+                        dir[i] = g[i] + mu * buf[i];
+                    }
+                    let o = newton_schulz(&dir, rows, cols);
+                    let scale = 0.2 * (rows.max(cols) as f64).sqrt();
+                    let decay = 1.0 - lr * c.weight_decay;
+                    for i in 0..p.len() {
+                        p[i] = (p[i] as f64 * decay - lr * scale * o[i] as f64) as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Approximate orthogonalisation `U Vᵀ` of `g` (`[rows, cols]`) by five quintic Newton–Schulz
+/// iterations with the usual coefficients (3.4445, −4.7750, 2.0315), on the wide orientation.
+pub fn newton_schulz(g: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let (a, b, c) = (3.4445f32, -4.7750f32, 2.0315f32);
+    let tall = rows > cols;
+    // Work on X [r, k] with r <= k.
+    let (r, k) = if tall { (cols, rows) } else { (rows, cols) };
+    let mut x = vec![0.0f32; r * k];
+    if tall {
+        for i in 0..rows {
+            for j in 0..cols {
+                x[j * rows + i] = g[i * cols + j];
+            }
+        }
+    } else {
+        x.copy_from_slice(g);
+    }
+    let norm = x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>().sqrt() as f32 + 1e-7;
+    x.iter_mut().for_each(|v| *v /= norm);
+    let (mut s, mut s2, mut y) = (vec![0.0f32; r * r], vec![0.0f32; r * r], vec![0.0f32; r * k]);
+    for _ in 0..5 {
+        // S = X Xᵀ; P = b S + c S²; X ← a X + P X
+        matmul(&mut s, &x, false, &x, true, r, k, r, false, threads());
+        matmul(&mut s2, &s, false, &s, false, r, r, r, false, threads());
+        for i in 0..r * r {
+            s2[i] = b * s[i] + c * s2[i];
+        }
+        matmul(&mut y, &s2, false, &x, false, r, r, k, false, threads());
+        for i in 0..r * k {
+            x[i] = a * x[i] + y[i];
+        }
+    }
+    if tall {
+        let mut out = vec![0.0f32; rows * cols];
+        for i in 0..rows {
+            for j in 0..cols {
+                out[i * cols + j] = x[j * rows + i];
+            }
+        }
+        out
+    } else {
+        x
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Config, ResidualKind};
+
+    fn cfg(kind: OptimizerKind) -> OptimConfig {
+        OptimConfig {
+            optimizer: kind,
+            lr: 0.01,
+            min_lr_ratio: 0.1,
+            warmup_steps: 10,
+            schedule: ScheduleKind::Cosine,
+            decay_fraction: 0.2,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            adam_eps: 1e-8,
+            muon_momentum: 0.95,
+            grad_clip: 1.0,
+        }
+    }
+
+    #[test]
+    fn schedules() {
+        let mut c = cfg(OptimizerKind::Adamw);
+        assert!((lr_at(&c, 0, 100) - 0.001).abs() < 1e-12);
+        assert!((lr_at(&c, 9, 100) - 0.01).abs() < 1e-12);
+        assert!((lr_at(&c, 10, 100) - 0.01).abs() < 1e-12);
+        assert!((lr_at(&c, 55, 100) - 0.0055).abs() < 1e-9, "{}", lr_at(&c, 55, 100));
+        assert!((lr_at(&c, 100, 100) - 0.001).abs() < 1e-12);
+        c.schedule = ScheduleKind::Wsd;
+        assert_eq!(lr_at(&c, 79, 100), 0.01);
+        assert!(lr_at(&c, 80, 100) < 0.01);
+        assert!((lr_at(&c, 99, 100) - 0.001).abs() < 1e-12);
+    }
+
+    #[test]
+    fn adamw_matches_the_textbook_update() {
+        let c = Config { residual: ResidualKind::Block, num_blocks: 2, vocab_size: 10, hidden_size: 8, head_dim: 4, num_attention_heads: 2, num_key_value_heads: 2, intermediate_size: 8, num_hidden_layers: 1, ..Config::default() };
+        let lay = Layout::new(&c);
+        let mut opt = Optimizer::new(cfg(OptimizerKind::Adamw), &lay);
+        let mut p = lay.init(&c, 1);
+        let p0 = p.clone();
+        let g: Vec<f32> = (0..p.len()).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+        opt.update(&mut p, &g, 0.01);
+        opt.update(&mut p, &g, 0.01);
+        for s in &lay.specs {
+            let decay = s.init == Init::Normal && s.name != "model.embed_tokens.weight";
+            for i in s.range.clone() {
+                // Two steps with the same gradient: m̂ = g and v̂ = g² each time.
+                let gi = g[i] as f64;
+                let step = gi / (gi.abs() + 1e-8);
+                let mut want = p0[i] as f64;
+                for _ in 0..2 {
+                    want -= 0.01 * (step + if decay { 0.1 * want } else { 0.0 });
+                }
+                assert!((p[i] as f64 - want).abs() < 1e-6, "{} [{i}]: {} vs {want}", s.name, p[i]);
+            }
+        }
+    }
+
+    #[test]
+    fn newton_schulz_orthogonalises() {
+        for (rows, cols) in [(8, 32), (32, 8)] {
+            let g: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
+            let o = newton_schulz(&g, rows, cols);
+            // Singular values end up near 1 (the quintic lands them in roughly [0.7, 1.2]).
+            let (r, k) = (rows.min(cols), rows.max(cols));
+            let mut gram = vec![0.0f32; r * r];
+            if rows <= cols {
+                matmul(&mut gram, &o, false, &o, true, r, k, r, false, threads());
+            } else {
+                matmul(&mut gram, &o, true, &o, false, r, k, r, false, threads());
+            }
+            for i in 0..r {
+                assert!((0.4..1.5).contains(&gram[i * r + i]), "diag {}", gram[i * r + i]);
+            }
+        }
+    }
+
+    #[test]
+    fn clipping_scales_to_the_limit() {
+        let c = Config { vocab_size: 10, hidden_size: 8, head_dim: 4, num_attention_heads: 2, num_key_value_heads: 2, intermediate_size: 8, num_hidden_layers: 1, ..Config::default() };
+        let opt = Optimizer::new(cfg(OptimizerKind::Muon), &Layout::new(&c));
+        let mut g = vec![1.0f32; Layout::new(&c).total];
+        let before = opt.clip(&mut g);
+        assert!((before - (g.len() as f64).sqrt()).abs() < 1e-6);
+        assert!((Optimizer::grad_norm(&g) - 1.0).abs() < 1e-4);
+    }
+}

@@ -1,0 +1,134 @@
+//! Byte-level BPE tokenizers (Hugging Face `tokenizers`): trained on the training split, or
+//! loaded from a `tokenizer.json`. The byte-level alphabet covers all 256 bytes, so every UTF-8
+//! text encodes without unknown tokens and decodes back to itself.
+
+use anyhow::{anyhow, ensure, Context, Result};
+use std::path::Path;
+use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::normalizers::NormalizerWrapper;
+use tokenizers::processors::PostProcessorWrapper;
+use tokenizers::{AddedToken, Tokenizer, TokenizerImpl};
+
+/// Separates documents in the token stream.
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
+pub struct Bpe {
+    inner: Tokenizer,
+    /// Id of [`END_OF_TEXT`].
+    pub eot: u32,
+}
+
+impl Bpe {
+    /// Trains a byte-level BPE with `vocab_size` entries (including the 256 bytes and the
+    /// end-of-text token) on `docs`.
+    pub fn train(docs: &[String], vocab_size: usize) -> Result<Bpe> {
+        ensure!(vocab_size >= 257 + 1, "tokenizer vocabulary size must be at least 258 (256 bytes, end-of-text, one merge), got {vocab_size}");
+        let mut trainer = BpeTrainerBuilder::new()
+            .vocab_size(vocab_size)
+            .min_frequency(2)
+            .show_progress(false)
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
+            .build();
+        let mut tk: TokenizerImpl<BPE, NormalizerWrapper, ByteLevel, PostProcessorWrapper, ByteLevel> = TokenizerImpl::new(BPE::default());
+        tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+        tk.with_decoder(Some(ByteLevel::default()));
+        tk.train(&mut trainer, docs.iter()).map_err(|e| anyhow!("tokenizer training failed: {e}"))?;
+        let json = tk.to_string(false).map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))?;
+        Self::from_json(&json)
+    }
+
+    pub fn from_json(json: &str) -> Result<Bpe> {
+        let inner: Tokenizer = json.parse().map_err(|e| anyhow!("not a valid tokenizer.json: {e}"))?;
+        let eot = inner.token_to_id(END_OF_TEXT).with_context(|| format!("tokenizer has no {END_OF_TEXT} token"))?;
+        Ok(Bpe { inner, eot })
+    }
+
+    pub fn load(path: &Path) -> Result<Bpe> {
+        let json = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        Self::from_json(&json).with_context(|| format!("in {}", path.display()))
+    }
+
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(true).map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode_fast(text, false).map_err(|e| anyhow!("tokenizer failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| anyhow!("tokenizer failed: {e}"))
+    }
+
+    /// The documents as one token stream, each followed by the end-of-text token.
+    pub fn encode_documents(&self, docs: &[String]) -> Result<Vec<u32>> {
+        let encs = self
+            .inner
+            .encode_batch_fast(docs.iter().map(|d| d.as_str()).collect::<Vec<_>>(), false)
+            .map_err(|e| anyhow!("tokenizer failed: {e}"))?;
+        let mut out = Vec::new();
+        for e in encs {
+            out.extend_from_slice(e.get_ids());
+            out.push(self.eot);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> Bpe {
+        let docs: Vec<String> = (0..50).map(|i| format!("To be, or not to be: that is the question {i}. Whether 'tis nobler\n")).collect();
+        Bpe::train(&docs, 300).unwrap()
+    }
+
+    #[test]
+    fn every_text_round_trips() {
+        let t = small();
+        assert!(t.vocab_size() <= 300 && t.vocab_size() > 257);
+        let samples = [
+            "To be, or not to be",
+            "",
+            "  leading and trailing spaces  \n\n\t tabs",
+            "ünïcödé — “quotes” 日本語 🙂 \u{0} \u{7f} \u{10ffff}",
+            "<|endoftext|> in the middle of text",
+        ];
+        for s in samples {
+            let ids = t.encode(s).unwrap();
+            assert_eq!(t.decode(&ids).unwrap(), s, "round trip of {s:?}");
+        }
+        // Pseudo-random code points, including ones the training text never showed.
+        let mut x = 12345u32;
+        for _ in 0..200 {
+            let s: String = (0..20)
+                .filter_map(|_| {
+                    x = x.wrapping_mul(1103515245).wrapping_add(12345);
+                    char::from_u32((x >> 8) % 0x2_0000)
+                })
+                .collect();
+            assert_eq!(t.decode(&t.encode(&s).unwrap()).unwrap(), s);
+        }
+    }
+
+    #[test]
+    fn saves_loads_and_separates_documents() {
+        let t = small();
+        let u = Bpe::from_json(&t.to_json().unwrap()).unwrap();
+        let docs = vec!["To be".to_string(), "or not".to_string()];
+        let ids = u.encode_documents(&docs).unwrap();
+        assert_eq!(ids, t.encode_documents(&docs).unwrap());
+        assert_eq!(ids.iter().filter(|&&i| i == t.eot).count(), 2);
+        assert_eq!(*ids.last().unwrap(), t.eot);
+        assert!(Bpe::from_json("{}").is_err());
+        assert!(Bpe::train(&docs, 100).is_err());
+    }
+}
