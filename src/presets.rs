@@ -42,12 +42,19 @@ pub fn model_config(name: &str) -> Result<Config> {
     model_config_from_toml(text(name)?, &format!("preset {name:?}"))
 }
 
+/// The full run settings (model and training) of a named preset.
+pub fn run_config(name: &str) -> Result<crate::train::run::RunConfig> {
+    crate::train::run::RunConfig::from_toml(text(name)?, &format!("preset {name:?}"))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn every_preset_parses_and_unknown_names_are_listed() {
         for n in super::names() {
-            super::model_config(n).unwrap();
+            let r = super::run_config(n).unwrap();
+            assert_eq!(r.model, super::model_config(n).unwrap());
+            r.train.validate(&r.model).unwrap();
         }
         let e = super::model_config("huge").unwrap_err().to_string();
         assert!(e.contains("unknown preset") && e.contains("tiny"), "{e}");

@@ -5,6 +5,8 @@ use attnres::bench;
 use attnres::model::checkpoint::{self, safetensors_bytes, write_atomic};
 use attnres::model::{Config, Model, ResidualKind};
 use attnres::presets;
+use attnres::train::run::{self, DataSource, RunConfig, TrainOptions};
+use attnres::train::tokenizer::Bpe;
 use clap::{Args, Parser, Subcommand};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -28,8 +30,60 @@ enum Command {
     Init(InitArgs),
     /// Run one batch through a checkpoint: logits, and with targets the loss and every gradient.
     Forward(ForwardArgs),
+    /// Train a model on the embedded corpus or your own text (resumable).
+    Train(TrainArgs),
+    /// Measure a checkpoint on a text file: loss, perplexity and bits per byte.
+    Eval(EvalArgs),
     /// Time one training step (forward + backward) for each residual mode, side by side.
     Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// Run directory: the latest model, metrics.jsonl and the resumable checkpoint.
+    #[arg(long)]
+    out: PathBuf,
+    /// A TOML file with [model] and [train] tables (instead of --preset).
+    #[arg(long, conflicts_with = "preset")]
+    config: Option<PathBuf>,
+    /// Named preset: tiny (about a minute), small (the default, about ten minutes).
+    #[arg(long)]
+    preset: Option<String>,
+    /// Override any model or training setting, e.g. --set residual=full --set lr=1e-3.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Training text: a file, a directory of files, or JSONL with a "text" field
+    /// (default: the embedded Shakespeare corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Use this tokenizer.json instead of training a byte-level BPE on the data.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Continue the run in --out from its last checkpoint.
+    #[arg(long, conflicts_with = "overwrite")]
+    resume: bool,
+    /// Replace a run already in --out.
+    #[arg(long)]
+    overwrite: bool,
+    /// Plain log lines instead of a progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// Checkpoint directory (with tokenizer.json), e.g. a training run's --out.
+    #[arg(long)]
+    model: PathBuf,
+    /// UTF-8 text file to measure.
+    #[arg(long)]
+    text: PathBuf,
+    /// Window length in tokens (default: the model's max_position_embeddings).
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Print one JSON object with loss, perplexity and bits_per_byte.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -119,8 +173,61 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Init(a) => init(a),
         Command::Forward(a) => forward(a),
+        Command::Train(a) => train_cmd(a),
+        Command::Eval(a) => eval_cmd(a),
         Command::Bench(a) => bench_cmd(a),
     }
+}
+
+fn train_cmd(a: TrainArgs) -> Result<()> {
+    let run = if a.resume {
+        ensure!(a.sets.is_empty() && a.config.is_none() && a.preset.is_none(), "--resume continues with the run's own settings; drop --config/--preset/--set");
+        None
+    } else {
+        let base = match &a.config {
+            Some(p) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+                RunConfig::from_toml(&text, &p.display().to_string())?
+            }
+            None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,
+        };
+        Some(base.with_overrides(&a.sets)?)
+    };
+    let opts = TrainOptions {
+        out: a.out,
+        data: a.data.map_or(DataSource::Embedded, DataSource::Path),
+        tokenizer: a.tokenizer,
+        resume: a.resume,
+        overwrite: a.overwrite,
+        progress: !a.no_progress,
+    };
+    run::train(run, &opts)?;
+    Ok(())
+}
+
+fn eval_cmd(a: EvalArgs) -> Result<()> {
+    let model = checkpoint::load(&a.model)?;
+    let bpe = Bpe::load(&a.model.join("tokenizer.json"))?;
+    ensure!(bpe.vocab_size() <= model.config.vocab_size, "tokenizer.json has {} tokens, the model only {}", bpe.vocab_size(), model.config.vocab_size);
+    let bytes = std::fs::read(&a.text).with_context(|| format!("cannot read {}", a.text.display()))?;
+    let text = String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{} is not valid UTF-8 (first invalid byte at offset {})", a.text.display(), e.utf8_error().valid_up_to()))?;
+    let ids = bpe.encode(&text)?;
+    ensure!(ids.len() >= 2, "{} is too short to measure: it encodes to {} token(s)", a.text.display(), ids.len());
+    let seq = a.seq.unwrap_or(model.config.max_position_embeddings);
+    ensure!(seq > 0 && seq <= model.config.max_position_embeddings, "--seq must lie in 1..={}", model.config.max_position_embeddings);
+    let (nats, count) = run::windowed_loss(&model, &ids, seq.min(ids.len() - 1), 8, 0)?;
+    let loss = nats / count as f64;
+    // Every token but the first is predicted: count the bytes those tokens decode to.
+    let first = bpe.decode(&ids[..1])?.len();
+    let predicted_bytes = (text.len() - first).max(1);
+    let bpb = nats / std::f64::consts::LN_2 / predicted_bytes as f64;
+    if a.json {
+        println!("{}", serde_json::json!({"loss": loss, "perplexity": loss.exp(), "bits_per_byte": bpb, "tokens": count, "bytes": predicted_bytes}));
+    } else {
+        println!("{}: {count} tokens, loss {loss:.4} nats/token, perplexity {:.2}, {bpb:.4} bits/byte", a.text.display(), loss.exp());
+    }
+    Ok(())
 }
 
 fn init(a: InitArgs) -> Result<()> {

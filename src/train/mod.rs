@@ -3,3 +3,5 @@
 pub mod data;
 pub mod tokenizer;
 pub mod optim;
+pub mod tokens;
+pub mod run;
