@@ -391,8 +391,30 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     if last_val.is_nan() {
         last_val = validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?.0;
     }
-    log(&format!("done: step {step}, validation loss {last_val:.4}; model in {}", out.display()));
+    let (unigram, val_bpb) = (unigram_bits_per_byte(&tokens, bpe.vocab_size()), last_val / std::f64::consts::LN_2 / (tokens.val_bytes as f64 / tokens.val_len() as f64));
+    let summary = json!({
+        "residual": crate::bench::label(&model.config), "parameters": n_params, "steps": step, "tokens": tokens_seen,
+        "val_loss": last_val, "val_bits_per_byte": val_bpb, "unigram_val_bits_per_byte": unigram,
+        "elapsed_seconds": elapsed0 + t0.elapsed().as_secs_f64(),
+    });
+    write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+    log(&format!(
+        "done: step {step}, validation loss {last_val:.4} ({val_bpb:.4} bits/byte; a unigram model of the training tokens: {unigram:.4} bits/byte); model in {}",
+        out.display()
+    ));
     Ok(last_val)
+}
+
+/// Bits per byte of the validation split under a unigram model of the training tokens (add-one
+/// smoothing): the floor any useful language model must beat.
+pub fn unigram_bits_per_byte(tokens: &Tokens, vocab: usize) -> f64 {
+    let mut counts = vec![1.0f64; vocab];
+    for t in tokens.train(0..tokens.train_len()) {
+        counts[t as usize] += 1.0;
+    }
+    let total: f64 = counts.iter().sum();
+    let nats: f64 = tokens.val(0..tokens.val_len()).iter().map(|&t| -(counts[t as usize] / total).ln()).sum();
+    nats / std::f64::consts::LN_2 / tokens.val_bytes as f64
 }
 
 fn log(line: &str) {
