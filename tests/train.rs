@@ -34,10 +34,10 @@ impl Env {
         self.cmd(args).output().unwrap()
     }
 
-    /// Arguments that resume the run in `out`.
+    /// Arguments that resume the run in `out` (which remembers its own --data).
     fn resume_args(&self, out: &str) -> Vec<String> {
-        let (o, d) = (self.path(out), self.path("corpus.txt"));
-        ["train", "--resume", "--no-progress", "--out", o.to_str().unwrap(), "--data", d.to_str().unwrap()].iter().map(|s| s.to_string()).collect()
+        let o = self.path(out);
+        ["train", "--resume", "--no-progress", "--out", o.to_str().unwrap()].iter().map(|s| s.to_string()).collect()
     }
 
     /// Training arguments for a short run into `out`.

@@ -5,7 +5,7 @@ use attnres::bench;
 use attnres::model::checkpoint::{self, safetensors_bytes, write_atomic};
 use attnres::model::{Config, Model, ResidualKind};
 use attnres::presets;
-use attnres::train::run::{self, DataSource, RunConfig, TrainOptions};
+use attnres::train::run::{self, RunConfig, TrainOptions};
 use attnres::train::tokenizer::Bpe;
 use clap::{Args, Parser, Subcommand};
 use serde::Deserialize;
@@ -53,7 +53,7 @@ struct TrainArgs {
     #[arg(long = "set", value_name = "KEY=VALUE")]
     sets: Vec<String>,
     /// Training text: a file, a directory of files, or JSONL with a "text" field
-    /// (default: the embedded Shakespeare corpus).
+    /// (default: the embedded Shakespeare corpus; on --resume, the run's own).
     #[arg(long)]
     data: Option<PathBuf>,
     /// Use this tokenizer.json instead of training a byte-level BPE on the data.
@@ -195,7 +195,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
     };
     let opts = TrainOptions {
         out: a.out,
-        data: a.data.map_or(DataSource::Embedded, DataSource::Path),
+        data: a.data,
         tokenizer: a.tokenizer,
         resume: a.resume,
         overwrite: a.overwrite,

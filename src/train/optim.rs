@@ -49,6 +49,25 @@ pub struct OptimConfig {
     pub grad_clip: f64,
 }
 
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            optimizer: OptimizerKind::Adamw,
+            lr: 3e-3,
+            min_lr_ratio: 0.1,
+            warmup_steps: 10,
+            schedule: ScheduleKind::Cosine,
+            decay_fraction: 0.2,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            adam_eps: 1e-8,
+            muon_momentum: 0.95,
+            grad_clip: 1.0,
+        }
+    }
+}
+
 /// Learning rate at `step` (0-based) of `total`.
 pub fn lr_at(c: &OptimConfig, step: usize, total: usize) -> f64 {
     let min = c.lr * c.min_lr_ratio;
@@ -225,20 +244,7 @@ mod tests {
     use crate::model::{Config, ResidualKind};
 
     fn cfg(kind: OptimizerKind) -> OptimConfig {
-        OptimConfig {
-            optimizer: kind,
-            lr: 0.01,
-            min_lr_ratio: 0.1,
-            warmup_steps: 10,
-            schedule: ScheduleKind::Cosine,
-            decay_fraction: 0.2,
-            weight_decay: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            adam_eps: 1e-8,
-            muon_momentum: 0.95,
-            grad_clip: 1.0,
-        }
+        OptimConfig { optimizer: kind, lr: 0.01, ..OptimConfig::default() }
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! complete checkpoint.
 
 use super::data::{Corpus, Split};
-use super::optim::{lr_at, OptimConfig, OptimizerKind, Optimizer, ScheduleKind};
+use super::optim::{lr_at, OptimConfig, Optimizer};
 use super::tokenizer::Bpe;
 use super::tokens::{cache_dir, content_key, Tokens, WindowOrder};
 use crate::kernels;
@@ -57,20 +57,7 @@ impl Default for TrainConfig {
             eval_tokens: 65536,
             checkpoint_every: 50,
             seed: 0,
-            optim: OptimConfig {
-                optimizer: OptimizerKind::Adamw,
-                lr: 3e-3,
-                min_lr_ratio: 0.1,
-                warmup_steps: 10,
-                schedule: ScheduleKind::Cosine,
-                decay_fraction: 0.2,
-                weight_decay: 0.1,
-                beta1: 0.9,
-                beta2: 0.95,
-                adam_eps: 1e-8,
-                muon_momentum: 0.95,
-                grad_clip: 1.0,
-            },
+            optim: OptimConfig::default(),
         }
     }
 }
@@ -194,21 +181,6 @@ fn overlay_train(base: &TrainConfig, values: Map<String, Value>) -> Result<Train
     serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("{e}"))
 }
 
-/// Where a run's text comes from.
-pub enum DataSource {
-    Embedded,
-    Path(PathBuf),
-}
-
-impl DataSource {
-    fn load(&self) -> Result<Corpus> {
-        match self {
-            DataSource::Embedded => Ok(Corpus::embedded()),
-            DataSource::Path(p) => Corpus::from_path(p),
-        }
-    }
-}
-
 /// The resumable state besides model and optimiser moments.
 #[derive(Serialize, Deserialize, Debug)]
 struct TrainState {
@@ -221,11 +193,14 @@ struct TrainState {
     elapsed_seconds: f64,
     /// Hash of the corpus split and tokenizer, to refuse resuming on other data.
     data_key: String,
+    /// `--data` of the run (none: the embedded corpus).
+    data: Option<PathBuf>,
 }
 
 pub struct TrainOptions {
     pub out: PathBuf,
-    pub data: DataSource,
+    /// Training text (none: the embedded corpus, or on resume the run's own `--data`).
+    pub data: Option<PathBuf>,
     /// A `tokenizer.json` to use instead of training one.
     pub tokenizer: Option<PathBuf>,
     pub resume: bool,
@@ -245,33 +220,33 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
         ensure!(run.is_none(), "--resume continues the run in {} with its own settings; drop --config/--preset/--set", out.display());
         Some(checkpoint_dir(out)?)
     } else {
-        if has_run {
-            ensure!(opts.overwrite, "{} already holds a training run; pass --resume to continue it or --overwrite to start over", out.display());
-            for p in [CKPT, ".ckpt.old", ".ckpt.tmp", METRICS] {
-                let p = out.join(p);
-                if p.is_dir() {
-                    std::fs::remove_dir_all(&p)?;
-                } else if p.exists() {
-                    std::fs::remove_file(&p)?;
-                }
-            }
-        }
+        ensure!(!has_run || opts.overwrite, "{} already holds a training run; pass --resume to continue it or --overwrite to start over", out.display());
         None
     };
+    let state: Option<TrainState> = match &resume_dir {
+        Some(dir) => Some(
+            serde_json::from_str(&std::fs::read_to_string(dir.join("train_state.json")).context("cannot read the checkpoint's train_state.json")?)
+                .context("the checkpoint's train_state.json is corrupt")?,
+        ),
+        None => None,
+    };
 
-    // Settings, tokenizer and model: from the checkpoint, or fresh.
-    let corpus = opts.data.load()?;
+    // Data: as given, else the resumed run's own, else the embedded corpus.
+    let data = opts.data.clone().or_else(|| state.as_ref().and_then(|s| s.data.clone()));
+    let corpus = match &data {
+        Some(p) => Corpus::from_path(p)?,
+        None => Corpus::embedded(),
+    };
     let split = corpus.split();
-    let (run, bpe, mut model, state) = match &resume_dir {
-        Some(dir) => {
-            let state: TrainState = serde_json::from_str(&std::fs::read_to_string(dir.join("train_state.json")).context("cannot read the checkpoint's train_state.json")?)
-                .context("the checkpoint's train_state.json is corrupt")?;
+    // Settings, tokenizer and model: from the checkpoint, or fresh.
+    let (run, bpe, mut model) = match (&resume_dir, &state) {
+        (Some(dir), Some(state)) => {
             let bpe = Bpe::load(&dir.join("tokenizer.json"))?;
             let model = checkpoint::load(dir).context("cannot load the checkpoint's model")?;
             ensure!(model.config == state.run.model, "the checkpoint's config.json does not match its train_state.json");
-            (state.run.clone(), bpe, model, Some(state))
+            (state.run.clone(), bpe, model)
         }
-        None => {
+        _ => {
             let mut run = run.context("no settings given")?;
             let bpe = match &opts.tokenizer {
                 Some(p) => Bpe::load(p)?,
@@ -281,17 +256,28 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
             run.model.validate()?;
             run.train.validate(&run.model)?;
             let model = Model::init(run.model.clone(), run.train.seed)?;
-            (run, bpe, model, None)
+            (run, bpe, model)
         }
     };
     let tc = run.train.clone();
     let (tokens, reused) = Tokens::load_or_build(&split, &bpe)?;
     let data_key = content_key(&[tokens.path.to_string_lossy().as_bytes()]);
     if let Some(s) = &state {
-        ensure!(s.data_key == data_key, "the training data (or tokenizer) differs from the run being resumed; pass the same --data");
+        ensure!(s.data_key == data_key, "the training data (or tokenizer) differs from the run being resumed");
     }
     ensure!(tokens.val_len() >= 2, "the validation split is empty: use a corpus with more text");
     let mut order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
+    if resume_dir.is_none() && has_run {
+        // --overwrite: everything checked, now clear the old run.
+        for p in [CKPT, ".ckpt.old", ".ckpt.tmp", METRICS, "summary.json"] {
+            let p = out.join(p);
+            if p.is_dir() {
+                std::fs::remove_dir_all(&p)?;
+            } else if p.exists() {
+                std::fs::remove_file(&p)?;
+            }
+        }
+    }
 
     let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
     let (mut step, mut tokens_seen, mut windows_seen, elapsed0) = (0usize, 0u64, 0u64, 0.0f64);
@@ -381,7 +367,15 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
             t_since = Instant::now();
         }
         if step % tc.checkpoint_every == 0 || step == total {
-            let st = TrainState { run: run.clone(), step, tokens_seen, windows_seen, elapsed_seconds: elapsed0 + t0.elapsed().as_secs_f64(), data_key: data_key.clone() };
+            let st = TrainState {
+                run: run.clone(),
+                step,
+                tokens_seen,
+                windows_seen,
+                elapsed_seconds: elapsed0 + t0.elapsed().as_secs_f64(),
+                data_key: data_key.clone(),
+                data: data.clone(),
+            };
             save_checkpoint(out, &model, &bpe, &opt, &st)?;
         }
     }
