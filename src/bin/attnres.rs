@@ -46,7 +46,7 @@ struct TrainArgs {
     /// A TOML file with [model] and [train] tables (instead of --preset).
     #[arg(long, conflicts_with = "preset")]
     config: Option<PathBuf>,
-    /// Named preset: tiny (about a minute), small (the default, about ten minutes).
+    /// Named preset: tiny (about a minute), small (the default, about 13 minutes on two cores).
     #[arg(long)]
     preset: Option<String>,
     /// Override any model or training setting, e.g. --set residual=full --set lr=1e-3.
