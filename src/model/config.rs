@@ -201,22 +201,7 @@ impl Config {
         let defaults = defaults.as_object().expect("struct serialises to an object");
         for (k, v) in &map {
             let Some(d) = defaults.get(k) else { bail!("config: unknown key {k:?}") };
-            let ok = match d {
-                Value::Number(n) if n.is_u64() => v.is_u64(),
-                Value::Number(_) => v.is_number(),
-                Value::Bool(_) => v.is_boolean(),
-                Value::String(_) => v.is_string(),
-                Value::Array(_) => v.as_array().is_some_and(|a| a.iter().all(Value::is_string)),
-                _ => true,
-            };
-            let want = match d {
-                Value::Number(n) if n.is_u64() => "a non-negative integer",
-                Value::Number(_) => "a number",
-                Value::Bool(_) => "true or false",
-                Value::String(_) => "a string",
-                _ => "a list of strings",
-            };
-            ensure!(ok, "config: {k} must be {want}, got {v}");
+            same_kind(d, v).map_err(|want| anyhow::anyhow!("config: {k} must be {want}, got {v}"))?;
         }
         if let Some(r) = map.get("residual") {
             ensure!(
@@ -293,6 +278,24 @@ fn check_hf_extras(map: &mut Map<String, Value>) -> Result<()> {
         map.remove(*k);
     }
     Ok(())
+}
+
+/// Checks that `v` has the JSON kind of the default `d` (integers stay non-negative integers);
+/// on a mismatch returns what was expected, for the error message.
+pub(crate) fn same_kind(d: &Value, v: &Value) -> std::result::Result<(), &'static str> {
+    let (ok, want) = match d {
+        Value::Number(n) if n.is_u64() => (v.is_u64(), "a non-negative integer"),
+        Value::Number(_) => (v.is_number(), "a number"),
+        Value::Bool(_) => (v.is_boolean(), "true or false"),
+        Value::String(_) => (v.is_string(), "a string"),
+        Value::Array(_) => (v.as_array().is_some_and(|a| a.iter().all(Value::is_string)), "a list of strings"),
+        _ => (true, ""),
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(want)
+    }
 }
 
 fn divisors(n: usize) -> Vec<usize> {

@@ -169,13 +169,7 @@ fn overlay_train(base: &TrainConfig, values: Map<String, Value>) -> Result<Train
     let Value::Object(mut map) = serde_json::to_value(base)? else { unreachable!() };
     for (k, v) in values {
         let Some(old) = map.get(&k) else { bail!("unknown training key {k:?}") };
-        let ok = match old {
-            Value::Number(n) if n.is_u64() => v.is_u64(),
-            Value::Number(_) => v.is_number(),
-            Value::String(_) => v.is_string(),
-            _ => true,
-        };
-        ensure!(ok, "training key {k} must be {}, got {v}", if old.is_u64() { "a non-negative integer" } else if old.is_number() { "a number" } else { "a string" });
+        crate::model::config::same_kind(old, &v).map_err(|want| anyhow::anyhow!("training key {k} must be {want}, got {v}"))?;
         map.insert(k, v);
     }
     serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("{e}"))
