@@ -4,11 +4,13 @@
 //! - [`model`]: configuration, parameters, the residual connection (standard / full / block),
 //!   the transformer and checkpoints.
 //! - [`presets`]: named configurations embedded from `configs/`.
-//! - [`bench`]: the training-step benchmark.
+//! - [`generate`]: sampling and batched text generation with the key/value cache.
+//! - [`bench`]: the training-step and generation benchmarks.
 //! - [`alloc`]: the allocator the binary uses, which recycles large buffers between steps.
 
 pub mod alloc;
 pub mod bench;
+pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod presets;

@@ -80,6 +80,71 @@ pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
     });
 }
 
+/// New tokens of one sequence, as [`forward_cached`] reads them: rows `row0..row0 + len` of the
+/// `qkv` buffer sit at positions `start..start + len` of cache slot `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub slot: usize,
+    pub start: usize,
+    pub len: usize,
+    pub row0: usize,
+}
+
+/// Incremental attention against a key/value cache (inference).
+///
+/// `cache_k` and `cache_v` are `[slots, capacity, KV·hd]`, with `s.batch` = slots and
+/// `s.seq` = capacity. The new rows' keys and values (already rotated) are first written into
+/// their slots; then each new row attends to its own sequence's positions `0..=its position`.
+/// Writes `out[rows, H·hd]` for the rows the spans name.
+pub fn forward_cached(out: &mut [f32], qkv: &[f32], cache_k: &mut [f32], cache_v: &mut [f32], spans: &[Span], s: AttnShape) {
+    let (cap, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
+    let kvw = s.kv_heads * hd;
+    assert!(cache_k.len() == s.batch * cap * kvw && cache_v.len() == cache_k.len());
+    for sp in spans {
+        assert!(sp.slot < s.batch && sp.start + sp.len <= cap, "span {sp:?} outside the cache");
+        assert!((sp.row0 + sp.len) * w <= qkv.len() && (sp.row0 + sp.len) * ow <= out.len());
+        for i in 0..sp.len {
+            let row = &qkv[(sp.row0 + i) * w..(sp.row0 + i + 1) * w];
+            let at = (sp.slot * cap + sp.start + i) * kvw;
+            cache_k[at..at + kvw].copy_from_slice(&row[s.k_col(0)..s.k_col(0) + kvw]);
+            cache_v[at..at + kvw].copy_from_slice(&row[s.v_col(0)..s.v_col(0) + kvw]);
+        }
+    }
+    let (cache_k, cache_v) = (&*cache_k, &*cache_v);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let out_ptr = SendPtr(out.as_mut_ptr());
+    // One task per (span, query head, tile of rows).
+    let tasks: Vec<(Span, usize, usize)> = spans
+        .iter()
+        .flat_map(|&sp| (0..s.heads).flat_map(move |h| (0..sp.len).step_by(TILE).map(move |r0| (sp, h, r0))))
+        .collect();
+    tasks.par_iter().for_each(|&(sp, h, r0)| {
+        let r1 = (r0 + TILE).min(sp.len);
+        let keys = sp.start + r1;
+        let kv0 = sp.slot * cap * kvw + (h / s.group()) * hd;
+        let q = Strided { ptr: qkv[(sp.row0 + r0) * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
+        let kt = Strided { ptr: cache_k[kv0..].as_ptr(), rs: 1, cs: kvw as isize };
+        let v = Strided { ptr: cache_v[kv0..].as_ptr(), rs: kvw as isize, cs: 1 };
+        let mut scores = vec![0.0f32; (r1 - r0) * keys];
+        // SAFETY: the views stay inside the cache and qkv (checked above); each task writes its
+        // own rows and head columns of `out`.
+        unsafe {
+            gemm_strided(r1 - r0, keys, hd, scores.as_mut_ptr(), keys as isize, 1, false, q, kt, scale, Parallelism::None);
+        }
+        for (i, row) in scores.chunks_mut(keys).enumerate() {
+            let visible = sp.start + r0 + i + 1;
+            let m = simd::max(&row[..visible]);
+            let z = simd::exp_shift_sum(&mut row[..visible], m);
+            simd::scale(&mut row[..visible], 1.0 / z);
+            row[visible..].fill(0.0);
+        }
+        unsafe {
+            let dst = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
+            gemm_strided(r1 - r0, hd, keys, dst, ow as isize, 1, false, Strided::rows(&scores, keys), v, 1.0, Parallelism::None);
+        }
+    });
+}
+
 /// Backward: overwrites `dqkv[B·T, (H+2KV)·hd]` from `dout[B·T, H·hd]`, using the saved `qkv`
 /// (after rotary embedding) and `probs`.
 pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: AttnShape) {
@@ -207,6 +272,43 @@ mod tests {
         };
         let idx: Vec<usize> = (0..qkv.len()).step_by(37).collect();
         crate::testutil::fd_check_at(&qkv, &d, loss, "attention dqkv (long)", &idx, 1e-2);
+    }
+
+    /// Feeding a sequence in pieces through the cache gives what full causal attention gives.
+    #[test]
+    fn cached_matches_full_attention_in_pieces() {
+        let s = AttnShape { batch: 2, seq: TILE + 9, heads: 4, kv_heads: 2, head_dim: 4 };
+        let (t, w, ow) = (s.seq, s.qkv_width(), s.out_width());
+        let qkv = rand_vec(s.batch * t * w, 21, 1.5);
+        let want = naive(&qkv, s);
+        let kvw = s.kv_heads * s.head_dim;
+        let (mut ck, mut cv) = (vec![0.0; s.batch * t * kvw], vec![0.0; s.batch * t * kvw]);
+        let mut got = vec![f32::NAN; want.len()];
+        // Slot 0 takes a long prefill and then single tokens; slot 1 other cuts. Both advance in
+        // the same calls, as a batch does.
+        let cuts = [[0, TILE + 2], [0, 3]];
+        let mut pos = [0usize, 0];
+        let mut step = 0;
+        while pos != [t, t] {
+            let mut spans = Vec::new();
+            let mut rows = Vec::new();
+            for b in 0..2 {
+                let len = if step == 0 { cuts[b][1] } else { 1.min(t - pos[b]) };
+                if len > 0 {
+                    spans.push(Span { slot: b, start: pos[b], len, row0: rows.len() / w });
+                    rows.extend_from_slice(&qkv[(b * t + pos[b]) * w..(b * t + pos[b] + len) * w]);
+                }
+            }
+            let mut out = vec![0.0; rows.len() / w * ow];
+            forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, s);
+            for sp in &spans {
+                let dst = (sp.slot * t + sp.start) * ow;
+                got[dst..dst + sp.len * ow].copy_from_slice(&out[sp.row0 * ow..(sp.row0 + sp.len) * ow]);
+                pos[sp.slot] += sp.len;
+            }
+            step += 1;
+        }
+        assert_close(&got, &want, 1e-5, "cached attention");
     }
 
     #[test]

@@ -28,16 +28,33 @@ impl RopeTable {
     }
 }
 
+/// Where each row of a buffer sits in its sequence.
+#[derive(Clone, Copy)]
+pub enum Positions<'a> {
+    /// Rows are whole sequences of this length laid end to end: row `r` is at `r % len`.
+    Packed(usize),
+    /// Row `r` is at `pos[r]` (incremental decoding, where rows come from different places).
+    Explicit(&'a [usize]),
+}
+
+impl Positions<'_> {
+    fn of(&self, row: usize) -> usize {
+        match self {
+            Positions::Packed(len) => row % len,
+            Positions::Explicit(pos) => pos[row],
+        }
+    }
+}
+
 /// Rotates, in place, `n_heads` consecutive heads starting at column `col0` of each row of
-/// `x` (`[rows, width]`). Row `r` sits at position `r % seq_len`. `inverse` applies the
-/// transpose rotation (the backward pass).
-pub fn apply(x: &mut [f32], width: usize, col0: usize, n_heads: usize, seq_len: usize, table: &RopeTable, inverse: bool) {
+/// `x` (`[rows, width]`). `inverse` applies the transpose rotation (the backward pass).
+pub fn apply(x: &mut [f32], width: usize, col0: usize, n_heads: usize, positions: Positions, table: &RopeTable, inverse: bool) {
     let half = table.half;
     let hd = 2 * half;
     let sign = if inverse { -1.0 } else { 1.0 };
     par_rows_mut(x, width, |r0, chunk| {
         for (i, row) in chunk.chunks_mut(width).enumerate() {
-            let pos = (r0 + i) % seq_len;
+            let pos = positions.of(r0 + i);
             let (c, s) = (&table.cos[pos * half..(pos + 1) * half], &table.sin[pos * half..(pos + 1) * half]);
             for h in 0..n_heads {
                 let head = &mut row[col0 + h * hd..col0 + (h + 1) * hd];
@@ -64,7 +81,7 @@ mod tests {
         let t = RopeTable::new(hd, 16, 10000.0);
         let x = rand_vec(rows * heads * hd, 9, 1.0);
         let mut y = x.clone();
-        apply(&mut y, heads * hd, 0, heads, seq, &t, false);
+        apply(&mut y, heads * hd, 0, heads, Positions::Packed(seq), &t, false);
         let mut want = vec![0.0; x.len()];
         for r in 0..rows {
             let pos = (r % seq) as f64;
@@ -88,8 +105,8 @@ mod tests {
         let x = rand_vec(rows * heads * hd, 1, 1.0);
         let y = rand_vec(rows * heads * hd, 2, 1.0);
         let (mut rx, mut rty) = (x.clone(), y.clone());
-        apply(&mut rx, heads * hd, 0, heads, seq, &t, false);
-        apply(&mut rty, heads * hd, 0, heads, seq, &t, true);
+        apply(&mut rx, heads * hd, 0, heads, Positions::Packed(seq), &t, false);
+        apply(&mut rty, heads * hd, 0, heads, Positions::Packed(seq), &t, true);
         let a: f64 = rx.iter().zip(&y).map(|(a, b)| (a * b) as f64).sum();
         let b: f64 = x.iter().zip(&rty).map(|(a, b)| (a * b) as f64).sum();
         assert!((a - b).abs() < 1e-4, "{a} vs {b}");

@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod decode;
 pub mod params;
 pub mod residual;
 pub mod transformer;

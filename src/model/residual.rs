@@ -54,6 +54,8 @@ pub struct ResidualForward {
     state: State,
     d: usize,
     eps: f32,
+    /// Keep the partial sums each sublayer read (backward needs them; inference does not).
+    for_backward: bool,
 }
 
 /// The depth-attention statistics of a forward pass, for diagnostics: `alpha[rows, K]` per
@@ -74,8 +76,9 @@ fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
 }
 
 impl ResidualForward {
-    /// Starts from the embedding output `e` (`[rows, d]`).
-    pub fn new(block_size: Option<usize>, e: Vec<f32>, d: usize, eps: f32) -> Self {
+    /// Starts from the embedding output `e` (`[rows, d]`). `for_backward`: keep what
+    /// [`ResidualBackward`] needs.
+    pub fn new(block_size: Option<usize>, e: Vec<f32>, d: usize, eps: f32, for_backward: bool) -> Self {
         let state = match block_size {
             None => State::Standard { stream: e },
             Some(s) => State::Depth {
@@ -88,7 +91,7 @@ impl ResidualForward {
                 calls: Vec::new(),
             },
         };
-        ResidualForward { state, d, eps }
+        ResidualForward { state, d, eps, for_backward }
     }
 
     /// The input `h_l` of sublayer `l` (sublayers must be visited in order).
@@ -119,7 +122,7 @@ impl ResidualForward {
 
     /// Records the raw output of sublayer `l`.
     pub fn push_output(&mut self, l: usize, out: Vec<f32>) {
-        let (d, eps) = (self.d, self.eps);
+        let (d, eps, keep) = (self.d, self.eps, self.for_backward);
         match &mut self.state {
             State::Standard { stream } => kernels::add_assign(stream, &out),
             State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls, .. } => {
@@ -127,7 +130,10 @@ impl ResidualForward {
                     None => out,
                     Some(p) => {
                         let sum = kernels::sum(&p, &out);
-                        calls[l].partial = Some((p, partial_rstd.take().expect("partial was read")));
+                        let rstd = partial_rstd.take().expect("partial was read");
+                        if keep {
+                            calls[l].partial = Some((p, rstd));
+                        }
                         sum
                     }
                 };
@@ -310,7 +316,7 @@ mod tests {
         };
         let lay = Layout::new(&c);
         let params = lay.init(&c, 0);
-        let mut r = ResidualForward::new(c.block_size(), vec![1.0, 1.0], 2, 1e-6);
+        let mut r = ResidualForward::new(c.block_size(), vec![1.0, 1.0], 2, 1e-6, true);
         let mut seen = Vec::new();
         for l in 0..4 {
             seen.push(r.input(l, &params, &lay)[0]);
@@ -333,7 +339,7 @@ mod tests {
         };
         let lay = Layout::new(&c);
         let params = lay.init(&c, 0);
-        let mut r = ResidualForward::new(c.block_size(), vec![1.0, 1.0], 2, 1e-6);
+        let mut r = ResidualForward::new(c.block_size(), vec![1.0, 1.0], 2, 1e-6, true);
         assert_eq!(r.input(0, &params, &lay)[0], 1.0);
         r.push_output(0, vec![10.0, 10.0]);
         assert!((r.input(1, &params, &lay)[0] - 5.5).abs() < 1e-5);

@@ -2,11 +2,11 @@
 //! residual connection: forward keeps what backward needs, backward yields every gradient.
 
 use super::config::Config;
-use super::params::Layout;
+use super::params::{LayerParams, Layout};
 use super::residual::{ResidualBackward, ResidualForward};
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear_backward, linear_forward};
-use crate::kernels::rope::{self, RopeTable};
+use crate::kernels::rope::{self, Positions, RopeTable};
 use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
 use crate::profile::phase;
 use anyhow::{ensure, Result};
@@ -15,7 +15,7 @@ pub struct Model {
     pub config: Config,
     pub layout: Layout,
     pub params: Vec<f32>,
-    rope: RopeTable,
+    pub(crate) rope: RopeTable,
 }
 
 /// What the attention sublayer saved: its input, norm statistics, normed input, rotated q/k
@@ -31,7 +31,7 @@ struct AttnSaved {
 
 /// What the MLP sublayer saved: input, norm statistics, normed input, gate/up pre-activations
 /// and the activation fed to `down_proj`.
-struct MlpSaved {
+pub(crate) struct MlpSaved {
     h: Vec<f32>,
     rstd: Vec<f32>,
     xn: Vec<f32>,
@@ -90,27 +90,71 @@ impl Model {
         Ok(())
     }
 
+    /// The attention sublayer up to the attention itself: RMSNorm of `h`, the fused q/k/v
+    /// projection and the rotary embedding at `positions`. Returns the normed input, its 1/rms
+    /// and `qkv`.
+    pub(crate) fn attn_project(&self, lp: &LayerParams, h: &[f32], positions: Positions) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let (d, qw) = (c.hidden_size, c.qkv_width());
+        let n = h.len() / d;
+        let p = &self.params;
+        let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
+        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, h, &p[lp.input_norm.clone()], d, c.rms_norm_eps as f32));
+        let mut qkv = zeros(n * qw);
+        phase("fwd linear", || linear_forward(&mut qkv, &xn, &p[lp.qkv.clone()], n, d, qw));
+        let heads = c.num_attention_heads + c.num_key_value_heads;
+        phase("fwd rope", || rope::apply(&mut qkv, qw, 0, heads, positions, &self.rope, false));
+        (xn, rstd, qkv)
+    }
+
+    /// The MLP sublayer on its input `h`: what backward needs, and the raw output.
+    pub(crate) fn mlp_sublayer(&self, lp: &LayerParams, h: Vec<f32>) -> (MlpSaved, Vec<f32>) {
+        let c = &self.config;
+        let (d, f) = (c.hidden_size, c.intermediate_size);
+        let n = h.len() / d;
+        let p = &self.params;
+        let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
+        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.post_norm.clone()], d, c.rms_norm_eps as f32));
+        let mut gu = zeros(n * 2 * f);
+        phase("fwd linear", || linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f));
+        let mut act = zeros(n * f);
+        phase("fwd swiglu", || swiglu::forward(&mut act, &gu, f));
+        let mut out = zeros(n * d);
+        phase("fwd linear", || linear_forward(&mut out, &act, &p[lp.down.clone()], n, f, d));
+        (MlpSaved { h, rstd, xn, gu, act }, out)
+    }
+
+    /// Final RMSNorm and LM head on `h` (`[rows, d]`): the normed input, its 1/rms, and the
+    /// logits `[rows, vocab]`.
+    pub(crate) fn head(&self, h: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let (d, v) = (c.hidden_size, c.vocab_size);
+        let n = h.len() / d;
+        let p = &self.params;
+        let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
+        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, h, &p[self.layout.final_norm.clone()], d, c.rms_norm_eps as f32));
+        let mut logits = zeros(n * v);
+        phase("fwd head", || linear_forward(&mut logits, &xn, &p[self.layout.head.clone()], n, d, v));
+        (xn, rstd, logits)
+    }
+
     pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
         self.check_batch(ids, batch, seq)?;
         let c = &self.config;
-        let (n, d, f, v) = (batch * seq, c.hidden_size, c.intermediate_size, c.vocab_size);
+        let (n, d) = (batch * seq, c.hidden_size);
         let eps = c.rms_norm_eps as f32;
         let p = &self.params;
         let sh = self.attn_shape(batch, seq);
-        let (qw, ow) = (sh.qkv_width(), sh.out_width());
+        let ow = sh.out_width();
 
         let mut e = zeros(n * d);
         phase("fwd embed", || embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d));
-        let mut res = ResidualForward::new(c.block_size(), e, d, eps);
+        let mut res = ResidualForward::new(c.block_size(), e, d, eps, true);
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
         for (i, lp) in self.layout.layers.iter().enumerate() {
             // Attention sublayer 2i.
             let h = phase("fwd residual", || res.input(2 * i, p, &self.layout));
-            let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-            phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.input_norm.clone()], d, eps));
-            let mut qkv = zeros(n * qw);
-            phase("fwd linear", || linear_forward(&mut qkv, &xn, &p[lp.qkv.clone()], n, d, qw));
-            phase("fwd rope", || rope::apply(&mut qkv, qw, 0, sh.heads + sh.kv_heads, seq, &self.rope, false));
+            let (xn, rstd, qkv) = self.attn_project(lp, &h, Positions::Packed(seq));
             let (mut o, mut probs) = (zeros(n * ow), zeros(sh.probs_len()));
             phase("fwd attention", || attention::forward(&mut o, &mut probs, &qkv, sh));
             let mut out = zeros(n * d);
@@ -120,22 +164,12 @@ impl Model {
 
             // MLP sublayer 2i+1.
             let h = phase("fwd residual", || res.input(2 * i + 1, p, &self.layout));
-            let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-            phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.post_norm.clone()], d, eps));
-            let mut gu = zeros(n * 2 * f);
-            phase("fwd linear", || linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f));
-            let mut act = zeros(n * f);
-            phase("fwd swiglu", || swiglu::forward(&mut act, &gu, f));
-            let mut out = zeros(n * d);
-            phase("fwd linear", || linear_forward(&mut out, &act, &p[lp.down.clone()], n, f, d));
+            let (saved, out) = self.mlp_sublayer(lp, h);
             phase("fwd residual", || res.push_output(2 * i + 1, out));
-            mlp.push(MlpSaved { h, rstd, xn, gu, act });
+            mlp.push(saved);
         }
         let h_final = phase("fwd residual", || res.output(p, &self.layout));
-        let (mut xn_final, mut rstd_final) = (zeros(n * d), zeros(n));
-        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn_final, &mut rstd_final, &h_final, &p[self.layout.final_norm.clone()], d, eps));
-        let mut logits = zeros(n * v);
-        phase("fwd head", || linear_forward(&mut logits, &xn_final, &p[self.layout.head.clone()], n, d, v));
+        let (xn_final, rstd_final, logits) = self.head(&h_final);
         Ok(Forward { batch, seq, ids: ids.to_vec(), attn, mlp, residual: res, h_final, rstd_final, xn_final, logits })
     }
 
@@ -203,7 +237,7 @@ impl Model {
                 linear_backward(&mut do_, &mut g[lp.o_proj.clone()], dout, &s.o, &p[lp.o_proj.clone()], n, ow, d, false);
             });
             phase("bwd attention", || attention::backward(&mut dqkv, &do_, &s.qkv, &s.probs, sh));
-            phase("bwd rope", || rope::apply(&mut dqkv, qw, 0, sh.heads + sh.kv_heads, fwd.seq, &self.rope, true));
+            phase("bwd rope", || rope::apply(&mut dqkv, qw, 0, sh.heads + sh.kv_heads, Positions::Packed(fwd.seq), &self.rope, true));
             phase("bwd linear", || {
                 linear_backward(&mut dxn, &mut g[lp.qkv.clone()], &dqkv, &s.xn, &p[lp.qkv.clone()], n, d, qw, false);
             });

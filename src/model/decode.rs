@@ -1,0 +1,169 @@
+//! Incremental decoding: a key/value cache per layer, and a forward pass over new tokens only.
+//!
+//! Each cache slot holds one sequence. One call runs new tokens of any set of slots together
+//! (whole prompts for prefill, one token per slot while decoding); every token attends to its
+//! own slot's cached keys and values, which the call extends.
+//!
+//! The residual connection runs exactly as in training, on the new tokens: depth attention never
+//! mixes positions, so a token's **depth cache** (the embedding and the completed block sums,
+//! or every sublayer output for `full`, plus the running partial sum) is built while that token
+//! passes through the layers and read by all later sublayers, with the two-phase computation of
+//! SPEC §7 (phase 1 once per block for all of its sublayers, phase 2 per sublayer). Unlike the
+//! key/value cache it is not kept once the token's logits exist.
+
+use super::config::Config;
+use super::residual::ResidualForward;
+use super::transformer::Model;
+use crate::kernels::attention::{self, AttnShape, Span};
+use crate::kernels::matmul::linear_forward;
+use crate::kernels::rope::Positions;
+use crate::kernels::{embedding, zeros};
+use anyhow::{bail, ensure, Result};
+
+/// Keys and values of every layer for `slots` sequences of up to `capacity` tokens.
+pub struct KvCache {
+    slots: usize,
+    capacity: usize,
+    /// Per layer: `[slots, capacity, KV·hd]`, keys after the rotary embedding.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    /// Tokens held per slot.
+    len: Vec<usize>,
+}
+
+impl KvCache {
+    /// An empty cache; `capacity` may not exceed the model's `max_position_embeddings`.
+    pub fn new(config: &Config, slots: usize, capacity: usize) -> Result<KvCache> {
+        ensure!(slots > 0, "a cache needs at least one slot");
+        ensure!(
+            capacity > 0 && capacity <= config.max_position_embeddings,
+            "cache capacity {capacity} must lie in 1..={} (max_position_embeddings)",
+            config.max_position_embeddings
+        );
+        let size = slots * capacity * config.num_key_value_heads * config.head_dim;
+        let layers = config.num_hidden_layers;
+        Ok(KvCache {
+            slots,
+            capacity,
+            k: (0..layers).map(|_| zeros(size)).collect(),
+            v: (0..layers).map(|_| zeros(size)).collect(),
+            len: vec![0; slots],
+        })
+    }
+
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Tokens cached in `slot`.
+    pub fn len(&self, slot: usize) -> usize {
+        self.len[slot]
+    }
+
+    /// Forgets the sequence in `slot` (its next token goes to position 0).
+    pub fn clear(&mut self, slot: usize) {
+        self.len[slot] = 0;
+    }
+}
+
+/// Memory per token, in f32 values: the key/value cache holds `kv` for every token of the
+/// context; the depth cache holds `depth` for each token while it passes through the layers.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct CacheFootprint {
+    pub kv: usize,
+    pub depth: usize,
+}
+
+impl CacheFootprint {
+    pub fn of(c: &Config) -> CacheFootprint {
+        let kv = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim;
+        // Sources a sublayer may read: the embedding and the completed blocks (N of them by the
+        // last block, each sublayer's output for full), the running partial sum inside a block,
+        // and one 1/rms per source. The standard residual keeps just the stream.
+        let d = c.hidden_size;
+        let depth = match c.block_size() {
+            None => d,
+            Some(s) => {
+                let blocks = c.sublayers() / s;
+                let partial = (s > 1) as usize;
+                (1 + blocks + partial) * (d + 1)
+            }
+        };
+        CacheFootprint { kv, depth }
+    }
+}
+
+impl Model {
+    /// Runs new tokens through the model and appends them to `cache`: `chunks` pairs a slot
+    /// with the tokens that continue its sequence (each slot at most once). Returns logits
+    /// `[rows, vocab]`: for every new token, in chunk order, when `all_logits`; otherwise for
+    /// the last token of each chunk.
+    pub fn decode(&self, cache: &mut KvCache, chunks: &[(usize, &[u32])], all_logits: bool) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (d, v) = (c.hidden_size, c.vocab_size);
+        let mut spans = Vec::with_capacity(chunks.len());
+        let mut seen = vec![false; cache.slots];
+        let mut rows = 0;
+        for &(slot, ids) in chunks {
+            ensure!(slot < cache.slots, "slot {slot} does not exist (the cache has {})", cache.slots);
+            ensure!(!std::mem::replace(&mut seen[slot], true), "slot {slot} appears twice in one call");
+            ensure!(!ids.is_empty(), "no new tokens for slot {slot}");
+            let start = cache.len[slot];
+            if start + ids.len() > cache.capacity {
+                bail!(
+                    "slot {slot} holds {start} tokens; {} more would exceed the context of {} tokens",
+                    ids.len(),
+                    cache.capacity
+                );
+            }
+            if let Some(&t) = ids.iter().find(|&&t| t as usize >= v) {
+                bail!("token id {t} is out of range for vocab_size = {v}");
+            }
+            spans.push(Span { slot, start, len: ids.len(), row0: rows });
+            rows += ids.len();
+        }
+        ensure!(rows > 0, "nothing to decode");
+        let ids: Vec<u32> = chunks.iter().flat_map(|(_, ids)| ids.iter().copied()).collect();
+        let positions: Vec<usize> = spans.iter().flat_map(|s| s.start..s.start + s.len).collect();
+
+        let p = &self.params;
+        let lay = &self.layout;
+        let sh = AttnShape {
+            batch: cache.slots,
+            seq: cache.capacity,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        };
+        let ow = sh.out_width();
+        let mut e = zeros(rows * d);
+        embedding::forward(&mut e, &p[lay.embed.clone()], &ids, d);
+        let mut res = ResidualForward::new(c.block_size(), e, d, c.rms_norm_eps as f32, false);
+        for (i, lp) in lay.layers.iter().enumerate() {
+            let h = res.input(2 * i, p, lay);
+            let (_, _, qkv) = self.attn_project(lp, &h, Positions::Explicit(&positions));
+            let mut o = zeros(rows * ow);
+            attention::forward_cached(&mut o, &qkv, &mut cache.k[i], &mut cache.v[i], &spans, sh);
+            let mut out = zeros(rows * d);
+            linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d);
+            res.push_output(2 * i, out);
+
+            let h = res.input(2 * i + 1, p, lay);
+            let (_, out) = self.mlp_sublayer(lp, h);
+            res.push_output(2 * i + 1, out);
+        }
+        for s in &spans {
+            cache.len[s.slot] += s.len;
+        }
+        let mut h = res.output(p, lay);
+        if !all_logits {
+            // Only the last token of each chunk predicts what comes next.
+            h = spans.iter().flat_map(|s| h[(s.row0 + s.len - 1) * d..(s.row0 + s.len) * d].iter().copied()).collect();
+        }
+        Ok(self.head(&h).2)
+    }
+}
