@@ -1,5 +1,6 @@
-//! The training-step benchmark: forward + backward time per residual mode, measured
-//! interleaved (one step of each mode per round) so that machine noise hits all modes alike.
+//! Benchmarks, measured interleaved so that machine noise hits all residual modes alike: the
+//! training step (forward + backward, one step of each mode per round) and generation (prefill,
+//! then decode steps taken in turn by every mode).
 
 use crate::kernels::matmul::{matmul, threads};
 use crate::model::{Config, Model, ResidualKind};
@@ -62,17 +63,9 @@ pub fn matmul_peak(size: usize) -> f64 {
 /// Runs `warmup` + `steps` interleaved rounds over the given configs.
 pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: usize, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
     let models: Vec<Model> = configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
-    let vocab = configs[0].vocab_size as u64;
-    // Deterministic pseudo-random tokens.
-    let mut x = 0x2545F4914F6CDD1Du64;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x % vocab) as u32
-    };
-    let ids: Vec<u32> = (0..batch * seq).map(|_| next()).collect();
-    let targets: Vec<u32> = (0..batch * seq).map(|_| next()).collect();
+    let vocab = configs[0].vocab_size;
+    let ids = pseudo_tokens(batch * seq, vocab, 1);
+    let targets = pseudo_tokens(batch * seq, vocab, 2);
     let mut times = vec![Vec::new(); models.len()];
     let mut phases: Vec<std::collections::BTreeMap<&str, f64>> = vec![Default::default(); models.len()];
     for round in 0..warmup + steps {
@@ -122,16 +115,167 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
             }
         })
         .collect();
-    // Relative cost: the median over rounds of each round's ratio, since the steps of one round
-    // run back to back and share the machine's state of the moment.
     if let Some(base) = models.iter().position(|m| m.config.residual == ResidualKind::Standard) {
         for (i, m) in modes.iter_mut().enumerate() {
-            let mut r: Vec<f64> = raw[i].iter().zip(&raw[base]).map(|(a, b)| a / b).collect();
-            r.sort_by(|a, b| a.total_cmp(b));
-            m.relative_to_standard = Some(r[r.len() / 2]);
+            m.relative_to_standard = Some(median_ratio(&raw[i], &raw[base]));
         }
     }
     Ok(BenchReport { batch, seq, threads: rayon::current_num_threads(), steps, matmul_peak_gflops: peak, modes })
+}
+
+/// Relative cost: the median over rounds of each round's ratio, since the measurements of one
+/// round run back to back and share the machine's state of the moment.
+fn median_ratio(times: &[f64], base: &[f64]) -> f64 {
+    let mut r: Vec<f64> = times.iter().zip(base).map(|(a, b)| a / b).collect();
+    r.sort_by(|a, b| a.total_cmp(b));
+    r[r.len() / 2]
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Deterministic pseudo-random token ids (xorshift).
+fn pseudo_tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    let mut x = 0x2545F4914F6CDD1Du64 ^ salt.wrapping_mul(0x9E3779B97F4A7C15);
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x % vocab as u64) as u32
+        })
+        .collect()
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct DecodeResult {
+    pub batch: usize,
+    /// Median seconds of one prefill pass over `batch` prompts.
+    pub prefill_seconds: f64,
+    pub prefill_tokens_per_second: f64,
+    /// Median seconds of one decode step (one new token for each of `batch` sequences).
+    pub step_seconds: f64,
+    pub decode_tokens_per_second: f64,
+    /// Median over rounds of (this mode's decode time / `standard`'s in the same round).
+    pub latency_relative_to_standard: Option<f64>,
+    pub prefill_relative_to_standard: Option<f64>,
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct GenerateModeResult {
+    pub residual: String,
+    pub num_blocks: usize,
+    /// Bytes per token: key/value cache (kept for the whole context) and depth cache (kept
+    /// while the token passes through the layers).
+    pub kv_cache_bytes_per_token: usize,
+    pub depth_cache_bytes_per_token: usize,
+    pub batches: Vec<DecodeResult>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct GenerateReport {
+    pub prompt_tokens: usize,
+    pub new_tokens: usize,
+    pub rounds: usize,
+    pub threads: usize,
+    pub modes: Vec<GenerateModeResult>,
+}
+
+/// The generation benchmark: per round and batch size, every mode prefills `batch` prompts of
+/// `prompt_tokens` tokens, then the modes take turns decoding one token per sequence until each
+/// has produced `new_tokens`. Tokens fed are fixed pseudo-random ids, so all modes do the same
+/// work whatever their logits say.
+pub fn run_generate(
+    configs: &[Config],
+    prompt_tokens: usize,
+    new_tokens: usize,
+    batches: &[usize],
+    warmup: usize,
+    rounds: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<GenerateReport> {
+    use crate::model::decode::{CacheFootprint, KvCache};
+    let models: Vec<Model> = configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
+    let vocab = configs[0].vocab_size;
+    // [mode][batch] -> per-round seconds
+    let mut prefill = vec![vec![Vec::new(); batches.len()]; models.len()];
+    let mut decode = vec![vec![Vec::new(); batches.len()]; models.len()];
+    for round in 0..warmup + rounds {
+        for (bi, &batch) in batches.iter().enumerate() {
+            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| pseudo_tokens(prompt_tokens, vocab, 10 + b as u64)).collect();
+            let fed = pseudo_tokens(batch * new_tokens, vocab, 99);
+            let mut caches = models
+                .iter()
+                .map(|m| KvCache::new(&m.config, batch, prompt_tokens + new_tokens))
+                .collect::<Result<Vec<_>>>()?;
+            let mut pre = vec![0.0; models.len()];
+            let mut dec = vec![0.0; models.len()];
+            for (i, m) in models.iter().enumerate() {
+                let chunks: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(b, p)| (b, p.as_slice())).collect();
+                let t = Instant::now();
+                std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
+                pre[i] = t.elapsed().as_secs_f64();
+            }
+            for step in 0..new_tokens {
+                let toks = &fed[step * batch..(step + 1) * batch];
+                let chunks: Vec<(usize, &[u32])> = (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
+                for (i, m) in models.iter().enumerate() {
+                    let t = Instant::now();
+                    std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
+                    dec[i] += t.elapsed().as_secs_f64();
+                }
+            }
+            if round >= warmup {
+                for i in 0..models.len() {
+                    prefill[i][bi].push(pre[i]);
+                    decode[i][bi].push(dec[i] / new_tokens as f64);
+                }
+            }
+            let per_mode: Vec<String> = models.iter().zip(&dec).map(|(m, d)| format!("{} {:.2} ms", label(&m.config), d / new_tokens as f64 * 1e3)).collect();
+            progress(&format!(
+                "{} round {:>2}/{} batch {batch}: decode step {}",
+                if round < warmup { "warmup" } else { "timed " },
+                round + 1,
+                warmup + rounds,
+                per_mode.join(", ")
+            ));
+        }
+    }
+    let base = models.iter().position(|m| m.config.residual == ResidualKind::Standard);
+    let modes = models
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let fp = CacheFootprint::of(&m.config);
+            let batches = batches
+                .iter()
+                .enumerate()
+                .map(|(bi, &batch)| {
+                    let (pre, step) = (median(&prefill[i][bi]), median(&decode[i][bi]));
+                    DecodeResult {
+                        batch,
+                        prefill_seconds: pre,
+                        prefill_tokens_per_second: (batch * prompt_tokens) as f64 / pre,
+                        step_seconds: step,
+                        decode_tokens_per_second: batch as f64 / step,
+                        latency_relative_to_standard: base.map(|b| median_ratio(&decode[i][bi], &decode[b][bi])),
+                        prefill_relative_to_standard: base.map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
+                    }
+                })
+                .collect();
+            GenerateModeResult {
+                residual: format!("{:?}", m.config.residual).to_lowercase(),
+                num_blocks: m.config.num_blocks,
+                kv_cache_bytes_per_token: 4 * fp.kv,
+                depth_cache_bytes_per_token: 4 * fp.depth,
+                batches,
+            }
+        })
+        .collect();
+    Ok(GenerateReport { prompt_tokens, new_tokens, rounds, threads: rayon::current_num_threads(), modes })
 }
 
 pub fn label(c: &Config) -> String {

@@ -160,7 +160,8 @@ pub struct Timing {
     pub decode_seconds: f64,
 }
 
-/// Generates a continuation of every prompt, all prompts as one batch. `on_token(i, id)` is
+/// Generates a continuation of every prompt, all prompts as one batch (numbered from 1 in
+/// errors). `on_token(i, id)` is
 /// called as soon as prompt `i` gets its next token.
 pub fn generate(
     model: &Model,
@@ -174,17 +175,18 @@ pub fn generate(
     let vocab = model.config.vocab_size;
     let mut history: Vec<Vec<u32>> = Vec::with_capacity(prompts.len());
     for (i, p) in prompts.iter().enumerate() {
-        ensure!(!p.is_empty(), "prompt {i} is empty");
+        let n = i + 1;
+        ensure!(!p.is_empty(), "prompt {n} is empty");
         if let Some(&t) = p.iter().find(|&&t| t as usize >= vocab) {
-            bail!("prompt {i} holds token id {t}, out of range for vocab_size = {vocab}");
+            bail!("prompt {n} holds token id {t}, out of range for vocab_size = {vocab}");
         }
         // The last new token is sampled, never fed back, so it needs no position.
         let needed = p.len() + opts.max_tokens - 1;
         match opts.overflow {
             Overflow::Error => ensure!(
                 needed <= ctx,
-                "prompt {i} has {} tokens; {} new tokens need {needed} positions, beyond the model's context of {ctx} \
-                 (max_position_embeddings): shorten the prompt, lower max-tokens, or slide the context window",
+                "prompt {n} has {} tokens; {} new tokens need {needed} positions, beyond the model's context of {ctx} \
+                 (max_position_embeddings): shorten the prompt, generate fewer tokens, or let the context window slide",
                 p.len(),
                 opts.max_tokens,
             ),

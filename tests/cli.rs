@@ -77,6 +77,8 @@ fn init_is_deterministic_and_refuses_to_overwrite() {
     fails(&["init", "--out", a.to_str().unwrap(), "--preset", "tiny"], "already holds a checkpoint");
     ok(&["init", "--out", a.to_str().unwrap(), "--preset", "tiny", "--seed", "4", "--force"]);
     assert_ne!(std::fs::read(a.join("model.safetensors")).unwrap(), std::fs::read(b.join("model.safetensors")).unwrap());
+    // A bare checkpoint has no tokenizer to generate text with.
+    fails(&["generate", "--model", a.to_str().unwrap(), "--prompt", "x"], "has no tokenizer.json");
 }
 
 #[test]

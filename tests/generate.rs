@@ -221,7 +221,7 @@ fn sampling_is_deterministic_for_a_seed_and_stops_at_end_of_text() {
 fn bad_requests_get_named_errors() {
     let m = perturbed(config(ResidualKind::Full, 0, 16));
     let err = |prompts: Vec<Vec<u32>>, o: GenerateOptions| generate(&m, &prompts, &o, |_, _| {}).unwrap_err().to_string();
-    assert!(err(vec![vec![1], vec![]], opts(3, Overflow::Error)).contains("prompt 1 is empty"));
+    assert!(err(vec![vec![1], vec![]], opts(3, Overflow::Error)).contains("prompt 2 is empty"));
     assert!(err(vec![vec![1]], opts(0, Overflow::Error)).contains("max-tokens"));
     assert!(err(vec![vec![1, 99]], opts(3, Overflow::Error)).contains("token id 99"));
     assert!(err(vec![vec![1; 10]], opts(8, Overflow::Error)).contains("need 17 positions"));

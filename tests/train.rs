@@ -177,4 +177,56 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
     fails(&run(other), "differs from the run being resumed");
     fails(&env.run(&["eval", "--model", env.path("r").to_str().unwrap(), "--text", bad.to_str().unwrap()]), "not valid UTF-8");
     fails(&env.run(&["eval", "--model", env.path("r").to_str().unwrap(), "--text", env.path("missing.txt").to_str().unwrap()]), "cannot read");
+    generation_from_a_trained_run(&env, "r");
+}
+
+/// `attnres generate` on a trained run: streaming output equals the batch output, a seed fixes
+/// sampled text, and bad requests get named errors.
+fn generation_from_a_trained_run(env: &Env, run: &str) {
+    let model = env.path(run);
+    let m = model.to_str().unwrap();
+    let gen = |extra: &[&str]| {
+        let mut a = vec!["generate", "--model", m];
+        a.extend_from_slice(extra);
+        env.run(&a)
+    };
+    let greedy = gen(&["--prompt", "ROMEO:", "--max-tokens", "24", "--temperature", "0"]);
+    let log = ok(&greedy);
+    assert!(log.contains("tokens/s"), "{log}");
+    let text = String::from_utf8(greedy.stdout).unwrap();
+    assert!(text.starts_with("ROMEO:") && text.len() > "ROMEO:".len() + 5, "{text:?}");
+
+    // The same prompt inside a batch gives the same greedy continuation.
+    let prompts = env.path("prompts.txt");
+    std::fs::write(&prompts, "ROMEO:\nWhat light through yonder window\n").unwrap();
+    let batch = gen(&["--prompt-file", prompts.to_str().unwrap(), "--max-tokens", "24", "--temperature", "0"]);
+    ok(&batch);
+    let lines: Vec<serde_json::Value> = String::from_utf8(batch.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    assert_eq!(lines[1]["prompt"], "What light through yonder window");
+    assert_eq!(format!("ROMEO:{}\n", lines[0]["completion"].as_str().unwrap()), text);
+
+    let sampled = |seed: &str| {
+        let o = gen(&["--prompt", "KING:", "--max-tokens", "30", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9", "--seed", seed]);
+        ok(&o);
+        o.stdout
+    };
+    assert_eq!(sampled("4"), sampled("4"));
+    assert_ne!(sampled("4"), sampled("5"));
+
+    fails(&gen(&["--prompt", "x", "--max-tokens", "0"]), "--max-tokens must be at least 1");
+    fails(&gen(&["--prompt", "x", "--max-tokens", "-3"]), "--max-tokens must be at least 1");
+    fails(&gen(&["--prompt", "x", "--temperature", "-1"]), "temperature must be");
+    fails(&gen(&["--prompt", "x", "--top-k", "0"]), "--top-k must be at least 1");
+    fails(&gen(&["--prompt", "x", "--top-p", "0"]), "top-p must lie in (0, 1]");
+    fails(&gen(&["--prompt", "x", "--top-p", "1.5"]), "top-p must lie in (0, 1]");
+    fails(&gen(&["--prompt", ""]), "--prompt is empty");
+    std::fs::write(&prompts, "one\n\nthree\n").unwrap();
+    fails(&gen(&["--prompt-file", prompts.to_str().unwrap()]), "line 2 is empty");
+    // The tiny preset's context is 128 tokens.
+    fails(&gen(&["--prompt", "x", "--max-tokens", "500"]), "beyond the model's context of 128");
+    let slid = gen(&["--prompt", "x", "--max-tokens", "300", "--temperature", "0", "--slide"]);
+    ok(&slid);
+    assert!(String::from_utf8(slid.stdout).unwrap().len() > 300);
+    fails(&env.run(&["generate", "--model", env.path("nothing").to_str().unwrap(), "--prompt", "x"]), "is not a directory");
 }

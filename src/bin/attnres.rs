@@ -34,7 +34,10 @@ enum Command {
     Train(TrainArgs),
     /// Measure a checkpoint on a text file: loss, perplexity and bits per byte.
     Eval(EvalArgs),
-    /// Time one training step (forward + backward) for each residual mode, side by side.
+    /// Continue a prompt (or a file of prompts) with a trained model, streaming the text.
+    Generate(GenerateArgs),
+    /// Time training steps (or, with --generate, prefill and decoding) for each residual mode,
+    /// side by side.
     Bench(BenchArgs),
 }
 
@@ -140,7 +143,7 @@ struct BenchArgs {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 256)]
     seq: usize,
-    /// Timed steps per mode (the median is reported).
+    /// Timed steps per mode (with --generate: timed rounds); the median is reported.
     #[arg(long, default_value_t = 5)]
     steps: usize,
     /// Untimed warm-up steps per mode.
@@ -155,6 +158,51 @@ struct BenchArgs {
     /// Also report the time per step of each phase (linear layers, attention, norms, ...).
     #[arg(long)]
     profile: bool,
+    /// Benchmark generation instead: prefill and decode throughput, decode latency per mode.
+    #[arg(long)]
+    generate: bool,
+    /// With --generate: tokens per prompt.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// With --generate: tokens decoded per sequence and round.
+    #[arg(long, default_value_t = 64)]
+    new_tokens: usize,
+    /// With --generate: batch sizes (sequences decoded together).
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batches: Vec<usize>,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Model directory with tokenizer.json: a training run's --out.
+    #[arg(long)]
+    model: PathBuf,
+    /// Text to continue.
+    #[arg(long, conflicts_with = "prompt_file", required_unless_present = "prompt_file")]
+    prompt: Option<String>,
+    /// A UTF-8 file with one prompt per line, generated as one batch; prints one JSON object
+    /// per prompt ({"prompt", "completion", "new_tokens", "stop"}).
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// New tokens per prompt (fewer if the model ends the text).
+    #[arg(long, default_value_t = 200, allow_negative_numbers = true)]
+    max_tokens: i64,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Sample only from the K most likely tokens.
+    #[arg(long, allow_negative_numbers = true)]
+    top_k: Option<i64>,
+    /// Sample only from the most likely tokens whose probabilities add up to P (0 < P <= 1).
+    #[arg(long, allow_negative_numbers = true)]
+    top_p: Option<f32>,
+    /// Seed of the sampler (same seed, same prompts: same text).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// When prompt plus new tokens outgrow the model's context, keep going over a sliding
+    /// window (the cache is rebuilt from the latest half of the context) instead of refusing.
+    #[arg(long)]
+    slide: bool,
 }
 
 fn main() {
@@ -175,6 +223,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Forward(a) => forward(a),
         Command::Train(a) => train_cmd(a),
         Command::Eval(a) => eval_cmd(a),
+        Command::Generate(a) => generate_cmd(a),
         Command::Bench(a) => bench_cmd(a),
     }
 }
@@ -205,13 +254,104 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-fn eval_cmd(a: EvalArgs) -> Result<()> {
-    let model = checkpoint::load(&a.model)?;
-    let bpe = Bpe::load(&a.model.join("tokenizer.json"))?;
+/// A checkpoint and the tokenizer stored beside it.
+fn load_with_tokenizer(dir: &Path) -> Result<(Model, Bpe)> {
+    let model = checkpoint::load(dir)?;
+    let path = dir.join("tokenizer.json");
+    ensure!(path.exists(), "{} has no tokenizer.json: pass the directory of a training run (attnres train --out DIR)", dir.display());
+    let bpe = Bpe::load(&path)?;
     ensure!(bpe.vocab_size() <= model.config.vocab_size, "tokenizer.json has {} tokens, the model only {}", bpe.vocab_size(), model.config.vocab_size);
-    let bytes = std::fs::read(&a.text).with_context(|| format!("cannot read {}", a.text.display()))?;
-    let text = String::from_utf8(bytes)
-        .map_err(|e| anyhow::anyhow!("{} is not valid UTF-8 (first invalid byte at offset {})", a.text.display(), e.utf8_error().valid_up_to()))?;
+    Ok((model, bpe))
+}
+
+fn read_utf8(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{} is not valid UTF-8 (first invalid byte at offset {})", path.display(), e.utf8_error().valid_up_to()))
+}
+
+fn generate_cmd(a: GenerateArgs) -> Result<()> {
+    use attnres::generate::{generate, GenerateOptions, Overflow, Sampling};
+    use std::io::Write;
+    ensure!(a.max_tokens > 0, "--max-tokens must be at least 1, got {}", a.max_tokens);
+    let top_k = match a.top_k {
+        Some(k) if k < 1 => bail!("--top-k must be at least 1, got {k}"),
+        k => k.map(|k| k as usize),
+    };
+    let sampling = Sampling { temperature: a.temperature, top_k, top_p: a.top_p };
+    sampling.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
+    let texts: Vec<String> = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => {
+            ensure!(!p.is_empty(), "--prompt is empty: give some text to continue");
+            vec![p.clone()]
+        }
+        (None, Some(f)) => {
+            let text = read_utf8(f)?;
+            let lines: Vec<String> = text.lines().map(str::to_string).collect();
+            ensure!(!lines.is_empty(), "{} holds no prompts", f.display());
+            if let Some(i) = lines.iter().position(|l| l.is_empty()) {
+                bail!("{} line {} is empty: every line must be a prompt", f.display(), i + 1);
+            }
+            lines
+        }
+        (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
+    };
+    let (model, bpe) = load_with_tokenizer(&a.model)?;
+    let prompts = texts.iter().map(|t| bpe.encode(t)).collect::<Result<Vec<_>>>()?;
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens as usize,
+        sampling,
+        seed: a.seed,
+        overflow: if a.slide { Overflow::Slide } else { Overflow::Error },
+        stop: Some(bpe.eot),
+    };
+    let single = prompts.len() == 1;
+    let mut out = std::io::stdout().lock();
+    let mut streamed: Vec<u32> = Vec::new();
+    let mut shown = 0;
+    if single {
+        write!(out, "{}", texts[0])?;
+        out.flush()?;
+    }
+    let (gens, timing) = generate(&model, &prompts, &opts, |_, tok| {
+        if !single || tok == bpe.eot {
+            return;
+        }
+        // Print what the tokens so far decode to, holding back a trailing partial character.
+        streamed.push(tok);
+        if let Ok(text) = bpe.decode(&streamed) {
+            if !text.ends_with('\u{FFFD}') && text.len() > shown {
+                let _ = write!(out, "{}", &text[shown..]);
+                let _ = out.flush();
+                shown = text.len();
+            }
+        }
+    })?;
+    if single {
+        let text = bpe.decode(&streamed)?;
+        writeln!(out, "{}", text.get(shown..).unwrap_or(""))?;
+    } else {
+        for (t, g) in texts.iter().zip(&gens) {
+            let body: Vec<u32> = g.tokens.iter().copied().filter(|&x| x != bpe.eot).collect();
+            let line = serde_json::json!({"prompt": t, "completion": bpe.decode(&body)?, "new_tokens": g.tokens.len(), "stop": g.stop});
+            writeln!(out, "{line}")?;
+        }
+    }
+    eprintln!(
+        "prefill {} tokens in {:.1} ms ({:.0} tokens/s); decode {} tokens in {:.2} s ({:.1} tokens/s)",
+        timing.prefill_tokens,
+        timing.prefill_seconds * 1e3,
+        timing.prefill_tokens as f64 / timing.prefill_seconds,
+        timing.decode_tokens,
+        timing.decode_seconds,
+        timing.decode_tokens as f64 / timing.decode_seconds.max(1e-9)
+    );
+    Ok(())
+}
+
+fn eval_cmd(a: EvalArgs) -> Result<()> {
+    let (model, bpe) = load_with_tokenizer(&a.model)?;
+    let text = read_utf8(&a.text)?;
     let ids = bpe.encode(&text)?;
     ensure!(ids.len() >= 2, "{} is too short to measure: it encodes to {} token(s)", a.text.display(), ids.len());
     let seq = a.seq.unwrap_or(model.config.max_position_embeddings);
@@ -314,6 +454,9 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         configs.push(c);
     }
     ensure!(!configs.is_empty(), "--modes is empty");
+    if a.generate {
+        return bench_generate(&a, &configs);
+    }
     eprintln!(
         "bench: {} layers, hidden {}, {} heads, batch {} x seq {}, {} threads",
         base.num_hidden_layers,
@@ -348,6 +491,54 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         for (name, secs) in &m.profile {
             println!("  {name:<16} {:>8.1} ms  {:>5.1}%", secs * 1e3, 100.0 * secs / m.step_seconds);
         }
+    }
+    Ok(())
+}
+
+fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
+    let base = &configs[0];
+    ensure!(a.prompt_tokens > 0 && a.new_tokens > 0, "--prompt-tokens and --new-tokens must be positive");
+    ensure!(!a.batches.is_empty() && a.batches.iter().all(|&b| b > 0), "--batches must list positive batch sizes");
+    let total = a.prompt_tokens + a.new_tokens;
+    ensure!(total <= base.max_position_embeddings, "--prompt-tokens + --new-tokens = {total} exceeds max_position_embeddings = {}", base.max_position_embeddings);
+    eprintln!(
+        "bench --generate: {} layers, hidden {}, {} heads, prompt {} + {} new tokens, batches {:?}, {} threads",
+        base.num_hidden_layers,
+        base.hidden_size,
+        base.num_attention_heads,
+        a.prompt_tokens,
+        a.new_tokens,
+        a.batches,
+        rayon::current_num_threads()
+    );
+    let report = bench::run_generate(configs, a.prompt_tokens, a.new_tokens, &a.batches, a.warmup, a.steps, |line| eprintln!("  {line}"))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard | prefill time vs standard |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let name = |m: &bench::GenerateModeResult| if m.residual == "block" { format!("block ({} blocks)", m.num_blocks) } else { m.residual.clone() };
+    let rel = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}x"));
+    for b in 0..a.batches.len() {
+        for m in &report.modes {
+            let r = &m.batches[b];
+            println!(
+                "| {} | {} | {:.0} | {:.2} | {:.0} | {} | {} |",
+                name(m),
+                r.batch,
+                r.prefill_tokens_per_second,
+                r.step_seconds * 1e3,
+                r.decode_tokens_per_second,
+                rel(r.latency_relative_to_standard),
+                rel(r.prefill_relative_to_standard)
+            );
+        }
+    }
+    println!("\n| mode | KV cache bytes/token (whole context) | depth cache bytes/token (while in flight) |");
+    println!("|---|---:|---:|");
+    for m in &report.modes {
+        println!("| {} | {} | {} |", name(m), m.kv_cache_bytes_per_token, m.depth_cache_bytes_per_token);
     }
     Ok(())
 }
