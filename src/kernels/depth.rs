@@ -140,8 +140,7 @@ pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> 
         .collect();
     let chunk = super::rows_per_task(rows, c * d);
     let tasks = rows.div_ceil(chunk);
-    use rayon::prelude::*;
-    (0..tasks).into_par_iter().for_each(|task| {
+    let run = |task: usize| {
         let mut e = vec![0.0f32; c];
         for t in task * chunk..((task + 1) * chunk).min(rows) {
             for (k, p) in ptrs.iter().enumerate() {
@@ -165,7 +164,14 @@ pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> 
                 l1[0] = z;
             }
         }
-    });
+    };
+    if tasks <= 1 {
+        // One task: skip the thread pool (decoding scores a handful of tokens).
+        (0..tasks).for_each(run);
+    } else {
+        use rayon::prelude::*;
+        (0..tasks).into_par_iter().for_each(run);
+    }
     out
 }
 

@@ -31,6 +31,10 @@ where
 {
     let rows = out.len() / cols.max(1);
     let chunk = rows_per_task(rows, cols);
+    if chunk >= rows {
+        // One task: skip the thread pool (decoding runs many such tiny calls).
+        return f(0, out);
+    }
     out.par_chunks_mut(chunk * cols)
         .enumerate()
         .for_each(|(i, c)| f(i * chunk, c));
@@ -45,6 +49,11 @@ where
 {
     let chunk = rows_per_task(rows, cols).max(64.min(rows.max(1)));
     let n_tasks = rows.div_ceil(chunk);
+    if n_tasks <= 1 {
+        let mut acc = vec![0.0f32; n];
+        f(0..rows, &mut acc);
+        return acc;
+    }
     let parts: Vec<Vec<f32>> = (0..n_tasks)
         .into_par_iter()
         .map(|i| {
@@ -96,6 +105,9 @@ pub fn copy(src: &[f32]) -> Vec<f32> {
 /// `dst += src`, in parallel when large.
 pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     assert_eq!(dst.len(), src.len());
+    if dst.len() < PAR_MIN {
+        return simd::axpy(dst, 1.0, src);
+    }
     dst.par_chunks_mut(PAR_MIN).zip(src.par_chunks(PAR_MIN)).for_each(|(d, s)| simd::axpy(d, 1.0, s));
 }
 

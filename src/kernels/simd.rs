@@ -71,6 +71,71 @@ fn dot_imp(a: &[f32], b: &[f32]) -> f32 {
     tail + acc.iter().sum::<f32>()
 }
 
+/// Dot products of up to two rows `xs` (each `n` long) with four consecutive rows of `w`
+/// (`[4, n]`): `out[r][k] = ⟨xs[r], w_k⟩`. Portable form.
+fn dot4_portable(xs: &[&[f32]], w: &[f32], out: &mut [[f32; 4]]) {
+    for (x, o) in xs.iter().zip(out.iter_mut()) {
+        let n = x.len();
+        *o = std::array::from_fn(|k| dot_imp(x, &w[k * n..(k + 1) * n]));
+    }
+}
+
+/// [`dot4`] with explicit AVX2/FMA for `R` rows: `4·R` accumulators share each load.
+///
+/// # Safety
+/// The processor must support AVX2 and FMA; every `xs[r]` must be `n` long and `w` hold `4n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot4_avx2<const R: usize>(xs: [&[f32]; R], w: &[f32], n: usize) -> [[f32; 4]; R] {
+    use std::arch::x86_64::*;
+    let full = n / 8 * 8;
+    let wp = w.as_ptr();
+    let mut a = [[_mm256_setzero_ps(); 4]; R];
+    let mut i = 0;
+    while i < full {
+        let v: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(xs[r].as_ptr().add(i)));
+        for k in 0..4 {
+            let wv = _mm256_loadu_ps(wp.add(k * n + i));
+            for r in 0..R {
+                a[r][k] = _mm256_fmadd_ps(v[r], wv, a[r][k]);
+            }
+        }
+        i += 8;
+    }
+    let mut out = [[0.0f32; 4]; R];
+    for r in 0..R {
+        for k in 0..4 {
+            let mut lanes = [0.0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), a[r][k]);
+            let tail: f32 = (full..n).map(|j| xs[r][j] * w[k * n + j]).sum();
+            out[r][k] = lanes.iter().sum::<f32>() + tail;
+        }
+    }
+    out
+}
+
+/// `out[r][k] = ⟨xs[r], w_k⟩` for one or two rows `xs` (each `n` long) and the four rows of
+/// `w` (`[4, n]`): each load of `w` serves both rows.
+pub fn dot4(xs: &[&[f32]], w: &[f32], out: &mut [[f32; 4]]) {
+    let n = xs[0].len();
+    assert!(matches!(xs.len(), 1 | 2) && out.len() >= xs.len() && xs.iter().all(|x| x.len() == n) && w.len() >= 4 * n, "dot4: bad operand sizes");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: features detected; sizes checked.
+            unsafe {
+                if xs.len() == 2 {
+                    out[..2].copy_from_slice(&dot4_avx2([xs[0], xs[1]], w, n));
+                } else {
+                    out[0] = dot4_avx2([xs[0]], w, n)[0];
+                }
+            }
+            return;
+        }
+    }
+    dot4_portable(xs, w, out)
+}
+
 #[inline(always)]
 fn axpy_imp(y: &mut [f32], a: f32, x: &[f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
@@ -212,6 +277,16 @@ mod tests {
         let b: Vec<f32> = (0..37).map(|i| (i as f32 * 0.7).cos()).collect();
         let want: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert!((super::dot(&a, &b) - want).abs() < 1e-5);
+        let w: Vec<f32> = (0..4 * 37).map(|i| (i as f32 * 0.11).cos()).collect();
+        let (mut d4, mut p4) = ([[0.0; 4]; 2], [[0.0; 4]; 2]);
+        super::dot4(&[&a, &b], &w, &mut d4);
+        super::dot4_portable(&[&a, &b], &w, &mut p4);
+        for (r, x) in [&a, &b].iter().enumerate() {
+            for k in 0..4 {
+                let want: f32 = x.iter().zip(&w[k * 37..]).map(|(x, y)| x * y).sum();
+                assert!((d4[r][k] - want).abs() < 1e-5 && (p4[r][k] - want).abs() < 1e-5, "dot4[{r}][{k}]");
+            }
+        }
         assert_eq!(super::max(&a), a.iter().cloned().fold(f32::MIN, f32::max));
         let mut r = a.clone();
         let s = super::exp_shift_sum(&mut r, 1.0);

@@ -18,6 +18,7 @@ use crate::kernels::attention::{self, AttnShape, Span};
 use crate::kernels::matmul::linear_forward;
 use crate::kernels::rope::Positions;
 use crate::kernels::{embedding, zeros};
+use crate::profile::phase;
 use anyhow::{bail, ensure, Result};
 
 /// Keys and values of every layer for `slots` sequences of up to `capacity` tokens.
@@ -103,6 +104,12 @@ impl Model {
     /// `[rows, vocab]`: for every new token, in chunk order, when `all_logits`; otherwise for
     /// the last token of each chunk.
     pub fn decode(&self, cache: &mut KvCache, chunks: &[(usize, &[u32])], all_logits: bool) -> Result<Vec<f32>> {
+        // Run on a worker of the thread pool: a decoding step makes hundreds of small parallel
+        // calls, which are cheap from inside the pool and costly from outside it.
+        rayon::scope(|_| self.decode_in_pool(cache, chunks, all_logits))
+    }
+
+    fn decode_in_pool(&self, cache: &mut KvCache, chunks: &[(usize, &[u32])], all_logits: bool) -> Result<Vec<f32>> {
         let c = &self.config;
         let (d, v) = (c.hidden_size, c.vocab_size);
         let mut spans = Vec::with_capacity(chunks.len());
@@ -144,22 +151,22 @@ impl Model {
         embedding::forward(&mut e, &p[lay.embed.clone()], &ids, d);
         let mut res = ResidualForward::new(c.block_size(), e, d, c.rms_norm_eps as f32, false);
         for (i, lp) in lay.layers.iter().enumerate() {
-            let h = res.input(2 * i, p, lay);
+            let h = phase("fwd residual", || res.input(2 * i, p, lay));
             let (_, _, qkv) = self.attn_project(lp, &h, Positions::Explicit(&positions));
             let mut o = zeros(rows * ow);
-            attention::forward_cached(&mut o, &qkv, &mut cache.k[i], &mut cache.v[i], &spans, sh);
+            phase("fwd attention", || attention::forward_cached(&mut o, &qkv, &mut cache.k[i], &mut cache.v[i], &spans, sh));
             let mut out = zeros(rows * d);
-            linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d);
-            res.push_output(2 * i, out);
+            phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d));
+            phase("fwd residual", || res.push_output(2 * i, out));
 
-            let h = res.input(2 * i + 1, p, lay);
+            let h = phase("fwd residual", || res.input(2 * i + 1, p, lay));
             let (_, out) = self.mlp_sublayer(lp, h);
-            res.push_output(2 * i + 1, out);
+            phase("fwd residual", || res.push_output(2 * i + 1, out));
         }
         for s in &spans {
             cache.len[s.slot] += s.len;
         }
-        let mut h = res.output(p, lay);
+        let mut h = phase("fwd residual", || res.output(p, lay));
         if !all_logits {
             // Only the last token of each chunk predicts what comes next.
             h = spans.iter().flat_map(|s| h[(s.row0 + s.len - 1) * d..(s.row0 + s.len) * d].iter().copied()).collect();

@@ -43,8 +43,9 @@ enum State {
         partial: Option<Vec<f32>>,
         /// Per-token 1/rms of `partial`, computed when a sublayer reads it.
         partial_rstd: Option<Vec<f32>>,
-        /// Phase-1 results waiting for the remaining sublayers of the current block.
-        pending: Vec<Phase1>,
+        /// Phase-1 results, with each consumer's effective query, waiting for the remaining
+        /// sublayers of the current block.
+        pending: Vec<(Phase1, Vec<f32>)>,
         /// One per sublayer, then one for the output aggregation.
         calls: Vec<DepthCall>,
     },
@@ -105,14 +106,12 @@ impl ResidualForward {
                 if l % s == 0 {
                     // Phase 1 for every sublayer of the block that starts here.
                     let ws: Vec<Vec<f32>> = (l..l + s).map(|c| effective_query(depth_param(layout, c), params)).collect();
-                    *pending = phase1(blocks, block_rstd, &ws, d);
-                    pending.reverse();
+                    *pending = phase1(blocks, block_rstd, &ws, d).into_iter().zip(ws).rev().collect();
                 }
-                let p1 = pending.pop().expect("phase 1 ran at the start of the block");
+                let (p1, w) = pending.pop().expect("phase 1 ran at the start of the block");
                 if let Some(part) = partial.as_ref() {
                     *partial_rstd = Some(rstd_of(part, d, eps));
                 }
-                let w = effective_query(depth_param(layout, l), params);
                 let (h, alpha, logits) = depth::phase2(p1, partial.as_deref().zip(partial_rstd.as_deref()), &w, d);
                 calls.push(DepthCall { alpha, logits, k: blocks.len() + partial.is_some() as usize, partial: None });
                 h
