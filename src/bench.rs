@@ -156,10 +156,13 @@ pub struct DecodeResult {
     /// Median seconds of one prefill pass over `batch` prompts.
     pub prefill_seconds: f64,
     pub prefill_tokens_per_second: f64,
-    /// Median seconds of one decode step (one new token for each of `batch` sequences).
+    /// Median seconds of one decode step (one new token for each of `batch` sequences), over
+    /// every step of every round: a step delayed by the machine's other work moves the median
+    /// little, where it would move a mean.
     pub step_seconds: f64,
     pub decode_tokens_per_second: f64,
-    /// Median over rounds of (this mode's decode time / `standard`'s in the same round).
+    /// This mode's median step over `standard`'s (the rounds interleave the modes, so slow
+    /// phases of the machine hit all of them).
     pub latency_relative_to_standard: Option<f64>,
     pub prefill_relative_to_standard: Option<f64>,
 }
@@ -212,7 +215,7 @@ pub fn run_generate(
                 .map(|m| KvCache::new(&m.config, batch, prompt_tokens + new_tokens))
                 .collect::<Result<Vec<_>>>()?;
             let mut pre = vec![0.0; models.len()];
-            let mut dec = vec![0.0; models.len()];
+            let mut dec = vec![Vec::new(); models.len()];
             // Each mode prefills and decodes in one go (its weights stay warm in cache, as in
             // real use); the order of the modes rotates from round to round.
             for k in 0..models.len() {
@@ -222,21 +225,22 @@ pub fn run_generate(
                 let t = Instant::now();
                 std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
                 pre[i] = t.elapsed().as_secs_f64();
-                let t = Instant::now();
+                dec[i].clear();
                 for step in 0..new_tokens {
                     let toks = &fed[step * batch..(step + 1) * batch];
                     let chunks: Vec<(usize, &[u32])> = (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
+                    let t = Instant::now();
                     std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
+                    dec[i].push(t.elapsed().as_secs_f64());
                 }
-                dec[i] = t.elapsed().as_secs_f64();
             }
             if round >= warmup {
                 for i in 0..models.len() {
                     prefill[i][bi].push(pre[i]);
-                    decode[i][bi].push(dec[i] / new_tokens as f64);
+                    decode[i][bi].extend_from_slice(&dec[i]);
                 }
             }
-            let per_mode: Vec<String> = models.iter().zip(&dec).map(|(m, d)| format!("{} {:.2} ms", label(&m.config), d / new_tokens as f64 * 1e3)).collect();
+            let per_mode: Vec<String> = models.iter().zip(&dec).map(|(m, d)| format!("{} {:.2} ms", label(&m.config), median(d) * 1e3)).collect();
             progress(&format!(
                 "{} round {:>2}/{} batch {batch}: decode step {}",
                 if round < warmup { "warmup" } else { "timed " },
@@ -263,7 +267,7 @@ pub fn run_generate(
                         prefill_tokens_per_second: (batch * prompt_tokens) as f64 / pre,
                         step_seconds: step,
                         decode_tokens_per_second: batch as f64 / step,
-                        latency_relative_to_standard: base.map(|b| median_ratio(&decode[i][bi], &decode[b][bi])),
+                        latency_relative_to_standard: base.map(|b| step / median(&decode[b][bi])),
                         prefill_relative_to_standard: base.map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
                     }
                 })

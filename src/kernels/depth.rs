@@ -141,7 +141,15 @@ pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> 
     let chunk = super::rows_per_task(rows, c * d);
     let tasks = rows.div_ceil(chunk);
     let run = |task: usize| {
-        let mut e = vec![0.0f32; c];
+        // Scratch for the exponentials: on the stack for the usual handful of sources.
+        let mut stack = [0.0f32; 32];
+        let mut heap = Vec::new();
+        let e: &mut [f32] = if c <= stack.len() {
+            &mut stack[..c]
+        } else {
+            heap.resize(c, 0.0);
+            &mut heap
+        };
         for t in task * chunk..((task + 1) * chunk).min(rows) {
             for (k, p) in ptrs.iter().enumerate() {
                 // SAFETY: row t of every output belongs to this task only.

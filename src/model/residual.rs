@@ -43,9 +43,10 @@ enum State {
         partial: Option<Vec<f32>>,
         /// Per-token 1/rms of `partial`, computed when a sublayer reads it.
         partial_rstd: Option<Vec<f32>>,
-        /// Phase-1 results, with each consumer's effective query, waiting for the remaining
-        /// sublayers of the current block.
-        pending: Vec<(Phase1, Vec<f32>)>,
+        /// Phase-1 results waiting for the remaining sublayers of the current block.
+        pending: Vec<Phase1>,
+        /// Effective query `q ⊙ γ` of every consumer (`[L + 1, d]`), made on first use.
+        queries: Vec<f32>,
         /// One per sublayer, then one for the output aggregation.
         calls: Vec<DepthCall>,
     },
@@ -63,11 +64,6 @@ pub struct ResidualForward {
 /// consumer (sublayers in order, then the output aggregation).
 pub struct DepthWeights<'a> {
     pub alpha: Vec<&'a [f32]>,
-}
-
-/// The effective query `q ⊙ γ` of a consumer.
-fn effective_query(p: &DepthParams, params: &[f32]) -> Vec<f32> {
-    params[p.query.clone()].iter().zip(&params[p.gain.clone()]).map(|(q, g)| q * g).collect()
 }
 
 fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
@@ -89,6 +85,7 @@ impl ResidualForward {
                 partial: None,
                 partial_rstd: None,
                 pending: Vec::new(),
+                queries: Vec::new(),
                 calls: Vec::new(),
             },
         };
@@ -100,19 +97,23 @@ impl ResidualForward {
         let (d, eps) = (self.d, self.eps);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, pending, calls } => {
+            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, pending, queries, calls } => {
                 debug_assert_eq!(calls.len(), l);
+                if queries.is_empty() {
+                    *queries = effective_queries(params, layout);
+                }
                 let s = *block_size;
                 if l % s == 0 {
                     // Phase 1 for every sublayer of the block that starts here.
-                    let ws: Vec<Vec<f32>> = (l..l + s).map(|c| effective_query(depth_param(layout, c), params)).collect();
-                    *pending = phase1(blocks, block_rstd, &ws, d).into_iter().zip(ws).rev().collect();
+                    *pending = phase1(blocks, block_rstd, &queries[l * d..(l + s) * d], d);
+                    pending.reverse();
                 }
-                let (p1, w) = pending.pop().expect("phase 1 ran at the start of the block");
+                let p1 = pending.pop().expect("phase 1 ran at the start of the block");
                 if let Some(part) = partial.as_ref() {
                     *partial_rstd = Some(rstd_of(part, d, eps));
                 }
-                let (h, alpha, logits) = depth::phase2(p1, partial.as_deref().zip(partial_rstd.as_deref()), &w, d);
+                let w = &queries[l * d..(l + 1) * d];
+                let (h, alpha, logits) = depth::phase2(p1, partial.as_deref().zip(partial_rstd.as_deref()), w, d);
                 calls.push(DepthCall { alpha, logits, k: blocks.len() + partial.is_some() as usize, partial: None });
                 h
             }
@@ -152,10 +153,13 @@ impl ResidualForward {
         let d = self.d;
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { blocks, block_rstd, calls, .. } => {
-                let w = effective_query(layout.output_depth.as_ref().expect("AttnRes layout"), params);
-                let p1 = phase1(blocks, block_rstd, std::slice::from_ref(&w), d).pop().expect("one consumer");
-                let (h, alpha, logits) = depth::phase2(p1, None, &w, d);
+            State::Depth { blocks, block_rstd, queries, calls, .. } => {
+                if queries.is_empty() {
+                    *queries = effective_queries(params, layout);
+                }
+                let w = &queries[queries.len() - d..];
+                let p1 = phase1(blocks, block_rstd, w, d).pop().expect("one consumer");
+                let (h, alpha, logits) = depth::phase2(p1, None, w, d);
                 calls.push(DepthCall { alpha, logits, k: blocks.len(), partial: None });
                 h
             }
@@ -175,11 +179,26 @@ fn depth_param(layout: &Layout, l: usize) -> &DepthParams {
     layout.depth_params(l).expect("AttnRes layout has depth parameters")
 }
 
-fn phase1(blocks: &[Vec<f32>], block_rstd: &[Vec<f32>], ws: &[Vec<f32>], d: usize) -> Vec<Phase1> {
+/// Phase 1 over the completed blocks for the consumers whose effective queries are the rows
+/// of `ws` (`[S, d]`).
+fn phase1(blocks: &[Vec<f32>], block_rstd: &[Vec<f32>], ws: &[f32], d: usize) -> Vec<Phase1> {
     let srcs: Vec<&[f32]> = blocks.iter().map(|b| b.as_slice()).collect();
     let rs: Vec<&[f32]> = block_rstd.iter().map(|b| b.as_slice()).collect();
-    let wr: Vec<&[f32]> = ws.iter().map(|w| w.as_slice()).collect();
+    let wr: Vec<&[f32]> = ws.chunks(d).collect();
     depth::phase1(&srcs, &rs, &wr, d)
+}
+
+/// The effective queries `q ⊙ γ` of every consumer in order (sublayers, then the output),
+/// `[L + 1, d]` (SPEC §3: the query and the key-norm gain fold into one vector).
+fn effective_queries(params: &[f32], layout: &Layout) -> Vec<f32> {
+    let sublayers = 2 * layout.layers.len();
+    let consumers = (0..sublayers).map(|l| depth_param(layout, l)).chain(layout.output_depth.as_ref());
+    let d = layout.output_depth.as_ref().map_or(0, |p| p.query.len());
+    let mut out = Vec::with_capacity((sublayers + 1) * d);
+    for p in consumers {
+        out.extend(params[p.query.clone()].iter().zip(&params[p.gain.clone()]).map(|(q, g)| q * g));
+    }
+    out
 }
 
 /// A consumer whose gradient into the completed blocks is still owed.
@@ -212,7 +231,7 @@ impl ResidualBackward {
             State::Depth { blocks, calls, .. } => {
                 let g_blocks = (0..blocks.len()).map(|_| zeros(dh.len())).collect();
                 let mut rb = ResidualBackward { acc: Vec::new(), g_blocks, owed: Vec::new() };
-                rb.owe(calls.len() - 1, dh, h, fwd, params, layout);
+                rb.owe(calls.len() - 1, dh, h, fwd);
                 rb.settle(fwd, params, grads, layout);
                 rb
             }
@@ -235,7 +254,7 @@ impl ResidualBackward {
         match &fwd.state {
             State::Standard { .. } => kernels::add_assign(&mut self.acc, &dh),
             State::Depth { block_size, .. } => {
-                self.owe(l, dh, h, fwd, params, layout);
+                self.owe(l, dh, h, fwd);
                 if l % block_size == 0 {
                     self.settle(fwd, params, grads, layout);
                 }
@@ -245,11 +264,11 @@ impl ResidualBackward {
 
     /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
     /// block's earlier outputs) and records what its completed-block gradient needs.
-    fn owe(&mut self, l: usize, dh: Vec<f32>, h: &[f32], fwd: &ResidualForward, params: &[f32], layout: &Layout) {
-        let State::Depth { calls, .. } = &fwd.state else { unreachable!("depth state") };
+    fn owe(&mut self, l: usize, dh: Vec<f32>, h: &[f32], fwd: &ResidualForward) {
+        let State::Depth { calls, queries, .. } = &fwd.state else { unreachable!("depth state") };
         let d = fwd.d;
         let call = &calls[l];
-        let w = effective_query(depth_param(layout, l), params);
+        let w = queries[l * d..(l + 1) * d].to_vec();
         let mean = depth::grad_mean(&dh, h, d);
         let mut dw = vec![0.0f32; d];
         if let Some((pv, pr)) = &call.partial {
