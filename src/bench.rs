@@ -165,6 +165,9 @@ pub struct DecodeResult {
     /// phases of the machine hit all of them).
     pub latency_relative_to_standard: Option<f64>,
     pub prefill_relative_to_standard: Option<f64>,
+    /// Seconds per decode step spent in each phase, when profiling was on (largest first).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub decode_profile: Vec<(String, f64)>,
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -206,6 +209,7 @@ pub fn run_generate(
     // [mode][batch] -> per-round seconds
     let mut prefill = vec![vec![Vec::new(); batches.len()]; models.len()];
     let mut decode = vec![vec![Vec::new(); batches.len()]; models.len()];
+    let mut phases: Vec<Vec<std::collections::BTreeMap<&str, f64>>> = vec![vec![Default::default(); batches.len()]; models.len()];
     for round in 0..warmup + rounds {
         for (bi, &batch) in batches.iter().enumerate() {
             let prompts: Vec<Vec<u32>> = (0..batch).map(|b| pseudo_tokens(prompt_tokens, vocab, 10 + b as u64)).collect();
@@ -226,12 +230,18 @@ pub fn run_generate(
                 std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
                 pre[i] = t.elapsed().as_secs_f64();
                 dec[i].clear();
+                crate::profile::take();
                 for step in 0..new_tokens {
                     let toks = &fed[step * batch..(step + 1) * batch];
                     let chunks: Vec<(usize, &[u32])> = (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
                     let t = Instant::now();
                     std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
                     dec[i].push(t.elapsed().as_secs_f64());
+                }
+                if round >= warmup {
+                    for (name, secs, _) in crate::profile::take() {
+                        *phases[i][bi].entry(name).or_default() += secs / (rounds * new_tokens) as f64;
+                    }
                 }
             }
             if round >= warmup {
@@ -269,6 +279,11 @@ pub fn run_generate(
                         decode_tokens_per_second: batch as f64 / step,
                         latency_relative_to_standard: base.map(|b| step / median(&decode[b][bi])),
                         prefill_relative_to_standard: base.map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
+                        decode_profile: {
+                            let mut v: Vec<(String, f64)> = phases[i][bi].iter().map(|(k, v)| (k.to_string(), *v)).collect();
+                            v.sort_by(|a, b| b.1.total_cmp(&a.1));
+                            v
+                        },
                     }
                 })
                 .collect();

@@ -210,3 +210,27 @@ fn malformed_batches_fail_with_the_problem_named() {
     fails(&["forward", "--model", ck.to_str().unwrap(), "--batch", batch.to_str().unwrap(), "--out", "/nonexistent/dir/o.safetensors"], "does not exist");
     assert!(!out.exists());
 }
+
+#[test]
+fn generation_benchmark_reports_every_mode_and_batch() {
+    let o = attnres(&[
+        "bench", "--generate", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--prompt-tokens", "8", "--new-tokens", "3", "--batches", "1,2", "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let modes = r["modes"].as_array().unwrap();
+    assert_eq!(modes.iter().map(|m| m["residual"].as_str().unwrap()).collect::<Vec<_>>(), ["standard", "block", "full"]);
+    // tiny: 4 layers, 4 KV heads of 16, hidden 64, block with 4 blocks of 2 sublayers.
+    let bytes: Vec<(u64, u64)> = modes.iter().map(|m| (m["kv_cache_bytes_per_token"].as_u64().unwrap(), m["depth_cache_bytes_per_token"].as_u64().unwrap())).collect();
+    assert_eq!(bytes, [(2048, 256), (2048, (1 + 4 + 1) * 65 * 4), (2048, (1 + 8) * 65 * 4)]);
+    for m in modes {
+        let b = m["batches"].as_array().unwrap();
+        assert_eq!(b.iter().map(|x| x["batch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2]);
+        for x in b {
+            assert!(x["decode_tokens_per_second"].as_f64().unwrap() > 0.0 && x["prefill_tokens_per_second"].as_f64().unwrap() > 0.0);
+        }
+    }
+    assert_eq!(modes[0]["batches"][0]["latency_relative_to_standard"].as_f64(), Some(1.0));
+    fails(&["bench", "--generate", "--preset", "tiny", "--prompt-tokens", "120", "--new-tokens", "20"], "exceeds max_position_embeddings");
+    fails(&["bench", "--generate", "--preset", "tiny", "--batches", "0"], "--batches");
+}

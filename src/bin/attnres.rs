@@ -155,7 +155,8 @@ struct BenchArgs {
     /// Print the result as JSON on stdout.
     #[arg(long)]
     json: bool,
-    /// Also report the time per step of each phase (linear layers, attention, norms, ...).
+    /// Also report the time per step of each phase (linear layers, attention, norms, the
+    /// residual connection, ...).
     #[arg(long)]
     profile: bool,
     /// Benchmark generation instead: prefill and decode throughput, decode latency per mode.
@@ -440,7 +441,6 @@ fn write_output(path: &Path, bytes: &[u8]) -> Result<()> {
 fn bench_cmd(a: BenchArgs) -> Result<()> {
     ensure!(a.batch > 0 && a.seq > 0 && a.steps > 0, "--batch, --seq and --steps must be positive");
     let base = a.model.config()?;
-    ensure!(a.seq <= base.max_position_embeddings, "--seq {} exceeds max_position_embeddings = {}", a.seq, base.max_position_embeddings);
     let mut configs = Vec::new();
     for m in &a.modes {
         let residual = match m.as_str() {
@@ -454,9 +454,11 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         configs.push(c);
     }
     ensure!(!configs.is_empty(), "--modes is empty");
+    attnres::profile::enable(a.profile);
     if a.generate {
         return bench_generate(&a, &configs);
     }
+    ensure!(a.seq <= base.max_position_embeddings, "--seq {} exceeds max_position_embeddings = {}", a.seq, base.max_position_embeddings);
     eprintln!(
         "bench: {} layers, hidden {}, {} heads, batch {} x seq {}, {} threads",
         base.num_hidden_layers,
@@ -466,7 +468,6 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         a.seq,
         rayon::current_num_threads()
     );
-    attnres::profile::enable(a.profile);
     let report = bench::run(&configs, a.batch, a.seq, a.warmup, a.steps, |line| eprintln!("  {line}"))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -539,6 +540,14 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
     println!("|---|---:|---:|");
     for m in &report.modes {
         println!("| {} | {} | {} |", name(m), m.kv_cache_bytes_per_token, m.depth_cache_bytes_per_token);
+    }
+    for m in &report.modes {
+        for r in m.batches.iter().filter(|r| !r.decode_profile.is_empty()) {
+            println!("\nphases of one {} decode step, batch {}:", name(m), r.batch);
+            for (phase, secs) in &r.decode_profile {
+                println!("  {phase:<16} {:>8.1} us  {:>5.1}%", secs * 1e6, 100.0 * secs / r.step_seconds);
+            }
+        }
     }
     Ok(())
 }
