@@ -306,7 +306,8 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         overflow: if a.slide { Overflow::Slide } else { Overflow::Error },
         stop: Some(bpe.eot),
     };
-    let single = prompts.len() == 1;
+    // --prompt streams text; --prompt-file (even with one line) prints JSON lines.
+    let single = a.prompt.is_some();
     let mut out = std::io::stdout().lock();
     let mut streamed: Vec<u32> = Vec::new();
     let mut shown = 0;
