@@ -10,11 +10,14 @@
 
 pub mod alloc;
 pub mod bench;
+pub mod compare;
+pub mod diagnostics;
 pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod presets;
 pub mod profile;
+pub mod report;
 pub mod train;
 
 #[cfg(test)]

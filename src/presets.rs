@@ -9,6 +9,8 @@ pub const DEFAULT_PRESET: &str = "small";
 const PRESETS: &[(&str, &str)] = &[
     ("tiny", include_str!("../configs/tiny.toml")),
     ("small", include_str!("../configs/small.toml")),
+    ("compare", include_str!("../configs/compare.toml")),
+    ("compare-quick", include_str!("../configs/compare-quick.toml")),
 ];
 
 pub fn names() -> Vec<&'static str> {
@@ -45,6 +47,17 @@ pub fn model_config(name: &str) -> Result<Config> {
 /// The full run settings (model and training) of a named preset.
 pub fn run_config(name: &str) -> Result<crate::train::run::RunConfig> {
     crate::train::run::RunConfig::from_toml(text(name)?, &format!("preset {name:?}"))
+}
+
+/// The ablation suite (SPEC §5): the report's table at laptop scale, each arm a set of model
+/// settings over the comparison's model.
+pub fn ablations() -> Vec<crate::compare::Variant> {
+    use crate::compare::Variant;
+    vec![
+        Variant::new("standard", &["residual=standard"]),
+        Variant::new("full", &["residual=full"]),
+        Variant::new("block", &["residual=block"]),
+    ]
 }
 
 #[cfg(test)]

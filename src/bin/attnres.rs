@@ -2,6 +2,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use attnres::bench;
+use attnres::compare;
 use attnres::model::checkpoint::{self, safetensors_bytes, write_atomic};
 use attnres::model::{Config, Model, ResidualKind};
 use attnres::presets;
@@ -39,6 +40,42 @@ enum Command {
     /// Time training steps (or, with --generate, prefill and decoding) for each residual mode,
     /// side by side.
     Bench(BenchArgs),
+    /// Train standard, block and full (or another suite) with identical data and settings, for
+    /// one or more seeds, and write a report with figures (resumable).
+    Compare(CompareArgs),
+    /// Rebuild the report of a comparison directory from its runs.
+    Report(ReportArgs),
+}
+
+#[derive(Args)]
+struct CompareArgs {
+    /// Report directory: compare.json, runs/, index.html, summary.json and the figures.
+    #[arg(long)]
+    out: PathBuf,
+    /// residuals (standard, block, full), ablations (SPEC §5) or block-sizes (S from 1 to L).
+    #[arg(long, default_value = "residuals")]
+    suite: String,
+    /// Seeds per variant (each changes initialisation and data order).
+    #[arg(long, default_value_t = 1)]
+    seeds: usize,
+    /// The tiny model on 400K tokens: a first look in a couple of minutes.
+    #[arg(long)]
+    quick: bool,
+    /// Change a setting of every run, e.g. --set max_tokens=1000000 --set num_hidden_layers=12.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Training text (default: the embedded Shakespeare corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Print log lines instead of a progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// A directory written by `attnres compare`.
+    dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -226,7 +263,19 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval(a) => eval_cmd(a),
         Command::Generate(a) => generate_cmd(a),
         Command::Bench(a) => bench_cmd(a),
+        Command::Compare(a) => compare_cmd(a),
+        Command::Report(a) => {
+            let page = attnres::report::write(&a.dir)?;
+            eprintln!("report: {}", page.display());
+            Ok(())
+        }
     }
+}
+
+fn compare_cmd(a: CompareArgs) -> Result<()> {
+    let (base, variants) = compare::suite(&a.suite, a.quick)?;
+    let plan = compare::Plan { suite: a.suite.clone(), base: base.with_overrides(&a.sets)?, variants, seeds: a.seeds, data: a.data };
+    compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
 }
 
 fn train_cmd(a: TrainArgs) -> Result<()> {
@@ -250,6 +299,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         resume: a.resume,
         overwrite: a.overwrite,
         progress: !a.no_progress,
+        shared_bar: None,
     };
     run::train(run, &opts)?;
     Ok(())

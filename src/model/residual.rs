@@ -58,6 +58,8 @@ pub struct ResidualForward {
     eps: f32,
     /// Keep the partial sums each sublayer read (backward needs them; inference does not).
     for_backward: bool,
+    /// Mean per-token RMS of each sublayer's raw output, when recording (diagnostics).
+    output_rms: Option<Vec<f64>>,
 }
 
 /// The depth-attention statistics of a forward pass, for diagnostics: `alpha[rows, K]` per
@@ -89,7 +91,7 @@ impl ResidualForward {
                 calls: Vec::new(),
             },
         };
-        ResidualForward { state, d, eps, for_backward }
+        ResidualForward { state, d, eps, for_backward, output_rms: None }
     }
 
     /// The input `h_l` of sublayer `l` (sublayers must be visited in order).
@@ -120,9 +122,22 @@ impl ResidualForward {
         }
     }
 
+    /// From now on, record the RMS of every sublayer output (see [`Self::output_rms`]).
+    pub fn record_output_rms(&mut self) {
+        self.output_rms = Some(Vec::new());
+    }
+
+    /// Mean over tokens of each recorded sublayer output's RMS, in sublayer order.
+    pub fn output_rms(&self) -> Option<&[f64]> {
+        self.output_rms.as_deref()
+    }
+
     /// Records the raw output of sublayer `l`.
     pub fn push_output(&mut self, l: usize, out: Vec<f32>) {
         let (d, eps, keep) = (self.d, self.eps, self.for_backward);
+        if let Some(rms) = &mut self.output_rms {
+            rms.push(mean_rms(&out, d));
+        }
         match &mut self.state {
             State::Standard { stream } => kernels::add_assign(stream, &out),
             State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls, .. } => {
@@ -173,6 +188,13 @@ impl ResidualForward {
             State::Depth { calls, .. } => Some(DepthWeights { alpha: calls.iter().map(|c| c.alpha.as_slice()).collect() }),
         }
     }
+}
+
+/// Mean over the rows of `v` (`[rows, d]`) of each row's root mean square.
+pub fn mean_rms(v: &[f32], d: usize) -> f64 {
+    let rows = v.len() / d;
+    let total: f64 = v.chunks(d).map(|r| (r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / d as f64).sqrt()).sum();
+    total / rows.max(1) as f64
 }
 
 fn depth_param(layout: &Layout, l: usize) -> &DepthParams {

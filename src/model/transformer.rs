@@ -54,6 +54,18 @@ pub struct Forward {
     pub logits: Vec<f32>,
 }
 
+impl Forward {
+    /// The input `h_l` each sublayer read, in sublayer order (`[rows, d]` each).
+    pub fn sublayer_inputs(&self) -> Vec<&[f32]> {
+        self.attn.iter().zip(&self.mlp).flat_map(|(a, m)| [a.h.as_slice(), m.h.as_slice()]).collect()
+    }
+
+    /// The vector fed to the final norm (`[rows, d]`).
+    pub fn final_input(&self) -> &[f32] {
+        &self.h_final
+    }
+}
+
 impl Model {
     pub fn new(config: Config, params: Vec<f32>) -> Result<Model> {
         config.validate()?;
@@ -139,6 +151,16 @@ impl Model {
     }
 
     pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
+        self.forward_inner(ids, batch, seq, false)
+    }
+
+    /// [`Self::forward`] that also records each sublayer output's RMS
+    /// (`fwd.residual.output_rms()`), for diagnostics.
+    pub fn forward_probed(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
+        self.forward_inner(ids, batch, seq, true)
+    }
+
+    fn forward_inner(&self, ids: &[u32], batch: usize, seq: usize, probe: bool) -> Result<Forward> {
         self.check_batch(ids, batch, seq)?;
         let c = &self.config;
         let (n, d) = (batch * seq, c.hidden_size);
@@ -150,6 +172,9 @@ impl Model {
         let mut e = zeros(n * d);
         phase("fwd embed", || embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d));
         let mut res = ResidualForward::new(c.block_size(), e, d, eps, true);
+        if probe {
+            res.record_output_rms();
+        }
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
         for (i, lp) in self.layout.layers.iter().enumerate() {
             // Attention sublayer 2i.

@@ -185,6 +185,9 @@ struct TrainState {
     /// Training windows consumed (the data position).
     windows_seen: u64,
     elapsed_seconds: f64,
+    /// Time spent in training steps alone (no validation or checkpoints).
+    #[serde(default)]
+    train_seconds: f64,
     /// Hash of the corpus split and tokenizer, to refuse resuming on other data.
     data_key: String,
     /// `--data` of the run (none: the embedded corpus).
@@ -201,6 +204,18 @@ pub struct TrainOptions {
     pub overwrite: bool,
     /// Show a progress bar (else plain log lines).
     pub progress: bool,
+    /// Report progress on this bar (shared by the runs of a comparison) instead of a bar of the
+    /// run's own.
+    pub shared_bar: Option<SharedBar>,
+}
+
+/// A progress bar over several runs: this run's steps start at `offset`, and its messages are
+/// prefixed with `label`.
+#[derive(Clone)]
+pub struct SharedBar {
+    pub bar: indicatif::ProgressBar,
+    pub offset: u64,
+    pub label: String,
 }
 
 const CKPT: &str = "ckpt";
@@ -263,7 +278,7 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     let mut order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
     if resume_dir.is_none() && has_run {
         // --overwrite: everything checked, now clear the old run.
-        for p in [CKPT, ".ckpt.old", ".ckpt.tmp", METRICS, "summary.json"] {
+        for p in [CKPT, ".ckpt.old", ".ckpt.tmp", METRICS, "summary.json", "diagnostics.json"] {
             let p = out.join(p);
             if p.is_dir() {
                 std::fs::remove_dir_all(&p)?;
@@ -284,11 +299,17 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     }
     let elapsed0 = state.as_ref().map_or(elapsed0, |s| s.elapsed_seconds);
+    let mut train_seconds = state.as_ref().map_or(0.0, |s| s.train_seconds);
 
     let total = tc.steps();
     let accum = tc.accumulation();
     let n_params = model.params.len();
-    log(&format!(
+    let bar = progress_bar(opts, total as u64, step as u64);
+    let say = |line: String| match &bar {
+        Some(b) => b.bar.println(format!("{}{line}", b.prefix())),
+        None => log(&line),
+    };
+    say(format!(
         "{}: {} ({} documents, {:.1} MB), {} train / {} val tokens{}, vocab {}, {} parameters, residual {}",
         if resume_dir.is_some() { format!("resuming at step {step}/{total}") } else { format!("training {total} steps") },
         corpus.name,
@@ -302,13 +323,13 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
         crate::bench::label(&model.config),
     ));
 
-    let bar = progress_bar(opts, total as u64, step as u64);
     let mut metrics = std::fs::OpenOptions::new().create(true).append(true).open(out.join(METRICS)).context("cannot open metrics.jsonl")?;
     let t0 = Instant::now();
     let mut last_val = f64::NAN;
     let mut seen_since = 0u64;
     let mut t_since = Instant::now();
     while step < total {
+        let t_step = Instant::now();
         let lr = lr_at(&tc.optim, step, total);
         let mut grads = kernels::zeros(n_params);
         let mut loss_sum = 0.0f64;
@@ -324,8 +345,10 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
             let s = 1.0 / accum as f32;
             grads.iter_mut().for_each(|g| *g *= s);
         }
+        let sublayer_norms = crate::diagnostics::sublayer_grad_norms(&model.layout, &grads);
         let grad_norm = opt.clip(&mut grads);
         opt.update(&mut model.params, &grads, lr);
+        train_seconds += t_step.elapsed().as_secs_f64();
         step += 1;
         tokens_seen += tc.batch_tokens as u64;
         seen_since += tc.batch_tokens as u64;
@@ -333,17 +356,14 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
 
         let mut rec = json!({
             "step": step, "tokens": tokens_seen, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
+            "sublayer_grad_norms": sublayer_norms,
         });
         if step % tc.eval_every == 0 || step == total {
             let (val_loss, bpb) = validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
             last_val = val_loss;
             rec["val_loss"] = json!(val_loss);
             rec["val_bits_per_byte"] = json!(bpb);
-            let line = format!("step {step}/{total}: train loss {train_loss:.4}, val loss {val_loss:.4}, val bits/byte {bpb:.4}");
-            match &bar {
-                Some(b) => b.println(line),
-                None => log(&line),
-            }
+            say(format!("step {step}/{total}: train loss {train_loss:.4}, val loss {val_loss:.4}, val bits/byte {bpb:.4}"));
         }
         let tps = seen_since as f64 / t_since.elapsed().as_secs_f64();
         rec["tokens_per_second"] = json!(tps);
@@ -351,8 +371,8 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
         writeln!(metrics, "{rec}").context("cannot write metrics.jsonl")?;
         metrics.flush()?;
         if let Some(b) = &bar {
-            b.set_position(step as u64);
-            b.set_message(format!("loss {train_loss:.3} | {tps:.0} tok/s"));
+            b.bar.set_position(b.offset + step as u64);
+            b.bar.set_message(format!("{}loss {train_loss:.3} | {tps:.0} tok/s", b.prefix()));
         } else if step % tc.eval_every != 0 && step != total {
             log(&format!("step {step}/{total}: train loss {train_loss:.4}, {tps:.0} tokens/s"));
         }
@@ -367,29 +387,34 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
                 tokens_seen,
                 windows_seen,
                 elapsed_seconds: elapsed0 + t0.elapsed().as_secs_f64(),
+                train_seconds,
                 data_key: data_key.clone(),
                 data: data.clone(),
             };
             save_checkpoint(out, &model, &bpe, &opt, &st)?;
         }
     }
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
     if last_val.is_nan() {
         last_val = validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?.0;
     }
     let (unigram, val_bpb) = (unigram_bits_per_byte(&tokens, bpe.vocab_size()), last_val / std::f64::consts::LN_2 / (tokens.val_bytes as f64 / tokens.val_len() as f64));
+    let val: Vec<u32> = tokens.val(0..tokens.val_len());
+    let diag = crate::diagnostics::diagnose(&model, &val, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
+    write_atomic(&out.join("diagnostics.json"), serde_json::to_string_pretty(&diag)?.as_bytes())?;
     let summary = json!({
         "residual": crate::bench::label(&model.config), "parameters": n_params, "steps": step, "tokens": tokens_seen,
         "val_loss": last_val, "val_bits_per_byte": val_bpb, "unigram_val_bits_per_byte": unigram,
         "elapsed_seconds": elapsed0 + t0.elapsed().as_secs_f64(),
+        "train_seconds": train_seconds, "train_tokens_per_second": tokens_seen as f64 / train_seconds.max(1e-9),
     });
     write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
-    log(&format!(
+    say(format!(
         "done: step {step}, validation loss {last_val:.4} ({val_bpb:.4} bits/byte; a unigram model of the training tokens: {unigram:.4} bits/byte); model in {}",
         out.display()
     ));
+    if let Some(b) = bar.filter(|_| opts.shared_bar.is_none()) {
+        b.bar.finish_and_clear();
+    }
     Ok(last_val)
 }
 
@@ -409,17 +434,41 @@ fn log(line: &str) {
     eprintln!("{line}");
 }
 
-fn progress_bar(opts: &TrainOptions, total: u64, pos: u64) -> Option<indicatif::ProgressBar> {
+impl SharedBar {
+    fn prefix(&self) -> String {
+        if self.label.is_empty() {
+            String::new()
+        } else {
+            format!("{}: ", self.label)
+        }
+    }
+}
+
+/// A terminal progress bar of `total` steps (none when stderr is not a terminal).
+pub fn new_progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
     use std::io::IsTerminal;
-    if !opts.progress || !std::io::stderr().is_terminal() {
+    if !std::io::stderr().is_terminal() {
         return None;
     }
-    let b = indicatif::ProgressBar::new(total).with_position(pos);
+    let b = indicatif::ProgressBar::new(total);
     b.set_style(
         indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | {elapsed_precise} elapsed, ETA {eta_precise}")
             .expect("valid template"),
     );
     Some(b)
+}
+
+fn progress_bar(opts: &TrainOptions, total: u64, pos: u64) -> Option<SharedBar> {
+    if let Some(b) = &opts.shared_bar {
+        b.bar.set_position(b.offset + pos);
+        return Some(b.clone());
+    }
+    if !opts.progress {
+        return None;
+    }
+    let bar = new_progress_bar(total)?;
+    bar.set_position(pos);
+    Some(SharedBar { bar, offset: 0, label: String::new() })
 }
 
 /// The next `micro_batch` training windows: inputs and their next-token targets.
