@@ -62,10 +62,15 @@ impl Plan {
     }
 }
 
-/// The named suites: `residuals` (the main comparison), `ablations` (SPEC §5) and `block-sizes`
-/// (the block-size sweep), each at its default or `--quick` scale.
-pub fn suite(name: &str, quick: bool) -> Result<(RunConfig, Vec<Variant>)> {
-    let base = crate::presets::run_config(if quick { "compare-quick" } else { "compare" })?;
+/// The settings every run of a comparison starts from: the `compare` preset, or
+/// `compare-quick` for `--quick`.
+pub fn base(quick: bool) -> Result<RunConfig> {
+    crate::presets::run_config(if quick { "compare-quick" } else { "compare" })
+}
+
+/// The variants of a named suite over `base`: `residuals` (the main comparison), `ablations`
+/// (SPEC §5) or `block-sizes` (the block-size sweep, S from L down to 1).
+pub fn suite(name: &str, base: &RunConfig) -> Result<Vec<Variant>> {
     let l = base.model.sublayers();
     let variants = match name {
         "residuals" => vec![
@@ -84,10 +89,10 @@ pub fn suite(name: &str, quick: bool) -> Result<(RunConfig, Vec<Variant>)> {
             }
             v
         }
-        "ablations" => crate::presets::ablations(),
+        "ablations" => crate::presets::ablations(&base.model),
         other => bail!("unknown suite {other:?} (available: residuals, ablations, block-sizes)"),
     };
-    Ok((base, variants))
+    Ok(variants)
 }
 
 /// A file-name-safe form of a variant name.
@@ -233,7 +238,8 @@ mod tests {
     #[test]
     fn suites_resolve_and_differences_are_named() {
         for s in ["residuals", "block-sizes", "ablations"] {
-            let (base, vs) = suite(s, true).unwrap();
+            let base = base(true).unwrap();
+            let vs = suite(s, &base).unwrap();
             let plan = Plan { suite: s.into(), base, variants: vs, seeds: 2, data: None };
             for v in &plan.variants {
                 for seed in 0..2 {
@@ -243,8 +249,9 @@ mod tests {
                 }
             }
         }
-        assert!(suite("nope", false).unwrap_err().to_string().contains("available"));
-        let (base, vs) = suite("block-sizes", false).unwrap();
+        let base = base(false).unwrap();
+        assert!(suite("nope", &base).unwrap_err().to_string().contains("available"));
+        let vs = suite("block-sizes", &base).unwrap();
         let names: Vec<&str> = vs.iter().map(|v| v.name.as_str()).collect();
         assert_eq!(names.first(), Some(&"standard"));
         assert!(names.last().unwrap().starts_with("full"), "{names:?}");

@@ -59,12 +59,12 @@ pub fn diagnose(model: &Model, val: &[u32], seq: usize, micro_batch: usize, max_
             *acc += mean_rms(h, d) * rows;
         }
         final_rms += mean_rms(fwd.final_input(), d) * rows;
-        if let (Some(acc), Some(w), Some(s)) = (alpha.as_mut(), fwd.residual.depth_weights(), block_size) {
-            for (c, (row, a)) in acc.iter_mut().zip(&w.alpha).enumerate() {
-                let k = a.len() / ids.len();
-                for t in a.chunks(k) {
+        if let (Some(acc), Some(w)) = (alpha.as_mut(), fwd.residual.depth_weights()) {
+            // With several depth heads, their weights are averaged.
+            for ((row, a), cols) in acc.iter_mut().zip(&w.alpha).zip(&w.columns) {
+                for t in a.chunks(cols.len() * w.heads) {
                     for (i, x) in t.iter().enumerate() {
-                        row[column(c, i, k, s, l, sources.len())] += *x as f64;
+                        row[cols[i / w.heads]] += *x as f64 / w.heads as f64;
                     }
                 }
             }
@@ -91,17 +91,6 @@ fn source_labels(sublayers: usize, block_size: Option<usize>) -> Vec<String> {
         v.push("partial".into());
     }
     v
-}
-
-/// Column of source `i` of consumer `c`, which reads `k` sources: the completed ones keep their
-/// index; the partial sum (last, when `c` is inside a block) goes to the last column.
-fn column(c: usize, i: usize, k: usize, s: usize, sublayers: usize, columns: usize) -> usize {
-    let reads_partial = c < sublayers && c % s != 0;
-    if reads_partial && i == k - 1 {
-        columns - 1
-    } else {
-        i
-    }
 }
 
 /// The gradient norm of each sublayer's own weights (attention: input norm, q/k/v, o_proj; MLP:

@@ -50,13 +50,25 @@ pub fn run_config(name: &str) -> Result<crate::train::run::RunConfig> {
 }
 
 /// The ablation suite (SPEC §5): the report's table at laptop scale, each arm a set of model
-/// settings over the comparison's model.
-pub fn ablations() -> Vec<crate::compare::Variant> {
+/// settings over the comparison's model `base`. The report's sliding window (the latest 8 of 32
+/// sublayers) and multi-head depth attention (16 groups) keep their proportions here.
+pub fn ablations(base: &Config) -> Vec<crate::compare::Variant> {
     use crate::compare::Variant;
+    let window = format!("attn_res_window={}", (base.sublayers() / 4).max(1));
+    let heads = format!("attn_res_heads={}", (1..=16).rev().find(|h| base.hidden_size % h == 0).unwrap_or(1));
+    let v = |name: &str, sets: &[&str]| Variant::new(name, sets);
     vec![
-        Variant::new("standard", &["residual=standard"]),
-        Variant::new("full", &["residual=full"]),
-        Variant::new("block", &["residual=block"]),
+        v("standard", &["residual=standard"]),
+        v("denseformer", &["residual=full", "attn_res_query=dense"]),
+        v("full", &["residual=full"]),
+        v("full-input-query", &["residual=full", "attn_res_query=input"]),
+        v("full-scalar-mixing", &["residual=full", "attn_res_query=scalar"]),
+        v("full-sigmoid", &["residual=full", "attn_res_gate=sigmoid"]),
+        v("full-no-key-norm", &["residual=full", "attn_res_key_norm=false"]),
+        v("sliding-window", &["residual=full", &window]),
+        v("block", &["residual=block"]),
+        v("block-multihead", &["residual=block", &heads]),
+        v("block-no-key-norm", &["residual=block", "attn_res_key_norm=false"]),
     ]
 }
 

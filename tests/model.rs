@@ -66,6 +66,86 @@ fn gradients_block_single() {
     check_gradients(tiny(ResidualKind::Block, 1));
 }
 
+/// A tiny AttnRes config with ablation settings (SPEC §5) applied.
+fn ablation(kind: ResidualKind, nb: usize, sets: &[&str]) -> Config {
+    tiny(kind, nb).with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
+}
+
+const ABLATIONS: &[&[&str]] = &[
+    &["attn_res_key_norm=false"],
+    &["attn_res_gate=sigmoid"],
+    &["attn_res_query=input"],
+    &["attn_res_query=input", "attn_res_key_norm=false"],
+    &["attn_res_query=scalar"],
+    &["attn_res_query=dense"],
+    &["attn_res_heads=2"],
+    &["attn_res_window=1"],
+];
+
+#[test]
+fn gradients_of_every_ablation() {
+    for sets in ABLATIONS {
+        for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2)] {
+            let cfg = ablation(kind, nb, sets);
+            let r = std::panic::catch_unwind(|| check_gradients(cfg.clone()));
+            assert!(r.is_ok(), "{kind:?}/{nb} with {sets:?}");
+        }
+    }
+}
+
+/// With a window covering every source, the ablation path (one pass per consumer) must give
+/// what the two-phase path gives: logits and every gradient.
+#[test]
+fn ablation_path_equals_the_two_phase_path() {
+    for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2)] {
+        let fast = perturbed(tiny(kind, nb));
+        let slow = Model::new(ablation(kind, nb, &["attn_res_window=100"]), fast.params.clone()).unwrap();
+        let (ff, fs) = (fast.forward(&IDS, 2, 3).unwrap(), slow.forward(&IDS, 2, 3).unwrap());
+        for (a, b) in ff.logits.iter().zip(&fs.logits) {
+            assert!((a - b).abs() < 1e-5 * (1.0 + a.abs()), "{kind:?}: logits {a} vs {b}");
+        }
+        let (g1, g2) = (fast.backward(&ff, &TARGETS).unwrap().1, slow.backward(&fs, &TARGETS).unwrap().1);
+        let scale = g1.iter().fold(0f32, |a, g| a.max(g.abs()));
+        for (i, (a, b)) in g1.iter().zip(&g2).enumerate() {
+            assert!((a - b).abs() < 1e-5 * scale, "{kind:?}: gradient {i}: {a} vs {b}");
+        }
+    }
+}
+
+/// DenseFormer-style mixing starts with every weight 1: the plain sum, i.e. the standard
+/// residual, exactly (up to rounding), whatever the other weights.
+#[test]
+fn dense_mixing_starts_as_the_standard_residual() {
+    let std = perturbed(tiny(ResidualKind::Standard, 0));
+    let f0 = std.forward(&IDS, 2, 3).unwrap();
+    for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2), (ResidualKind::Block, 1)] {
+        let mut m = Model::init(ablation(kind, nb, &["attn_res_query=dense"]), 1).unwrap();
+        copy_shared(&std, &mut m);
+        let f = m.forward(&IDS, 2, 3).unwrap();
+        for (a, b) in f.logits.iter().zip(&f0.logits) {
+            assert!((a - b).abs() < 1e-5 * (1.0 + b.abs()), "{kind:?}/{nb}: logits {a} vs {b}");
+        }
+    }
+}
+
+/// A window of W reads the embedding and the latest W outputs: with W = 1 in Full AttnRes,
+/// every consumer mixes exactly two sources (one for the first), which the weights show.
+#[test]
+fn sliding_window_reads_the_embedding_and_the_latest_outputs() {
+    let m = perturbed(ablation(ResidualKind::Full, 0, &["attn_res_window=1"]));
+    let f = m.forward(&IDS, 2, 3).unwrap();
+    let w = f.residual.depth_weights().unwrap();
+    let want: Vec<Vec<usize>> = vec![vec![0], vec![0, 1], vec![0, 2], vec![0, 3], vec![0, 4]];
+    assert_eq!(w.columns, want);
+    // The scalar and dense parameters hold one value per distinct source.
+    let s = Model::init(ablation(ResidualKind::Block, 2, &["attn_res_query=scalar"]), 1).unwrap();
+    let spec = s.layout.spec("model.layers.1.mlp_res_proj.weight").unwrap();
+    assert_eq!(spec.shape, vec![1, 4], "emb, b1, b2, partial");
+    assert!(s.layout.spec("model.layers.1.mlp_res_norm.weight").is_none());
+    let i = Model::init(ablation(ResidualKind::Full, 0, &["attn_res_query=input"]), 1).unwrap();
+    assert_eq!(i.layout.spec("model.output_attn_res_proj.weight").unwrap().shape, vec![8, 8]);
+}
+
 /// Copies every parameter the two models share by name.
 fn copy_shared(from: &Model, to: &mut Model) {
     for s in &to.layout.specs.clone() {

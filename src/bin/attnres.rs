@@ -273,8 +273,9 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn compare_cmd(a: CompareArgs) -> Result<()> {
-    let (base, variants) = compare::suite(&a.suite, a.quick)?;
-    let plan = compare::Plan { suite: a.suite.clone(), base: base.with_overrides(&a.sets)?, variants, seeds: a.seeds, data: a.data };
+    let base = compare::base(a.quick)?.with_overrides(&a.sets)?;
+    let variants = compare::suite(&a.suite, &base)?;
+    let plan = compare::Plan { suite: a.suite.clone(), base, variants, seeds: a.seeds, data: a.data };
     compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
 }
 

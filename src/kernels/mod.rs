@@ -8,6 +8,7 @@
 pub mod attention;
 pub mod cross_entropy;
 pub mod depth;
+pub mod depth_variants;
 pub mod embedding;
 pub mod matmul;
 pub mod rmsnorm;

@@ -18,6 +18,33 @@ pub enum ResidualKind {
     Block,
 }
 
+/// Where the depth attention's logits come from (SPEC §5; `static` is the method).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DepthQuery {
+    /// A learned pseudo-query per consumer, independent of the input (SPEC §3).
+    #[default]
+    Static,
+    /// `q = W · rmsnorm(x)` with a learned `d × d` matrix `W` per consumer, where `x` is the sum
+    /// of the sources the consumer reads (without a window: the standard residual stream).
+    Input,
+    /// A learned logit per (consumer, source), independent of the content; still gated.
+    Scalar,
+    /// DenseFormer-style: a learned weight per (consumer, source) used as is (no gate); starts
+    /// at 1, which is the standard residual.
+    Dense,
+}
+
+/// How the depth attention turns logits into weights (SPEC §5; `softmax` is the method).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DepthGate {
+    #[default]
+    Softmax,
+    /// `α = sigmoid(logit)`, no normalisation over sources.
+    Sigmoid,
+}
+
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RopeParameters {
@@ -53,6 +80,28 @@ pub struct Config {
     /// Number of blocks for `residual = block` (must divide `2 * num_hidden_layers`); ignored
     /// otherwise.
     pub num_blocks: usize,
+    /// Ablations of the depth attention (SPEC §5), for `full` and `block`; the defaults are the
+    /// method. RMS-normalise the keys (with a learned gain).
+    #[serde(default = "default_true")]
+    pub attn_res_key_norm: bool,
+    #[serde(default)]
+    pub attn_res_query: DepthQuery,
+    #[serde(default)]
+    pub attn_res_gate: DepthGate,
+    /// Split the channels into this many groups, each with its own softmax over the sources.
+    #[serde(default = "default_one")]
+    pub attn_res_heads: usize,
+    /// Read only the embedding and the latest `attn_res_window` completed sources (0: all).
+    #[serde(default)]
+    pub attn_res_window: usize,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_one() -> usize {
+    1
 }
 
 /// Keys that Hugging Face writes and that do not change the computation; accepted and dropped.
@@ -96,6 +145,11 @@ impl Default for Config {
             torch_dtype: "float32".into(),
             residual: ResidualKind::Block,
             num_blocks: 8,
+            attn_res_key_norm: true,
+            attn_res_query: DepthQuery::Static,
+            attn_res_gate: DepthGate::Softmax,
+            attn_res_heads: 1,
+            attn_res_window: 0,
         }
     }
 }
@@ -113,6 +167,25 @@ impl Config {
             ResidualKind::Standard => None,
             ResidualKind::Full => Some(1),
             ResidualKind::Block => Some(self.sublayers() / self.num_blocks),
+        }
+    }
+
+    /// Whether the depth attention is the method itself (no ablation option set), which runs in
+    /// the two-phase form.
+    pub fn depth_is_default(&self) -> bool {
+        self.attn_res_key_norm
+            && self.attn_res_query == DepthQuery::Static
+            && self.attn_res_gate == DepthGate::Softmax
+            && self.attn_res_heads == 1
+            && self.attn_res_window == 0
+    }
+
+    /// The number of distinct depth sources: the embedding, every completed block, and the
+    /// partial sum when blocks hold several sublayers (0 for `standard`).
+    pub fn depth_sources(&self) -> usize {
+        match self.block_size() {
+            None => 0,
+            Some(s) => 1 + self.sublayers() / s + (s > 1) as usize,
         }
     }
 
@@ -169,6 +242,20 @@ impl Config {
                 divisors(l).iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
             );
         }
+        if self.residual != ResidualKind::Standard {
+            let heads = self.attn_res_heads;
+            ensure!(
+                heads > 0 && self.hidden_size % heads == 0,
+                "config: attn_res_heads = {heads} must be a positive divisor of hidden_size = {}",
+                self.hidden_size
+            );
+            let content_free = matches!(self.attn_res_query, DepthQuery::Scalar | DepthQuery::Dense);
+            ensure!(!content_free || heads == 1, "config: attn_res_heads must be 1 with attn_res_query = scalar or dense (their weights do not look at channels)");
+            ensure!(
+                self.attn_res_query != DepthQuery::Dense || self.attn_res_gate == DepthGate::Softmax,
+                "config: attn_res_gate does not apply to attn_res_query = dense (its weights are used as they are)"
+            );
+        }
         Ok(())
     }
 
@@ -208,6 +295,15 @@ impl Config {
                 serde_json::from_value::<ResidualKind>(r.clone()).is_ok(),
                 "config: residual must be \"standard\", \"full\" or \"block\", got {r}"
             );
+        }
+        if let Some(r) = map.get("attn_res_query") {
+            ensure!(
+                serde_json::from_value::<DepthQuery>(r.clone()).is_ok(),
+                "config: attn_res_query must be \"static\", \"input\", \"scalar\" or \"dense\", got {r}"
+            );
+        }
+        if let Some(r) = map.get("attn_res_gate") {
+            ensure!(serde_json::from_value::<DepthGate>(r.clone()).is_ok(), "config: attn_res_gate must be \"softmax\" or \"sigmoid\", got {r}");
         }
         for (k, v) in defaults {
             map.entry(k.clone()).or_insert_with(|| v.clone());
@@ -323,6 +419,11 @@ mod tests {
         assert!(err(&["residual=sideways"]).contains("residual must be"));
         assert!(err(&["tie_word_embeddings=3"]).contains("tie_word_embeddings must be true or false"));
         assert!(err(&["rms_norm_eps=0"]).contains("rms_norm_eps"));
+        assert!(err(&["attn_res_query=dynamic"]).contains("attn_res_query must be"));
+        assert!(err(&["attn_res_gate=relu"]).contains("attn_res_gate must be"));
+        assert!(err(&["attn_res_heads=3"]).contains("attn_res_heads = 3"));
+        assert!(err(&["attn_res_query=dense", "attn_res_gate=sigmoid"]).contains("does not apply"));
+        assert!(err(&["attn_res_query=scalar", "attn_res_heads=2"]).contains("must be 1"));
         assert!(Config::from_json("{").unwrap_err().to_string().contains("not valid JSON"));
         assert!(Config::from_json("{\"hidden_size\": 4}").unwrap_err().to_string().contains("missing key"));
         let ok = c.with_overrides(&["residual=full".into(), "num_blocks=3".into()]).unwrap();

@@ -149,7 +149,7 @@ impl Model {
         let ow = sh.out_width();
         let mut e = zeros(rows * d);
         embedding::forward(&mut e, &p[lay.embed.clone()], &ids, d);
-        let mut res = ResidualForward::new(c.block_size(), e, d, c.rms_norm_eps as f32, false);
+        let mut res = ResidualForward::new(c, e, false);
         for (i, lp) in lay.layers.iter().enumerate() {
             let h = phase("fwd residual", || res.input(2 * i, p, lay));
             let (_, _, qkv) = self.attn_project(lp, &h, Positions::Explicit(&positions));

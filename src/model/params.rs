@@ -5,7 +5,7 @@
 //! `[(H + 2KV)·hd, d]` matrix and the three projections run as one product; `gate_proj` and
 //! `up_proj` likewise form one `[2F, d]` matrix.
 
-use super::config::Config;
+use super::config::{Config, DepthQuery};
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
 use std::ops::Range;
@@ -30,10 +30,13 @@ pub struct ParamSpec {
 }
 
 /// The depth-attention parameters of one consumer: pseudo-query `[1, d]` and key gain `[d]`.
+/// Under the ablations of SPEC §5 the query is a `[d, d]` matrix (input-dependent query) or one
+/// value per source `[1, sources]` (scalar and dense mixing), and there is no gain without key
+/// norm.
 #[derive(Clone, Debug)]
 pub struct DepthParams {
     pub query: Range<usize>,
-    pub gain: Range<usize>,
+    pub gain: Option<Range<usize>>,
 }
 
 #[derive(Clone, Debug)]
@@ -76,10 +79,19 @@ impl Builder {
         range
     }
 
-    fn depth(&mut self, prefix: &str, d: usize) -> DepthParams {
+    fn depth(&mut self, prefix: &str, c: &Config) -> DepthParams {
+        let d = c.hidden_size;
+        let (shape, init) = match c.attn_res_query {
+            DepthQuery::Static => ([1, d], Init::Zero),
+            DepthQuery::Input => ([d, d], Init::Zero),
+            DepthQuery::Scalar => ([1, c.depth_sources()], Init::Zero),
+            // All ones: the standard residual's plain sum.
+            DepthQuery::Dense => ([1, c.depth_sources()], Init::One),
+        };
+        let keys_read = !matches!(c.attn_res_query, DepthQuery::Scalar | DepthQuery::Dense);
         DepthParams {
-            query: self.add(format!("{prefix}_proj.weight"), &[1, d], Init::Zero),
-            gain: self.add(format!("{prefix}_norm.weight"), &[d], Init::One),
+            query: self.add(format!("{prefix}_proj.weight"), &shape, init),
+            gain: (c.attn_res_key_norm && keys_read).then(|| self.add(format!("{prefix}_norm.weight"), &[d], Init::One)),
         }
     }
 }
@@ -94,13 +106,13 @@ impl Layout {
         let mut layers = Vec::new();
         for i in 0..c.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let attn_depth = attnres.then(|| b.depth(&format!("{p}.attn_res"), d));
+            let attn_depth = attnres.then(|| b.depth(&format!("{p}.attn_res"), c));
             let input_norm = b.add(format!("{p}.input_layernorm.weight"), &[d], Init::One);
             let q = b.add(format!("{p}.self_attn.q_proj.weight"), &[qd, d], Init::Normal);
             b.add(format!("{p}.self_attn.k_proj.weight"), &[kvd, d], Init::Normal);
             let v = b.add(format!("{p}.self_attn.v_proj.weight"), &[kvd, d], Init::Normal);
             let o_proj = b.add(format!("{p}.self_attn.o_proj.weight"), &[d, qd], Init::Normal);
-            let mlp_depth = attnres.then(|| b.depth(&format!("{p}.mlp_res"), d));
+            let mlp_depth = attnres.then(|| b.depth(&format!("{p}.mlp_res"), c));
             let post_norm = b.add(format!("{p}.post_attention_layernorm.weight"), &[d], Init::One);
             let gate = b.add(format!("{p}.mlp.gate_proj.weight"), &[f, d], Init::Normal);
             let up = b.add(format!("{p}.mlp.up_proj.weight"), &[f, d], Init::Normal);
@@ -116,7 +128,7 @@ impl Layout {
                 mlp_depth,
             });
         }
-        let output_depth = attnres.then(|| b.depth("model.output_attn_res", d));
+        let output_depth = attnres.then(|| b.depth("model.output_attn_res", c));
         let final_norm = b.add("model.norm.weight".into(), &[d], Init::One);
         let head = if c.tie_word_embeddings {
             embed.clone()

@@ -17,8 +17,11 @@
 //! completed blocks wait until the whole block is done and are then taken for all its sublayers
 //! in one pass. Either way each completed block is read once per block, not once per sublayer.
 
+use super::config::{Config, DepthQuery};
 use super::params::{DepthParams, Layout};
 use crate::kernels::depth::{self, ConsumerGrad, Phase1};
+use crate::kernels::depth_variants::{self, Gate, Options, Query};
+use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
 use crate::kernels::{self, rmsnorm, zeros};
 
 /// What one depth attention saved for backward.
@@ -29,6 +32,55 @@ struct DepthCall {
     k: usize,
     /// The partial-sum source (value and per-token 1/rms), when it was read.
     partial: Option<(Vec<f32>, Vec<f32>)>,
+    /// The completed sources read, in order (all of them unless a window is set).
+    srcs: Vec<usize>,
+    /// Input-dependent query only: what its backward needs.
+    input_query: Option<InputQuery>,
+}
+
+/// The input-dependent query of one consumer: `x̂ = rmsnorm(x)` (no gain) of the sum `x` of its
+/// sources, the per-token 1/rms of `x`, and `q = W · x̂` before the key-norm gain.
+struct InputQuery {
+    xhat: Vec<f32>,
+    rstd: Vec<f32>,
+    q: Vec<f32>,
+}
+
+/// The ablation options of SPEC §5, when any is set: the depth attention then runs in the
+/// plain one-pass form of [`depth_variants`].
+#[derive(Clone, Copy)]
+struct Ablation {
+    options: Options,
+    query: DepthQuery,
+    window: usize,
+    /// Number of distinct sources (scalar and dense mixing keep one weight per source).
+    columns: usize,
+}
+
+impl Ablation {
+    fn of(c: &Config) -> Option<Ablation> {
+        if c.block_size().is_none() || c.depth_is_default() {
+            return None;
+        }
+        let gate = match (c.attn_res_query, c.attn_res_gate) {
+            (DepthQuery::Dense, _) => Gate::Identity,
+            (_, super::config::DepthGate::Softmax) => Gate::Softmax,
+            (_, super::config::DepthGate::Sigmoid) => Gate::Sigmoid,
+        };
+        Some(Ablation {
+            options: Options { key_norm: c.attn_res_key_norm, gate, heads: c.attn_res_heads },
+            query: c.attn_res_query,
+            window: c.attn_res_window,
+            columns: c.depth_sources(),
+        })
+    }
+
+    /// The completed sources a consumer reads when `completed` exist: the embedding and the
+    /// latest `window` others (all without a window).
+    fn sources(&self, completed: usize) -> Vec<usize> {
+        let first = if self.window > 0 { completed.saturating_sub(self.window).max(1) } else { 1 };
+        std::iter::once(0).chain(first..completed).collect()
+    }
 }
 
 enum State {
@@ -49,6 +101,10 @@ enum State {
         queries: Vec<f32>,
         /// One per sublayer, then one for the output aggregation.
         calls: Vec<DepthCall>,
+        /// Set when an ablation option replaces the method's depth attention.
+        ablation: Option<Ablation>,
+        /// Number of distinct sources (`Config::depth_sources`).
+        columns: usize,
     },
 }
 
@@ -62,10 +118,14 @@ pub struct ResidualForward {
     output_rms: Option<Vec<f64>>,
 }
 
-/// The depth-attention statistics of a forward pass, for diagnostics: `alpha[rows, K]` per
-/// consumer (sublayers in order, then the output aggregation).
+/// The depth-attention statistics of a forward pass, for diagnostics: per consumer (sublayers
+/// in order, then the output aggregation) the weights `alpha[rows, K, heads]` and the column of
+/// each of its `K` sources among the model's distinct sources (see `Config::depth_sources`:
+/// the embedding, the completed blocks, then the partial sum).
 pub struct DepthWeights<'a> {
     pub alpha: Vec<&'a [f32]>,
+    pub columns: Vec<Vec<usize>>,
+    pub heads: usize,
 }
 
 fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
@@ -77,8 +137,9 @@ fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
 impl ResidualForward {
     /// Starts from the embedding output `e` (`[rows, d]`). `for_backward`: keep what
     /// [`ResidualBackward`] needs.
-    pub fn new(block_size: Option<usize>, e: Vec<f32>, d: usize, eps: f32, for_backward: bool) -> Self {
-        let state = match block_size {
+    pub fn new(c: &Config, e: Vec<f32>, for_backward: bool) -> Self {
+        let (d, eps) = (c.hidden_size, c.rms_norm_eps as f32);
+        let state = match c.block_size() {
             None => State::Standard { stream: e },
             Some(s) => State::Depth {
                 block_size: s,
@@ -89,6 +150,8 @@ impl ResidualForward {
                 pending: Vec::new(),
                 queries: Vec::new(),
                 calls: Vec::new(),
+                ablation: Ablation::of(c),
+                columns: c.depth_sources(),
             },
         };
         ResidualForward { state, d, eps, for_backward, output_rms: None }
@@ -99,7 +162,17 @@ impl ResidualForward {
         let (d, eps) = (self.d, self.eps);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, pending, queries, calls } => {
+            State::Depth { ablation: Some(ab), blocks, block_rstd, partial, partial_rstd, calls, .. } => {
+                debug_assert_eq!(calls.len(), l);
+                if let Some(part) = partial.as_ref() {
+                    *partial_rstd = Some(rstd_of(part, d, eps));
+                }
+                let part = partial.as_deref().zip(partial_rstd.as_deref());
+                let (h, call) = ablation_forward(ab, l, blocks, block_rstd, part, params, layout, d, eps);
+                calls.push(call);
+                h
+            }
+            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, pending, queries, calls, ablation: None, .. } => {
                 debug_assert_eq!(calls.len(), l);
                 if queries.is_empty() {
                     *queries = effective_queries(params, layout);
@@ -116,7 +189,8 @@ impl ResidualForward {
                 }
                 let w = &queries[l * d..(l + 1) * d];
                 let (h, alpha, logits) = depth::phase2(p1, partial.as_deref().zip(partial_rstd.as_deref()), w, d);
-                calls.push(DepthCall { alpha, logits, k: blocks.len() + partial.is_some() as usize, partial: None });
+                let srcs = (0..blocks.len()).collect();
+                calls.push(DepthCall { alpha, logits, k: blocks.len() + partial.is_some() as usize, partial: None, srcs, input_query: None });
                 h
             }
         }
@@ -168,6 +242,11 @@ impl ResidualForward {
         let d = self.d;
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
+            State::Depth { ablation: Some(ab), blocks, block_rstd, calls, .. } => {
+                let (h, call) = ablation_forward(ab, calls.len(), blocks, block_rstd, None, params, layout, d, self.eps);
+                calls.push(call);
+                h
+            }
             State::Depth { blocks, block_rstd, queries, calls, .. } => {
                 if queries.is_empty() {
                     *queries = effective_queries(params, layout);
@@ -175,7 +254,8 @@ impl ResidualForward {
                 let w = &queries[queries.len() - d..];
                 let p1 = phase1(blocks, block_rstd, w, d).pop().expect("one consumer");
                 let (h, alpha, logits) = depth::phase2(p1, None, w, d);
-                calls.push(DepthCall { alpha, logits, k: blocks.len(), partial: None });
+                let srcs = (0..blocks.len()).collect();
+                calls.push(DepthCall { alpha, logits, k: blocks.len(), partial: None, srcs, input_query: None });
                 h
             }
         }
@@ -185,7 +265,12 @@ impl ResidualForward {
     pub fn depth_weights(&self) -> Option<DepthWeights<'_>> {
         match &self.state {
             State::Standard { .. } => None,
-            State::Depth { calls, .. } => Some(DepthWeights { alpha: calls.iter().map(|c| c.alpha.as_slice()).collect() }),
+            State::Depth { calls, ablation, columns, .. } => {
+                // Completed sources keep their index; the partial sum is the last column.
+                let columns = calls.iter().map(|c| c.srcs.iter().copied().chain((c.k > c.srcs.len()).then_some(columns - 1)).collect()).collect();
+                let heads = ablation.map_or(1, |a| a.options.heads);
+                Some(DepthWeights { alpha: calls.iter().map(|c| c.alpha.as_slice()).collect(), columns, heads })
+            }
         }
     }
 }
@@ -218,9 +303,95 @@ fn effective_queries(params: &[f32], layout: &Layout) -> Vec<f32> {
     let d = layout.output_depth.as_ref().map_or(0, |p| p.query.len());
     let mut out = Vec::with_capacity((sublayers + 1) * d);
     for p in consumers {
-        out.extend(params[p.query.clone()].iter().zip(&params[p.gain.clone()]).map(|(q, g)| q * g));
+        let gain = p.gain.clone().expect("the method's depth attention has key-norm gains");
+        out.extend(params[p.query.clone()].iter().zip(&params[gain]).map(|(q, g)| q * g));
     }
     out
+}
+
+/// Gradient of the effective query `w = q ⊙ γ` (or `w = q` without key norm) into the
+/// pseudo-query and the gain.
+fn query_grad(p: &DepthParams, dw: &[f32], params: &[f32], grads: &mut [f32]) {
+    match &p.gain {
+        Some(gain) => {
+            for (j, dwj) in dw.iter().enumerate() {
+                grads[p.query.start + j] += dwj * params[gain.start + j];
+                grads[gain.start + j] += dwj * params[p.query.start + j];
+            }
+        }
+        None => grads[p.query.clone()].iter_mut().zip(dw).for_each(|(g, d)| *g += d),
+    }
+}
+
+/// The sum `x` of a consumer's sources, RMS-normalised without gain: `(x, x̂, 1/rms(x))`.
+fn normed_sum(sources: &[&[f32]], d: usize, eps: f32) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut x = kernels::copy(sources[0]);
+    for s in &sources[1..] {
+        kernels::add_assign(&mut x, s);
+    }
+    let rows = x.len() / d;
+    let (mut xhat, mut rstd) = (zeros(rows * d), zeros(rows));
+    rmsnorm::forward(&mut xhat, &mut rstd, &x, &vec![1.0; d], d, eps);
+    (x, xhat, rstd)
+}
+
+/// The logits of content-free mixing (scalar, dense) for the given sources.
+fn scalar_logits(ab: &Ablation, p: &DepthParams, srcs: &[usize], partial: bool, params: &[f32]) -> Vec<f32> {
+    let q = &params[p.query.clone()];
+    srcs.iter().map(|&i| q[i]).chain(partial.then(|| q[ab.columns - 1])).collect()
+}
+
+/// Consumer `l`'s depth attention under an ablation (one pass over its sources).
+#[allow(clippy::too_many_arguments)]
+fn ablation_forward(
+    ab: &Ablation,
+    l: usize,
+    blocks: &[Vec<f32>],
+    block_rstd: &[Vec<f32>],
+    partial: Option<(&[f32], &[f32])>,
+    params: &[f32],
+    layout: &Layout,
+    d: usize,
+    eps: f32,
+) -> (Vec<f32>, DepthCall) {
+    let p = depth_param(layout, l);
+    let srcs = ab.sources(blocks.len());
+    let mut sv: Vec<&[f32]> = srcs.iter().map(|&i| blocks[i].as_slice()).collect();
+    let mut rv: Vec<&[f32]> = srcs.iter().map(|&i| block_rstd[i].as_slice()).collect();
+    if let Some((v, r)) = partial {
+        sv.push(v);
+        rv.push(r);
+    }
+    let (k, nh) = (sv.len(), ab.options.heads);
+    let rows = blocks[0].len() / d;
+    let gain = p.gain.as_ref().map(|g| &params[g.clone()]);
+    let mut input_query = None;
+    let (w, scalars): (Vec<f32>, Vec<f32>) = match ab.query {
+        DepthQuery::Static => {
+            let q = &params[p.query.clone()];
+            (gain.map_or_else(|| q.to_vec(), |g| q.iter().zip(g).map(|(a, b)| a * b).collect()), Vec::new())
+        }
+        DepthQuery::Input => {
+            let (_, xhat, rstd) = normed_sum(&sv, d, eps);
+            let mut q = zeros(rows * d);
+            linear_forward(&mut q, &xhat, &params[p.query.clone()], rows, d, d);
+            let w = match gain {
+                Some(g) => q.chunks(d).flat_map(|r| r.iter().zip(g).map(|(a, b)| a * b)).collect(),
+                None => q.clone(),
+            };
+            input_query = Some(InputQuery { xhat, rstd, q });
+            (w, Vec::new())
+        }
+        DepthQuery::Scalar | DepthQuery::Dense => (Vec::new(), scalar_logits(ab, p, &srcs, partial.is_some(), params)),
+    };
+    let query = match ab.query {
+        DepthQuery::Static => Query::Static(&w),
+        DepthQuery::Input => Query::PerToken(&w),
+        _ => Query::Scalar(&scalars),
+    };
+    let (mut h, mut alpha, mut logits) = (zeros(rows * d), zeros(rows * k * nh), zeros(rows * k * nh));
+    depth_variants::forward(&mut h, &mut alpha, &mut logits, &sv, &rv, query, ab.options, d);
+    (h, DepthCall { alpha, logits, k, partial: None, srcs, input_query })
 }
 
 /// A consumer whose gradient into the completed blocks is still owed.
@@ -250,11 +421,15 @@ impl ResidualBackward {
     pub fn new(fwd: &ResidualForward, dh: Vec<f32>, h: &[f32], params: &[f32], grads: &mut [f32], layout: &Layout) -> Self {
         match &fwd.state {
             State::Standard { .. } => ResidualBackward { acc: dh, g_blocks: Vec::new(), owed: Vec::new() },
-            State::Depth { blocks, calls, .. } => {
+            State::Depth { blocks, calls, ablation, .. } => {
                 let g_blocks = (0..blocks.len()).map(|_| zeros(dh.len())).collect();
                 let mut rb = ResidualBackward { acc: Vec::new(), g_blocks, owed: Vec::new() };
-                rb.owe(calls.len() - 1, dh, h, fwd);
-                rb.settle(fwd, params, grads, layout);
+                if ablation.is_some() {
+                    rb.ablation_backward(calls.len() - 1, &dh, fwd, params, grads, layout);
+                } else {
+                    rb.owe(calls.len() - 1, dh, h, fwd);
+                    rb.settle(fwd, params, grads, layout);
+                }
                 rb
             }
         }
@@ -275,6 +450,7 @@ impl ResidualBackward {
     pub fn input_grad(&mut self, l: usize, dh: Vec<f32>, h: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
         match &fwd.state {
             State::Standard { .. } => kernels::add_assign(&mut self.acc, &dh),
+            State::Depth { ablation: Some(_), .. } => self.ablation_backward(l, &dh, fwd, params, grads, layout),
             State::Depth { block_size, .. } => {
                 self.owe(l, dh, h, fwd);
                 if l % block_size == 0 {
@@ -323,10 +499,78 @@ impl ResidualBackward {
         depth::backward_completed(&mut dsrc, &mut dws, &consumers, &srcs, &rs, d);
         for (o, dw) in owed.iter().zip(&dws) {
             // With w = q ⊙ γ: dq = dw ⊙ γ and dγ = dw ⊙ q.
-            let p = depth_param(layout, o.l);
-            for (j, dwj) in dw.iter().enumerate() {
-                grads[p.query.start + j] += dwj * params[p.gain.start + j];
-                grads[p.gain.start + j] += dwj * params[p.query.start + j];
+            query_grad(depth_param(layout, o.l), dw, params, grads);
+        }
+    }
+
+    /// Backpropagates consumer `l`'s depth attention under an ablation: into the completed
+    /// blocks it read, its partial sum (`acc`) and its parameters.
+    fn ablation_backward(&mut self, l: usize, dh: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
+        let State::Depth { blocks, block_rstd, calls, ablation: Some(ab), .. } = &fwd.state else { unreachable!("ablation state") };
+        let (d, eps) = (fwd.d, fwd.eps);
+        let call = &calls[l];
+        let p = depth_param(layout, l);
+        let rows = dh.len() / d;
+        let mut sv: Vec<&[f32]> = call.srcs.iter().map(|&i| blocks[i].as_slice()).collect();
+        let mut rv: Vec<&[f32]> = call.srcs.iter().map(|&i| block_rstd[i].as_slice()).collect();
+        if call.k > call.srcs.len() {
+            let (v, r) = call.partial.as_ref().expect("forward kept the partial sum");
+            sv.push(v);
+            rv.push(r);
+        }
+        // Each source's gradient: its block's, or `acc` for the partial sum.
+        let mut by_block: Vec<Option<&mut Vec<f32>>> = self.g_blocks.iter_mut().map(Some).collect();
+        let mut dsrc: Vec<&mut [f32]> = call.srcs.iter().map(|&i| by_block[i].take().expect("distinct sources").as_mut_slice()).collect();
+        if call.k > call.srcs.len() {
+            dsrc.push(self.acc.as_mut_slice());
+        }
+        let gain = p.gain.as_ref().map(|g| &params[g.clone()]);
+        match ab.query {
+            DepthQuery::Static => {
+                let q = &params[p.query.clone()];
+                let w: Vec<f32> = gain.map_or_else(|| q.to_vec(), |g| q.iter().zip(g).map(|(a, b)| a * b).collect());
+                let mut dw = zeros(d);
+                depth_variants::backward(&mut dsrc, &mut dw, dh, &sv, &rv, &call.alpha, &call.logits, Query::Static(&w), ab.options, d);
+                query_grad(p, &dw, params, grads);
+            }
+            DepthQuery::Input => {
+                let iq = call.input_query.as_ref().expect("forward kept the input query");
+                let w: Vec<f32> = match gain {
+                    Some(g) => iq.q.chunks(d).flat_map(|r| r.iter().zip(g).map(|(a, b)| a * b)).collect(),
+                    None => iq.q.clone(),
+                };
+                let mut dw = zeros(rows * d);
+                depth_variants::backward(&mut dsrc, &mut dw, dh, &sv, &rv, &call.alpha, &call.logits, Query::PerToken(&w), ab.options, d);
+                // w = q ⊙ γ: dq = dw ⊙ γ, dγ = Σ_t dw ⊙ q.
+                let dq: Vec<f32> = match (gain, &p.gain) {
+                    (Some(g), Some(gr)) => {
+                        for (dwr, qr) in dw.chunks(d).zip(iq.q.chunks(d)) {
+                            grads[gr.clone()].iter_mut().zip(dwr.iter().zip(qr)).for_each(|(a, (x, y))| *a += x * y);
+                        }
+                        dw.chunks(d).flat_map(|r| r.iter().zip(g).map(|(a, b)| a * b)).collect()
+                    }
+                    _ => dw,
+                };
+                // q = W · x̂, x̂ = rmsnorm(x), x = Σ sources: every source gets dx.
+                linear_backward_weight(&mut grads[p.query.clone()], &dq, &iq.xhat, rows, d, d);
+                let mut dxhat = zeros(rows * d);
+                linear_backward_input(&mut dxhat, &dq, &params[p.query.clone()], rows, d, d, false);
+                let (x, _, _) = normed_sum(&sv, d, eps);
+                let (mut dx, mut unused_dgain) = (zeros(rows * d), zeros(d));
+                rmsnorm::backward(&mut dx, &mut unused_dgain, &dxhat, &x, &vec![1.0; d], &iq.rstd, d);
+                for g in dsrc.iter_mut() {
+                    kernels::add_assign(g, &dx);
+                }
+            }
+            DepthQuery::Scalar | DepthQuery::Dense => {
+                let partial = call.k > call.srcs.len();
+                let c = scalar_logits(ab, p, &call.srcs, partial, params);
+                let mut dc = zeros(c.len());
+                depth_variants::backward(&mut dsrc, &mut dc, dh, &sv, &rv, &call.alpha, &call.logits, Query::Scalar(&c), ab.options, d);
+                let cols = call.srcs.iter().copied().chain(partial.then_some(ab.columns - 1));
+                for (col, g) in cols.zip(&dc) {
+                    grads[p.query.start + col] += g;
+                }
             }
         }
     }
@@ -356,7 +600,7 @@ mod tests {
         };
         let lay = Layout::new(&c);
         let params = lay.init(&c, 0);
-        let mut r = ResidualForward::new(c.block_size(), vec![1.0, 1.0], 2, 1e-6, true);
+        let mut r = ResidualForward::new(&c, vec![1.0, 1.0], true);
         let mut seen = Vec::new();
         for l in 0..4 {
             seen.push(r.input(l, &params, &lay)[0]);
@@ -379,7 +623,7 @@ mod tests {
         };
         let lay = Layout::new(&c);
         let params = lay.init(&c, 0);
-        let mut r = ResidualForward::new(c.block_size(), vec![1.0, 1.0], 2, 1e-6, true);
+        let mut r = ResidualForward::new(&c, vec![1.0, 1.0], true);
         assert_eq!(r.input(0, &params, &lay)[0], 1.0);
         r.push_output(0, vec![10.0, 10.0]);
         assert!((r.input(1, &params, &lay)[0] - 5.5).abs() < 1e-5);

@@ -164,14 +164,13 @@ impl Model {
         self.check_batch(ids, batch, seq)?;
         let c = &self.config;
         let (n, d) = (batch * seq, c.hidden_size);
-        let eps = c.rms_norm_eps as f32;
         let p = &self.params;
         let sh = self.attn_shape(batch, seq);
         let ow = sh.out_width();
 
         let mut e = zeros(n * d);
         phase("fwd embed", || embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d));
-        let mut res = ResidualForward::new(c.block_size(), e, d, eps, true);
+        let mut res = ResidualForward::new(c, e, true);
         if probe {
             res.record_output_rms();
         }
