@@ -90,9 +90,53 @@ pub fn suite(name: &str, base: &RunConfig) -> Result<Vec<Variant>> {
             v
         }
         "ablations" => crate::presets::ablations(&base.model),
-        other => bail!("unknown suite {other:?} (available: residuals, ablations, block-sizes)"),
+        "scaling" => scaling_variants(base, SCALING_TOKENS_PER_PARAMETER)?,
+        other => bail!("unknown suite {other:?} (available: residuals, ablations, block-sizes, scaling)"),
     };
     Ok(variants)
+}
+
+/// The scaling suite's model shapes (layers, hidden): four sizes, from 0.1M to 0.9M
+/// non-embedding parameters, deeper as they widen.
+pub const SCALING_SHAPES: [(usize, usize); 4] = [(4, 48), (4, 64), (6, 80), (8, 96)];
+
+/// Training tokens per non-embedding parameter in the scaling suite. Far below the report's
+/// (compute-optimal) budgets, so that four sizes times two modes train in about ten minutes on
+/// two cores; every size gets the same ratio, which is what the fit needs.
+pub const SCALING_TOKENS_PER_PARAMETER: f64 = 2.0;
+
+/// Non-embedding parameters of a model (the `N` of `C = 6·N·D`): everything but the token
+/// embedding and the LM head.
+pub fn non_embedding_parameters(c: &crate::model::Config) -> usize {
+    let lay = crate::model::params::Layout::new(c);
+    let head = if c.tie_word_embeddings { 0 } else { lay.head.len() };
+    lay.total - lay.embed.len() - head
+}
+
+/// `standard` and `block` (2 sublayers per block) at each of [`SCALING_SHAPES`], every run on
+/// `ratio` tokens per non-embedding parameter of its standard model.
+fn scaling_variants(base: &RunConfig, ratio: f64) -> Result<Vec<Variant>> {
+    let mut out = Vec::new();
+    for (layers, d) in SCALING_SHAPES {
+        let heads = d / 16;
+        let ff = (11 * d / 4).div_ceil(8) * 8;
+        let shape = [
+            format!("num_hidden_layers={layers}"),
+            format!("hidden_size={d}"),
+            format!("num_attention_heads={heads}"),
+            format!("num_key_value_heads={heads}"),
+            format!("intermediate_size={ff}"),
+        ];
+        let model = base.with_overrides(&[shape.to_vec(), vec!["residual=standard".into()]].concat())?.model;
+        let batch = base.train.batch_tokens as f64;
+        let steps = ((ratio * non_embedding_parameters(&model) as f64 / batch).round() as usize).max(10);
+        let budget = [format!("max_tokens={}", steps * base.train.batch_tokens), format!("eval_every={}", (steps / 5).max(1))];
+        for (mode, extra) in [("standard", vec!["residual=standard".to_string()]), ("block", vec!["residual=block".into(), format!("num_blocks={layers}")])] {
+            let sets = [shape.to_vec(), budget.to_vec(), extra].concat();
+            out.push(Variant { name: format!("L{layers}-d{d}-{mode}"), sets });
+        }
+    }
+    Ok(out)
 }
 
 /// A file-name-safe form of a variant name.
@@ -237,7 +281,7 @@ mod tests {
 
     #[test]
     fn suites_resolve_and_differences_are_named() {
-        for s in ["residuals", "block-sizes", "ablations"] {
+        for s in ["residuals", "block-sizes", "ablations", "scaling"] {
             let base = base(true).unwrap();
             let vs = suite(s, &base).unwrap();
             let plan = Plan { suite: s.into(), base, variants: vs, seeds: 2, data: None };

@@ -111,9 +111,10 @@ pub fn write(out: &Path) -> Result<PathBuf> {
         .map(|v| (0..plan.seeds).map(|s| read_run(&Plan::run_dir(out, &v.name, s))).collect::<Result<Vec<_>>>())
         .collect::<Result<_>>()?;
     let rows = summarize(&plan.variants, &runs);
+    let scaling = if plan.suite == "scaling" { Some(scaling_fit(&plan, &rows)?) } else { None };
     let summary = serde_json::json!({
         "suite": plan.suite, "seeds": plan.seeds, "baseline": plan.variants[0].name,
-        "model": plan.base.model, "train": plan.base.train, "variants": rows,
+        "model": plan.base.model, "train": plan.base.train, "variants": rows, "scaling": scaling,
     });
     write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
 
@@ -126,6 +127,13 @@ pub fn write(out: &Path) -> Result<PathBuf> {
         .filter(|(_, _, rs)| !rs.is_empty())
         .collect();
     let mut figures = Vec::new();
+    if let Some(sc) = &scaling {
+        figures.push((
+            "scaling.svg",
+            "Final validation loss against training compute C = 6·N·D (N: non-embedding parameters, D: tokens), with the power-law fit loss = A·C^-α of each mode.",
+            svg(860, 480, |a| scaling_figure(a, sc))?,
+        ));
+    }
     figures.push(("loss.svg", "Validation loss during training (mean over seeds).", svg(860, 460, |a| loss_figure(a, &finished))?));
     figures.push((
         "rms.svg",
@@ -152,7 +160,7 @@ pub fn write(out: &Path) -> Result<PathBuf> {
         write_atomic(&out.join(&name), body.as_bytes())?;
     }
     let page = out.join("index.html");
-    write_atomic(&page, html(&plan, &rows, &figures, &heatmaps).as_bytes())?;
+    write_atomic(&page, html(&plan, &rows, scaling.as_ref(), &figures, &heatmaps).as_bytes())?;
     Ok(page)
 }
 
@@ -412,6 +420,116 @@ fn heatmap(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, title: &str, 
     Ok(())
 }
 
+/// One point of the scaling suite.
+#[derive(Serialize, Clone)]
+pub struct ScalePoint {
+    pub variant: String,
+    pub mode: String,
+    pub non_embedding_parameters: usize,
+    pub tokens: usize,
+    pub flops: f64,
+    pub val_loss: f64,
+}
+
+/// `loss = a · C^-alpha`, fitted by least squares in log-log space.
+#[derive(Serialize, Clone, Copy, Debug)]
+pub struct PowerLaw {
+    pub a: f64,
+    pub alpha: f64,
+}
+
+impl PowerLaw {
+    pub fn fit(points: &[(f64, f64)]) -> PowerLaw {
+        let n = points.len() as f64;
+        let (xs, ys): (Vec<f64>, Vec<f64>) = points.iter().map(|(c, l)| (c.ln(), l.ln())).unzip();
+        let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+        let sxy: f64 = xs.iter().zip(&ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+        let sxx: f64 = xs.iter().map(|x| (x - mx).powi(2)).sum();
+        let slope = sxy / sxx;
+        PowerLaw { a: (my - slope * mx).exp(), alpha: -slope }
+    }
+
+    pub fn loss(&self, c: f64) -> f64 {
+        self.a * c.powf(-self.alpha)
+    }
+
+    /// The compute at which the fit reaches `loss`.
+    pub fn compute_for(&self, loss: f64) -> f64 {
+        (self.a / loss).powf(1.0 / self.alpha)
+    }
+}
+
+#[derive(Serialize)]
+pub struct Scaling {
+    pub points: Vec<ScalePoint>,
+    pub standard: Option<PowerLaw>,
+    pub block: Option<PowerLaw>,
+    /// At the largest size: the compute the baseline's fit needs to reach Block's loss, divided
+    /// by Block's compute (SPEC §6: 1.25 in the report).
+    pub compute_advantage: Option<f64>,
+}
+
+fn scaling_fit(plan: &Plan, rows: &[Row]) -> Result<Scaling> {
+    let mut points = Vec::new();
+    for r in rows {
+        let v = plan.variants.iter().find(|v| v.name == r.name).expect("rows come from variants");
+        let cfg = plan.run_config(v, 0)?;
+        let n = crate::compare::non_embedding_parameters(&cfg.model);
+        let tokens = cfg.train.steps() * cfg.train.batch_tokens;
+        let mode = crate::bench::label(&cfg.model).trim_end_matches(char::is_numeric).to_string();
+        points.push(ScalePoint { variant: r.name.clone(), mode, non_embedding_parameters: n, tokens, flops: 6.0 * n as f64 * tokens as f64, val_loss: r.val_loss.mean });
+    }
+    let fit = |mode: &str| {
+        let p: Vec<(f64, f64)> = points.iter().filter(|p| p.mode == mode).map(|p| (p.flops, p.val_loss)).collect();
+        (p.len() >= 2).then(|| PowerLaw::fit(&p))
+    };
+    let (standard, block) = (fit("standard"), fit("block"));
+    let largest = points.iter().filter(|p| p.mode == "block").max_by(|a, b| a.flops.total_cmp(&b.flops));
+    let compute_advantage = match (standard, largest) {
+        (Some(s), Some(b)) => Some(s.compute_for(b.val_loss) / b.flops),
+        _ => None,
+    };
+    Ok(Scaling { points, standard, block, compute_advantage })
+}
+
+fn scaling_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, sc: &Scaling) -> Result<()> {
+    let (c0, c1) = sc.points.iter().fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.flops), b.max(p.flops)));
+    let (l0, l1) = sc.points.iter().fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.val_loss), b.max(p.val_loss)));
+    if !c0.is_finite() {
+        return Ok(());
+    }
+    let mut chart = ChartBuilder::on(area)
+        .caption("validation loss vs training compute", ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(64)
+        .build_cartesian_2d((c0 / 1.5..c1 * 1.5).log_scale(), (l0 / 1.03..l1 * 1.03).log_scale())
+        .map_err(plot_err)?;
+    chart
+        .configure_mesh()
+        .x_desc("training FLOPs (6·N·D)")
+        .y_desc("validation loss")
+        .x_label_formatter(&|v| format!("{v:.1e}"))
+        .y_label_formatter(&|v| short_number(*v))
+        .draw()
+        .map_err(plot_err)?;
+    for (i, mode, fit) in [(0, "standard", sc.standard), (1, "block", sc.block)] {
+        let c = color(i);
+        let pts: Vec<(f64, f64)> = sc.points.iter().filter(|p| p.mode == mode).map(|p| (p.flops, p.val_loss)).collect();
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled()))).map_err(plot_err)?;
+        if let Some(f) = fit {
+            let line: Vec<(f64, f64)> = (0..=40).map(|k| c0 / 1.5 * (c1 * 2.25 / c0).powf(k as f64 / 40.0)).map(|x| (x, f.loss(x))).collect();
+            chart
+                .draw_series(LineSeries::new(line, c.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(format!("{mode}: {:.3}·C^-{:.4}", f.a, f.alpha))
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        }
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw().map_err(plot_err)?;
+    Ok(())
+}
+
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
@@ -424,7 +542,7 @@ fn pm(s: &Stat, digits: usize, seeds: usize) -> String {
     }
 }
 
-fn html(plan: &Plan, rows: &[Row], figures: &[(&str, &str, String)], heatmaps: &[(String, String, String)]) -> String {
+fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, &str, String)], heatmaps: &[(String, String, String)]) -> String {
     let m = &plan.base.model;
     let t = &plan.base.train;
     let mut h = String::new();
@@ -475,7 +593,24 @@ fn html(plan: &Plan, rows: &[Row], figures: &[(&str, &str, String)], heatmaps: &
             pm(&r.train_tokens_per_second, 0, n),
         );
     }
-    h.push_str("</table>\n<p>± is the sample standard deviation over seeds. Training throughput counts training steps only (no validation); it is measured on a shared machine, so small overheads are within noise.</p>\n");
+    h.push_str("</table>\n");
+    if let Some(sc) = scaling {
+        h.push_str("<h2>Scaling</h2>\n<table><tr><th>variant</th><th>non-embedding parameters</th><th>tokens</th><th>FLOPs</th><th>val loss</th></tr>\n");
+        for p in &sc.points {
+            let _ = writeln!(h, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.3e}</td><td>{:.4}</td></tr>", esc(&p.variant), p.non_embedding_parameters, p.tokens, p.flops, p.val_loss);
+        }
+        h.push_str("</table>\n<p>");
+        for (name, f) in [("standard", sc.standard), ("block", sc.block)] {
+            if let Some(f) = f {
+                let _ = write!(h, "Fit {name}: loss = {:.4}·C^-{:.4}. ", f.a, f.alpha);
+            }
+        }
+        if let Some(adv) = sc.compute_advantage {
+            let _ = write!(h, "At the largest size the baseline's fit needs <b>{adv:.2}×</b> Block's compute to reach Block's loss (the report: 1.25×).");
+        }
+        h.push_str("</p>\n");
+    }
+    h.push_str("<p>± is the sample standard deviation over seeds. Training throughput counts training steps only (no validation); it is measured on a shared machine, so small overheads are within noise.</p>\n");
     for (name, caption, _) in figures {
         let _ = writeln!(h, "<figure><img src=\"{name}\" alt=\"{}\"><figcaption>{}</figcaption></figure>", esc(caption), esc(caption));
     }
@@ -501,5 +636,16 @@ mod tests {
         assert_eq!(s.mean, 2.5);
         assert!((s.std - (5.0f64 / 3.0).sqrt()).abs() < 1e-12);
         assert_eq!(stat(&[7.0]).std, 0.0);
+    }
+
+    #[test]
+    fn power_law_fit_recovers_its_parameters() {
+        let truth = PowerLaw { a: 7.5, alpha: 0.07 };
+        let pts: Vec<(f64, f64)> = [1e12, 3e12, 1e13, 4e13].iter().map(|c| (*c, truth.loss(*c))).collect();
+        let f = PowerLaw::fit(&pts);
+        assert!((f.a - 7.5).abs() < 1e-6 && (f.alpha - 0.07).abs() < 1e-9, "{f:?}");
+        // A baseline 1.25x less compute-efficient needs 1.25x the compute for the same loss.
+        let slower = PowerLaw { a: truth.a * 1.25f64.powf(truth.alpha), alpha: truth.alpha };
+        assert!((slower.compute_for(truth.loss(1e13)) / 1e13 - 1.25).abs() < 1e-9);
     }
 }
