@@ -16,13 +16,17 @@
 //! sum is taken at once (the block's earlier outputs need it), while the gradients into the
 //! completed blocks wait until the whole block is done and are then taken for all its sublayers
 //! in one pass. Either way each completed block is read once per block, not once per sublayer.
+//!
+//! The ablations of SPEC §5 (`attn_res_*` config keys) need per-token queries, other gates,
+//! heads or a window, which the two-phase form does not cover: they run each consumer in the
+//! plain one-pass form of [`depth_variants`] over the same blocks and partial sums.
 
-use super::config::{Config, DepthQuery};
+use super::config::{Config, DepthGate, DepthQuery};
 use super::params::{DepthParams, Layout};
 use crate::kernels::depth::{self, ConsumerGrad, Phase1};
 use crate::kernels::depth_variants::{self, Gate, Options, Query};
 use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
-use crate::kernels::{self, rmsnorm, zeros};
+use crate::kernels::{self, rmsnorm, simd, zeros};
 
 /// What one depth attention saved for backward.
 struct DepthCall {
@@ -64,8 +68,8 @@ impl Ablation {
         }
         let gate = match (c.attn_res_query, c.attn_res_gate) {
             (DepthQuery::Dense, _) => Gate::Identity,
-            (_, super::config::DepthGate::Softmax) => Gate::Softmax,
-            (_, super::config::DepthGate::Sigmoid) => Gate::Sigmoid,
+            (_, DepthGate::Softmax) => Gate::Softmax,
+            (_, DepthGate::Sigmoid) => Gate::Sigmoid,
         };
         Some(Ablation {
             options: Options { key_norm: c.attn_res_key_norm, gate, heads: c.attn_res_heads },
@@ -128,6 +132,9 @@ pub struct DepthWeights<'a> {
     pub heads: usize,
 }
 
+/// Depth vectors up to this many values (a few decoded tokens) are prefetched before use.
+const PREFETCH_MAX: usize = 16 * 1024;
+
 fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
     let mut r = zeros(v.len() / d);
     rmsnorm::rstd(&mut r, v, d, eps);
@@ -178,6 +185,11 @@ impl ResidualForward {
                     *queries = effective_queries(params, layout);
                 }
                 let s = *block_size;
+                if blocks[0].len() <= PREFETCH_MAX {
+                    // Decoding: fetch every depth vector this sublayer reads at once.
+                    blocks.iter().chain(block_rstd.iter()).chain(partial.iter()).for_each(|v| simd::prefetch(v));
+                    simd::prefetch(&queries[l * d..(l + 1) * d]);
+                }
                 if l % s == 0 {
                     // Phase 1 for every sublayer of the block that starts here.
                     *pending = phase1(blocks, block_rstd, &queries[l * d..(l + s) * d], d);
