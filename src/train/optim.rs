@@ -2,7 +2,9 @@
 //! parameter buffer.
 //!
 //! Parameter groups:
-//! - **Muon** (when selected): the 2-D hidden matrices — `q/k/v/o_proj`, `gate/up/down_proj`.
+//! - **Muon** (when selected): the 2-D hidden matrices — `q/k/v/o_proj`, `gate/up/down_proj`,
+//!   and the `[d, d]` query projections of the input-dependent-query ablation (under AdamW their
+//!   d² entries all moving by ~lr per step made the depth logits blow up).
 //!   Update `O = NewtonSchulz5(Nesterov momentum)`, scaled by `0.2·sqrt(max(rows, cols))` so its
 //!   RMS matches AdamW's and both groups share one learning rate (the scaling Moonshot uses for
 //!   Muon at scale), with decoupled weight decay.
@@ -101,7 +103,8 @@ enum Rule {
 }
 
 fn rule(spec: &ParamSpec, kind: OptimizerKind) -> Rule {
-    let hidden_matrix = spec.name.contains(".self_attn.") || spec.name.contains(".mlp.");
+    let query_matrix = spec.name.contains("res_proj") && spec.shape.len() == 2 && spec.shape[0] > 1;
+    let hidden_matrix = spec.name.contains(".self_attn.") || spec.name.contains(".mlp.") || query_matrix;
     if kind == OptimizerKind::Muon && hidden_matrix && spec.shape.len() == 2 {
         return Rule::Muon { rows: spec.shape[0], cols: spec.shape[1] };
     }
@@ -245,6 +248,18 @@ mod tests {
 
     fn cfg(kind: OptimizerKind) -> OptimConfig {
         OptimConfig { optimizer: kind, lr: 0.01, ..OptimConfig::default() }
+    }
+
+    #[test]
+    fn muon_takes_the_hidden_and_query_matrices() {
+        use crate::model::Config;
+        let c = Config { hidden_size: 16, head_dim: 8, intermediate_size: 24, num_hidden_layers: 1, vocab_size: 40, residual: crate::model::ResidualKind::Full, ..Config::default() };
+        let input = c.with_overrides(&["attn_res_query=input".to_string()]).unwrap();
+        let rule_of = |c: &Config, name: &str| rule(Layout::new(c).spec(name).unwrap(), OptimizerKind::Muon);
+        assert_eq!(rule_of(&c, "model.layers.0.mlp.down_proj.weight"), Rule::Muon { rows: 16, cols: 24 });
+        assert_eq!(rule_of(&c, "model.layers.0.attn_res_proj.weight"), Rule::Adam { decay: false });
+        assert_eq!(rule_of(&input, "model.layers.0.attn_res_proj.weight"), Rule::Muon { rows: 16, cols: 16 });
+        assert_eq!(rule_of(&c, "model.embed_tokens.weight"), Rule::Adam { decay: false });
     }
 
     #[test]
