@@ -212,7 +212,7 @@ fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
 
 /// A distinct colour per variant.
 fn color(i: usize) -> RGBColor {
-    const C: [(u8, u8, u8); 10] = [
+    const C: [(u8, u8, u8); 12] = [
         (90, 90, 90),
         (31, 119, 180),
         (214, 39, 40),
@@ -223,6 +223,8 @@ fn color(i: usize) -> RGBColor {
         (227, 119, 194),
         (23, 190, 207),
         (188, 189, 34),
+        (0, 0, 128),
+        (128, 128, 0),
     ];
     let (r, g, b) = C[i % C.len()];
     RGBColor(r, g, b)
@@ -551,7 +553,8 @@ fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, 
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>attnres: {suite}</title>\n<style>\n\
          body {{ font-family: sans-serif; max-width: 1180px; margin: 2em auto; color: #222; }}\n\
          table {{ border-collapse: collapse; margin: 1em 0; }} th, td {{ border: 1px solid #ccc; padding: 4px 10px; text-align: right; }}\n\
-         th {{ background: #f2f2f2; }} td:first-child, th:first-child {{ text-align: left; }}\n\
+         th {{ background: #f2f2f2; }} td {{ white-space: nowrap; }} td:first-child, th:first-child {{ text-align: left; }}\n\
+         td.settings {{ text-align: left; white-space: normal; font-size: 90%; }}\n\
          figure {{ margin: 1.5em 0; }} figcaption {{ color: #555; max-width: 900px; }} img {{ max-width: 100%; border: 1px solid #eee; }}\n\
          code {{ background: #f5f5f5; padding: 1px 4px; }} .neg {{ color: #1a7f37; }} .pos {{ color: #b42318; }}\n\
          </style></head><body>\n<h1>Attention Residuals: {suite}</h1>\n\
@@ -584,7 +587,7 @@ fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, 
         let over = r.training_overhead.map_or("—".into(), |o| format!("{:+.1}%", 100.0 * o));
         let _ = writeln!(
             h,
-            "<tr><td>{}</td><td><code>{}</code></td><td>{n}</td><td>{}</td><td>{}</td><td>{}</td><td>{delta}</td><td>{}</td><td>{over}</td></tr>",
+            "<tr><td>{}</td><td class=\"settings\"><code>{}</code></td><td>{n}</td><td>{}</td><td>{}</td><td>{}</td><td>{delta}</td><td>{}</td><td>{over}</td></tr>",
             esc(&r.name),
             esc(&r.settings.join(" ")),
             r.parameters,
@@ -610,7 +613,7 @@ fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, 
         }
         h.push_str("</p>\n");
     }
-    h.push_str("<p>± is the sample standard deviation over seeds. Training throughput counts training steps only (no validation); it is measured on a shared machine, so small overheads are within noise.</p>\n");
+    h.push_str("<p>± is the sample standard deviation over seeds. Training throughput counts training steps only (no validation); it is measured on a shared machine, so small overheads are within noise. The ablation options other than the method itself run a plain one-pass depth attention, so their throughput is not representative.</p>\n");
     for (name, caption, _) in figures {
         let _ = writeln!(h, "<figure><img src=\"{name}\" alt=\"{}\"><figcaption>{}</figcaption></figure>", esc(caption), esc(caption));
     }
