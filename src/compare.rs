@@ -167,8 +167,10 @@ fn status(dir: &Path, want: &RunConfig) -> Result<Status> {
     let Some(state) = state else { return Ok(Status::Fresh) };
     let text = std::fs::read_to_string(&state).with_context(|| format!("cannot read {}", state.display()))?;
     let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is corrupt", state.display()))?;
-    let mut have = v.get("run").cloned().with_context(|| format!("{} has no run settings", state.display()))?;
-    let mut want = serde_json::to_value(want)?;
+    let have = v.get("run").cloned().with_context(|| format!("{} has no run settings", state.display()))?;
+    // Through the settings type, so that keys added since the run was trained take their defaults.
+    let have: RunConfig = serde_json::from_value(have).with_context(|| format!("{}: unreadable run settings", state.display()))?;
+    let (mut have, mut want) = (serde_json::to_value(have)?, serde_json::to_value(want)?);
     // The vocabulary size comes from the tokenizer, not from the request.
     for v in [&mut have, &mut want] {
         v["model"]["vocab_size"] = Value::Null;
@@ -304,5 +306,24 @@ mod tests {
         let b = serde_json::json!({"model": {"x": 1, "y": 3}, "train": {"lr": 0.1}});
         assert_eq!(first_difference(&a, &b, "").as_deref(), Some("model.y"));
         assert_eq!(first_difference(&a, &a, ""), None);
+    }
+
+    /// A run trained before a setting existed is the same run when the setting has its default;
+    /// a run with another value is refused, naming the key.
+    #[test]
+    fn status_fills_new_settings_with_defaults() {
+        let tmp = std::env::temp_dir().join(format!("attnres-status-{}", std::process::id()));
+        std::fs::create_dir_all(tmp.join("ckpt")).unwrap();
+        let want = base(true).unwrap();
+        let mut run = serde_json::to_value(&want).unwrap();
+        run["model"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("attn_res_"));
+        let write = |run: &Value| std::fs::write(tmp.join("ckpt/train_state.json"), serde_json::json!({ "run": run }).to_string()).unwrap();
+        write(&run);
+        assert_eq!(status(&tmp, &want).unwrap(), Status::Resume);
+        run["train"]["lr"] = serde_json::json!(0.5);
+        write(&run);
+        let e = status(&tmp, &want).unwrap_err().to_string();
+        assert!(e.contains("train.lr"), "{e}");
+        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }
