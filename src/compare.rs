@@ -18,11 +18,14 @@ use std::path::{Path, PathBuf};
 pub struct Variant {
     pub name: String,
     pub sets: Vec<String>,
+    /// The variant this one is compared with (none: the suite's first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub baseline: Option<String>,
 }
 
 impl Variant {
     pub fn new(name: &str, sets: &[&str]) -> Variant {
-        Variant { name: name.into(), sets: sets.iter().map(|s| s.to_string()).collect() }
+        Variant { name: name.into(), sets: sets.iter().map(|s| s.to_string()).collect(), baseline: None }
     }
 }
 
@@ -84,7 +87,7 @@ pub fn suite(name: &str, base: &RunConfig) -> Result<Vec<Variant>> {
             while n <= l {
                 let s = l / n;
                 let name = if n == l { "full (S=1)".to_string() } else { format!("block S={s} (N={n})") };
-                v.push(Variant { name: slug(&name), sets: vec!["residual=block".into(), format!("num_blocks={n}")] });
+                v.push(Variant { name: slug(&name), sets: vec!["residual=block".into(), format!("num_blocks={n}")], baseline: None });
                 n *= 2;
             }
             v
@@ -133,7 +136,9 @@ fn scaling_variants(base: &RunConfig, ratio: f64) -> Result<Vec<Variant>> {
         let budget = [format!("max_tokens={}", steps * base.train.batch_tokens), format!("eval_every={}", (steps / 5).max(1))];
         for (mode, extra) in [("standard", vec!["residual=standard".to_string()]), ("block", vec!["residual=block".into(), format!("num_blocks={layers}")])] {
             let sets = [shape.to_vec(), budget.to_vec(), extra].concat();
-            out.push(Variant { name: format!("L{layers}-d{d}-{mode}"), sets });
+            // Each size is compared with the standard model of the same size.
+            let baseline = Some(format!("L{layers}-d{d}-standard"));
+            out.push(Variant { name: format!("L{layers}-d{d}-{mode}"), sets, baseline });
         }
     }
     Ok(out)

@@ -165,14 +165,15 @@ pub fn write(out: &Path) -> Result<PathBuf> {
 }
 
 fn summarize(variants: &[Variant], runs: &[Vec<Option<Run>>]) -> Vec<Row> {
-    let base = &runs[0];
-    let base_tps: Vec<f64> = base.iter().flatten().map(|r| r.tokens_per_second).collect();
     variants
         .iter()
         .zip(runs)
         .enumerate()
         .filter(|(_, (_, rs))| rs.iter().any(|r| r.is_some()))
         .map(|(i, (v, rs))| {
+            let b = v.baseline.as_ref().and_then(|n| variants.iter().position(|x| &x.name == n)).unwrap_or(0);
+            let base = &runs[b];
+            let base_tps: Vec<f64> = base.iter().flatten().map(|r| r.tokens_per_second).collect();
             let done: Vec<&Run> = rs.iter().flatten().collect();
             let pick = |f: fn(&Run) -> f64| stat(&done.iter().map(|r| f(r)).collect::<Vec<_>>());
             // Paired by seed, over the seeds both have finished.
@@ -185,9 +186,9 @@ fn summarize(variants: &[Variant], runs: &[Vec<Option<Run>>]) -> Vec<Row> {
                 parameters: done[0].parameters,
                 val_loss: pick(|r| r.val_loss),
                 val_bits_per_byte: pick(|r| r.bpb),
-                val_loss_minus_baseline: (i > 0 && !diffs.is_empty()).then(|| stat(&diffs)),
+                val_loss_minus_baseline: (i != b && !diffs.is_empty()).then(|| stat(&diffs)),
                 train_tokens_per_second: tps,
-                training_overhead: (i > 0 && !base_tps.is_empty()).then(|| stat(&base_tps).mean / tps.mean - 1.0),
+                training_overhead: (i != b && !base_tps.is_empty()).then(|| stat(&base_tps).mean / tps.mean - 1.0),
                 val_losses: done.iter().map(|r| r.val_loss).collect(),
             }
         })
@@ -496,20 +497,21 @@ fn scaling_fit(plan: &Plan, rows: &[Row]) -> Result<Scaling> {
 
 fn scaling_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, sc: &Scaling) -> Result<()> {
     let (c0, c1) = sc.points.iter().fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.flops), b.max(p.flops)));
-    let (l0, l1) = sc.points.iter().fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.val_loss), b.max(p.val_loss)));
     if !c0.is_finite() {
         return Ok(());
     }
+    let (x0, x1) = (c0 / 1.5, c1 * 1.5);
+    let (y0, y1) = bounds(sc.points.iter().map(|p| p.val_loss));
     let mut chart = ChartBuilder::on(area)
         .caption("validation loss vs training compute", ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(64)
-        .build_cartesian_2d((c0 / 1.5..c1 * 1.5).log_scale(), (l0 / 1.03..l1 * 1.03).log_scale())
+        .build_cartesian_2d((x0..x1).log_scale(), y0..y1)
         .map_err(plot_err)?;
     chart
         .configure_mesh()
-        .x_desc("training FLOPs (6·N·D)")
+        .x_desc("training FLOPs (6·N·D, log scale)")
         .y_desc("validation loss")
         .x_label_formatter(&|v| format!("{v:.1e}"))
         .y_label_formatter(&|v| short_number(*v))
@@ -520,7 +522,8 @@ fn scaling_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, sc: &S
         let pts: Vec<(f64, f64)> = sc.points.iter().filter(|p| p.mode == mode).map(|p| (p.flops, p.val_loss)).collect();
         chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled()))).map_err(plot_err)?;
         if let Some(f) = fit {
-            let line: Vec<(f64, f64)> = (0..=40).map(|k| c0 / 1.5 * (c1 * 2.25 / c0).powf(k as f64 / 40.0)).map(|x| (x, f.loss(x))).collect();
+            let line: Vec<(f64, f64)> =
+                (0..=60).map(|k| x0 * (x1 / x0).powf(k as f64 / 60.0)).map(|x| (x, f.loss(x))).filter(|p| p.1 >= y0 && p.1 <= y1).collect();
             chart
                 .draw_series(LineSeries::new(line, c.stroke_width(2)))
                 .map_err(plot_err)?
@@ -558,10 +561,10 @@ fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, 
          figure {{ margin: 1.5em 0; }} figcaption {{ color: #555; max-width: 900px; }} img {{ max-width: 100%; border: 1px solid #eee; }}\n\
          code {{ background: #f5f5f5; padding: 1px 4px; }} .neg {{ color: #1a7f37; }} .pos {{ color: #b42318; }}\n\
          </style></head><body>\n<h1>Attention Residuals: {suite}</h1>\n\
-         <p>Model: {layers} layers ({sub} sublayers), hidden {d}, {heads} heads, vocabulary {vocab}, context {seq}. \
+         <p>Model (before each variant's settings): {layers} layers ({sub} sublayers), hidden {d}, {heads} heads, vocabulary {vocab}, context {seq}. \
          Training: {tokens} tokens per run ({steps} steps of {batch} tokens), optimizer {opt}, lr {lr}, identical data order for every variant; \
          seeds: {seeds} (seed changes initialisation and data order). Validation loss on the first {eval} validation tokens. \
-         The first row is the baseline; differences are paired by seed.</p>\n",
+         Differences are from the baseline (the first row, or for the scaling suite the standard model of the same size), paired by seed.</p>\n",
         suite = esc(&plan.suite),
         layers = m.num_hidden_layers,
         sub = m.sublayers(),
