@@ -27,19 +27,6 @@ macro_rules! multiversion {
 /// with |r| ≤ ln2/2, a degree-6 polynomial for `e^r`, and `2^n` built in the exponent bits.
 /// Inputs below −87.3 flush to 0.
 #[inline(always)]
-/// Asks the cache to fetch every line of `v` now. Decoding reads small depth vectors that the
-/// weight streaming of the previous sublayer evicted; issuing all their loads at once overlaps
-/// the misses instead of taking them one after another.
-pub fn prefetch(v: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in v.chunks(16) {
-        // SAFETY: a prefetch is a hint; the address is inside `v`.
-        unsafe { std::arch::x86_64::_mm_prefetch(line.as_ptr() as *const i8, std::arch::x86_64::_MM_HINT_T0) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = v;
-}
-
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;

@@ -26,7 +26,7 @@ use super::params::{DepthParams, Layout};
 use crate::kernels::depth::{self, ConsumerGrad, Phase1};
 use crate::kernels::depth_variants::{self, Gate, Options, Query};
 use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
-use crate::kernels::{self, rmsnorm, simd, zeros};
+use crate::kernels::{self, rmsnorm, zeros};
 
 /// What one depth attention saved for backward.
 struct DepthCall {
@@ -132,9 +132,6 @@ pub struct DepthWeights<'a> {
     pub heads: usize,
 }
 
-/// Depth vectors up to this many values (a few decoded tokens) are prefetched before use.
-const PREFETCH_MAX: usize = 16 * 1024;
-
 fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
     let mut r = zeros(v.len() / d);
     rmsnorm::rstd(&mut r, v, d, eps);
@@ -185,11 +182,6 @@ impl ResidualForward {
                     *queries = effective_queries(params, layout);
                 }
                 let s = *block_size;
-                if blocks[0].len() <= PREFETCH_MAX {
-                    // Decoding: fetch every depth vector this sublayer reads at once.
-                    blocks.iter().chain(block_rstd.iter()).chain(partial.iter()).for_each(|v| simd::prefetch(v));
-                    simd::prefetch(&queries[l * d..(l + 1) * d]);
-                }
                 if l % s == 0 {
                     // Phase 1 for every sublayer of the block that starts here.
                     *pending = phase1(blocks, block_rstd, &queries[l * d..(l + s) * d], d);
