@@ -71,11 +71,10 @@ pub fn forward(h: &mut [f32], alpha: &mut [f32], logits: &mut [f32], sources: &[
             hrow.fill(0.0);
             for i in 0..k {
                 let v = &sources[i][t * d..(t + 1) * d];
-                for g in 0..nh {
+                // Slices (not indices) so the loops vectorise.
+                for (g, (hg, vg)) in hrow.chunks_mut(hd).zip(v.chunks(hd)).enumerate() {
                     let w = a[i * nh + g];
-                    for j in g * hd..(g + 1) * hd {
-                        hrow[j] += w * v[j];
-                    }
+                    hg.iter_mut().zip(vg).for_each(|(h, x)| *h += w * x);
                 }
             }
         }
@@ -165,11 +164,9 @@ pub fn backward(
                 let dv = unsafe { dptrs[i].slice(t * d, d) };
                 let r = if o.key_norm { rstds[i][t] } else { 1.0 };
                 // Value path.
-                for g in 0..nh {
+                for (g, (dg, gg)) in dv.chunks_mut(hd).zip(g_row.chunks(hd)).enumerate() {
                     let w = a[i * nh + g];
-                    for j in g * hd..(g + 1) * hd {
-                        dv[j] += w * g_row[j];
-                    }
+                    dg.iter_mut().zip(gg).for_each(|(x, y)| *x += w * y);
                 }
                 // Key path.
                 let w = match query {
@@ -188,10 +185,9 @@ pub fn backward(
                         Some(row) => row,
                         None => &mut *acc,
                     };
-                    for j in g * hd..(g + 1) * hd {
-                        dv[j] += s * r * w[j];
-                        dq[j] += s * r * v[j];
-                    }
+                    let cols = g * hd..(g + 1) * hd;
+                    dv[cols.clone()].iter_mut().zip(&w[cols.clone()]).for_each(|(x, y)| *x += s * r * y);
+                    dq[cols.clone()].iter_mut().zip(&v[cols]).for_each(|(x, y)| *x += s * r * y);
                 }
                 if o.key_norm {
                     // Through r = 1/rms(v): dr/dv = −r³·v/d, and Σ_g ds·⟨w_g, v_g⟩ = coef / r.
