@@ -14,7 +14,7 @@
 //! two-phase form of SPEC §7 ([`phase1`], [`phase2`], [`backward_one`], [`backward_completed`]),
 //! which the tests hold equal to the one-pass form.
 
-use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
+use super::{dot, par_reduce_rows, par_rows_mut, par_rows_new, simd, SendPtr};
 
 /// Forward over `K = sources.len()` sources of shape `[rows, d]`: writes `h[rows, d]` and, per
 /// token, the weights `alpha[rows, K]` and `logits[rows, K]` that backward needs.
@@ -113,31 +113,59 @@ pub fn backward(
     }
 }
 
-/// What phase 1 produced for one consumer (SPEC §7), per token: the logits over the completed
-/// sources, their maximum `m1`, the sum `l1 = Σ e^(logit − m1)` and the unnormalised mix
-/// `o1 = Σ e^(logit − m1) · v`.
+/// What phase 1 produced for the `S` consumers of one block (SPEC §7), per consumer and token:
+/// the logits over the `C` completed sources, their maximum `m1`, the sum
+/// `l1 = Σ e^(logit − m1)` and the unnormalised mix `o1 = Σ e^(logit − m1) · v`.
+///
+/// One value is reused from block to block: decoding runs this for a token or two at a time,
+/// where fresh buffers (and the cold allocator state behind them) would cost more than the
+/// arithmetic.
+#[derive(Default)]
 pub struct Phase1 {
-    /// `[rows, C]`.
-    pub logits: Vec<f32>,
-    pub m1: Vec<f32>,
-    pub l1: Vec<f32>,
-    /// `[rows, d]`.
-    pub o1: Vec<f32>,
+    rows: usize,
+    completed: usize,
+    /// `[S, rows, C]`.
+    logits: Vec<f32>,
+    /// `[S, rows]`.
+    m1: Vec<f32>,
+    l1: Vec<f32>,
+    /// `[S, rows, d]`.
+    o1: Vec<f32>,
 }
 
-/// Phase 1 of the two-phase computation: all consumers of a block (effective queries
-/// `ws[c] = q_c ⊙ γ_c`) score the `C` completed sources in one pass, so each source row is read
-/// from memory once per block instead of once per consumer.
-pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> Vec<Phase1> {
-    let (c, s) = (sources.len(), ws.len());
-    let rows = sources[0].len() / d;
-    let mut out: Vec<Phase1> = (0..s)
-        .map(|_| Phase1 { logits: super::zeros(rows * c), m1: super::zeros(rows), l1: super::zeros(rows), o1: super::zeros(rows * d) })
-        .collect();
-    let ptrs: Vec<[SendPtr; 4]> = out
-        .iter_mut()
-        .map(|p| [SendPtr(p.logits.as_mut_ptr()), SendPtr(p.m1.as_mut_ptr()), SendPtr(p.l1.as_mut_ptr()), SendPtr(p.o1.as_mut_ptr())])
-        .collect();
+impl Phase1 {
+    /// Empty buffers with room for `consumers` consumers of `rows` tokens scoring up to
+    /// `completed` sources each, so that later blocks do not reallocate.
+    pub fn with_capacity(consumers: usize, rows: usize, completed: usize, d: usize) -> Phase1 {
+        let n = consumers * rows;
+        let v = Vec::with_capacity;
+        Phase1 { rows, completed: 0, logits: v(n * completed), m1: v(n), l1: v(n), o1: v(n * d) }
+    }
+
+    /// Tokens scored.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Asks the caches for every buffer (see [`simd::prefetch`]).
+    pub fn prefetch(&self) {
+        [&self.logits, &self.m1, &self.l1, &self.o1].into_iter().for_each(|v| simd::prefetch(v));
+    }
+}
+
+/// Phase 1 of the two-phase computation: the consumers of a block (effective queries
+/// `ws = [S, d]`, row c = `q_c ⊙ γ_c`) score the `C` completed sources in one pass, so each
+/// source row is read from memory once per block instead of once per consumer. Overwrites `out`.
+pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[V], ws: &[f32], d: usize) {
+    let (c, s) = (sources.len(), ws.len() / d);
+    let rows = sources[0].as_ref().len() / d;
+    out.rows = rows;
+    out.completed = c;
+    for (v, n) in [(&mut out.logits, s * rows * c), (&mut out.m1, s * rows), (&mut out.l1, s * rows), (&mut out.o1, s * rows * d)] {
+        v.clear();
+        v.resize(n, 0.0);
+    }
+    let ptrs = [&mut out.logits, &mut out.m1, &mut out.l1, &mut out.o1].map(|v| SendPtr(v.as_mut_ptr()));
     let chunk = super::rows_per_task(rows, c * d);
     let tasks = rows.div_ceil(chunk);
     let run = |task: usize| {
@@ -151,12 +179,14 @@ pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> 
             &mut heap
         };
         for t in task * chunk..((task + 1) * chunk).min(rows) {
-            for (k, p) in ptrs.iter().enumerate() {
-                // SAFETY: row t of every output belongs to this task only.
-                let (lg, m1, l1, o1) = unsafe { (p[0].slice(t * c, c), p[1].slice(t, 1), p[2].slice(t, 1), p[3].slice(t * d, d)) };
+            for k in 0..s {
+                let w = &ws[k * d..(k + 1) * d];
+                let row = k * rows + t;
+                // SAFETY: row t of every consumer's outputs belongs to this task only.
+                let (lg, m1, l1, o1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1), ptrs[3].slice(row * d, d)) };
                 let mut m = f32::NEG_INFINITY;
                 for i in 0..c {
-                    lg[i] = rstds[i][t] * dot(ws[k], &sources[i][t * d..(t + 1) * d]);
+                    lg[i] = rstds[i].as_ref()[t] * dot(w, &sources[i].as_ref()[t * d..(t + 1) * d]);
                     m = m.max(lg[i]);
                 }
                 let mut z = 0.0f32;
@@ -164,9 +194,9 @@ pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> 
                     e[i] = simd::exp(lg[i] - m);
                     z += e[i];
                 }
-                // o1 starts zeroed (`zeros` above).
+                // o1 starts zeroed (`resize` above).
                 for i in 0..c {
-                    simd::axpy(o1, e[i], &sources[i][t * d..(t + 1) * d]);
+                    simd::axpy(o1, e[i], &sources[i].as_ref()[t * d..(t + 1) * d]);
                 }
                 m1[0] = m;
                 l1[0] = z;
@@ -180,26 +210,27 @@ pub fn phase1(sources: &[&[f32]], rstds: &[&[f32]], ws: &[&[f32]], d: usize) -> 
         use rayon::prelude::*;
         (0..tasks).into_par_iter().for_each(run);
     }
-    out
 }
 
-/// Phase 2 for one consumer: merges the optional partial-sum source `(p, rstd_p)` into the
-/// phase-1 statistics by online softmax. Returns the input `h[rows, d]` and writes, per token,
-/// the weights `alpha[rows, K]` and logits `logits[rows, K]` over all `K = C (+1)` sources
-/// (completed first, partial last), which backward needs.
-pub fn phase2(p1: Phase1, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let rows = p1.m1.len();
-    let c = p1.logits.len() / rows.max(1);
+/// Phase 2 for consumer `j` of the block that `p1` scored: merges the optional partial-sum
+/// source `(p, rstd_p)` into the phase-1 statistics by online softmax. Returns the input
+/// `h[rows, d]` and writes, per token, the weights `alpha[rows, K]` and logits `logits[rows, K]`
+/// over all `K = C (+1)` sources (completed first, partial last), which backward needs.
+#[allow(clippy::too_many_arguments)]
+pub fn phase2(alpha: &mut [f32], logits: &mut [f32], p1: &Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> Vec<f32> {
+    let (rows, c) = (p1.rows, p1.completed);
     let k = c + partial.is_some() as usize;
-    let Phase1 { logits: l1_logits, m1, l1, o1: mut h } = p1;
-    let (mut alpha, mut logits) = (super::zeros(rows * k), super::zeros(rows * k));
+    assert!(alpha.len() == rows * k && logits.len() == rows * k);
+    let (l1_logits, m1, l1) = (&p1.logits[j * rows * c..(j + 1) * rows * c], &p1.m1[j * rows..(j + 1) * rows], &p1.l1[j * rows..(j + 1) * rows]);
+    let o1 = &p1.o1[j * rows * d..(j + 1) * rows * d];
     let (aptr, lptr) = (SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
-    par_rows_mut(&mut h, d, |r0, chunk| {
+    par_rows_new(rows, d, |r0, chunk| {
         for (i, hrow) in chunk.chunks_mut(d).enumerate() {
             let t = r0 + i;
             // SAFETY: row t of alpha/logits belongs to this task only.
             let (a, l) = unsafe { (aptr.slice(t * k, k), lptr.slice(t * k, k)) };
             l[..c].copy_from_slice(&l1_logits[t * c..(t + 1) * c]);
+            hrow.copy_from_slice(&o1[t * d..(t + 1) * d]);
             let (mut m, mut z) = (m1[t], l1[t]);
             if let Some((pv, pr)) = partial {
                 let prow = &pv[t * d..(t + 1) * d];
@@ -219,8 +250,7 @@ pub fn phase2(p1: Phase1, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize
                 a[j] = simd::exp(l[j] - m) / z;
             }
         }
-    });
-    (h, alpha, logits)
+    })
 }
 
 /// One consumer's share of the backward pass, as the grouped backward reads it.
@@ -410,14 +440,18 @@ mod tests {
         let (rows, d, c, s) = (37, 24, 4, 3);
         let cs = case(rows, d, c, s);
         let ws: Vec<Vec<f32>> = (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
-        let wr: Vec<&[f32]> = ws.iter().map(|w| w.as_slice()).collect();
         let sv: Vec<&[f32]> = cs.srcs.iter().map(|x| x.as_slice()).collect();
         let rv: Vec<&[f32]> = cs.rs.iter().map(|x| x.as_slice()).collect();
-        for (j, p1) in phase1(&sv, &rv, &wr, d).into_iter().enumerate() {
+        let mut p1 = Phase1::default();
+        // Reused buffers must not leak a previous block's results.
+        phase1(&mut p1, &sv[..1], &rv[..1], &ws[0], d);
+        phase1(&mut p1, &sv, &rv, &ws.concat(), d);
+        for j in 0..s {
             let partial = (j > 0).then(|| (cs.partials[j].as_slice(), cs.prs[j].as_slice()));
-            let (h, a, l) = phase2(p1, partial, &ws[j], d);
             let (v, r) = sources_of(&cs, j);
             let k = v.len();
+            let (mut a, mut l) = (vec![0.0; rows * k], vec![0.0; rows * k]);
+            let h = phase2(&mut a, &mut l, &p1, j, partial, &ws[j], d);
             let (mut h1, mut a1, mut l1) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
             forward(&mut h1, &mut a1, &mut l1, &v, &r, &cs.qs[j], &cs.gs[j], d);
             assert_close(&h, &h1, 1e-5, "two-phase h");

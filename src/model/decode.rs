@@ -20,8 +20,10 @@ use crate::kernels::rope::Positions;
 use crate::kernels::{embedding, zeros};
 use crate::profile::phase;
 use anyhow::{bail, ensure, Result};
+use std::sync::Arc;
 
-/// Keys and values of every layer for `slots` sequences of up to `capacity` tokens.
+/// Keys and values of every layer for `slots` sequences of up to `capacity` tokens (a cache
+/// serves one model).
 pub struct KvCache {
     slots: usize,
     capacity: usize,
@@ -30,6 +32,8 @@ pub struct KvCache {
     v: Vec<Vec<f32>>,
     /// Tokens held per slot.
     len: Vec<usize>,
+    /// The depth attention's effective queries, made on the first call (a cache serves one model).
+    queries: Option<Arc<[f32]>>,
 }
 
 impl KvCache {
@@ -49,6 +53,7 @@ impl KvCache {
             k: (0..layers).map(|_| zeros(size)).collect(),
             v: (0..layers).map(|_| zeros(size)).collect(),
             len: vec![0; slots],
+            queries: None,
         })
     }
 
@@ -149,18 +154,25 @@ impl Model {
         let ow = sh.out_width();
         let mut e = zeros(rows * d);
         embedding::forward(&mut e, &p[lay.embed.clone()], &ids, d);
+        if cache.queries.is_none() {
+            cache.queries = ResidualForward::queries_of(c, p, lay);
+        }
         let mut res = ResidualForward::new(c, e, false);
+        if let Some(q) = &cache.queries {
+            res = res.with_queries(q.clone());
+        }
         for (i, lp) in lay.layers.iter().enumerate() {
             let h = phase("fwd residual", || res.input(2 * i, p, lay));
             let (_, _, qkv) = self.attn_project(lp, &h, Positions::Explicit(&positions));
             let mut o = zeros(rows * ow);
             phase("fwd attention", || attention::forward_cached(&mut o, &qkv, &mut cache.k[i], &mut cache.v[i], &spans, sh));
             let mut out = zeros(rows * d);
+            phase("fwd residual", || res.prefetch_before_output(2 * i));
             phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d));
             phase("fwd residual", || res.push_output(2 * i, out));
 
             let h = phase("fwd residual", || res.input(2 * i + 1, p, lay));
-            let (_, out) = self.mlp_sublayer(lp, h);
+            let (_, out) = self.mlp_sublayer_with(lp, h, || phase("fwd residual", || res.prefetch_before_output(2 * i + 1)));
             phase("fwd residual", || res.push_output(2 * i + 1, out));
         }
         for s in &spans {

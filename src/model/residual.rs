@@ -26,7 +26,8 @@ use super::params::{DepthParams, Layout};
 use crate::kernels::depth::{self, ConsumerGrad, Phase1};
 use crate::kernels::depth_variants::{self, Gate, Options, Query};
 use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
-use crate::kernels::{self, rmsnorm, zeros};
+use crate::kernels::{self, rmsnorm, simd, zeros};
+use std::sync::Arc;
 
 /// What one depth attention saved for backward.
 struct DepthCall {
@@ -99,11 +100,17 @@ enum State {
         partial: Option<Vec<f32>>,
         /// Per-token 1/rms of `partial`, computed when a sublayer reads it.
         partial_rstd: Option<Vec<f32>>,
-        /// Phase-1 results waiting for the remaining sublayers of the current block.
-        pending: Vec<Phase1>,
-        /// Effective query `q ⊙ γ` of every consumer (`[L + 1, d]`), made on first use.
-        queries: Vec<f32>,
-        /// One per sublayer, then one for the output aggregation.
+        /// Phase-1 results of the current block's sublayers (then of the output aggregation).
+        phase1: Phase1,
+        /// Inference only: the weights and logits of the latest consumer (kept for backward
+        /// otherwise), reused so that decoding does not allocate them for every sublayer.
+        scratch: Vec<f32>,
+        /// Effective query `q ⊙ γ` of every consumer (`[L + 1, d]`), made on first use unless
+        /// given (decoding keeps them for its whole run).
+        queries: Arc<[f32]>,
+        /// Consumers run so far.
+        consumed: usize,
+        /// One per consumer run (sublayers, then the output aggregation), when kept for backward.
         calls: Vec<DepthCall>,
         /// Set when an ablation option replaces the method's depth attention.
         ablation: Option<Ablation>,
@@ -132,6 +139,13 @@ pub struct DepthWeights<'a> {
     pub heads: usize,
 }
 
+/// A list with room for `n` entries, holding `first`.
+fn with_first(n: usize, first: Vec<f32>) -> Vec<Vec<f32>> {
+    let mut v = Vec::with_capacity(n);
+    v.push(first);
+    v
+}
+
 fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
     let mut r = zeros(v.len() / d);
     rmsnorm::rstd(&mut r, v, d, eps);
@@ -143,59 +157,87 @@ impl ResidualForward {
     /// [`ResidualBackward`] needs.
     pub fn new(c: &Config, e: Vec<f32>, for_backward: bool) -> Self {
         let (d, eps) = (c.hidden_size, c.rms_norm_eps as f32);
+        let ablation = Ablation::of(c);
         let state = match c.block_size() {
             None => State::Standard { stream: e },
-            Some(s) => State::Depth {
-                block_size: s,
-                block_rstd: vec![rstd_of(&e, d, eps)],
-                blocks: vec![e],
-                partial: None,
-                partial_rstd: None,
-                pending: Vec::new(),
-                queries: Vec::new(),
-                calls: Vec::new(),
-                ablation: Ablation::of(c),
-                columns: c.depth_sources(),
-            },
+            Some(s) => {
+                // Completed sources by the output aggregation: the embedding and every block.
+                let sources = c.sublayers() / s + 1;
+                State::Depth {
+                    block_size: s,
+                    block_rstd: with_first(sources, rstd_of(&e, d, eps)),
+                    phase1: match ablation {
+                        None => Phase1::with_capacity(s, e.len() / d, sources, d),
+                        Some(_) => Phase1::default(),
+                    },
+                    blocks: with_first(sources, e),
+                    partial: None,
+                    partial_rstd: None,
+                    scratch: Vec::new(),
+                    queries: Arc::from([]),
+                    consumed: 0,
+                    calls: Vec::new(),
+                    ablation,
+                    columns: c.depth_sources(),
+                }
+            }
         };
         ResidualForward { state, d, eps, for_backward, output_rms: None }
     }
 
+    /// The effective queries of the method's depth attention for [`Self::with_queries`], or
+    /// `None` when the model has none (standard) or runs an ablation.
+    pub fn queries_of(c: &Config, params: &[f32], layout: &Layout) -> Option<Arc<[f32]>> {
+        (c.block_size().is_some() && Ablation::of(c).is_none()).then(|| Arc::from(effective_queries(params, layout)))
+    }
+
+    /// Uses `queries` (from [`Self::queries_of`] on the current parameters) instead of computing
+    /// them on first use: decoding makes them once for a whole generation.
+    pub fn with_queries(mut self, queries: Arc<[f32]>) -> Self {
+        if let State::Depth { queries: q, ablation: None, .. } = &mut self.state {
+            *q = queries;
+        }
+        self
+    }
+
     /// The input `h_l` of sublayer `l` (sublayers must be visited in order).
     pub fn input(&mut self, l: usize, params: &[f32], layout: &Layout) -> Vec<f32> {
-        let (d, eps) = (self.d, self.eps);
+        let (d, eps, keep) = (self.d, self.eps, self.for_backward);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { ablation: Some(ab), blocks, block_rstd, partial, partial_rstd, calls, .. } => {
-                debug_assert_eq!(calls.len(), l);
+            State::Depth { ablation: Some(ab), blocks, block_rstd, partial, partial_rstd, consumed, calls, .. } => {
+                debug_assert_eq!(*consumed, l);
+                *consumed += 1;
                 if let Some(part) = partial.as_ref() {
                     *partial_rstd = Some(rstd_of(part, d, eps));
                 }
                 let part = partial.as_deref().zip(partial_rstd.as_deref());
                 let (h, call) = ablation_forward(ab, l, blocks, block_rstd, part, params, layout, d, eps);
-                calls.push(call);
+                if keep {
+                    calls.push(call);
+                }
                 h
             }
-            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, pending, queries, calls, ablation: None, .. } => {
-                debug_assert_eq!(calls.len(), l);
+            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, phase1, scratch, queries, consumed, calls, ablation: None, .. } => {
+                debug_assert_eq!(*consumed, l);
+                *consumed += 1;
                 if queries.is_empty() {
-                    *queries = effective_queries(params, layout);
+                    *queries = Arc::from(effective_queries(params, layout));
                 }
                 let s = *block_size;
                 if l % s == 0 {
                     // Phase 1 for every sublayer of the block that starts here.
-                    *pending = phase1(blocks, block_rstd, &queries[l * d..(l + s) * d], d);
-                    pending.reverse();
+                    depth::phase1(phase1, blocks, block_rstd, &queries[l * d..(l + s) * d], d);
                 }
-                let p1 = pending.pop().expect("phase 1 ran at the start of the block");
                 if let Some(part) = partial.as_ref() {
-                    *partial_rstd = Some(rstd_of(part, d, eps));
+                    let r = partial_rstd.get_or_insert_with(Vec::new);
+                    r.resize(part.len() / d, 0.0);
+                    rmsnorm::rstd(r, part, d, eps);
                 }
                 let w = &queries[l * d..(l + 1) * d];
-                let (h, alpha, logits) = depth::phase2(p1, partial.as_deref().zip(partial_rstd.as_deref()), w, d);
-                let srcs = (0..blocks.len()).collect();
-                calls.push(DepthCall { alpha, logits, k: blocks.len() + partial.is_some() as usize, partial: None, srcs, input_query: None });
-                h
+                let k = blocks.len() + partial.is_some() as usize;
+                let part = partial.as_deref().zip(partial_rstd.as_deref());
+                consumer_phase2(phase1, l % s, part, w, k, blocks.len(), keep.then_some(calls), scratch, d)
             }
         }
     }
@@ -210,6 +252,36 @@ impl ResidualForward {
         self.output_rms.as_deref()
     }
 
+    /// Warms the caches for what [`Self::push_output`]`(l)` and the next [`Self::input`] (or
+    /// [`Self::output`]) will read. Decoding calls it just before sublayer `l`'s last weight
+    /// product: in between, the weight streaming evicts the few kilobytes of depth state, and
+    /// taking those misses one after another on one thread, while the other threads wait, is
+    /// a large part of the depth attention's cost at batch 1.
+    pub fn prefetch_before_output(&self, l: usize) {
+        // Larger states (prefill) would not stay in the caches alongside the weights anyway.
+        const MAX_VALUES: usize = 16 * 1024;
+        let d = self.d;
+        match &self.state {
+            State::Standard { stream } if stream.len() <= MAX_VALUES => simd::prefetch(stream),
+            State::Depth { block_size, blocks, block_rstd, partial, phase1, queries, .. } if blocks[0].len() <= MAX_VALUES => {
+                if let Some(p) = partial {
+                    simd::prefetch(p);
+                }
+                let next = l + 1;
+                if next % block_size == 0 {
+                    // Phase 1 of the next block (or the output aggregation) reads every block.
+                    blocks.iter().chain(block_rstd).for_each(|v| simd::prefetch(v));
+                    let n = queries.len();
+                    simd::prefetch(&queries[(next * d).min(n)..((next + block_size) * d).min(n)]);
+                } else {
+                    phase1.prefetch();
+                    simd::prefetch(&queries[next * d..(next + 1) * d]);
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// Records the raw output of sublayer `l`.
     pub fn push_output(&mut self, l: usize, out: Vec<f32>) {
         let (d, eps, keep) = (self.d, self.eps, self.for_backward);
@@ -221,13 +293,14 @@ impl ResidualForward {
             State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls, .. } => {
                 let next = match partial.take() {
                     None => out,
-                    Some(p) => {
+                    Some(p) if keep => {
                         let sum = kernels::sum(&p, &out);
-                        let rstd = partial_rstd.take().expect("partial was read");
-                        if keep {
-                            calls[l].partial = Some((p, rstd));
-                        }
+                        calls[l].partial = Some((p, partial_rstd.take().expect("partial was read")));
                         sum
+                    }
+                    Some(mut p) => {
+                        kernels::add_assign(&mut p, &out);
+                        p
                     }
                 };
                 if (l + 1) % *block_size == 0 {
@@ -243,24 +316,25 @@ impl ResidualForward {
     /// The vector fed to the final norm: the stream, or the output aggregation over
     /// `[b_0 .. b_N]`.
     pub fn output(&mut self, params: &[f32], layout: &Layout) -> Vec<f32> {
-        let d = self.d;
+        let (d, keep) = (self.d, self.for_backward);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { ablation: Some(ab), blocks, block_rstd, calls, .. } => {
-                let (h, call) = ablation_forward(ab, calls.len(), blocks, block_rstd, None, params, layout, d, self.eps);
-                calls.push(call);
+            State::Depth { ablation: Some(ab), blocks, block_rstd, consumed, calls, .. } => {
+                let (h, call) = ablation_forward(ab, *consumed, blocks, block_rstd, None, params, layout, d, self.eps);
+                *consumed += 1;
+                if keep {
+                    calls.push(call);
+                }
                 h
             }
-            State::Depth { blocks, block_rstd, queries, calls, .. } => {
+            State::Depth { blocks, block_rstd, phase1, scratch, queries, consumed, calls, .. } => {
+                *consumed += 1;
                 if queries.is_empty() {
-                    *queries = effective_queries(params, layout);
+                    *queries = Arc::from(effective_queries(params, layout));
                 }
                 let w = &queries[queries.len() - d..];
-                let p1 = phase1(blocks, block_rstd, w, d).pop().expect("one consumer");
-                let (h, alpha, logits) = depth::phase2(p1, None, w, d);
-                let srcs = (0..blocks.len()).collect();
-                calls.push(DepthCall { alpha, logits, k: blocks.len(), partial: None, srcs, input_query: None });
-                h
+                depth::phase1(phase1, blocks, block_rstd, w, d);
+                consumer_phase2(phase1, 0, None, w, blocks.len(), blocks.len(), keep.then_some(calls), scratch, d)
             }
         }
     }
@@ -290,13 +364,35 @@ fn depth_param(layout: &Layout, l: usize) -> &DepthParams {
     layout.depth_params(l).expect("AttnRes layout has depth parameters")
 }
 
-/// Phase 1 over the completed blocks for the consumers whose effective queries are the rows
-/// of `ws` (`[S, d]`).
-fn phase1(blocks: &[Vec<f32>], block_rstd: &[Vec<f32>], ws: &[f32], d: usize) -> Vec<Phase1> {
-    let srcs: Vec<&[f32]> = blocks.iter().map(|b| b.as_slice()).collect();
-    let rs: Vec<&[f32]> = block_rstd.iter().map(|b| b.as_slice()).collect();
-    let wr: Vec<&[f32]> = ws.chunks(d).collect();
-    depth::phase1(&srcs, &rs, &wr, d)
+/// Phase 2 of consumer `j` of the block `phase1` scored, reading `k` sources (`completed`
+/// blocks, then the partial sum if given): returns its input `h`. The weights and logits go to
+/// a new [`DepthCall`] in `calls` when backward needs them, else into `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn consumer_phase2(
+    phase1: &Phase1,
+    j: usize,
+    partial: Option<(&[f32], &[f32])>,
+    w: &[f32],
+    k: usize,
+    completed: usize,
+    calls: Option<&mut Vec<DepthCall>>,
+    scratch: &mut Vec<f32>,
+    d: usize,
+) -> Vec<f32> {
+    let n = phase1.rows() * k;
+    match calls {
+        Some(calls) => {
+            let (mut alpha, mut logits) = (zeros(n), zeros(n));
+            let h = depth::phase2(&mut alpha, &mut logits, phase1, j, partial, w, d);
+            calls.push(DepthCall { alpha, logits, k, partial: None, srcs: (0..completed).collect(), input_query: None });
+            h
+        }
+        None => {
+            scratch.resize(2 * n, 0.0);
+            let (alpha, logits) = scratch.split_at_mut(n);
+            depth::phase2(alpha, logits, phase1, j, partial, w, d)
+        }
+    }
 }
 
 /// The effective queries `q ⊙ γ` of every consumer in order (sublayers, then the output),
