@@ -146,11 +146,6 @@ impl Phase1 {
     pub fn rows(&self) -> usize {
         self.rows
     }
-
-    /// Asks the caches for every buffer (see [`simd::prefetch`]).
-    pub fn prefetch(&self) {
-        [&self.logits, &self.m1, &self.l1, &self.o1].into_iter().for_each(|v| simd::prefetch(v));
-    }
 }
 
 /// Phase 1 of the two-phase computation: the consumers of a block (effective queries

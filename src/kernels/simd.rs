@@ -26,19 +26,6 @@ macro_rules! multiversion {
 /// `e^x` for f32 to within ~2 ulp, branch-free so that loops over it vectorise: `x = n·ln2 + r`
 /// with |r| ≤ ln2/2, a degree-6 polynomial for `e^r`, and `2^n` built in the exponent bits.
 /// Inputs below −87.3 flush to 0.
-/// Asks the caches to fetch every line of `v`. Decoding calls this for the small depth vectors
-/// the next residual step reads, before a weight product: the loads then overlap the product
-/// instead of stalling the single thread that runs the residual step after it.
-pub fn prefetch(v: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in v.chunks(16) {
-        // SAFETY: a prefetch is only a hint; the address lies inside `v`.
-        unsafe { std::arch::x86_64::_mm_prefetch(line.as_ptr() as *const i8, std::arch::x86_64::_MM_HINT_T0) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = v;
-}
-
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;

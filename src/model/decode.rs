@@ -167,12 +167,11 @@ impl Model {
             let mut o = zeros(rows * ow);
             phase("fwd attention", || attention::forward_cached(&mut o, &qkv, &mut cache.k[i], &mut cache.v[i], &spans, sh));
             let mut out = zeros(rows * d);
-            phase("fwd residual", || res.prefetch_before_output(2 * i));
             phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d));
             phase("fwd residual", || res.push_output(2 * i, out));
 
             let h = phase("fwd residual", || res.input(2 * i + 1, p, lay));
-            let (_, out) = self.mlp_sublayer_with(lp, h, || phase("fwd residual", || res.prefetch_before_output(2 * i + 1)));
+            let (_, out) = self.mlp_sublayer(lp, h);
             phase("fwd residual", || res.push_output(2 * i + 1, out));
         }
         for s in &spans {

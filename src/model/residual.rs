@@ -26,7 +26,7 @@ use super::params::{DepthParams, Layout};
 use crate::kernels::depth::{self, ConsumerGrad, Phase1};
 use crate::kernels::depth_variants::{self, Gate, Options, Query};
 use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
-use crate::kernels::{self, rmsnorm, simd, zeros};
+use crate::kernels::{self, rmsnorm, zeros};
 use std::sync::Arc;
 
 /// What one depth attention saved for backward.
@@ -250,36 +250,6 @@ impl ResidualForward {
     /// Mean over tokens of each recorded sublayer output's RMS, in sublayer order.
     pub fn output_rms(&self) -> Option<&[f64]> {
         self.output_rms.as_deref()
-    }
-
-    /// Warms the caches for what [`Self::push_output`]`(l)` and the next [`Self::input`] (or
-    /// [`Self::output`]) will read. Decoding calls it just before sublayer `l`'s last weight
-    /// product: in between, the weight streaming evicts the few kilobytes of depth state, and
-    /// taking those misses one after another on one thread, while the other threads wait, is
-    /// a large part of the depth attention's cost at batch 1.
-    pub fn prefetch_before_output(&self, l: usize) {
-        // Larger states (prefill) would not stay in the caches alongside the weights anyway.
-        const MAX_VALUES: usize = 16 * 1024;
-        let d = self.d;
-        match &self.state {
-            State::Standard { stream } if stream.len() <= MAX_VALUES => simd::prefetch(stream),
-            State::Depth { block_size, blocks, block_rstd, partial, phase1, queries, .. } if blocks[0].len() <= MAX_VALUES => {
-                if let Some(p) = partial {
-                    simd::prefetch(p);
-                }
-                let next = l + 1;
-                if next % block_size == 0 {
-                    // Phase 1 of the next block (or the output aggregation) reads every block.
-                    blocks.iter().chain(block_rstd).for_each(|v| simd::prefetch(v));
-                    let n = queries.len();
-                    simd::prefetch(&queries[(next * d).min(n)..((next + block_size) * d).min(n)]);
-                } else {
-                    phase1.prefetch();
-                    simd::prefetch(&queries[next * d..(next + 1) * d]);
-                }
-            }
-            _ => {}
-        }
     }
 
     /// Records the raw output of sublayer `l`.

@@ -121,11 +121,6 @@ impl Model {
 
     /// The MLP sublayer on its input `h`: what backward needs, and the raw output.
     pub(crate) fn mlp_sublayer(&self, lp: &LayerParams, h: Vec<f32>) -> (MlpSaved, Vec<f32>) {
-        self.mlp_sublayer_with(lp, h, || ())
-    }
-
-    /// [`Self::mlp_sublayer`] that runs `before_down` just before the down projection.
-    pub(crate) fn mlp_sublayer_with(&self, lp: &LayerParams, h: Vec<f32>, before_down: impl FnOnce()) -> (MlpSaved, Vec<f32>) {
         let c = &self.config;
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let n = h.len() / d;
@@ -136,7 +131,6 @@ impl Model {
         phase("fwd linear", || linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f));
         let mut act = zeros(n * f);
         phase("fwd swiglu", || swiglu::forward(&mut act, &gu, f));
-        before_down();
         let mut out = zeros(n * d);
         phase("fwd linear", || linear_forward(&mut out, &act, &p[lp.down.clone()], n, f, d));
         (MlpSaved { h, rstd, xn, gu, act }, out)
