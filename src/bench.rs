@@ -161,8 +161,9 @@ pub struct DecodeResult {
     /// little, where it would move a mean.
     pub step_seconds: f64,
     pub decode_tokens_per_second: f64,
-    /// This mode's median step over `standard`'s (the rounds interleave the modes, so slow
-    /// phases of the machine hit all of them).
+    /// The median over rounds of this mode's median step over `standard`'s in the same round
+    /// (within a round the modes run back to back, in an order that rotates from round to
+    /// round, so each ratio compares measurements taken moments apart).
     pub latency_relative_to_standard: Option<f64>,
     pub prefill_relative_to_standard: Option<f64>,
     /// Seconds per decode step spent in each phase, when profiling was on (largest first).
@@ -209,6 +210,8 @@ pub fn run_generate(
     // [mode][batch] -> per-round seconds
     let mut prefill = vec![vec![Vec::new(); batches.len()]; models.len()];
     let mut decode = vec![vec![Vec::new(); batches.len()]; models.len()];
+    // [mode][batch] -> per-round median step
+    let mut round_steps = vec![vec![Vec::new(); batches.len()]; models.len()];
     let mut phases: Vec<Vec<std::collections::BTreeMap<&str, f64>>> = vec![vec![Default::default(); batches.len()]; models.len()];
     for round in 0..warmup + rounds {
         for (bi, &batch) in batches.iter().enumerate() {
@@ -248,6 +251,7 @@ pub fn run_generate(
                 for i in 0..models.len() {
                     prefill[i][bi].push(pre[i]);
                     decode[i][bi].extend_from_slice(&dec[i]);
+                    round_steps[i][bi].push(median(&dec[i]));
                 }
             }
             let per_mode: Vec<String> = models.iter().zip(&dec).map(|(m, d)| format!("{} {:.2} ms", label(&m.config), median(d) * 1e3)).collect();
@@ -277,7 +281,7 @@ pub fn run_generate(
                         prefill_tokens_per_second: (batch * prompt_tokens) as f64 / pre,
                         step_seconds: step,
                         decode_tokens_per_second: batch as f64 / step,
-                        latency_relative_to_standard: base.map(|b| step / median(&decode[b][bi])),
+                        latency_relative_to_standard: base.map(|b| median_ratio(&round_steps[i][bi], &round_steps[b][bi])),
                         prefill_relative_to_standard: base.map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
                         decode_profile: {
                             let mut v: Vec<(String, f64)> = phases[i][bi].iter().map(|(k, v)| (k.to_string(), *v)).collect();
