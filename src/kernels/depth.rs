@@ -14,7 +14,7 @@
 //! two-phase form of SPEC §7 ([`phase1`], [`phase2`], [`backward_one`], [`backward_completed`]),
 //! which the tests hold equal to the one-pass form.
 
-use super::{dot, par_reduce_rows, par_rows_mut, par_rows_new, simd, SendPtr};
+use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
 
 /// Forward over `K = sources.len()` sources of shape `[rows, d]`: writes `h[rows, d]` and, per
 /// token, the weights `alpha[rows, K]` and `logits[rows, K]` that backward needs.
@@ -119,7 +119,8 @@ pub fn backward(
 ///
 /// One value is reused from block to block: decoding runs this for a token or two at a time,
 /// where fresh buffers (and the cold allocator state behind them) would cost more than the
-/// arithmetic.
+/// arithmetic. Only each `o1` is new every block, since phase 2 hands it on as the consumer's
+/// input.
 #[derive(Default)]
 pub struct Phase1 {
     rows: usize,
@@ -129,17 +130,17 @@ pub struct Phase1 {
     /// `[S, rows]`.
     m1: Vec<f32>,
     l1: Vec<f32>,
-    /// `[S, rows, d]`.
-    o1: Vec<f32>,
+    /// Per consumer `[rows, d]`.
+    o1: Vec<Vec<f32>>,
 }
 
 impl Phase1 {
     /// Empty buffers with room for `consumers` consumers of `rows` tokens scoring up to
     /// `completed` sources each, so that later blocks do not reallocate.
-    pub fn with_capacity(consumers: usize, rows: usize, completed: usize, d: usize) -> Phase1 {
+    pub fn with_capacity(consumers: usize, rows: usize, completed: usize) -> Phase1 {
         let n = consumers * rows;
         let v = Vec::with_capacity;
-        Phase1 { rows, completed: 0, logits: v(n * completed), m1: v(n), l1: v(n), o1: v(n * d) }
+        Phase1 { rows, completed: 0, logits: v(n * completed), m1: v(n), l1: v(n), o1: Vec::with_capacity(consumers) }
     }
 
     /// Tokens scored.
@@ -156,11 +157,16 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
     let rows = sources[0].as_ref().len() / d;
     out.rows = rows;
     out.completed = c;
-    for (v, n) in [(&mut out.logits, s * rows * c), (&mut out.m1, s * rows), (&mut out.l1, s * rows), (&mut out.o1, s * rows * d)] {
-        v.clear();
+    // Every value is overwritten below, so only growth needs filling.
+    for (v, n) in [(&mut out.logits, s * rows * c), (&mut out.m1, s * rows), (&mut out.l1, s * rows)] {
         v.resize(n, 0.0);
     }
-    let ptrs = [&mut out.logits, &mut out.m1, &mut out.l1, &mut out.o1].map(|v| SendPtr(v.as_mut_ptr()));
+    out.o1.resize_with(s, Vec::new);
+    for o in out.o1.iter_mut().filter(|o| o.len() != rows * d) {
+        *o = super::zeros(rows * d);
+    }
+    let ptrs = [&mut out.logits, &mut out.m1, &mut out.l1].map(|v| SendPtr(v.as_mut_ptr()));
+    let o1s: Vec<SendPtr> = out.o1.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
     let chunk = super::rows_per_task(rows, c * d);
     let tasks = rows.div_ceil(chunk);
     let run = |task: usize| {
@@ -178,7 +184,7 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
                 let w = &ws[k * d..(k + 1) * d];
                 let row = k * rows + t;
                 // SAFETY: row t of every consumer's outputs belongs to this task only.
-                let (lg, m1, l1, o1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1), ptrs[3].slice(row * d, d)) };
+                let (lg, m1, l1, o1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1), o1s[k].slice(t * d, d)) };
                 let mut m = f32::NEG_INFINITY;
                 for i in 0..c {
                     lg[i] = rstds[i].as_ref()[t] * dot(w, &sources[i].as_ref()[t * d..(t + 1) * d]);
@@ -189,8 +195,9 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
                     e[i] = simd::exp(lg[i] - m);
                     z += e[i];
                 }
-                // o1 starts zeroed (`resize` above).
-                for i in 0..c {
+                let first = &sources[0].as_ref()[t * d..(t + 1) * d];
+                o1.iter_mut().zip(first).for_each(|(o, v)| *o = e[0] * v);
+                for i in 1..c {
                     simd::axpy(o1, e[i], &sources[i].as_ref()[t * d..(t + 1) * d]);
                 }
                 m1[0] = m;
@@ -209,23 +216,24 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
 
 /// Phase 2 for consumer `j` of the block that `p1` scored: merges the optional partial-sum
 /// source `(p, rstd_p)` into the phase-1 statistics by online softmax. Returns the input
-/// `h[rows, d]` and writes, per token, the weights `alpha[rows, K]` and logits `logits[rows, K]`
-/// over all `K = C (+1)` sources (completed first, partial last), which backward needs.
+/// `h[rows, d]` (made in place of the consumer's `o1`, which it takes) and writes, per token,
+/// the weights `alpha[rows, K]` and logits `logits[rows, K]` over all `K = C (+1)` sources
+/// (completed first, partial last), which backward needs.
 #[allow(clippy::too_many_arguments)]
-pub fn phase2(alpha: &mut [f32], logits: &mut [f32], p1: &Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> Vec<f32> {
+pub fn phase2(alpha: &mut [f32], logits: &mut [f32], p1: &mut Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> Vec<f32> {
     let (rows, c) = (p1.rows, p1.completed);
     let k = c + partial.is_some() as usize;
     assert!(alpha.len() == rows * k && logits.len() == rows * k);
+    let mut h = std::mem::take(&mut p1.o1[j]);
+    assert_eq!(h.len(), rows * d, "phase 2 of a consumer runs once per phase 1");
     let (l1_logits, m1, l1) = (&p1.logits[j * rows * c..(j + 1) * rows * c], &p1.m1[j * rows..(j + 1) * rows], &p1.l1[j * rows..(j + 1) * rows]);
-    let o1 = &p1.o1[j * rows * d..(j + 1) * rows * d];
     let (aptr, lptr) = (SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
-    par_rows_new(rows, d, |r0, chunk| {
+    par_rows_mut(&mut h, d, |r0, chunk| {
         for (i, hrow) in chunk.chunks_mut(d).enumerate() {
             let t = r0 + i;
             // SAFETY: row t of alpha/logits belongs to this task only.
             let (a, l) = unsafe { (aptr.slice(t * k, k), lptr.slice(t * k, k)) };
             l[..c].copy_from_slice(&l1_logits[t * c..(t + 1) * c]);
-            hrow.copy_from_slice(&o1[t * d..(t + 1) * d]);
             let (mut m, mut z) = (m1[t], l1[t]);
             if let Some((pv, pr)) = partial {
                 let prow = &pv[t * d..(t + 1) * d];
@@ -245,7 +253,8 @@ pub fn phase2(alpha: &mut [f32], logits: &mut [f32], p1: &Phase1, j: usize, part
                 a[j] = simd::exp(l[j] - m) / z;
             }
         }
-    })
+    });
+    h
 }
 
 /// One consumer's share of the backward pass, as the grouped backward reads it.
@@ -446,7 +455,7 @@ mod tests {
             let (v, r) = sources_of(&cs, j);
             let k = v.len();
             let (mut a, mut l) = (vec![0.0; rows * k], vec![0.0; rows * k]);
-            let h = phase2(&mut a, &mut l, &p1, j, partial, &ws[j], d);
+            let h = phase2(&mut a, &mut l, &mut p1, j, partial, &ws[j], d);
             let (mut h1, mut a1, mut l1) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
             forward(&mut h1, &mut a1, &mut l1, &v, &r, &cs.qs[j], &cs.gs[j], d);
             assert_close(&h, &h1, 1e-5, "two-phase h");

@@ -41,31 +41,6 @@ where
         .for_each(|(i, c)| f(i * chunk, c));
 }
 
-/// A new `[rows, cols]` buffer written by `fill(first_row, rows_chunk)` over disjoint chunks of
-/// rows, in parallel like [`par_rows_mut`]. Each chunk is zeroed by its own task just before
-/// `fill` sees it (while it is in cache), so large buffers take no separate zeroing pass.
-pub(crate) fn par_rows_new<F>(rows: usize, cols: usize, fill: F) -> Vec<f32>
-where
-    F: Fn(usize, &mut [f32]) + Sync + Send,
-{
-    let mut v: Vec<f32> = Vec::with_capacity(rows * cols);
-    let spare = &mut v.spare_capacity_mut()[..rows * cols];
-    let run = |r0: usize, c: &mut [MaybeUninit<f32>]| {
-        c.fill(MaybeUninit::new(0.0));
-        // SAFETY: every element of `c` was just initialised.
-        fill(r0, unsafe { &mut *(c as *mut [MaybeUninit<f32>] as *mut [f32]) });
-    };
-    let chunk = rows_per_task(rows, cols);
-    if chunk >= rows {
-        run(0, spare);
-    } else {
-        spare.par_chunks_mut(chunk * cols).enumerate().for_each(|(i, c)| run(i * chunk, c));
-    }
-    // SAFETY: every chunk was initialised by `run`.
-    unsafe { v.set_len(rows * cols) };
-    v
-}
-
 /// Sums per-task partial vectors of length `n` produced by `f(row_range, acc)` over `rows` rows.
 /// Tasks cover fixed row ranges and are summed in order, so the result does not depend on
 /// thread scheduling.

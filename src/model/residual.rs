@@ -167,7 +167,7 @@ impl ResidualForward {
                     block_size: s,
                     block_rstd: with_first(sources, rstd_of(&e, d, eps)),
                     phase1: match ablation {
-                        None => Phase1::with_capacity(s, e.len() / d, sources, d),
+                        None => Phase1::with_capacity(s, e.len() / d, sources),
                         Some(_) => Phase1::default(),
                     },
                     blocks: with_first(sources, e),
@@ -339,7 +339,7 @@ fn depth_param(layout: &Layout, l: usize) -> &DepthParams {
 /// a new [`DepthCall`] in `calls` when backward needs them, else into `scratch`.
 #[allow(clippy::too_many_arguments)]
 fn consumer_phase2(
-    phase1: &Phase1,
+    phase1: &mut Phase1,
     j: usize,
     partial: Option<(&[f32], &[f32])>,
     w: &[f32],
