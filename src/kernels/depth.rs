@@ -162,8 +162,10 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
         v.resize(n, 0.0);
     }
     out.o1.resize_with(s, Vec::new);
-    for o in out.o1.iter_mut().filter(|o| o.len() != rows * d) {
-        *o = super::zeros(rows * d);
+    for o in out.o1.iter_mut() {
+        // Written below through raw pointers (no zeroing pass); the length is set after.
+        o.clear();
+        o.reserve_exact(rows * d);
     }
     let ptrs = [&mut out.logits, &mut out.m1, &mut out.l1].map(|v| SendPtr(v.as_mut_ptr()));
     let o1s: Vec<SendPtr> = out.o1.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
@@ -184,7 +186,7 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
                 let w = &ws[k * d..(k + 1) * d];
                 let row = k * rows + t;
                 // SAFETY: row t of every consumer's outputs belongs to this task only.
-                let (lg, m1, l1, o1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1), o1s[k].slice(t * d, d)) };
+                let (lg, m1, l1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1)) };
                 let mut m = f32::NEG_INFINITY;
                 for i in 0..c {
                     lg[i] = rstds[i].as_ref()[t] * dot(w, &sources[i].as_ref()[t * d..(t + 1) * d]);
@@ -196,7 +198,15 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
                     z += e[i];
                 }
                 let first = &sources[0].as_ref()[t * d..(t + 1) * d];
-                o1.iter_mut().zip(first).for_each(|(o, v)| *o = e[0] * v);
+                // SAFETY: row t of consumer k's o1 lies in its reserved capacity and belongs to
+                // this task only; it is written in full before it is read as a slice.
+                let o1 = unsafe {
+                    let o = o1s[k].get().add(t * d);
+                    for (j, v) in first.iter().enumerate() {
+                        o.add(j).write(e[0] * v);
+                    }
+                    std::slice::from_raw_parts_mut(o, d)
+                };
                 for i in 1..c {
                     simd::axpy(o1, e[i], &sources[i].as_ref()[t * d..(t + 1) * d]);
                 }
@@ -211,6 +221,10 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
     } else {
         use rayon::prelude::*;
         (0..tasks).into_par_iter().for_each(run);
+    }
+    for o in out.o1.iter_mut() {
+        // SAFETY: every row of every consumer's o1 was written above.
+        unsafe { o.set_len(rows * d) };
     }
 }
 

@@ -13,6 +13,22 @@ pub fn rstd(rstd: &mut [f32], x: &[f32], d: usize, eps: f32) {
     });
 }
 
+/// `x += y` and the per-row reciprocal RMS of the result, in one pass over memory.
+pub fn add_assign_rstd(x: &mut [f32], y: &[f32], d: usize, eps: f32) -> Vec<f32> {
+    assert_eq!(x.len(), y.len());
+    let mut r = super::zeros(x.len() / d);
+    let rp = super::SendPtr(r.as_mut_ptr());
+    par_rows_mut(x, d, |r0, chunk| {
+        for (i, row) in chunk.chunks_mut(d).enumerate() {
+            let t = r0 + i;
+            super::simd::axpy(row, 1.0, &y[t * d..(t + 1) * d]);
+            // SAFETY: entry t of `r` belongs to this task only.
+            unsafe { rp.slice(t, 1)[0] = 1.0 / (dot(row, row) / d as f32 + eps).sqrt() };
+        }
+    });
+    r
+}
+
 /// Forward: writes `y` and the per-row `rstd` that backward needs.
 pub fn forward(y: &mut [f32], rstd_out: &mut [f32], x: &[f32], g: &[f32], d: usize, eps: f32) {
     rstd(rstd_out, x, d, eps);

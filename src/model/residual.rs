@@ -97,9 +97,9 @@ enum State {
         blocks: Vec<Vec<f32>>,
         block_rstd: Vec<Vec<f32>>,
         /// Running sum of the outputs produced so far in the current block.
-        partial: Option<Vec<f32>>,
-        /// Per-token 1/rms of `partial`, computed when a sublayer reads it.
-        partial_rstd: Option<Vec<f32>>,
+        /// Running sum of the outputs produced so far in the current block, with its per-token
+        /// 1/rms (computed in the same pass as the sum).
+        partial: Option<(Vec<f32>, Vec<f32>)>,
         /// Phase-1 results of the current block's sublayers (then of the output aggregation).
         phase1: Phase1,
         /// Inference only: the weights and logits of the latest consumer (kept for backward
@@ -172,7 +172,6 @@ impl ResidualForward {
                     },
                     blocks: with_first(sources, e),
                     partial: None,
-                    partial_rstd: None,
                     scratch: Vec::new(),
                     queries: Arc::from([]),
                     consumed: 0,
@@ -205,20 +204,17 @@ impl ResidualForward {
         let (d, eps, keep) = (self.d, self.eps, self.for_backward);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { ablation: Some(ab), blocks, block_rstd, partial, partial_rstd, consumed, calls, .. } => {
+            State::Depth { ablation: Some(ab), blocks, block_rstd, partial, consumed, calls, .. } => {
                 debug_assert_eq!(*consumed, l);
                 *consumed += 1;
-                if let Some(part) = partial.as_ref() {
-                    *partial_rstd = Some(rstd_of(part, d, eps));
-                }
-                let part = partial.as_deref().zip(partial_rstd.as_deref());
+                let part = partial.as_ref().map(|(p, r)| (p.as_slice(), r.as_slice()));
                 let (h, call) = ablation_forward(ab, l, blocks, block_rstd, part, params, layout, d, eps);
                 if keep {
                     calls.push(call);
                 }
                 h
             }
-            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, phase1, scratch, queries, consumed, calls, ablation: None, .. } => {
+            State::Depth { block_size, blocks, block_rstd, partial, phase1, scratch, queries, consumed, calls, ablation: None, .. } => {
                 debug_assert_eq!(*consumed, l);
                 *consumed += 1;
                 if queries.is_empty() {
@@ -229,14 +225,9 @@ impl ResidualForward {
                     // Phase 1 for every sublayer of the block that starts here.
                     depth::phase1(phase1, blocks, block_rstd, &queries[l * d..(l + s) * d], d);
                 }
-                if let Some(part) = partial.as_ref() {
-                    let r = partial_rstd.get_or_insert_with(Vec::new);
-                    r.resize(part.len() / d, 0.0);
-                    rmsnorm::rstd(r, part, d, eps);
-                }
                 let w = &queries[l * d..(l + 1) * d];
                 let k = blocks.len() + partial.is_some() as usize;
-                let part = partial.as_deref().zip(partial_rstd.as_deref());
+                let part = partial.as_ref().map(|(p, r)| (p.as_slice(), r.as_slice()));
                 consumer_phase2(phase1, l % s, part, w, k, blocks.len(), keep.then_some(calls), scratch, d)
             }
         }
@@ -260,24 +251,24 @@ impl ResidualForward {
         }
         match &mut self.state {
             State::Standard { stream } => kernels::add_assign(stream, &out),
-            State::Depth { block_size, blocks, block_rstd, partial, partial_rstd, calls, .. } => {
-                let next = match partial.take() {
-                    None => out,
-                    Some(p) if keep => {
-                        let sum = kernels::sum(&p, &out);
-                        calls[l].partial = Some((p, partial_rstd.take().expect("partial was read")));
-                        sum
-                    }
-                    Some(mut p) => {
-                        kernels::add_assign(&mut p, &out);
-                        p
+            State::Depth { block_size, blocks, block_rstd, partial, calls, .. } => {
+                // The new partial sum (or block) is `out` plus the old partial sum, made in place.
+                let mut next = out;
+                let rstd = match partial.take() {
+                    None => rstd_of(&next, d, eps),
+                    Some((p, r)) => {
+                        let rstd = rmsnorm::add_assign_rstd(&mut next, &p, d, eps);
+                        if keep {
+                            calls[l].partial = Some((p, r));
+                        }
+                        rstd
                     }
                 };
                 if (l + 1) % *block_size == 0 {
-                    block_rstd.push(rstd_of(&next, d, eps));
+                    block_rstd.push(rstd);
                     blocks.push(next);
                 } else {
-                    *partial = Some(next);
+                    *partial = Some((next, rstd));
                 }
             }
         }
