@@ -19,6 +19,10 @@ pub struct ModeResult {
     pub gflops: f64,
     /// Median over rounds of (this step / the `standard` step of the same round).
     pub relative_to_standard: Option<f64>,
+    /// Fastest step seconds, and its ratio to `standard`'s fastest: the machine's other work
+    /// only ever adds time, so the fastest steps are the least disturbed.
+    pub fastest_step_seconds: f64,
+    pub fastest_relative_to_standard: Option<f64>,
     /// Seconds per step spent in each phase, when profiling was on (largest first).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub profile: Vec<(String, f64)>,
@@ -69,7 +73,10 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
     let mut times = vec![Vec::new(); models.len()];
     let mut phases: Vec<std::collections::BTreeMap<&str, f64>> = vec![Default::default(); models.len()];
     for round in 0..warmup + steps {
-        for (i, m) in models.iter().enumerate() {
+        // The order of the modes rotates from round to round, so none always follows another.
+        for k in 0..models.len() {
+            let i = (k + round) % models.len();
+            let m = &models[i];
             let t = Instant::now();
             let f = m.forward(&ids, batch, seq)?;
             let (loss, grads) = m.backward(&f, &targets)?;
@@ -111,6 +118,8 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
                 tokens_per_second: (batch * seq) as f64 / med,
                 gflops: step_flops(&m.config, batch, seq) / med / 1e9,
                 relative_to_standard: None,
+                fastest_step_seconds: t[0],
+                fastest_relative_to_standard: None,
                 profile,
             }
         })
@@ -118,6 +127,10 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
     if let Some(base) = models.iter().position(|m| m.config.residual == ResidualKind::Standard) {
         for (i, m) in modes.iter_mut().enumerate() {
             m.relative_to_standard = Some(median_ratio(&raw[i], &raw[base]));
+        }
+        let base_fastest = modes[base].fastest_step_seconds;
+        for m in modes.iter_mut() {
+            m.fastest_relative_to_standard = Some(m.fastest_step_seconds / base_fastest);
         }
     }
     Ok(BenchReport { batch, seq, threads: rayon::current_num_threads(), steps, matmul_peak_gflops: peak, modes })

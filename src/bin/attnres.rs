@@ -526,17 +526,20 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         return Ok(());
     }
     println!("matrix-product peak (1024^3, f32): {:.1} GFLOP/s", report.matmul_peak_gflops);
-    println!("| mode | step (ms) | tokens/s | GFLOP/s | % of peak | vs standard |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| mode | step (ms) | tokens/s | GFLOP/s | % of peak | vs standard | fastest step (ms) | fastest vs standard |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    let rel = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}x"));
     for m in &report.modes {
         println!(
-            "| {} | {:.1} | {:.0} | {:.1} | {:.0}% | {} |",
+            "| {} | {:.1} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {} |",
             if m.residual == "block" { format!("block ({} blocks)", m.num_blocks) } else { m.residual.clone() },
             m.step_seconds * 1e3,
             m.tokens_per_second,
             m.gflops,
             100.0 * m.gflops / report.matmul_peak_gflops,
-            m.relative_to_standard.map_or("-".into(), |r| format!("{r:.3}x"))
+            rel(m.relative_to_standard),
+            m.fastest_step_seconds * 1e3,
+            rel(m.fastest_relative_to_standard)
         );
     }
     for m in report.modes.iter().filter(|m| !m.profile.is_empty()) {
