@@ -285,7 +285,8 @@ pub struct ConsumerGrad<'a> {
     pub w: &'a [f32],
 }
 
-/// Per token `⟨dh, h⟩`.
+/// Per token `⟨dh, h⟩` (the model takes it from the norm's backward instead, while the rows
+/// are in cache).
 pub fn grad_mean(dh: &[f32], h: &[f32], d: usize) -> Vec<f32> {
     let mut m = super::zeros(dh.len() / d);
     par_rows_mut(&mut m, 1, |r0, out| {

@@ -46,8 +46,15 @@ pub fn forward(y: &mut [f32], rstd_out: &mut [f32], x: &[f32], g: &[f32], d: usi
 
 /// Backward: `dx` is overwritten, `dg` accumulates.
 /// With `u = g ⊙ dy`: `dx = r·u − (r³/d)·⟨u, x⟩·x`.
-pub fn backward(dx: &mut [f32], dg: &mut [f32], dy: &[f32], x: &[f32], g: &[f32], rstd: &[f32], d: usize) {
+/// `x_dot`, when given, receives each row's `⟨dx, x⟩`, taken while the rows are in cache (the
+/// depth attention's backward needs it for the norm's input).
+#[allow(clippy::too_many_arguments)]
+pub fn backward(dx: &mut [f32], dg: &mut [f32], dy: &[f32], x: &[f32], g: &[f32], rstd: &[f32], d: usize, x_dot: Option<&mut [f32]>) {
     let rows = rstd.len();
+    let dot_ptr = x_dot.map(|v| {
+        assert_eq!(v.len(), rows);
+        super::SendPtr(v.as_mut_ptr())
+    });
     par_rows_mut(dx, d, |r0, out| {
         for (i, dxrow) in out.chunks_mut(d).enumerate() {
             let row = r0 + i;
@@ -60,6 +67,10 @@ pub fn backward(dx: &mut [f32], dg: &mut [f32], dy: &[f32], x: &[f32], g: &[f32]
             let c = r * r * r * ux / d as f32;
             for j in 0..d {
                 dxrow[j] = r * g[j] * dyr[j] - c * xr[j];
+            }
+            if let Some(p) = dot_ptr {
+                // SAFETY: entry `row` belongs to this task only.
+                unsafe { p.slice(row, 1)[0] = dot(dxrow, xr) };
             }
         }
     });
@@ -110,9 +121,11 @@ mod tests {
         };
         let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
         forward(&mut y, &mut r, &x, &g, d, eps);
-        let (mut dx, mut dg) = (vec![0.0; rows * d], vec![0.0; d]);
-        backward(&mut dx, &mut dg, &dy, &x, &g, &r, d);
+        let (mut dx, mut dg, mut x_dot) = (vec![0.0; rows * d], vec![0.0; d], vec![0.0; rows]);
+        backward(&mut dx, &mut dg, &dy, &x, &g, &r, d, Some(&mut x_dot));
         fd_check(&x, &dx, |xp| loss(xp, &g), "rmsnorm dx");
         fd_check(&g, &dg, |gp| loss(&x, gp), "rmsnorm dg");
+        let want: Vec<f32> = dx.chunks(d).zip(x.chunks(d)).map(|(a, b)| a.iter().zip(b).map(|(p, q)| p * q).sum()).collect();
+        assert_close(&x_dot, &want, 1e-5, "rmsnorm <dx, x>");
     }
 }

@@ -479,7 +479,9 @@ pub struct ResidualBackward {
 impl ResidualBackward {
     /// Starts from `dh`, the gradient of the final norm's input `h` (what
     /// [`ResidualForward::output`] returned); backpropagates the output aggregation into `grads`.
-    pub fn new(fwd: &ResidualForward, dh: Vec<f32>, h: &[f32], params: &[f32], grads: &mut [f32], layout: &Layout) -> Self {
+    /// `dh_dot_h` holds, per token, `⟨dh, h⟩` (the depth attention's backward needs it; the
+    /// final norm's backward makes it in passing); only the method's depth attention reads it.
+    pub fn new(fwd: &ResidualForward, dh: Vec<f32>, dh_dot_h: Vec<f32>, params: &[f32], grads: &mut [f32], layout: &Layout) -> Self {
         match &fwd.state {
             State::Standard { .. } => ResidualBackward { acc: dh, g_blocks: Vec::new(), owed: Vec::new() },
             State::Depth { blocks, calls, ablation, .. } => {
@@ -488,7 +490,7 @@ impl ResidualBackward {
                 if ablation.is_some() {
                     rb.ablation_backward(calls.len() - 1, &dh, fwd, params, grads, layout);
                 } else {
-                    rb.owe(calls.len() - 1, dh, h, fwd);
+                    rb.owe(calls.len() - 1, dh, dh_dot_h, fwd);
                     rb.settle(fwd, params, grads, layout);
                 }
                 rb
@@ -507,13 +509,15 @@ impl ResidualBackward {
         &self.acc
     }
 
-    /// Backpropagates `dh`, the gradient of the input `h` of sublayer `l`.
-    pub fn input_grad(&mut self, l: usize, dh: Vec<f32>, h: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
+    /// Backpropagates `dh`, the gradient of the input `h` of sublayer `l`; `dh_dot_h` as in
+    /// [`Self::new`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn input_grad(&mut self, l: usize, dh: Vec<f32>, dh_dot_h: Vec<f32>, fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
         match &fwd.state {
             State::Standard { .. } => kernels::add_assign(&mut self.acc, &dh),
             State::Depth { ablation: Some(_), .. } => self.ablation_backward(l, &dh, fwd, params, grads, layout),
             State::Depth { block_size, .. } => {
-                self.owe(l, dh, h, fwd);
+                self.owe(l, dh, dh_dot_h, fwd);
                 if l % block_size == 0 {
                     self.settle(fwd, params, grads, layout);
                 }
@@ -523,12 +527,12 @@ impl ResidualBackward {
 
     /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
     /// block's earlier outputs) and records what its completed-block gradient needs.
-    fn owe(&mut self, l: usize, dh: Vec<f32>, h: &[f32], fwd: &ResidualForward) {
+    fn owe(&mut self, l: usize, dh: Vec<f32>, mean: Vec<f32>, fwd: &ResidualForward) {
         let State::Depth { calls, queries, .. } = &fwd.state else { unreachable!("depth state") };
         let d = fwd.d;
         let call = &calls[l];
         let w = queries[l * d..(l + 1) * d].to_vec();
-        let mean = depth::grad_mean(&dh, h, d);
+        assert_eq!(mean.len() * d, dh.len(), "one <dh, h> per token");
         let mut dw = vec![0.0f32; d];
         if let Some((pv, pr)) = &call.partial {
             let g = ConsumerGrad { dh: &dh, mean: &mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w: &w };
@@ -618,7 +622,7 @@ impl ResidualBackward {
                 linear_backward_input(&mut dxhat, &dq, &params[p.query.clone()], rows, d, d, false);
                 let (x, _, _) = normed_sum(&sv, d, eps);
                 let (mut dx, mut unused_dgain) = (zeros(rows * d), zeros(d));
-                rmsnorm::backward(&mut dx, &mut unused_dgain, &dxhat, &x, &vec![1.0; d], &iq.rstd, d);
+                rmsnorm::backward(&mut dx, &mut unused_dgain, &dxhat, &x, &vec![1.0; d], &iq.rstd, d, None);
                 for g in dsrc.iter_mut() {
                     kernels::add_assign(g, &dx);
                 }

@@ -230,9 +230,12 @@ impl Model {
             linear_backward(&mut dxn, &mut g[lay.head.clone()], &dlogits, &fwd.xn_final, &p[lay.head.clone()], n, d, v, false);
         });
         drop(dlogits);
+        // ⟨dh, h⟩ per token for the depth attention's backward, taken inside each norm's backward.
+        let rows_dot = || if c.block_size().is_some() { zeros(n) } else { Vec::new() };
         let mut dh = zeros(n * d);
-        rmsnorm::backward(&mut dh, &mut g[lay.final_norm.clone()], &dxn, &fwd.h_final, &p[lay.final_norm.clone()], &fwd.rstd_final, d);
-        let mut res = phase("bwd residual", || ResidualBackward::new(&fwd.residual, dh, &fwd.h_final, p, &mut g, lay));
+        let mut dh_dot = rows_dot();
+        rmsnorm::backward(&mut dh, &mut g[lay.final_norm.clone()], &dxn, &fwd.h_final, &p[lay.final_norm.clone()], &fwd.rstd_final, d, non_empty(&mut dh_dot));
+        let mut res = phase("bwd residual", || ResidualBackward::new(&fwd.residual, dh, dh_dot, p, &mut g, lay));
 
         // Scratch buffers reused across layers.
         let mut dact = zeros(n * f);
@@ -250,9 +253,9 @@ impl Model {
             phase("bwd linear", || {
                 linear_backward(&mut dxn, &mut g[lp.gate_up.clone()], &dgu, &s.xn, &p[lp.gate_up.clone()], n, d, 2 * f, false);
             });
-            let mut dh = zeros(n * d);
-            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d));
-            phase("bwd residual", || res.input_grad(2 * i + 1, dh, &s.h, &fwd.residual, p, &mut g, lay));
+            let (mut dh, mut dh_dot) = (zeros(n * d), rows_dot());
+            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d, non_empty(&mut dh_dot)));
+            phase("bwd residual", || res.input_grad(2 * i + 1, dh, dh_dot, &fwd.residual, p, &mut g, lay));
 
             // Attention sublayer 2i.
             let s = &fwd.attn[i];
@@ -265,12 +268,17 @@ impl Model {
             phase("bwd linear", || {
                 linear_backward(&mut dxn, &mut g[lp.qkv.clone()], &dqkv, &s.xn, &p[lp.qkv.clone()], n, d, qw, false);
             });
-            let mut dh = zeros(n * d);
-            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d));
-            phase("bwd residual", || res.input_grad(2 * i, dh, &s.h, &fwd.residual, p, &mut g, lay));
+            let (mut dh, mut dh_dot) = (zeros(n * d), rows_dot());
+            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d, non_empty(&mut dh_dot)));
+            phase("bwd residual", || res.input_grad(2 * i, dh, dh_dot, &fwd.residual, p, &mut g, lay));
         }
         let de = res.embedding_grad();
         phase("bwd embed", || embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d));
         Ok((loss, g))
     }
+}
+
+/// `Some(v)` unless `v` is empty.
+fn non_empty(v: &mut [f32]) -> Option<&mut [f32]> {
+    (!v.is_empty()).then_some(v)
 }
