@@ -11,8 +11,8 @@
 //! every consumer that reads the source. All statistics are f32.
 //!
 //! [`forward`] and [`backward`] are the plain one-pass form for one consumer. The model runs the
-//! two-phase form of SPEC §7 ([`phase1`], [`phase2`], [`backward_one`], [`backward_completed`]),
-//! which the tests hold equal to the one-pass form.
+//! two-phase form of SPEC §7 ([`phase1`], [`phase2`]) and takes the backward per source
+//! ([`backward_one`], [`backward_source`]); the tests hold both equal to the one-pass form.
 
 use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
 
@@ -318,37 +318,47 @@ pub fn backward_one(dv: &mut [f32], dw: &mut [f32], g: &ConsumerGrad, src: usize
     dw.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
 }
 
-/// Grouped backward into the `C` completed sources shared by several consumers (the consumers of
-/// one block): each source row is read once for all of them. Accumulates into `dsources[i]`
-/// and into each consumer's effective-query gradient `dws[c]`.
-pub fn backward_completed(dsources: &mut [&mut [f32]], dws: &mut [Vec<f32>], consumers: &[ConsumerGrad], sources: &[&[f32]], rstds: &[&[f32]], d: usize) {
-    let (c, s) = (sources.len(), consumers.len());
-    let rows = rstds[0].len();
-    let dptrs: Vec<SendPtr> = dsources.iter_mut().map(|x| SendPtr(x.as_mut_ptr())).collect();
-    let part = par_reduce_rows(rows, c * d, s * d, |range, dw| {
+/// Backward into one completed source `v` (with per-token 1/rms `rstd`), taken at once for
+/// every consumer that read it, where it sat at column `col` of their weights: returns the
+/// source's whole gradient and accumulates into each consumer's effective-query gradient
+/// `dws[c]`. Taking a source's gradient once, when the backward pass reaches it, reads the
+/// source once and writes its gradient once, instead of updating it after every block.
+pub fn backward_source(dws: &mut [&mut [f32]], consumers: &[ConsumerGrad], col: usize, v: &[f32], rstd: &[f32], d: usize) -> Vec<f32> {
+    let (rows, s) = (rstd.len(), consumers.len());
+    let mut dv: Vec<f32> = Vec::with_capacity(rows * d);
+    let dptr = SendPtr(dv.as_mut_ptr());
+    let part = par_reduce_rows(rows, (s + 1) * d, s * d, |range, dw| {
         let mut acc = vec![0.0f32; d];
         for t in range {
-            for i in 0..c {
-                let (v, r) = (&sources[i][t * d..(t + 1) * d], rstds[i][t]);
-                acc.fill(0.0);
-                let mut coef = 0.0f32;
-                for (j, g) in consumers.iter().enumerate() {
-                    let (a, l) = (g.alpha[t * g.k + i], g.logits[t * g.k + i]);
-                    let dh = &g.dh[t * d..(t + 1) * d];
-                    let dl = a * (dot(dh, v) - g.mean[t]);
-                    simd::axpy2(&mut acc, a, dh, dl * r, g.w);
-                    simd::axpy(&mut dw[j * d..(j + 1) * d], dl * r, v);
-                    coef += dl * l;
+            let (vrow, r) = (&v[t * d..(t + 1) * d], rstd[t]);
+            acc.fill(0.0);
+            let mut coef = 0.0f32;
+            for (j, g) in consumers.iter().enumerate() {
+                let (a, l) = (g.alpha[t * g.k + col], g.logits[t * g.k + col]);
+                let dh = &g.dh[t * d..(t + 1) * d];
+                let dl = a * (dot(dh, vrow) - g.mean[t]);
+                simd::axpy2(&mut acc, a, dh, dl * r, g.w);
+                simd::axpy(&mut dw[j * d..(j + 1) * d], dl * r, vrow);
+                coef += dl * l;
+            }
+            // value path + key path: dv = Σ_c (α·dh + dl·r·w) − (r²/d)·Σ_c dl·logit · v
+            let c = coef * r * r / d as f32;
+            // SAFETY: row t of dv lies in its capacity, belongs to this task only and is
+            // written in full here (its length is set once every row is).
+            unsafe {
+                let out = dptr.get().add(t * d);
+                for (k, (x, y)) in acc.iter().zip(vrow).enumerate() {
+                    out.add(k).write(x - c * y);
                 }
-                // SAFETY: row t of every source gradient belongs to this task only.
-                let dv = unsafe { dptrs[i].slice(t * d, d) };
-                simd::axpy2(dv, 1.0, &acc, -coef * r * r / d as f32, v);
             }
         }
     });
+    // SAFETY: every row was written above.
+    unsafe { dv.set_len(rows * d) };
     for (j, dw) in dws.iter_mut().enumerate() {
         dw.iter_mut().zip(&part[j * d..(j + 1) * d]).for_each(|(a, b)| *a += b);
     }
+    dv
 }
 
 #[cfg(test)]
@@ -480,7 +490,7 @@ mod tests {
     }
 
     #[test]
-    fn grouped_backward_equals_per_consumer_backward() {
+    fn per_source_backward_equals_per_consumer_backward() {
         let (rows, d, c, s) = (29, 16, 3, 3);
         let cs = case(rows, d, c, s);
         let dhs: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 500 + j as u64, 1.0)).collect();
@@ -501,7 +511,7 @@ mod tests {
             backward(&mut ds, &mut want_dq[j], &mut want_dg[j], &dhs[j], &v, &r, &a, &l, &cs.qs[j], &cs.gs[j], d);
             saved.push((h, a, l, k));
         }
-        // Grouped: partials one by one, completed sources once for all consumers.
+        // Per source: partials one by one, each completed source once for all its consumers.
         let ws: Vec<Vec<f32>> = (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
         let means: Vec<Vec<f32>> = (0..s).map(|j| grad_mean(&dhs[j], &saved[j].0, d)).collect();
         let grads: Vec<ConsumerGrad> = (0..s)
@@ -512,13 +522,12 @@ mod tests {
         for j in 1..s {
             backward_one(&mut got_part[j], &mut dws[j], &grads[j], c, &cs.partials[j], &cs.prs[j], d);
         }
-        let mut got_src = vec![vec![0.0f32; rows * d]; c];
-        {
-            let mut ds: Vec<&mut [f32]> = got_src.iter_mut().map(|x| x.as_mut_slice()).collect();
-            let sv: Vec<&[f32]> = cs.srcs.iter().map(|x| x.as_slice()).collect();
-            let rv: Vec<&[f32]> = cs.rs.iter().map(|x| x.as_slice()).collect();
-            backward_completed(&mut ds, &mut dws, &grads, &sv, &rv, d);
-        }
+        let got_src: Vec<Vec<f32>> = (0..c)
+            .map(|i| {
+                let mut dw: Vec<&mut [f32]> = dws.iter_mut().map(|x| x.as_mut_slice()).collect();
+                backward_source(&mut dw, &grads, i, &cs.srcs[i], &cs.rs[i], d)
+            })
+            .collect();
         for i in 0..c {
             assert_close(&got_src[i], &want_src[i], 1e-4, "completed source grad");
         }

@@ -470,9 +470,10 @@ pub struct ResidualBackward {
     /// Standard: gradient of the stream. Depth: gradient of the output of the sublayer being
     /// processed (its block's gradient plus those of the partial sums it fed).
     acc: Vec<f32>,
-    /// Depth only: gradient of each `b_n`.
+    /// Ablations only: gradient of each `b_n`, accumulated consumer by consumer.
     g_blocks: Vec<Vec<f32>>,
-    /// Depth only: sublayers of the current block whose completed-block gradients are owed.
+    /// The method only: every consumer backpropagated so far. Their gradients into a completed
+    /// block are taken all at once when the backward pass reaches that block.
     owed: Vec<Owed>,
 }
 
@@ -484,15 +485,15 @@ impl ResidualBackward {
     pub fn new(fwd: &ResidualForward, dh: Vec<f32>, dh_dot_h: Vec<f32>, params: &[f32], grads: &mut [f32], layout: &Layout) -> Self {
         match &fwd.state {
             State::Standard { .. } => ResidualBackward { acc: dh, g_blocks: Vec::new(), owed: Vec::new() },
-            State::Depth { blocks, calls, ablation, .. } => {
+            State::Depth { blocks, calls, ablation: Some(_), .. } => {
                 let g_blocks = (0..blocks.len()).map(|_| zeros(dh.len())).collect();
                 let mut rb = ResidualBackward { acc: Vec::new(), g_blocks, owed: Vec::new() };
-                if ablation.is_some() {
-                    rb.ablation_backward(calls.len() - 1, &dh, fwd, params, grads, layout);
-                } else {
-                    rb.owe(calls.len() - 1, dh, dh_dot_h, fwd);
-                    rb.settle(fwd, params, grads, layout);
-                }
+                rb.ablation_backward(calls.len() - 1, &dh, fwd, params, grads, layout);
+                rb
+            }
+            State::Depth { calls, .. } => {
+                let mut rb = ResidualBackward { acc: Vec::new(), g_blocks: Vec::new(), owed: Vec::new() };
+                rb.owe(calls.len() - 1, dh, dh_dot_h, fwd);
                 rb
             }
         }
@@ -500,10 +501,14 @@ impl ResidualBackward {
 
     /// Gradient of the raw output of sublayer `l` (sublayers visited from last to first).
     pub fn output_grad(&mut self, l: usize, fwd: &ResidualForward) -> &[f32] {
-        if let State::Depth { block_size, .. } = &fwd.state {
+        if let State::Depth { block_size, ablation, .. } = &fwd.state {
             if (l + 1) % block_size == 0 {
                 // Last sublayer of its block: start from the gradient of that block's sum.
-                self.acc = std::mem::take(&mut self.g_blocks[l / block_size + 1]);
+                let n = l / block_size + 1;
+                self.acc = match ablation {
+                    Some(_) => std::mem::take(&mut self.g_blocks[n]),
+                    None => self.block_grad(n, fwd),
+                };
             }
         }
         &self.acc
@@ -516,17 +521,12 @@ impl ResidualBackward {
         match &fwd.state {
             State::Standard { .. } => kernels::add_assign(&mut self.acc, &dh),
             State::Depth { ablation: Some(_), .. } => self.ablation_backward(l, &dh, fwd, params, grads, layout),
-            State::Depth { block_size, .. } => {
-                self.owe(l, dh, dh_dot_h, fwd);
-                if l % block_size == 0 {
-                    self.settle(fwd, params, grads, layout);
-                }
-            }
+            State::Depth { .. } => self.owe(l, dh, dh_dot_h, fwd),
         }
     }
 
     /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
-    /// block's earlier outputs) and records what its completed-block gradient needs.
+    /// block's earlier outputs) and records what its completed-block gradients need.
     fn owe(&mut self, l: usize, dh: Vec<f32>, mean: Vec<f32>, fwd: &ResidualForward) {
         let State::Depth { calls, queries, .. } = &fwd.state else { unreachable!("depth state") };
         let d = fwd.d;
@@ -541,31 +541,19 @@ impl ResidualBackward {
         self.owed.push(Owed { l, dh, mean, w, dw });
     }
 
-    /// Takes the owed completed-block gradients of the current block in one pass, and the
-    /// pseudo-query and gain gradients of its consumers.
-    fn settle(&mut self, fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
+    /// The gradient of block sum `b_n`, once every consumer that read it is backpropagated:
+    /// all consumers owed so far (those of later blocks and the output aggregation).
+    fn block_grad(&mut self, n: usize, fwd: &ResidualForward) -> Vec<f32> {
         let State::Depth { blocks, block_rstd, calls, .. } = &fwd.state else { unreachable!("depth state") };
-        let d = fwd.d;
-        let owed = std::mem::take(&mut self.owed);
-        // Every consumer of one block reads the same completed blocks.
-        let first = &calls[owed[0].l];
-        let c = first.k - first.partial.is_some() as usize;
-        let consumers: Vec<ConsumerGrad> = owed
-            .iter()
-            .map(|o| {
-                let call = &calls[o.l];
-                ConsumerGrad { dh: &o.dh, mean: &o.mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w: &o.w }
+        let (consumers, mut dws): (Vec<ConsumerGrad>, Vec<&mut [f32]>) = self
+            .owed
+            .iter_mut()
+            .map(|Owed { l, dh, mean, w, dw }| {
+                let call = &calls[*l];
+                (ConsumerGrad { dh, mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w }, dw.as_mut_slice())
             })
-            .collect();
-        let mut dws: Vec<Vec<f32>> = owed.iter().map(|o| o.dw.clone()).collect();
-        let srcs: Vec<&[f32]> = blocks[..c].iter().map(|b| b.as_slice()).collect();
-        let rs: Vec<&[f32]> = block_rstd[..c].iter().map(|b| b.as_slice()).collect();
-        let mut dsrc: Vec<&mut [f32]> = self.g_blocks[..c].iter_mut().map(|g| g.as_mut_slice()).collect();
-        depth::backward_completed(&mut dsrc, &mut dws, &consumers, &srcs, &rs, d);
-        for (o, dw) in owed.iter().zip(&dws) {
-            // With w = q ⊙ γ: dq = dw ⊙ γ and dγ = dw ⊙ q.
-            query_grad(depth_param(layout, o.l), dw, params, grads);
-        }
+            .unzip();
+        depth::backward_source(&mut dws, &consumers, n, &blocks[n], &block_rstd[n], fwd.d)
     }
 
     /// Backpropagates consumer `l`'s depth attention under an ablation: into the completed
@@ -641,11 +629,19 @@ impl ResidualBackward {
     }
 
     /// Gradient of the embedding output.
-    pub fn embedding_grad(self) -> Vec<f32> {
-        if self.g_blocks.is_empty() {
-            self.acc
-        } else {
-            self.g_blocks.into_iter().next().expect("b_0 exists")
+    pub fn embedding_grad(mut self, fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) -> Vec<f32> {
+        match &fwd.state {
+            State::Standard { .. } => self.acc,
+            State::Depth { ablation: Some(_), .. } => self.g_blocks.swap_remove(0),
+            State::Depth { .. } => {
+                let de = self.block_grad(0, fwd);
+                // b_0 was every consumer's last source: their query gradients are complete.
+                for o in &self.owed {
+                    // With w = q ⊙ γ: dq = dw ⊙ γ and dγ = dw ⊙ q.
+                    query_grad(depth_param(layout, o.l), &o.dw, params, grads);
+                }
+                de
+            }
         }
     }
 }

@@ -245,7 +245,7 @@ impl Model {
         for (i, lp) in lay.layers.iter().enumerate().rev() {
             // MLP sublayer 2i+1.
             let s = &fwd.mlp[i];
-            let dout = res.output_grad(2 * i + 1, &fwd.residual);
+            let dout = phase("bwd residual", || res.output_grad(2 * i + 1, &fwd.residual));
             phase("bwd linear", || {
                 linear_backward(&mut dact, &mut g[lp.down.clone()], dout, &s.act, &p[lp.down.clone()], n, f, d, false);
             });
@@ -259,7 +259,7 @@ impl Model {
 
             // Attention sublayer 2i.
             let s = &fwd.attn[i];
-            let dout = res.output_grad(2 * i, &fwd.residual);
+            let dout = phase("bwd residual", || res.output_grad(2 * i, &fwd.residual));
             phase("bwd linear", || {
                 linear_backward(&mut do_, &mut g[lp.o_proj.clone()], dout, &s.o, &p[lp.o_proj.clone()], n, ow, d, false);
             });
@@ -272,7 +272,7 @@ impl Model {
             phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d, non_empty(&mut dh_dot)));
             phase("bwd residual", || res.input_grad(2 * i, dh, dh_dot, &fwd.residual, p, &mut g, lay));
         }
-        let de = res.embedding_grad();
+        let de = phase("bwd residual", || res.embedding_grad(&fwd.residual, p, &mut g, lay));
         phase("bwd embed", || embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d));
         Ok((loss, g))
     }
