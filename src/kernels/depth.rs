@@ -271,7 +271,7 @@ pub fn phase2(alpha: &mut [f32], logits: &mut [f32], p1: &mut Phase1, j: usize, 
     h
 }
 
-/// One consumer's share of the backward pass, as the grouped backward reads it.
+/// One consumer's share of the backward pass, as the per-source backward reads it.
 pub struct ConsumerGrad<'a> {
     /// Gradient of the consumer's input `h`, `[rows, d]`.
     pub dh: &'a [f32],

@@ -10,12 +10,14 @@
 //! running `partial` sum when `l` is not the first sublayer of its block; `b_0` is the
 //! embedding, `b_n` the sum of the raw outputs of block n.
 //!
-//! Both directions use the two-phase computation of SPEC §7. Forward: when a block starts, all
-//! of its sublayers score the completed blocks at once (phase 1); each sublayer then merges its
-//! partial sum by online softmax (phase 2). Backward: each sublayer's gradient into its partial
-//! sum is taken at once (the block's earlier outputs need it), while the gradients into the
-//! completed blocks wait until the whole block is done and are then taken for all its sublayers
-//! in one pass. Either way each completed block is read once per block, not once per sublayer.
+//! Forward uses the two-phase computation of SPEC §7: when a block starts, all of its sublayers
+//! score the completed blocks at once (phase 1); each sublayer then merges its partial sum by
+//! online softmax (phase 2), so each completed block is read once per block, not once per
+//! sublayer. Backward: each sublayer's gradient into its partial sum is taken at once (the
+//! block's earlier outputs need it), while its gradients into the completed blocks wait: when
+//! the backward pass reaches block n, the gradient of `b_n` is taken in one pass from every
+//! consumer that read it (all later sublayers and the output), so each completed block is read
+//! once and its gradient written once.
 //!
 //! The ablations of SPEC §5 (`attn_res_*` config keys) need per-token queries, other gates,
 //! heads or a window, which the two-phase form does not cover: they run each consumer in the
@@ -461,7 +463,8 @@ struct Owed {
     dh: Vec<f32>,
     mean: Vec<f32>,
     w: Vec<f32>,
-    /// Gradient of `w` from the partial sum, completed when the block settles.
+    /// Gradient of `w`: from the partial sum at once, from each completed block when the
+    /// backward pass reaches it.
     dw: Vec<f32>,
 }
 
