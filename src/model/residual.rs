@@ -98,7 +98,6 @@ enum State {
         /// `b_0 = e`, then each completed block sum, with their per-token 1/rms.
         blocks: Vec<Vec<f32>>,
         block_rstd: Vec<Vec<f32>>,
-        /// Running sum of the outputs produced so far in the current block.
         /// Running sum of the outputs produced so far in the current block, with its per-token
         /// 1/rms (computed in the same pass as the sum).
         partial: Option<(Vec<f32>, Vec<f32>)>,
