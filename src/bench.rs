@@ -204,10 +204,13 @@ pub struct GenerateReport {
     pub modes: Vec<GenerateModeResult>,
 }
 
-/// The generation benchmark: per round and batch size, every mode in turn prefills `batch`
-/// prompts of `prompt_tokens` tokens in one pass and then decodes `new_tokens` tokens per
-/// sequence, one step at a time. Tokens fed are fixed pseudo-random ids, so all modes do the
-/// same work whatever their logits say.
+/// Decoding steps each mode runs in one turn of the generation benchmark.
+const TURN: usize = 8;
+
+/// The generation benchmark: per round and batch size, every mode prefills `batch` prompts of
+/// `prompt_tokens` tokens in one pass and then decodes `new_tokens` tokens per sequence, one step
+/// at a time, the modes taking turns of [`TURN`] steps. Tokens fed are fixed pseudo-random ids,
+/// so all modes do the same work whatever their logits say.
 pub fn run_generate(
     configs: &[Config],
     prompt_tokens: usize,
@@ -218,6 +221,7 @@ pub fn run_generate(
     mut progress: impl FnMut(&str),
 ) -> Result<GenerateReport> {
     use crate::model::decode::{CacheFootprint, KvCache};
+    anyhow::ensure!(new_tokens >= 2, "--new-tokens must be at least 2 (the first decoding step of each turn is not timed)");
     let models: Vec<Model> = configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
     let vocab = configs[0].vocab_size;
     // [mode][batch] -> per-round seconds
@@ -236,27 +240,37 @@ pub fn run_generate(
                 .collect::<Result<Vec<_>>>()?;
             let mut pre = vec![0.0; models.len()];
             let mut dec = vec![Vec::new(); models.len()];
-            // Each mode prefills and decodes in one go (its weights stay warm in cache, as in
-            // real use); the order of the modes rotates from round to round.
-            for k in 0..models.len() {
-                let i = (k + round) % models.len();
-                let m = &models[i];
-                let chunks: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(b, p)| (b, p.as_slice())).collect();
+            // The modes take turns: each prefills, then each decodes TURN steps at a time, so
+            // that the steps compared run a few milliseconds apart under the same machine load;
+            // the order rotates from round to round. The first step of a turn is not timed:
+            // it brings the model's weights back into cache after the other modes' turns (in
+            // real use one model runs on its own and stays there).
+            let order: Vec<usize> = (0..models.len()).map(|k| (k + round) % models.len()).collect();
+            let chunks: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(b, p)| (b, p.as_slice())).collect();
+            for &i in &order {
                 let t = Instant::now();
-                std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
+                std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
                 pre[i] = t.elapsed().as_secs_f64();
-                dec[i].clear();
-                crate::profile::take();
-                for step in 0..new_tokens {
-                    let toks = &fed[step * batch..(step + 1) * batch];
-                    let chunks: Vec<(usize, &[u32])> = (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
-                    let t = Instant::now();
-                    std::hint::black_box(m.decode(&mut caches[i], &chunks, false)?);
-                    dec[i].push(t.elapsed().as_secs_f64());
-                }
-                if round >= warmup {
-                    for (name, secs, _) in crate::profile::take() {
-                        *phases[i][bi].entry(name).or_default() += secs / (rounds * new_tokens) as f64;
+            }
+            crate::profile::take();
+            for turn in (0..new_tokens).step_by(TURN) {
+                for &i in &order {
+                    for step in turn..(turn + TURN).min(new_tokens) {
+                        let toks = &fed[step * batch..(step + 1) * batch];
+                        let chunks: Vec<(usize, &[u32])> = (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
+                        let t = Instant::now();
+                        std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
+                        let secs = t.elapsed().as_secs_f64();
+                        let phase_times = crate::profile::take();
+                        if step == turn {
+                            continue;
+                        }
+                        dec[i].push(secs);
+                        if round >= warmup {
+                            for (name, secs, _) in phase_times {
+                                *phases[i][bi].entry(name).or_default() += secs;
+                            }
+                        }
                     }
                 }
             }
@@ -297,7 +311,8 @@ pub fn run_generate(
                         latency_relative_to_standard: base.map(|b| median_ratio(&round_steps[i][bi], &round_steps[b][bi])),
                         prefill_relative_to_standard: base.map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
                         decode_profile: {
-                            let mut v: Vec<(String, f64)> = phases[i][bi].iter().map(|(k, v)| (k.to_string(), *v)).collect();
+                            let steps = decode[i][bi].len() as f64;
+                            let mut v: Vec<(String, f64)> = phases[i][bi].iter().map(|(k, v)| (k.to_string(), v / steps)).collect();
                             v.sort_by(|a, b| b.1.total_cmp(&a.1));
                             v
                         },

@@ -150,11 +150,12 @@ impl Phase1 {
 }
 
 /// Phase 1 of the two-phase computation: the consumers of a block (effective queries
-/// `ws = [S, d]`, row c = `q_c ⊙ γ_c`) score the `C` completed sources in one pass, so each
-/// source row is read from memory once per block instead of once per consumer. Overwrites `out`.
-pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[V], ws: &[f32], d: usize) {
-    let (c, s) = (sources.len(), ws.len() / d);
-    let rows = sources[0].as_ref().len() / d;
+/// `ws = [S, d]`, row c = `q_c ⊙ γ_c`) score the `C` completed sources (`sources = [C, rows, d]`
+/// with their 1/rms `rstds = [C, rows]`) in one pass, so each source row is read from memory
+/// once per block instead of once per consumer. Overwrites `out`.
+pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows: usize, d: usize) {
+    let (c, s) = (rstds.len() / rows, ws.len() / d);
+    assert!(c * rows == rstds.len() && sources.len() == c * rows * d && s * d == ws.len());
     out.rows = rows;
     out.completed = c;
     // Every value is overwritten below, so only growth needs filling.
@@ -168,7 +169,18 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
         o.reserve_exact(rows * d);
     }
     let ptrs = [&mut out.logits, &mut out.m1, &mut out.l1].map(|v| SendPtr(v.as_mut_ptr()));
-    let o1s: Vec<SendPtr> = out.o1.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    // The consumers' o1 pointers: on the stack for the usual handful of consumers.
+    let mut stack = [SendPtr(std::ptr::null_mut()); 16];
+    let heap: Vec<SendPtr>;
+    let o1s: &[SendPtr] = if s <= stack.len() {
+        for (p, o) in stack.iter_mut().zip(out.o1.iter_mut()) {
+            *p = SendPtr(o.as_mut_ptr());
+        }
+        &stack[..s]
+    } else {
+        heap = out.o1.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+        &heap
+    };
     let chunk = super::rows_per_task(rows, c * d);
     let tasks = rows.div_ceil(chunk);
     let run = |task: usize| {
@@ -187,9 +199,12 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
                 let row = k * rows + t;
                 // SAFETY: row t of every consumer's outputs belongs to this task only.
                 let (lg, m1, l1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1)) };
+                // Source i of token t lies at (i·rows + t)·d: a stride of rows·d.
+                let first = &sources[t * d..];
+                simd::dots(lg, w, first, rows * d);
                 let mut m = f32::NEG_INFINITY;
                 for i in 0..c {
-                    lg[i] = rstds[i].as_ref()[t] * dot(w, &sources[i].as_ref()[t * d..(t + 1) * d]);
+                    lg[i] *= rstds[i * rows + t];
                     m = m.max(lg[i]);
                 }
                 let mut z = 0.0f32;
@@ -197,18 +212,19 @@ pub fn phase1<V: AsRef<[f32]> + Sync>(out: &mut Phase1, sources: &[V], rstds: &[
                     e[i] = simd::exp(lg[i] - m);
                     z += e[i];
                 }
-                let first = &sources[0].as_ref()[t * d..(t + 1) * d];
                 // SAFETY: row t of consumer k's o1 lies in its reserved capacity and belongs to
-                // this task only; it is written in full before it is read as a slice.
+                // this task only; it is written in full before it is read as a slice. (One
+                // source at a time: the sources of a token lie rows·d apart, often a multiple of
+                // 4 KiB, so reading all of them chunk by chunk would crowd one cache set.)
                 let o1 = unsafe {
                     let o = o1s[k].get().add(t * d);
-                    for (j, v) in first.iter().enumerate() {
+                    for (j, v) in first[..d].iter().enumerate() {
                         o.add(j).write(e[0] * v);
                     }
                     std::slice::from_raw_parts_mut(o, d)
                 };
                 for i in 1..c {
-                    simd::axpy(o1, e[i], &sources[i].as_ref()[t * d..(t + 1) * d]);
+                    simd::axpy(o1, e[i], &first[i * rows * d..i * rows * d + d]);
                 }
                 m1[0] = m;
                 l1[0] = z;
@@ -258,11 +274,11 @@ pub fn phase2(alpha: &mut [f32], logits: &mut [f32], p1: &mut Phase1, j: usize, 
                 let sp = simd::exp(lp - mm);
                 z = s1 * z + sp;
                 m = mm;
-                simd::scale(hrow, s1);
-                simd::axpy(hrow, sp, prow);
+                simd::axpby(hrow, s1 / z, sp / z, prow);
                 a[c] = sp / z;
+            } else {
+                simd::scale(hrow, 1.0 / z);
             }
-            simd::scale(hrow, 1.0 / z);
             for j in 0..c {
                 a[j] = simd::exp(l[j] - m) / z;
             }
@@ -466,15 +482,21 @@ mod tests {
 
     #[test]
     fn two_phase_equals_one_pass() {
-        let (rows, d, c, s) = (37, 24, 4, 3);
+        // One token (decoding) and many (training, several row tasks).
+        for rows in [1, 37] {
+            two_phase_case(rows);
+        }
+    }
+
+    fn two_phase_case(rows: usize) {
+        let (d, c, s) = (24, 4, 3);
         let cs = case(rows, d, c, s);
         let ws: Vec<Vec<f32>> = (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
-        let sv: Vec<&[f32]> = cs.srcs.iter().map(|x| x.as_slice()).collect();
-        let rv: Vec<&[f32]> = cs.rs.iter().map(|x| x.as_slice()).collect();
+        let (sv, rv) = (cs.srcs.concat(), cs.rs.concat());
         let mut p1 = Phase1::default();
         // Reused buffers must not leak a previous block's results.
-        phase1(&mut p1, &sv[..1], &rv[..1], &ws[0], d);
-        phase1(&mut p1, &sv, &rv, &ws.concat(), d);
+        phase1(&mut p1, &sv[..rows * d], &rv[..rows], &ws[0], rows, d);
+        phase1(&mut p1, &sv, &rv, &ws.concat(), rows, d);
         for j in 0..s {
             let partial = (j > 0).then(|| (cs.partials[j].as_slice(), cs.prs[j].as_slice()));
             let (v, r) = sources_of(&cs, j);

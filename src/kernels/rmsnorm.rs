@@ -13,20 +13,21 @@ pub fn rstd(rstd: &mut [f32], x: &[f32], d: usize, eps: f32) {
     });
 }
 
-/// `x += y` and the per-row reciprocal RMS of the result, in one pass over memory.
-pub fn add_assign_rstd(x: &mut [f32], y: &[f32], d: usize, eps: f32) -> Vec<f32> {
-    assert_eq!(x.len(), y.len());
-    let mut r = super::zeros(x.len() / d);
-    let rp = super::SendPtr(r.as_mut_ptr());
+/// `x += y` (when given) and the per-row reciprocal RMS of the result into `rstd[rows]`, in one
+/// pass over memory.
+pub fn add_assign_rstd(x: &mut [f32], y: Option<&[f32]>, rstd: &mut [f32], d: usize, eps: f32) {
+    assert!(y.is_none_or(|y| y.len() == x.len()) && rstd.len() * d == x.len());
+    let rp = super::SendPtr(rstd.as_mut_ptr());
     par_rows_mut(x, d, |r0, chunk| {
         for (i, row) in chunk.chunks_mut(d).enumerate() {
             let t = r0 + i;
-            super::simd::axpy(row, 1.0, &y[t * d..(t + 1) * d]);
-            // SAFETY: entry t of `r` belongs to this task only.
+            if let Some(y) = y {
+                super::simd::axpy(row, 1.0, &y[t * d..(t + 1) * d]);
+            }
+            // SAFETY: entry t of `rstd` belongs to this task only.
             unsafe { rp.slice(t, 1)[0] = 1.0 / (dot(row, row) / d as f32 + eps).sqrt() };
         }
     });
-    r
 }
 
 /// Forward: writes `y` and the per-row `rstd` that backward needs.
@@ -90,6 +91,23 @@ pub fn backward(dx: &mut [f32], dg: &mut [f32], dy: &[f32], x: &[f32], g: &[f32]
 mod tests {
     use super::*;
     use crate::testutil::{assert_close, fd_check, rand_vec};
+
+    #[test]
+    fn add_assign_rstd_matches_sum_then_rstd() {
+        let (rows, d, eps) = (5, 19, 1e-5);
+        let (x, y) = (rand_vec(rows * d, 3, 1.0), rand_vec(rows * d, 4, 2.0));
+        let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        for (add, want) in [(Some(y.as_slice()), &sum), (None, &x)] {
+            let (mut got, mut r) = (x.clone(), vec![0.0; rows]);
+            add_assign_rstd(&mut got, add, &mut r, d, eps);
+            assert_eq!(&got, want);
+            for (i, ri) in r.iter().enumerate() {
+                let row = &want[i * d..(i + 1) * d];
+                let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
+                assert!((*ri as f64 - 1.0 / (ms + eps as f64).sqrt()).abs() < 1e-5 * *ri as f64, "rstd of row {i}");
+            }
+        }
+    }
 
     #[test]
     fn forward_matches_naive() {

@@ -225,6 +225,28 @@ multiversion!(
     /// `y += a·x + b·z`.
     axpy2 => axpy2_imp(y: &mut [f32], a: f32, x: &[f32], b: f32, z: &[f32])
 );
+#[inline(always)]
+fn dots_imp(out: &mut [f32], w: &[f32], src: &[f32], stride: usize) {
+    let n = w.len();
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = dot_imp(w, &src[i * stride..i * stride + n]);
+    }
+}
+
+#[inline(always)]
+fn axpby_imp(y: &mut [f32], a: f32, b: f32, x: &[f32]) {
+    y.iter_mut().zip(x).for_each(|(y, x)| *y = a * *y + b * x);
+}
+
+multiversion!(
+    /// `out_i = ⟨w, src[i·stride ..][..n]⟩` for each of the `out.len()` rows of `src`
+    /// (`n = w.len()`).
+    dots => dots_imp(out: &mut [f32], w: &[f32], src: &[f32], stride: usize)
+);
+multiversion!(
+    /// `y = a·y + b·x`.
+    axpby => axpby_imp(y: &mut [f32], a: f32, b: f32, x: &[f32])
+);
 multiversion!(
     /// `Σ a_i b_i`.
     dot => dot_imp(a: &[f32], b: &[f32]) -> f32
@@ -286,6 +308,20 @@ mod tests {
                 let want: f32 = x.iter().zip(&w[k * 37..]).map(|(x, y)| x * y).sum();
                 assert!((d4[r][k] - want).abs() < 1e-5 && (p4[r][k] - want).abs() < 1e-5, "dot4[{r}][{k}]");
             }
+        }
+        // Three rows of 37 at a stride of 40 (a strided source list), against sums in f64.
+        let (c, n, stride) = (3, 37, 40);
+        let src: Vec<f32> = (0..c * stride).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut dots = [0.0f32; 3];
+        super::dots(&mut dots, &a, &src, stride);
+        for i in 0..c {
+            let want: f64 = (0..n).map(|j| a[j] as f64 * src[i * stride + j] as f64).sum();
+            assert!((dots[i] as f64 - want).abs() < 1e-5, "dots[{i}]");
+        }
+        let mut y = a.clone();
+        super::axpby(&mut y, 0.5, -2.0, &b);
+        for j in 0..n {
+            assert!((y[j] - (0.5 * a[j] - 2.0 * b[j])).abs() < 1e-6, "axpby[{j}]");
         }
         assert_eq!(super::max(&a), a.iter().cloned().fold(f32::MIN, f32::max));
         let mut r = a.clone();

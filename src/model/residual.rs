@@ -90,17 +90,19 @@ impl Ablation {
     }
 }
 
+// One per forward pass: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum State {
     /// The residual stream `h_l`.
     Standard { stream: Vec<f32> },
     Depth {
         block_size: usize,
         /// `b_0 = e`, then each completed block sum, with their per-token 1/rms.
-        blocks: Vec<Vec<f32>>,
-        block_rstd: Vec<Vec<f32>>,
-        /// Running sum of the outputs produced so far in the current block, with its per-token
-        /// 1/rms (computed in the same pass as the sum).
-        partial: Option<(Vec<f32>, Vec<f32>)>,
+        blocks: Sources,
+        /// Running sum of the outputs produced so far in the current block, and its per-token
+        /// 1/rms (computed in the same pass as the sum; meaningful while `partial` is set).
+        partial: Option<Vec<f32>>,
+        partial_rstd: Vec<f32>,
         /// Phase-1 results of the current block's sublayers (then of the output aggregation).
         phase1: Phase1,
         /// Inference only: the weights and logits of the latest consumer (kept for backward
@@ -140,17 +142,46 @@ pub struct DepthWeights<'a> {
     pub heads: usize,
 }
 
-/// A list with room for `n` entries, holding `first`.
-fn with_first(n: usize, first: Vec<f32>) -> Vec<Vec<f32>> {
-    let mut v = Vec::with_capacity(n);
-    v.push(first);
-    v
+/// The completed sources `b_0 .. b_n`, one after another in one buffer (`[n + 1, rows, d]`),
+/// with their per-token 1/rms (`[n + 1, rows]`). One buffer sized up front: decoding builds
+/// this for a token or two at a time, where a buffer per block (and the cold allocator state
+/// behind each) would cost more than the arithmetic.
+struct Sources {
+    values: Vec<f32>,
+    rstd: Vec<f32>,
+    rows: usize,
+    d: usize,
+    eps: f32,
 }
 
-fn rstd_of(v: &[f32], d: usize, eps: f32) -> Vec<f32> {
-    let mut r = zeros(v.len() / d);
-    rmsnorm::rstd(&mut r, v, d, eps);
-    r
+impl Sources {
+    /// Room for `capacity` sources of `rows` tokens.
+    fn new(capacity: usize, rows: usize, d: usize, eps: f32) -> Sources {
+        Sources { values: Vec::with_capacity(capacity * rows * d), rstd: Vec::with_capacity(capacity * rows), rows, d, eps }
+    }
+
+    fn len(&self) -> usize {
+        self.rstd.len() / self.rows.max(1)
+    }
+
+    /// Appends `a + b` (or `a`) and its per-token 1/rms.
+    fn push(&mut self, a: &[f32], b: Option<&[f32]>) {
+        let (n, r) = (self.values.len(), self.rstd.len());
+        self.values.extend_from_slice(a);
+        self.rstd.resize(r + self.rows, 0.0);
+        rmsnorm::add_assign_rstd(&mut self.values[n..], b, &mut self.rstd[r..], self.d, self.eps);
+    }
+
+    /// Source `i`, `[rows, d]`.
+    fn get(&self, i: usize) -> &[f32] {
+        let n = self.rows * self.d;
+        &self.values[i * n..(i + 1) * n]
+    }
+
+    /// Per-token 1/rms of source `i`.
+    fn rstd(&self, i: usize) -> &[f32] {
+        &self.rstd[i * self.rows..(i + 1) * self.rows]
+    }
 }
 
 impl ResidualForward {
@@ -163,16 +194,18 @@ impl ResidualForward {
             None => State::Standard { stream: e },
             Some(s) => {
                 // Completed sources by the output aggregation: the embedding and every block.
-                let sources = c.sublayers() / s + 1;
+                let (sources, rows) = (c.sublayers() / s + 1, e.len() / d);
+                let mut blocks = Sources::new(sources, rows, d, eps);
+                blocks.push(&e, None);
                 State::Depth {
                     block_size: s,
-                    block_rstd: with_first(sources, rstd_of(&e, d, eps)),
                     phase1: match ablation {
-                        None => Phase1::with_capacity(s, e.len() / d, sources),
+                        None => Phase1::with_capacity(s, rows, sources),
                         Some(_) => Phase1::default(),
                     },
-                    blocks: with_first(sources, e),
+                    blocks,
                     partial: None,
+                    partial_rstd: vec![0.0; rows],
                     scratch: Vec::new(),
                     queries: Arc::from([]),
                     consumed: 0,
@@ -205,17 +238,17 @@ impl ResidualForward {
         let (d, eps, keep) = (self.d, self.eps, self.for_backward);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { ablation: Some(ab), blocks, block_rstd, partial, consumed, calls, .. } => {
+            State::Depth { ablation: Some(ab), blocks, partial, partial_rstd, consumed, calls, .. } => {
                 debug_assert_eq!(*consumed, l);
                 *consumed += 1;
-                let part = partial.as_ref().map(|(p, r)| (p.as_slice(), r.as_slice()));
-                let (h, call) = ablation_forward(ab, l, blocks, block_rstd, part, params, layout, d, eps);
+                let part = partial.as_deref().map(|p| (p, partial_rstd.as_slice()));
+                let (h, call) = ablation_forward(ab, l, blocks, part, params, layout, d, eps);
                 if keep {
                     calls.push(call);
                 }
                 h
             }
-            State::Depth { block_size, blocks, block_rstd, partial, phase1, scratch, queries, consumed, calls, ablation: None, .. } => {
+            State::Depth { block_size, blocks, partial, partial_rstd, phase1, scratch, queries, consumed, calls, ablation: None, .. } => {
                 debug_assert_eq!(*consumed, l);
                 *consumed += 1;
                 if queries.is_empty() {
@@ -224,11 +257,11 @@ impl ResidualForward {
                 let s = *block_size;
                 if l % s == 0 {
                     // Phase 1 for every sublayer of the block that starts here.
-                    depth::phase1(phase1, blocks, block_rstd, &queries[l * d..(l + s) * d], d);
+                    depth::phase1(phase1, &blocks.values, &blocks.rstd, &queries[l * d..(l + s) * d], blocks.rows, d);
                 }
                 let w = &queries[l * d..(l + 1) * d];
                 let k = blocks.len() + partial.is_some() as usize;
-                let part = partial.as_ref().map(|(p, r)| (p.as_slice(), r.as_slice()));
+                let part = partial.as_deref().map(|p| (p, partial_rstd.as_slice()));
                 consumer_phase2(phase1, l % s, part, w, k, blocks.len(), keep.then_some(calls), scratch, d)
             }
         }
@@ -252,24 +285,21 @@ impl ResidualForward {
         }
         match &mut self.state {
             State::Standard { stream } => kernels::add_assign(stream, &out),
-            State::Depth { block_size, blocks, block_rstd, partial, calls, .. } => {
-                // The new partial sum (or block) is `out` plus the old partial sum, made in place.
-                let mut next = out;
-                let rstd = match partial.take() {
-                    None => rstd_of(&next, d, eps),
-                    Some((p, r)) => {
-                        let rstd = rmsnorm::add_assign_rstd(&mut next, &p, d, eps);
-                        if keep {
-                            calls[l].partial = Some((p, r));
-                        }
-                        rstd
-                    }
-                };
-                if (l + 1) % *block_size == 0 {
-                    block_rstd.push(rstd);
-                    blocks.push(next);
+            State::Depth { block_size, blocks, partial, partial_rstd, calls, .. } => {
+                let last = (l + 1) % *block_size == 0;
+                let p = partial.take();
+                // Backward needs the partial sum this sublayer read (its 1/rms is overwritten below).
+                let read_rstd = (keep && p.is_some()).then(|| partial_rstd.clone());
+                if last {
+                    blocks.push(&out, p.as_deref());
                 } else {
-                    *partial = Some((next, rstd));
+                    // The new partial sum is `out` plus the old one, made in place.
+                    let mut next = out;
+                    rmsnorm::add_assign_rstd(&mut next, p.as_deref(), partial_rstd, d, eps);
+                    *partial = Some(next);
+                }
+                if let (Some(p), Some(r)) = (p, read_rstd) {
+                    calls[l].partial = Some((p, r));
                 }
             }
         }
@@ -281,21 +311,21 @@ impl ResidualForward {
         let (d, keep) = (self.d, self.for_backward);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { ablation: Some(ab), blocks, block_rstd, consumed, calls, .. } => {
-                let (h, call) = ablation_forward(ab, *consumed, blocks, block_rstd, None, params, layout, d, self.eps);
+            State::Depth { ablation: Some(ab), blocks, consumed, calls, .. } => {
+                let (h, call) = ablation_forward(ab, *consumed, blocks, None, params, layout, d, self.eps);
                 *consumed += 1;
                 if keep {
                     calls.push(call);
                 }
                 h
             }
-            State::Depth { blocks, block_rstd, phase1, scratch, queries, consumed, calls, .. } => {
+            State::Depth { blocks, phase1, scratch, queries, consumed, calls, .. } => {
                 *consumed += 1;
                 if queries.is_empty() {
                     *queries = Arc::from(effective_queries(params, layout));
                 }
                 let w = &queries[queries.len() - d..];
-                depth::phase1(phase1, blocks, block_rstd, w, d);
+                depth::phase1(phase1, &blocks.values, &blocks.rstd, w, blocks.rows, d);
                 consumer_phase2(phase1, 0, None, w, blocks.len(), blocks.len(), keep.then_some(calls), scratch, d)
             }
         }
@@ -408,8 +438,7 @@ fn scalar_logits(ab: &Ablation, p: &DepthParams, srcs: &[usize], partial: bool, 
 fn ablation_forward(
     ab: &Ablation,
     l: usize,
-    blocks: &[Vec<f32>],
-    block_rstd: &[Vec<f32>],
+    blocks: &Sources,
     partial: Option<(&[f32], &[f32])>,
     params: &[f32],
     layout: &Layout,
@@ -418,14 +447,14 @@ fn ablation_forward(
 ) -> (Vec<f32>, DepthCall) {
     let p = depth_param(layout, l);
     let srcs = ab.sources(blocks.len());
-    let mut sv: Vec<&[f32]> = srcs.iter().map(|&i| blocks[i].as_slice()).collect();
-    let mut rv: Vec<&[f32]> = srcs.iter().map(|&i| block_rstd[i].as_slice()).collect();
+    let mut sv: Vec<&[f32]> = srcs.iter().map(|&i| blocks.get(i)).collect();
+    let mut rv: Vec<&[f32]> = srcs.iter().map(|&i| blocks.rstd(i)).collect();
     if let Some((v, r)) = partial {
         sv.push(v);
         rv.push(r);
     }
     let (k, nh) = (sv.len(), ab.options.heads);
-    let rows = blocks[0].len() / d;
+    let rows = blocks.rows;
     let gain = p.gain.as_ref().map(|g| &params[g.clone()]);
     let mut input_query = None;
     let (w, scalars): (Vec<f32>, Vec<f32>) = match ab.query {
@@ -546,7 +575,7 @@ impl ResidualBackward {
     /// The gradient of block sum `b_n`, once every consumer that read it is backpropagated:
     /// all consumers owed so far (those of later blocks and the output aggregation).
     fn block_grad(&mut self, n: usize, fwd: &ResidualForward) -> Vec<f32> {
-        let State::Depth { blocks, block_rstd, calls, .. } = &fwd.state else { unreachable!("depth state") };
+        let State::Depth { blocks, calls, .. } = &fwd.state else { unreachable!("depth state") };
         let (consumers, mut dws): (Vec<ConsumerGrad>, Vec<&mut [f32]>) = self
             .owed
             .iter_mut()
@@ -555,19 +584,19 @@ impl ResidualBackward {
                 (ConsumerGrad { dh, mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w }, dw.as_mut_slice())
             })
             .unzip();
-        depth::backward_source(&mut dws, &consumers, n, &blocks[n], &block_rstd[n], fwd.d)
+        depth::backward_source(&mut dws, &consumers, n, blocks.get(n), blocks.rstd(n), fwd.d)
     }
 
     /// Backpropagates consumer `l`'s depth attention under an ablation: into the completed
     /// blocks it read, its partial sum (`acc`) and its parameters.
     fn ablation_backward(&mut self, l: usize, dh: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
-        let State::Depth { blocks, block_rstd, calls, ablation: Some(ab), .. } = &fwd.state else { unreachable!("ablation state") };
+        let State::Depth { blocks, calls, ablation: Some(ab), .. } = &fwd.state else { unreachable!("ablation state") };
         let (d, eps) = (fwd.d, fwd.eps);
         let call = &calls[l];
         let p = depth_param(layout, l);
         let rows = dh.len() / d;
-        let mut sv: Vec<&[f32]> = call.srcs.iter().map(|&i| blocks[i].as_slice()).collect();
-        let mut rv: Vec<&[f32]> = call.srcs.iter().map(|&i| block_rstd[i].as_slice()).collect();
+        let mut sv: Vec<&[f32]> = call.srcs.iter().map(|&i| blocks.get(i)).collect();
+        let mut rv: Vec<&[f32]> = call.srcs.iter().map(|&i| blocks.rstd(i)).collect();
         if call.k > call.srcs.len() {
             let (v, r) = call.partial.as_ref().expect("forward kept the partial sum");
             sv.push(v);
