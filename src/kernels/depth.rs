@@ -213,9 +213,9 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
                     z += e[i];
                 }
                 // SAFETY: row t of consumer k's o1 lies in its reserved capacity and belongs to
-                // this task only; it is written in full before it is read as a slice. (One
-                // source at a time: the sources of a token lie rows·d apart, often a multiple of
-                // 4 KiB, so reading all of them chunk by chunk would crowd one cache set.)
+                // this task only; it is written in full before it is read as a slice. (Source by
+                // source, not chunk by chunk across all sources: a token's sources lie rows·d
+                // apart, often a multiple of 4 KiB, and would crowd one cache set.)
                 let o1 = unsafe {
                     let o = o1s[k].get().add(t * d);
                     for (j, v) in first[..d].iter().enumerate() {

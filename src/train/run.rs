@@ -368,7 +368,8 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
         let tps = seen_since as f64 / t_since.elapsed().as_secs_f64();
         rec["tokens_per_second"] = json!(tps);
         rec["elapsed_seconds"] = json!(elapsed0 + t0.elapsed().as_secs_f64());
-        writeln!(metrics, "{rec}").context("cannot write metrics.jsonl")?;
+        // One write per line: a run killed mid-record must not leave half a line behind.
+        metrics.write_all(format!("{rec}\n").as_bytes()).context("cannot write metrics.jsonl")?;
         metrics.flush()?;
         if let Some(b) = &bar {
             b.bar.set_position(b.offset + step as u64);
