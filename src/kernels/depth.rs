@@ -15,6 +15,7 @@
 //! ([`backward_one`], [`backward_source`]); the tests hold both equal to the one-pass form.
 
 use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
+use std::mem::MaybeUninit;
 
 /// Forward over `K = sources.len()` sources of shape `[rows, d]`: writes `h[rows, d]` and, per
 /// token, the weights `alpha[rows, K]` and `logits[rows, K]` that backward needs.
@@ -115,7 +116,9 @@ pub fn backward(
 
 /// What phase 1 produced for the `S` consumers of one block (SPEC §7), per consumer and token:
 /// the logits over the `C` completed sources, their maximum `m1`, the sum
-/// `l1 = Σ e^(logit − m1)` and the unnormalised mix `o1 = Σ e^(logit − m1) · v`.
+/// `l1 = Σ e^(logit − m1)` and the mix `o1 = Σ e^(logit − m1) · v / l1`. (SPEC §7 keeps `o1`
+/// unnormalised; dividing the weights by `l1` before mixing is the same sum and spares the
+/// block's first consumer, which reads no partial sum, a pass over its input.)
 ///
 /// One value is reused from block to block: decoding runs this for a token or two at a time,
 /// where fresh buffers (and the cold allocator state behind them) would cost more than the
@@ -184,50 +187,52 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
     let chunk = super::rows_per_task(rows, c * d);
     let tasks = rows.div_ceil(chunk);
     let run = |task: usize| {
-        // Scratch for the exponentials: on the stack for the usual handful of sources.
-        let mut stack = [0.0f32; 32];
+        // Scores, then exponentials, of two consumers: on the stack for the usual handful of
+        // sources.
+        let mut stack = [0.0f32; 64];
         let mut heap = Vec::new();
-        let e: &mut [f32] = if c <= stack.len() {
-            &mut stack[..c]
+        let e: &mut [f32] = if 2 * c <= stack.len() {
+            &mut stack[..2 * c]
         } else {
-            heap.resize(c, 0.0);
+            heap.resize(2 * c, 0.0);
             &mut heap
         };
         for t in task * chunk..((task + 1) * chunk).min(rows) {
-            for k in 0..s {
-                let w = &ws[k * d..(k + 1) * d];
-                let row = k * rows + t;
-                // SAFETY: row t of every consumer's outputs belongs to this task only.
-                let (lg, m1, l1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1)) };
-                // Source i of token t lies at (i·rows + t)·d: a stride of rows·d.
-                let first = &sources[t * d..];
-                simd::dots(lg, w, first, rows * d);
-                let mut m = f32::NEG_INFINITY;
-                for i in 0..c {
-                    lg[i] *= rstds[i * rows + t];
-                    m = m.max(lg[i]);
-                }
-                let mut z = 0.0f32;
-                for i in 0..c {
-                    e[i] = simd::exp(lg[i] - m);
-                    z += e[i];
-                }
-                // SAFETY: row t of consumer k's o1 lies in its reserved capacity and belongs to
-                // this task only; it is written in full before it is read as a slice. (Source by
-                // source, not chunk by chunk across all sources: a token's sources lie rows·d
-                // apart, often a multiple of 4 KiB, and would crowd one cache set.)
-                let o1 = unsafe {
-                    let o = o1s[k].get().add(t * d);
-                    for (j, v) in first[..d].iter().enumerate() {
-                        o.add(j).write(e[0] * v);
+            // Source i of token t lies at (i·rows + t)·d: a stride of rows·d.
+            let first = &sources[t * d..];
+            // Consumers two at a time, so that each source load serves both.
+            for k0 in (0..s).step_by(2) {
+                let pair = (s - k0).min(2);
+                let e = &mut e[..pair * c];
+                let w = |k: usize| &ws[k * d..(k + 1) * d];
+                simd::scores(e, &[w(k0), w(k0 + pair - 1)][..pair], first, rows * d);
+                for (r, e) in e.chunks_mut(c).enumerate() {
+                    let row = (k0 + r) * rows + t;
+                    // SAFETY: row t of every consumer's outputs belongs to this task only.
+                    let (lg, m1, l1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1)) };
+                    let mut m = f32::NEG_INFINITY;
+                    for i in 0..c {
+                        lg[i] = e[i] * rstds[i * rows + t];
+                        m = m.max(lg[i]);
                     }
-                    std::slice::from_raw_parts_mut(o, d)
-                };
-                for i in 1..c {
-                    simd::axpy(o1, e[i], &first[i * rows * d..i * rows * d + d]);
+                    let mut z = 0.0f32;
+                    for i in 0..c {
+                        e[i] = simd::exp(lg[i] - m);
+                        z += e[i];
+                    }
+                    // Weights divided by their sum: the mix comes out normalised.
+                    let inv = 1.0 / z;
+                    e.iter_mut().for_each(|x| *x *= inv);
+                    m1[0] = m;
+                    l1[0] = z;
                 }
-                m1[0] = m;
-                l1[0] = z;
+                // SAFETY: row t of each consumer's o1 lies in its reserved capacity and belongs
+                // to this task only; `mixes` writes it in full.
+                let mut outs: [&mut [MaybeUninit<f32>]; 2] = [0, 1].map(|r| match r < pair {
+                    true => unsafe { std::slice::from_raw_parts_mut(o1s[k0 + r].get().add(t * d).cast(), d) },
+                    false => &mut [],
+                });
+                simd::mixes(&mut outs[..pair], e, first, rows * d);
             }
         }
     };
@@ -246,41 +251,49 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
 
 /// Phase 2 for consumer `j` of the block that `p1` scored: merges the optional partial-sum
 /// source `(p, rstd_p)` into the phase-1 statistics by online softmax. Returns the input
-/// `h[rows, d]` (made in place of the consumer's `o1`, which it takes) and writes, per token,
-/// the weights `alpha[rows, K]` and logits `logits[rows, K]` over all `K = C (+1)` sources
-/// (completed first, partial last), which backward needs.
-#[allow(clippy::too_many_arguments)]
-pub fn phase2(alpha: &mut [f32], logits: &mut [f32], p1: &mut Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> Vec<f32> {
+/// `h[rows, d]` (made in place of the consumer's `o1`, which it takes). With `weights =
+/// (alpha, logits)`, also writes per token the weights `alpha[rows, K]` and logits
+/// `logits[rows, K]` over all `K = C (+1)` sources (completed first, partial last), which
+/// backward needs; inference passes `None` and skips them.
+pub fn phase2(weights: Option<(&mut [f32], &mut [f32])>, p1: &mut Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> Vec<f32> {
     let (rows, c) = (p1.rows, p1.completed);
     let k = c + partial.is_some() as usize;
-    assert!(alpha.len() == rows * k && logits.len() == rows * k);
     let mut h = std::mem::take(&mut p1.o1[j]);
     assert_eq!(h.len(), rows * d, "phase 2 of a consumer runs once per phase 1");
+    if partial.is_none() && weights.is_none() {
+        // Phase 1 already normalised the mix: it is the input.
+        return h;
+    }
+    let ptrs = weights.map(|(alpha, logits)| {
+        assert!(alpha.len() == rows * k && logits.len() == rows * k);
+        (SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()))
+    });
     let (l1_logits, m1, l1) = (&p1.logits[j * rows * c..(j + 1) * rows * c], &p1.m1[j * rows..(j + 1) * rows], &p1.l1[j * rows..(j + 1) * rows]);
-    let (aptr, lptr) = (SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
     par_rows_mut(&mut h, d, |r0, chunk| {
         for (i, hrow) in chunk.chunks_mut(d).enumerate() {
             let t = r0 + i;
             // SAFETY: row t of alpha/logits belongs to this task only.
-            let (a, l) = unsafe { (aptr.slice(t * k, k), lptr.slice(t * k, k)) };
-            l[..c].copy_from_slice(&l1_logits[t * c..(t + 1) * c]);
+            let mut out = ptrs.map(|(a, l)| unsafe { (a.slice(t * k, k), l.slice(t * k, k)) });
             let (mut m, mut z) = (m1[t], l1[t]);
             if let Some((pv, pr)) = partial {
+                // h = o1 (normalised by z) and p, weighted by their shares of the merged sum.
                 let prow = &pv[t * d..(t + 1) * d];
                 let lp = pr[t] * dot(w, prow);
-                l[c] = lp;
                 let mm = m.max(lp);
-                let s1 = simd::exp(m - mm);
+                let s1 = simd::exp(m - mm) * z;
                 let sp = simd::exp(lp - mm);
-                z = s1 * z + sp;
+                z = s1 + sp;
                 m = mm;
                 simd::axpby(hrow, s1 / z, sp / z, prow);
-                a[c] = sp / z;
-            } else {
-                simd::scale(hrow, 1.0 / z);
+                if let Some((a, l)) = &mut out {
+                    (a[c], l[c]) = (sp / z, lp);
+                }
             }
-            for j in 0..c {
-                a[j] = simd::exp(l[j] - m) / z;
+            if let Some((a, l)) = out {
+                l[..c].copy_from_slice(&l1_logits[t * c..(t + 1) * c]);
+                for j in 0..c {
+                    a[j] = simd::exp(l[j] - m) / z;
+                }
             }
         }
     });
@@ -497,17 +510,25 @@ mod tests {
         // Reused buffers must not leak a previous block's results.
         phase1(&mut p1, &sv[..rows * d], &rv[..rows], &ws[0], rows, d);
         phase1(&mut p1, &sv, &rv, &ws.concat(), rows, d);
+        let mut hs = Vec::new();
         for j in 0..s {
             let partial = (j > 0).then(|| (cs.partials[j].as_slice(), cs.prs[j].as_slice()));
             let (v, r) = sources_of(&cs, j);
             let k = v.len();
             let (mut a, mut l) = (vec![0.0; rows * k], vec![0.0; rows * k]);
-            let h = phase2(&mut a, &mut l, &mut p1, j, partial, &ws[j], d);
+            let h = phase2(Some((&mut a, &mut l)), &mut p1, j, partial, &ws[j], d);
             let (mut h1, mut a1, mut l1) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
             forward(&mut h1, &mut a1, &mut l1, &v, &r, &cs.qs[j], &cs.gs[j], d);
             assert_close(&h, &h1, 1e-5, "two-phase h");
             assert_close(&a, &a1, 1e-6, "two-phase alpha");
             assert_close(&l, &l1, 1e-6, "two-phase logits");
+            hs.push(h);
+        }
+        // Inference skips the weights: the same inputs.
+        phase1(&mut p1, &sv, &rv, &ws.concat(), rows, d);
+        for j in 0..s {
+            let partial = (j > 0).then(|| (cs.partials[j].as_slice(), cs.prs[j].as_slice()));
+            assert_eq!(phase2(None, &mut p1, j, partial, &ws[j], d), hs[j], "inference phase 2 of consumer {j}");
         }
     }
 

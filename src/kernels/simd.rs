@@ -2,6 +2,8 @@
 //! once for the baseline target and once with AVX2+FMA, chosen at run time. The binary stays
 //! portable and still uses 8-wide vectors where the processor has them.
 
+use std::mem::MaybeUninit;
+
 /// Defines `pub fn $name` that runs `$imp` (an `#[inline(always)]` function with the same
 /// signature) under AVX2+FMA when available.
 macro_rules! multiversion {
@@ -136,6 +138,180 @@ pub fn dot4(xs: &[&[f32]], w: &[f32], out: &mut [[f32; 4]]) {
     dot4_portable(xs, w, out)
 }
 
+/// `out[r·c + i] = ⟨ws[r], src[i·stride..][..n]⟩` for one or two queries `ws` (each `n` long)
+/// and `c = out.len() / ws.len()` rows of `src` lying `stride` apart: each load of a source
+/// serves every query. (Phase 1 of the depth attention: a block's consumers score a token's
+/// completed sources.)
+pub fn scores(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
+    let (r, n) = (ws.len(), ws[0].len());
+    let c = out.len() / r.max(1);
+    assert!(
+        matches!(r, 1 | 2) && c * r == out.len() && ws.iter().all(|w| w.len() == n) && (c == 0 || src.len() >= (c - 1) * stride + n),
+        "scores: bad operand sizes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: features detected; sizes checked.
+            unsafe {
+                if r == 2 {
+                    scores_avx2([ws[0], ws[1]], out, src, stride, c);
+                } else {
+                    scores_avx2([ws[0]], out, src, stride, c);
+                }
+            }
+            return;
+        }
+    }
+    scores_portable(out, ws, src, stride)
+}
+
+fn scores_portable(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
+    let c = out.len() / ws.len();
+    for (k, w) in ws.iter().enumerate() {
+        for i in 0..c {
+            out[k * c + i] = dot_imp(w, &src[i * stride..i * stride + w.len()]);
+        }
+    }
+}
+
+/// [`scores`] with explicit AVX2/FMA: sources in groups of four, `4·R` accumulators.
+///
+/// # Safety
+/// The processor must support AVX2 and FMA; `out` must hold `R·c` values and `src` reach
+/// `(c − 1)·stride + n`, `n = ws[r].len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_avx2<const R: usize>(ws: [&[f32]; R], out: &mut [f32], src: &[f32], stride: usize, c: usize) {
+    let mut i = 0;
+    while i + 4 <= c {
+        let got = scores_group_avx2::<R, 4>(ws, src.as_ptr().add(i * stride), stride);
+        for r in 0..R {
+            out[r * c + i..r * c + i + 4].copy_from_slice(&got[r]);
+        }
+        i += 4;
+    }
+    while i < c {
+        let got = scores_group_avx2::<R, 1>(ws, src.as_ptr().add(i * stride), stride);
+        for r in 0..R {
+            out[r * c + i] = got[r][0];
+        }
+        i += 1;
+    }
+}
+
+/// `⟨ws[r], row_k⟩` for `K` rows starting at `src`, `stride` apart.
+///
+/// # Safety
+/// As [`scores_avx2`]; `src` must reach `(K − 1)·stride + n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scores_group_avx2<const R: usize, const K: usize>(ws: [&[f32]; R], src: *const f32, stride: usize) -> [[f32; K]; R] {
+    use std::arch::x86_64::*;
+    let n = ws[0].len();
+    let full = n / 8 * 8;
+    let mut acc = [[_mm256_setzero_ps(); K]; R];
+    let mut j = 0;
+    while j < full {
+        let q: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(ws[r].as_ptr().add(j)));
+        for k in 0..K {
+            let v = _mm256_loadu_ps(src.add(k * stride + j));
+            for r in 0..R {
+                acc[r][k] = _mm256_fmadd_ps(q[r], v, acc[r][k]);
+            }
+        }
+        j += 8;
+    }
+    std::array::from_fn(|r| {
+        std::array::from_fn(|k| {
+            let tail: f32 = (full..n).map(|j| ws[r][j] * *src.add(k * stride + j)).sum();
+            hsum_avx(acc[r][k]) + tail
+        })
+    })
+}
+
+/// Sum of the eight lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum_avx(v: std::arch::x86_64::__m256) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    std::arch::x86_64::_mm256_storeu_ps(lanes.as_mut_ptr(), v);
+    lanes.iter().sum()
+}
+
+/// `outs[r] = Σ_i e[r·c + i] · src[i·stride..][..n]` for one or two outputs (each `n` long,
+/// written in full, so they may start uninitialised) and `c = e.len() / outs.len()` rows of
+/// `src` lying `stride` apart: each load of a source serves every output, and each output is
+/// written once. (Phase 1 of the depth attention: a block's consumers mix a token's sources.)
+pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], stride: usize) {
+    let (r, n) = (outs.len(), outs[0].len());
+    let c = e.len() / r.max(1);
+    assert!(
+        matches!(r, 1 | 2) && c > 0 && c * r == e.len() && outs.iter().all(|o| o.len() == n) && src.len() >= (c - 1) * stride + n,
+        "mixes: bad operand sizes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: features detected; sizes checked.
+            unsafe {
+                if let [a, b] = outs {
+                    mixes_avx2([a.as_mut_ptr().cast(), b.as_mut_ptr().cast()], e, src, stride, c, n);
+                } else {
+                    mixes_avx2([outs[0].as_mut_ptr().cast()], e, src, stride, c, n);
+                }
+            }
+            return;
+        }
+    }
+    mixes_portable(outs, e, src, stride)
+}
+
+fn mixes_portable(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], stride: usize) {
+    let c = e.len() / outs.len();
+    for (k, o) in outs.iter_mut().enumerate() {
+        for (j, o) in o.iter_mut().enumerate() {
+            o.write((0..c).map(|i| e[k * c + i] * src[i * stride + j]).sum());
+        }
+    }
+}
+
+/// [`mixes`] with explicit AVX2/FMA, 16 values of every output at a time.
+///
+/// # Safety
+/// The processor must support AVX2 and FMA; each `outs[r]` must be valid for `n` writes, `e`
+/// hold `R·c` weights and `src` reach `(c − 1)·stride + n`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn mixes_avx2<const R: usize>(outs: [*mut f32; R], e: &[f32], src: &[f32], stride: usize, c: usize, n: usize) {
+    use std::arch::x86_64::*;
+    let (s, ep) = (src.as_ptr(), e.as_ptr());
+    let full = n / 16 * 16;
+    let mut j = 0;
+    while j < full {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for i in 0..c {
+            let row = s.add(i * stride + j);
+            let (v0, v1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
+            for r in 0..R {
+                let w = _mm256_set1_ps(*ep.add(r * c + i));
+                acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+            }
+        }
+        for r in 0..R {
+            _mm256_storeu_ps(outs[r].add(j), acc[r][0]);
+            _mm256_storeu_ps(outs[r].add(j + 8), acc[r][1]);
+        }
+        j += 16;
+    }
+    for j in full..n {
+        for r in 0..R {
+            *outs[r].add(j) = (0..c).map(|i| e[r * c + i] * src[i * stride + j]).sum();
+        }
+    }
+}
+
 #[inline(always)]
 fn axpy_imp(y: &mut [f32], a: f32, x: &[f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y += a * x);
@@ -226,23 +402,10 @@ multiversion!(
     axpy2 => axpy2_imp(y: &mut [f32], a: f32, x: &[f32], b: f32, z: &[f32])
 );
 #[inline(always)]
-fn dots_imp(out: &mut [f32], w: &[f32], src: &[f32], stride: usize) {
-    let n = w.len();
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = dot_imp(w, &src[i * stride..i * stride + n]);
-    }
-}
-
-#[inline(always)]
 fn axpby_imp(y: &mut [f32], a: f32, b: f32, x: &[f32]) {
     y.iter_mut().zip(x).for_each(|(y, x)| *y = a * *y + b * x);
 }
 
-multiversion!(
-    /// `out_i = ⟨w, src[i·stride ..][..n]⟩` for each of the `out.len()` rows of `src`
-    /// (`n = w.len()`).
-    dots => dots_imp(out: &mut [f32], w: &[f32], src: &[f32], stride: usize)
-);
 multiversion!(
     /// `y = a·y + b·x`.
     axpby => axpby_imp(y: &mut [f32], a: f32, b: f32, x: &[f32])
@@ -309,14 +472,34 @@ mod tests {
                 assert!((d4[r][k] - want).abs() < 1e-5 && (p4[r][k] - want).abs() < 1e-5, "dot4[{r}][{k}]");
             }
         }
-        // Three rows of 37 at a stride of 40 (a strided source list), against sums in f64.
-        let (c, n, stride) = (3, 37, 40);
+        // Five rows of 37 at a stride of 40 (a token's sources), scored by and mixed into one
+        // or two consumers, against sums in f64 (37: both kernels' vector loops and tails).
+        let (c, n, stride) = (5, 37, 40);
         let src: Vec<f32> = (0..c * stride).map(|i| (i as f32 * 0.37).sin()).collect();
-        let mut dots = [0.0f32; 3];
-        super::dots(&mut dots, &a, &src, stride);
-        for i in 0..c {
-            let want: f64 = (0..n).map(|j| a[j] as f64 * src[i * stride + j] as f64).sum();
-            assert!((dots[i] as f64 - want).abs() < 1e-5, "dots[{i}]");
+        let row = |i: usize| &src[i * stride..i * stride + n];
+        type Scores = fn(&mut [f32], &[&[f32]], &[f32], usize);
+        type Mixes = fn(&mut [&mut [std::mem::MaybeUninit<f32>]], &[f32], &[f32], usize);
+        let vector = (super::scores as Scores, super::mixes as Mixes);
+        let portable = (super::scores_portable as Scores, super::mixes_portable as Mixes);
+        for ((scores, mixes), ws) in [vector, portable].into_iter().flat_map(|k| [(k, vec![&a[..]]), (k, vec![&a[..], &b[..]])]) {
+            let mut got = vec![0.0f32; ws.len() * c];
+            scores(&mut got, &ws, &src, stride);
+            for (r, w) in ws.iter().enumerate() {
+                for i in 0..c {
+                    let want: f64 = (0..n).map(|j| w[j] as f64 * row(i)[j] as f64).sum();
+                    assert!((got[r * c + i] as f64 - want).abs() < 1e-5, "scores[{r}][{i}]");
+                }
+            }
+            let e: Vec<f32> = (0..ws.len() * c).map(|i| 0.1 + 0.2 * i as f32).collect();
+            let mut outs = vec![vec![std::mem::MaybeUninit::new(f32::NAN); n]; ws.len()];
+            mixes(&mut outs.iter_mut().map(|o| &mut o[..]).collect::<Vec<_>>(), &e, &src, stride);
+            for (r, o) in outs.iter().enumerate() {
+                for j in 0..n {
+                    let want: f64 = (0..c).map(|i| e[r * c + i] as f64 * row(i)[j] as f64).sum();
+                    // SAFETY: initialised above (and overwritten by `mixes`).
+                    assert!((unsafe { o[j].assume_init() } as f64 - want).abs() < 1e-5, "mixes[{r}][{j}]");
+                }
+            }
         }
         let mut y = a.clone();
         super::axpby(&mut y, 0.5, -2.0, &b);

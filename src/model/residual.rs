@@ -105,9 +105,6 @@ enum State {
         partial_rstd: Vec<f32>,
         /// Phase-1 results of the current block's sublayers (then of the output aggregation).
         phase1: Phase1,
-        /// Inference only: the weights and logits of the latest consumer (kept for backward
-        /// otherwise), reused so that decoding does not allocate them for every sublayer.
-        scratch: Vec<f32>,
         /// Effective query `q ⊙ γ` of every consumer (`[L + 1, d]`), made on first use unless
         /// given (decoding keeps them for its whole run).
         queries: Arc<[f32]>,
@@ -206,7 +203,6 @@ impl ResidualForward {
                     blocks,
                     partial: None,
                     partial_rstd: vec![0.0; rows],
-                    scratch: Vec::new(),
                     queries: Arc::from([]),
                     consumed: 0,
                     calls: Vec::new(),
@@ -248,7 +244,7 @@ impl ResidualForward {
                 }
                 h
             }
-            State::Depth { block_size, blocks, partial, partial_rstd, phase1, scratch, queries, consumed, calls, ablation: None, .. } => {
+            State::Depth { block_size, blocks, partial, partial_rstd, phase1, queries, consumed, calls, ablation: None, .. } => {
                 debug_assert_eq!(*consumed, l);
                 *consumed += 1;
                 if queries.is_empty() {
@@ -262,7 +258,7 @@ impl ResidualForward {
                 let w = &queries[l * d..(l + 1) * d];
                 let k = blocks.len() + partial.is_some() as usize;
                 let part = partial.as_deref().map(|p| (p, partial_rstd.as_slice()));
-                consumer_phase2(phase1, l % s, part, w, k, blocks.len(), keep.then_some(calls), scratch, d)
+                consumer_phase2(phase1, l % s, part, w, k, blocks.len(), keep.then_some(calls), d)
             }
         }
     }
@@ -319,14 +315,14 @@ impl ResidualForward {
                 }
                 h
             }
-            State::Depth { blocks, phase1, scratch, queries, consumed, calls, .. } => {
+            State::Depth { blocks, phase1, queries, consumed, calls, .. } => {
                 *consumed += 1;
                 if queries.is_empty() {
                     *queries = Arc::from(effective_queries(params, layout));
                 }
                 let w = &queries[queries.len() - d..];
                 depth::phase1(phase1, &blocks.values, &blocks.rstd, w, blocks.rows, d);
-                consumer_phase2(phase1, 0, None, w, blocks.len(), blocks.len(), keep.then_some(calls), scratch, d)
+                consumer_phase2(phase1, 0, None, w, blocks.len(), blocks.len(), keep.then_some(calls), d)
             }
         }
     }
@@ -358,33 +354,16 @@ fn depth_param(layout: &Layout, l: usize) -> &DepthParams {
 
 /// Phase 2 of consumer `j` of the block `phase1` scored, reading `k` sources (`completed`
 /// blocks, then the partial sum if given): returns its input `h`. The weights and logits go to
-/// a new [`DepthCall`] in `calls` when backward needs them, else into `scratch`.
-#[allow(clippy::too_many_arguments)]
-fn consumer_phase2(
-    phase1: &mut Phase1,
-    j: usize,
-    partial: Option<(&[f32], &[f32])>,
-    w: &[f32],
-    k: usize,
-    completed: usize,
-    calls: Option<&mut Vec<DepthCall>>,
-    scratch: &mut Vec<f32>,
-    d: usize,
-) -> Vec<f32> {
+/// a new [`DepthCall`] in `calls` when backward needs them; inference skips them.
+fn consumer_phase2(phase1: &mut Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], k: usize, completed: usize, calls: Option<&mut Vec<DepthCall>>, d: usize) -> Vec<f32> {
+    let Some(calls) = calls else {
+        return depth::phase2(None, phase1, j, partial, w, d);
+    };
     let n = phase1.rows() * k;
-    match calls {
-        Some(calls) => {
-            let (mut alpha, mut logits) = (zeros(n), zeros(n));
-            let h = depth::phase2(&mut alpha, &mut logits, phase1, j, partial, w, d);
-            calls.push(DepthCall { alpha, logits, k, partial: None, srcs: (0..completed).collect(), input_query: None });
-            h
-        }
-        None => {
-            scratch.resize(2 * n, 0.0);
-            let (alpha, logits) = scratch.split_at_mut(n);
-            depth::phase2(alpha, logits, phase1, j, partial, w, d)
-        }
-    }
+    let (mut alpha, mut logits) = (zeros(n), zeros(n));
+    let h = depth::phase2(Some((&mut alpha, &mut logits)), phase1, j, partial, w, d);
+    calls.push(DepthCall { alpha, logits, k, partial: None, srcs: (0..completed).collect(), input_query: None });
+    h
 }
 
 /// The effective queries `q ⊙ γ` of every consumer in order (sublayers, then the output),
