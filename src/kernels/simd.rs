@@ -143,7 +143,7 @@ pub fn dot4(xs: &[&[f32]], w: &[f32], out: &mut [[f32; 4]]) {
 /// serves every query. (Phase 1 of the depth attention: a block's consumers score a token's
 /// completed sources.)
 pub fn scores(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
-    let (r, n) = (ws.len(), ws[0].len());
+    let (r, n) = (ws.len(), ws.first().map_or(0, |w| w.len()));
     let c = out.len() / r.max(1);
     assert!(
         matches!(r, 1 | 2) && c * r == out.len() && ws.iter().all(|w| w.len() == n) && (c == 0 || src.len() >= (c - 1) * stride + n),
@@ -244,7 +244,7 @@ unsafe fn hsum_avx(v: std::arch::x86_64::__m256) -> f32 {
 /// `src` lying `stride` apart: each load of a source serves every output, and each output is
 /// written once. (Phase 1 of the depth attention: a block's consumers mix a token's sources.)
 pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], stride: usize) {
-    let (r, n) = (outs.len(), outs[0].len());
+    let (r, n) = (outs.len(), outs.first().map_or(0, |o| o.len()));
     let c = e.len() / r.max(1);
     assert!(
         matches!(r, 1 | 2) && c > 0 && c * r == e.len() && outs.iter().all(|o| o.len() == n) && src.len() >= (c - 1) * stride + n,
@@ -276,7 +276,9 @@ fn mixes_portable(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], 
     }
 }
 
-/// [`mixes`] with explicit AVX2/FMA, 16 values of every output at a time.
+/// [`mixes`] with explicit AVX2/FMA, 16 values (one cache line's worth) of every output at a
+/// time. A token's sources may lie a multiple of 4 KiB apart, in one cache set; each step reads
+/// its stretch of every source at once rather than coming back to a line after the others.
 ///
 /// # Safety
 /// The processor must support AVX2 and FMA; each `outs[r]` must be valid for `n` writes, `e`
