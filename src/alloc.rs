@@ -29,7 +29,9 @@ impl Recycling {
     fn take(layout: Layout) -> Option<*mut u8> {
         let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
         let n = f.len;
-        let i = f.blocks[..n].iter().rposition(|&(s, a, _)| s == layout.size() && a == layout.align())?;
+        let i = f.blocks[..n]
+            .iter()
+            .rposition(|&(s, a, _)| s == layout.size() && a == layout.align())?;
         let (_, _, addr) = f.blocks[i];
         f.blocks.copy_within(i + 1..n, i);
         f.len -= 1;

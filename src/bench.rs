@@ -44,9 +44,11 @@ pub struct BenchReport {
 pub fn step_flops(c: &Config, batch: usize, seq: usize) -> f64 {
     let n = (batch * seq) as f64;
     let (d, f, v) = (c.hidden_size as f64, c.intermediate_size as f64, c.vocab_size as f64);
-    let per_layer = d * c.qkv_width() as f64 + (c.num_attention_heads * c.head_dim) as f64 * d + 3.0 * d * f;
+    let per_layer =
+        d * c.qkv_width() as f64 + (c.num_attention_heads * c.head_dim) as f64 * d + 3.0 * d * f;
     let linear = 2.0 * n * (per_layer * c.num_hidden_layers as f64 + d * v);
-    let attn = 2.0 * 2.0 * (batch * c.num_attention_heads) as f64 * (seq * seq) as f64 / 2.0 * c.head_dim as f64;
+    let attn = 2.0 * 2.0 * (batch * c.num_attention_heads) as f64 * (seq * seq) as f64 / 2.0
+        * c.head_dim as f64;
     3.0 * (linear + attn * c.num_hidden_layers as f64)
 }
 
@@ -65,13 +67,22 @@ pub fn matmul_peak(size: usize) -> f64 {
 }
 
 /// Runs `warmup` + `steps` interleaved rounds over the given configs.
-pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: usize, mut progress: impl FnMut(&str)) -> Result<BenchReport> {
-    let models: Vec<Model> = configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
+pub fn run(
+    configs: &[Config],
+    batch: usize,
+    seq: usize,
+    warmup: usize,
+    steps: usize,
+    mut progress: impl FnMut(&str),
+) -> Result<BenchReport> {
+    let models: Vec<Model> =
+        configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
     let vocab = configs[0].vocab_size;
     let ids = pseudo_tokens(batch * seq, vocab, 1);
     let targets = pseudo_tokens(batch * seq, vocab, 2);
     let mut times = vec![Vec::new(); models.len()];
-    let mut phases: Vec<std::collections::BTreeMap<&str, f64>> = vec![Default::default(); models.len()];
+    let mut phases: Vec<std::collections::BTreeMap<&str, f64>> =
+        vec![Default::default(); models.len()];
     for round in 0..warmup + steps {
         // The order of the modes rotates from round to round, so none always follows another.
         for k in 0..models.len() {
@@ -106,7 +117,8 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
         .zip(&mut times)
         .zip(&phases)
         .map(|((m, t), ph)| {
-            let mut profile: Vec<(String, f64)> = ph.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+            let mut profile: Vec<(String, f64)> =
+                ph.iter().map(|(k, v)| (k.to_string(), *v)).collect();
             profile.sort_by(|a, b| b.1.total_cmp(&a.1));
             t.sort_by(|a, b| a.total_cmp(b));
             let med = t[t.len() / 2];
@@ -133,7 +145,14 @@ pub fn run(configs: &[Config], batch: usize, seq: usize, warmup: usize, steps: u
             m.fastest_relative_to_standard = Some(m.fastest_step_seconds / base_fastest);
         }
     }
-    Ok(BenchReport { batch, seq, threads: rayon::current_num_threads(), steps, matmul_peak_gflops: peak, modes })
+    Ok(BenchReport {
+        batch,
+        seq,
+        threads: rayon::current_num_threads(),
+        steps,
+        matmul_peak_gflops: peak,
+        modes,
+    })
 }
 
 /// Relative cost: the median over rounds of each round's ratio, since the measurements of one
@@ -221,18 +240,24 @@ pub fn run_generate(
     mut progress: impl FnMut(&str),
 ) -> Result<GenerateReport> {
     use crate::model::decode::{CacheFootprint, KvCache};
-    anyhow::ensure!(new_tokens >= 2, "--new-tokens must be at least 2 (the first decoding step of each turn is not timed)");
-    let models: Vec<Model> = configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
+    anyhow::ensure!(
+        new_tokens >= 2,
+        "--new-tokens must be at least 2 (the first decoding step of each turn is not timed)"
+    );
+    let models: Vec<Model> =
+        configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
     let vocab = configs[0].vocab_size;
     // [mode][batch] -> per-round seconds
     let mut prefill = vec![vec![Vec::new(); batches.len()]; models.len()];
     let mut decode = vec![vec![Vec::new(); batches.len()]; models.len()];
     // [mode][batch] -> per-round median step
     let mut round_steps = vec![vec![Vec::new(); batches.len()]; models.len()];
-    let mut phases: Vec<Vec<std::collections::BTreeMap<&str, f64>>> = vec![vec![Default::default(); batches.len()]; models.len()];
+    let mut phases: Vec<Vec<std::collections::BTreeMap<&str, f64>>> =
+        vec![vec![Default::default(); batches.len()]; models.len()];
     for round in 0..warmup + rounds {
         for (bi, &batch) in batches.iter().enumerate() {
-            let prompts: Vec<Vec<u32>> = (0..batch).map(|b| pseudo_tokens(prompt_tokens, vocab, 10 + b as u64)).collect();
+            let prompts: Vec<Vec<u32>> =
+                (0..batch).map(|b| pseudo_tokens(prompt_tokens, vocab, 10 + b as u64)).collect();
             let fed = pseudo_tokens(batch * new_tokens, vocab, 99);
             let mut caches = models
                 .iter()
@@ -246,7 +271,8 @@ pub fn run_generate(
             // it brings the model's weights back into cache after the other modes' turns (in
             // real use one model runs on its own and stays there).
             let order: Vec<usize> = (0..models.len()).map(|k| (k + round) % models.len()).collect();
-            let chunks: Vec<(usize, &[u32])> = prompts.iter().enumerate().map(|(b, p)| (b, p.as_slice())).collect();
+            let chunks: Vec<(usize, &[u32])> =
+                prompts.iter().enumerate().map(|(b, p)| (b, p.as_slice())).collect();
             for &i in &order {
                 let t = Instant::now();
                 std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
@@ -257,7 +283,8 @@ pub fn run_generate(
                 for &i in &order {
                     for step in turn..(turn + TURN).min(new_tokens) {
                         let toks = &fed[step * batch..(step + 1) * batch];
-                        let chunks: Vec<(usize, &[u32])> = (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
+                        let chunks: Vec<(usize, &[u32])> =
+                            (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
                         let t = Instant::now();
                         std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
                         let secs = t.elapsed().as_secs_f64();
@@ -281,7 +308,11 @@ pub fn run_generate(
                     round_steps[i][bi].push(median(&dec[i]));
                 }
             }
-            let per_mode: Vec<String> = models.iter().zip(&dec).map(|(m, d)| format!("{} {:.2} ms", label(&m.config), median(d) * 1e3)).collect();
+            let per_mode: Vec<String> = models
+                .iter()
+                .zip(&dec)
+                .map(|(m, d)| format!("{} {:.2} ms", label(&m.config), median(d) * 1e3))
+                .collect();
             progress(&format!(
                 "{} round {:>2}/{} batch {batch}: decode step {}",
                 if round < warmup { "warmup" } else { "timed " },
@@ -308,11 +339,16 @@ pub fn run_generate(
                         prefill_tokens_per_second: (batch * prompt_tokens) as f64 / pre,
                         step_seconds: step,
                         decode_tokens_per_second: batch as f64 / step,
-                        latency_relative_to_standard: base.map(|b| median_ratio(&round_steps[i][bi], &round_steps[b][bi])),
-                        prefill_relative_to_standard: base.map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
+                        latency_relative_to_standard: base
+                            .map(|b| median_ratio(&round_steps[i][bi], &round_steps[b][bi])),
+                        prefill_relative_to_standard: base
+                            .map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
                         decode_profile: {
                             let steps = decode[i][bi].len() as f64;
-                            let mut v: Vec<(String, f64)> = phases[i][bi].iter().map(|(k, v)| (k.to_string(), v / steps)).collect();
+                            let mut v: Vec<(String, f64)> = phases[i][bi]
+                                .iter()
+                                .map(|(k, v)| (k.to_string(), v / steps))
+                                .collect();
                             v.sort_by(|a, b| b.1.total_cmp(&a.1));
                             v
                         },
@@ -328,7 +364,13 @@ pub fn run_generate(
             }
         })
         .collect();
-    Ok(GenerateReport { prompt_tokens, new_tokens, rounds, threads: rayon::current_num_threads(), modes })
+    Ok(GenerateReport {
+        prompt_tokens,
+        new_tokens,
+        rounds,
+        threads: rayon::current_num_threads(),
+        modes,
+    })
 }
 
 pub fn label(c: &Config) -> String {

@@ -25,7 +25,11 @@ pub struct Variant {
 
 impl Variant {
     pub fn new(name: &str, sets: &[&str]) -> Variant {
-        Variant { name: name.into(), sets: sets.iter().map(|s| s.to_string()).collect(), baseline: None }
+        Variant {
+            name: name.into(),
+            sets: sets.iter().map(|s| s.to_string()).collect(),
+            baseline: None,
+        }
     }
 }
 
@@ -60,7 +64,9 @@ impl Plan {
 
     pub fn load(out: &Path) -> Result<Plan> {
         let path = out.join(PLAN);
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {} (is {} a report directory?)", path.display(), out.display()))?;
+        let text = std::fs::read_to_string(&path).with_context(|| {
+            format!("cannot read {} (is {} a report directory?)", path.display(), out.display())
+        })?;
         serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))
     }
 }
@@ -86,15 +92,22 @@ pub fn suite(name: &str, base: &RunConfig) -> Result<Vec<Variant>> {
             let mut n = 1;
             while n <= l {
                 let s = l / n;
-                let name = if n == l { "full (S=1)".to_string() } else { format!("block S={s} (N={n})") };
-                v.push(Variant { name: slug(&name), sets: vec!["residual=block".into(), format!("num_blocks={n}")], baseline: None });
+                let name =
+                    if n == l { "full (S=1)".to_string() } else { format!("block S={s} (N={n})") };
+                v.push(Variant {
+                    name: slug(&name),
+                    sets: vec!["residual=block".into(), format!("num_blocks={n}")],
+                    baseline: None,
+                });
                 n *= 2;
             }
             v
         }
         "ablations" => crate::presets::ablations(&base.model),
         "scaling" => scaling_variants(base, SCALING_TOKENS_PER_PARAMETER)?,
-        other => bail!("unknown suite {other:?} (available: residuals, ablations, block-sizes, scaling)"),
+        other => {
+            bail!("unknown suite {other:?} (available: residuals, ablations, block-sizes, scaling)")
+        }
     };
     Ok(variants)
 }
@@ -130,11 +143,20 @@ fn scaling_variants(base: &RunConfig, ratio: f64) -> Result<Vec<Variant>> {
             format!("num_key_value_heads={heads}"),
             format!("intermediate_size={ff}"),
         ];
-        let model = base.with_overrides(&[shape.to_vec(), vec!["residual=standard".into()]].concat())?.model;
+        let model = base
+            .with_overrides(&[shape.to_vec(), vec!["residual=standard".into()]].concat())?
+            .model;
         let batch = base.train.batch_tokens as f64;
-        let steps = ((ratio * non_embedding_parameters(&model) as f64 / batch).round() as usize).max(10);
-        let budget = [format!("max_tokens={}", steps * base.train.batch_tokens), format!("eval_every={}", (steps / 5).max(1))];
-        for (mode, extra) in [("standard", vec!["residual=standard".to_string()]), ("block", vec!["residual=block".into(), format!("num_blocks={layers}")])] {
+        let steps =
+            ((ratio * non_embedding_parameters(&model) as f64 / batch).round() as usize).max(10);
+        let budget = [
+            format!("max_tokens={}", steps * base.train.batch_tokens),
+            format!("eval_every={}", (steps / 5).max(1)),
+        ];
+        for (mode, extra) in [
+            ("standard", vec!["residual=standard".to_string()]),
+            ("block", vec!["residual=block".into(), format!("num_blocks={layers}")]),
+        ] {
             let sets = [shape.to_vec(), budget.to_vec(), extra].concat();
             // Each size is compared with the standard model of the same size.
             let baseline = Some(format!("L{layers}-d{d}-standard"));
@@ -147,7 +169,9 @@ fn scaling_variants(base: &RunConfig, ratio: f64) -> Result<Vec<Variant>> {
 /// A file-name-safe form of a variant name.
 fn slug(name: &str) -> String {
     name.chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '=' || c == '.' { c } else { '_' })
+        .map(
+            |c| if c.is_ascii_alphanumeric() || c == '-' || c == '=' || c == '.' { c } else { '_' },
+        )
         .collect::<String>()
         .replace("__", "_")
         .trim_matches('_')
@@ -168,13 +192,22 @@ enum Status {
 }
 
 fn status(dir: &Path, want: &RunConfig) -> Result<Status> {
-    let state = [dir.join("ckpt"), dir.join(".ckpt.old")].into_iter().map(|d| d.join("train_state.json")).find(|p| p.exists());
+    let state = [dir.join("ckpt"), dir.join(".ckpt.old")]
+        .into_iter()
+        .map(|d| d.join("train_state.json"))
+        .find(|p| p.exists());
     let Some(state) = state else { return Ok(Status::Fresh) };
-    let text = std::fs::read_to_string(&state).with_context(|| format!("cannot read {}", state.display()))?;
-    let v: Value = serde_json::from_str(&text).with_context(|| format!("{} is corrupt", state.display()))?;
-    let have = v.get("run").cloned().with_context(|| format!("{} has no run settings", state.display()))?;
+    let text = std::fs::read_to_string(&state)
+        .with_context(|| format!("cannot read {}", state.display()))?;
+    let v: Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is corrupt", state.display()))?;
+    let have = v
+        .get("run")
+        .cloned()
+        .with_context(|| format!("{} has no run settings", state.display()))?;
     // Through the settings type, so that keys added since the run was trained take their defaults.
-    let have: RunConfig = serde_json::from_value(have).with_context(|| format!("{}: unreadable run settings", state.display()))?;
+    let have: RunConfig = serde_json::from_value(have)
+        .with_context(|| format!("{}: unreadable run settings", state.display()))?;
     let (mut have, mut want) = (serde_json::to_value(have)?, serde_json::to_value(want)?);
     // The vocabulary size comes from the tokenizer, not from the request.
     for v in [&mut have, &mut want] {
@@ -188,7 +221,11 @@ fn status(dir: &Path, want: &RunConfig) -> Result<Status> {
             lookup(&want, &key)
         );
     }
-    Ok(if dir.join("summary.json").exists() && dir.join("diagnostics.json").exists() { Status::Done } else { Status::Resume })
+    Ok(if dir.join("summary.json").exists() && dir.join("diagnostics.json").exists() {
+        Status::Done
+    } else {
+        Status::Resume
+    })
 }
 
 fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
@@ -197,7 +234,11 @@ fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
             let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
             keys.into_iter().find_map(|k| {
                 let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
-                first_difference(x.get(k).unwrap_or(&Value::Null), y.get(k).unwrap_or(&Value::Null), &p)
+                first_difference(
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                    &p,
+                )
             })
         }
         _ if a == b => None,
@@ -239,7 +280,10 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    crate::model::checkpoint::write_atomic(&plan_path, serde_json::to_string_pretty(plan)?.as_bytes())?;
+    crate::model::checkpoint::write_atomic(
+        &plan_path,
+        serde_json::to_string_pretty(plan)?.as_bytes(),
+    )?;
 
     let total: u64 = jobs.iter().map(|j| j.2.train.steps() as u64).sum();
     let bar = if opts.progress { run::new_progress_bar(total) } else { None };
@@ -262,12 +306,17 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
                 resume: st == Status::Resume,
                 overwrite: st == Status::Fresh,
                 progress: opts.progress,
-                shared_bar: bar.as_ref().map(|b| SharedBar { bar: b.clone(), offset, label: label.clone() }),
+                shared_bar: bar.as_ref().map(|b| SharedBar {
+                    bar: b.clone(),
+                    offset,
+                    label: label.clone(),
+                }),
             };
             if bar.is_none() {
                 eprintln!("{label}");
             }
-            run::train((st == Status::Fresh).then_some(cfg), &train_opts).with_context(|| format!("run {}", dir.display()))?;
+            run::train((st == Status::Fresh).then_some(cfg), &train_opts)
+                .with_context(|| format!("run {}", dir.display()))?;
         }
         offset += steps;
         if let Some(b) = &bar {
@@ -322,7 +371,13 @@ mod tests {
         let want = base(true).unwrap();
         let mut run = serde_json::to_value(&want).unwrap();
         run["model"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("attn_res_"));
-        let write = |run: &Value| std::fs::write(tmp.join("ckpt/train_state.json"), serde_json::json!({ "run": run }).to_string()).unwrap();
+        let write = |run: &Value| {
+            std::fs::write(
+                tmp.join("ckpt/train_state.json"),
+                serde_json::json!({ "run": run }).to_string(),
+            )
+            .unwrap()
+        };
         write(&run);
         assert_eq!(status(&tmp, &want).unwrap(), Status::Resume);
         run["train"]["lr"] = serde_json::json!(0.5);

@@ -31,7 +31,13 @@ pub struct Diagnostics {
 
 /// Measures [`Diagnostics`] over consecutive validation windows of `seq` tokens (up to
 /// `max_tokens` tokens; 0 = all full windows).
-pub fn diagnose(model: &Model, val: &[u32], seq: usize, micro_batch: usize, max_tokens: usize) -> Result<Diagnostics> {
+pub fn diagnose(
+    model: &Model,
+    val: &[u32],
+    seq: usize,
+    micro_batch: usize,
+    max_tokens: usize,
+) -> Result<Diagnostics> {
     let seq = seq.min(val.len());
     ensure!(seq > 0, "no validation tokens to measure diagnostics on");
     let mut windows: Vec<&[u32]> = val.chunks_exact(seq).collect();
@@ -78,7 +84,14 @@ pub fn diagnose(model: &Model, val: &[u32], seq: usize, micro_batch: usize, max_
     if let Some(a) = alpha.as_mut() {
         a.iter_mut().for_each(scale);
     }
-    Ok(Diagnostics { tokens, output_rms: out_rms, input_rms: in_rms, final_input_rms: final_rms / n, alpha, sources })
+    Ok(Diagnostics {
+        tokens,
+        output_rms: out_rms,
+        input_rms: in_rms,
+        final_input_rms: final_rms / n,
+        alpha,
+        sources,
+    })
 }
 
 /// Names of the depth sources: `emb`, one per completed block, and `partial` when blocks hold
@@ -97,12 +110,22 @@ fn source_labels(sublayers: usize, block_size: Option<usize>) -> Vec<String> {
 /// post-attention norm, gate/up, down), from a gradient laid out like the parameters.
 pub fn sublayer_grad_norms(layout: &Layout, grads: &[f32]) -> Vec<f64> {
     let norm = |ranges: &[&std::ops::Range<usize>]| -> f64 {
-        ranges.iter().flat_map(|r| grads[(*r).clone()].iter()).map(|g| (*g as f64).powi(2)).sum::<f64>().sqrt()
+        ranges
+            .iter()
+            .flat_map(|r| grads[(*r).clone()].iter())
+            .map(|g| (*g as f64).powi(2))
+            .sum::<f64>()
+            .sqrt()
     };
     layout
         .layers
         .iter()
-        .flat_map(|lp| [norm(&[&lp.input_norm, &lp.qkv, &lp.o_proj]), norm(&[&lp.post_norm, &lp.gate_up, &lp.down])])
+        .flat_map(|lp| {
+            [
+                norm(&[&lp.input_norm, &lp.qkv, &lp.o_proj]),
+                norm(&[&lp.post_norm, &lp.gate_up, &lp.down]),
+            ]
+        })
         .collect()
 }
 
@@ -113,8 +136,17 @@ mod tests {
 
     fn model(residual: ResidualKind, num_blocks: usize) -> Model {
         let c = Config {
-            vocab_size: 50, hidden_size: 16, intermediate_size: 24, num_hidden_layers: 2, num_attention_heads: 2,
-            num_key_value_heads: 2, head_dim: 8, max_position_embeddings: 16, residual, num_blocks, ..Config::default()
+            vocab_size: 50,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            max_position_embeddings: 16,
+            residual,
+            num_blocks,
+            ..Config::default()
         };
         let mut m = Model::init(c, 3).unwrap();
         // Non-zero pseudo-queries so that α is not uniform.
@@ -130,7 +162,9 @@ mod tests {
     #[test]
     fn matches_a_direct_computation() {
         let ids: Vec<u32> = (0..24).map(|i| (i * 17 % 50) as u32).collect();
-        for (kind, nb) in [(ResidualKind::Standard, 0), (ResidualKind::Block, 2), (ResidualKind::Full, 0)] {
+        for (kind, nb) in
+            [(ResidualKind::Standard, 0), (ResidualKind::Block, 2), (ResidualKind::Full, 0)]
+        {
             let m = model(kind, nb);
             let dg = diagnose(&m, &ids, 8, 2, 0).unwrap();
             assert_eq!(dg.tokens, 24);
@@ -141,7 +175,8 @@ mod tests {
             assert!((dg.input_rms[0] - mean_rms(inputs[0], 16)).abs() < 1e-9);
             if kind == ResidualKind::Standard {
                 for l in 0..3 {
-                    let out: Vec<f32> = inputs[l + 1].iter().zip(inputs[l]).map(|(a, b)| a - b).collect();
+                    let out: Vec<f32> =
+                        inputs[l + 1].iter().zip(inputs[l]).map(|(a, b)| a - b).collect();
                     assert!((dg.output_rms[l] - mean_rms(&out, 16)).abs() < 1e-5, "sublayer {l}");
                 }
                 assert!(dg.alpha.is_none());
@@ -151,9 +186,13 @@ mod tests {
             let alpha = dg.alpha.as_ref().unwrap();
             for (c, a) in w.alpha.iter().enumerate() {
                 let k = a.len() / 24;
-                let mean: Vec<f64> = (0..k).map(|i| a.chunks(k).map(|t| t[i] as f64).sum::<f64>() / 24.0).collect();
+                let mean: Vec<f64> =
+                    (0..k).map(|i| a.chunks(k).map(|t| t[i] as f64).sum::<f64>() / 24.0).collect();
                 let row = &alpha[c];
-                assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-5, "α of consumer {c} sums to 1");
+                assert!(
+                    (row.iter().sum::<f64>() - 1.0).abs() < 1e-5,
+                    "α of consumer {c} sums to 1"
+                );
                 let got: Vec<f64> = row.iter().copied().filter(|x| *x != 0.0).collect();
                 assert_eq!(got.len(), k, "consumer {c} reads {k} sources: {row:?}");
                 for (g, m) in got.iter().zip(&mean) {

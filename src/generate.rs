@@ -71,7 +71,8 @@ impl Sampler {
         // Candidates from most to least likely (ties by id, so the order is deterministic).
         self.order.clear();
         self.order.extend(0..logits.len() as u32);
-        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        let by_logit =
+            |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
         let k = self.cfg.top_k.unwrap_or(logits.len()).min(logits.len());
         if k < logits.len() {
             self.order.select_nth_unstable_by(k - 1, by_logit);
@@ -81,7 +82,8 @@ impl Sampler {
         let t = self.cfg.temperature as f64;
         let top = logits[self.order[0] as usize] as f64;
         self.probs.clear();
-        self.probs.extend(self.order.iter().map(|&i| ((logits[i as usize] as f64 - top) / t).exp()));
+        self.probs
+            .extend(self.order.iter().map(|&i| ((logits[i as usize] as f64 - top) / t).exp()));
         let z: f64 = self.probs.iter().sum();
         let mut keep = self.probs.len();
         if let Some(p) = self.cfg.top_p {
@@ -194,17 +196,23 @@ pub fn generate(
         }
         history.push(p[p.len().saturating_sub(ctx)..].to_vec());
     }
-    let mut samplers = (0..prompts.len()).map(|i| Sampler::new(opts.sampling, opts.seed, i as u64)).collect::<Result<Vec<_>>>()?;
+    let mut samplers = (0..prompts.len())
+        .map(|i| Sampler::new(opts.sampling, opts.seed, i as u64))
+        .collect::<Result<Vec<_>>>()?;
     let mut cache = KvCache::new(&model.config, prompts.len(), ctx)?;
     let mut timing = Timing::default();
 
     let t0 = std::time::Instant::now();
-    let chunks: Vec<(usize, &[u32])> = history.iter().enumerate().map(|(i, h)| (i, h.as_slice())).collect();
+    let chunks: Vec<(usize, &[u32])> =
+        history.iter().enumerate().map(|(i, h)| (i, h.as_slice())).collect();
     let mut logits = model.decode(&mut cache, &chunks, false)?;
     timing.prefill_tokens = history.iter().map(|h| h.len()).sum();
     timing.prefill_seconds = t0.elapsed().as_secs_f64();
 
-    let mut out: Vec<Generation> = prompts.iter().map(|_| Generation { tokens: Vec::new(), stop: StopReason::MaxTokens }).collect();
+    let mut out: Vec<Generation> = prompts
+        .iter()
+        .map(|_| Generation { tokens: Vec::new(), stop: StopReason::MaxTokens })
+        .collect();
     // Slots still generating, in the order of the rows of `logits`.
     let mut active: Vec<usize> = (0..prompts.len()).collect();
     let t0 = std::time::Instant::now();
@@ -262,7 +270,9 @@ mod tests {
     fn frequencies_follow_the_truncated_softmax() {
         let logits = [1.0f32, 0.5, 0.0, -0.5, -3.0];
         let softmax = |t: f64, keep: &[usize]| -> Vec<f64> {
-            let e: Vec<f64> = (0..logits.len()).map(|i| if keep.contains(&i) { (logits[i] as f64 / t).exp() } else { 0.0 }).collect();
+            let e: Vec<f64> = (0..logits.len())
+                .map(|i| if keep.contains(&i) { (logits[i] as f64 / t).exp() } else { 0.0 })
+                .collect();
             let z: f64 = e.iter().sum();
             e.iter().map(|x| x / z).collect()
         };
@@ -289,7 +299,12 @@ mod tests {
     fn same_seed_same_draws() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
         let draw = |stream| {
-            let mut s = Sampler::new(Sampling { temperature: 1.0, top_k: Some(20), top_p: Some(0.9) }, 3, stream).unwrap();
+            let mut s = Sampler::new(
+                Sampling { temperature: 1.0, top_k: Some(20), top_p: Some(0.9) },
+                3,
+                stream,
+            )
+            .unwrap();
             (0..100).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(draw(0), draw(0));
@@ -305,7 +320,8 @@ mod tests {
             (1.0, None, Some(0.0), "top-p"),
             (1.0, None, Some(1.5), "top-p"),
         ] {
-            let e = Sampling { temperature: t, top_k: k, top_p: p }.validate().unwrap_err().to_string();
+            let e =
+                Sampling { temperature: t, top_k: k, top_p: p }.validate().unwrap_err().to_string();
             assert!(e.contains(msg), "{e}");
         }
     }

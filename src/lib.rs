@@ -22,4 +22,3 @@ pub mod train;
 
 #[cfg(test)]
 pub(crate) mod testutil;
-

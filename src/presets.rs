@@ -28,7 +28,8 @@ pub fn text(name: &str) -> Result<&'static str> {
 /// Parses a TOML document with a `[model]` table (a preset or a user's config file) into a
 /// model config laid over the defaults.
 pub fn model_config_from_toml(text: &str, origin: &str) -> Result<Config> {
-    let doc: toml::Table = toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
+    let doc: toml::Table =
+        toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
     let values = match doc.get("model") {
         None => Map::new(),
         Some(model) => match serde_json::to_value(model)? {
@@ -55,7 +56,10 @@ pub fn run_config(name: &str) -> Result<crate::train::run::RunConfig> {
 pub fn ablations(base: &Config) -> Vec<crate::compare::Variant> {
     use crate::compare::Variant;
     let window = format!("attn_res_window={}", (base.sublayers() / 4).max(1));
-    let heads = format!("attn_res_heads={}", (1..=16).rev().find(|h| base.hidden_size % h == 0).unwrap_or(1));
+    let heads = format!(
+        "attn_res_heads={}",
+        (1..=16).rev().find(|h| base.hidden_size % h == 0).unwrap_or(1)
+    );
     let v = |name: &str, sets: &[&str]| Variant::new(name, sets);
     vec![
         v("standard", &["residual=standard"]),

@@ -33,7 +33,8 @@ struct Run {
 }
 
 fn read_json(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))
 }
 
@@ -42,12 +43,18 @@ fn read_run(dir: &Path) -> Result<Option<Run>> {
         return Ok(None);
     }
     let s = read_json(&dir.join("summary.json"))?;
-    let num = |k: &str| s[k].as_f64().with_context(|| format!("{}: summary.json has no {k}", dir.display()));
-    let diag: Diagnostics = serde_json::from_value(read_json(&dir.join("diagnostics.json"))?).with_context(|| format!("{}: diagnostics.json", dir.display()))?;
-    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).with_context(|| format!("cannot read {}/metrics.jsonl", dir.display()))?;
-    let (mut curve, mut sums, mut steps) = (Vec::new(), vec![0.0f64; diag.output_rms.len()], 0usize);
+    let num = |k: &str| {
+        s[k].as_f64().with_context(|| format!("{}: summary.json has no {k}", dir.display()))
+    };
+    let diag: Diagnostics = serde_json::from_value(read_json(&dir.join("diagnostics.json"))?)
+        .with_context(|| format!("{}: diagnostics.json", dir.display()))?;
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .with_context(|| format!("cannot read {}/metrics.jsonl", dir.display()))?;
+    let (mut curve, mut sums, mut steps) =
+        (Vec::new(), vec![0.0f64; diag.output_rms.len()], 0usize);
     for line in metrics.lines().filter(|l| !l.trim().is_empty()) {
-        let m: Value = serde_json::from_str(line).with_context(|| format!("{}/metrics.jsonl: bad line", dir.display()))?;
+        let m: Value = serde_json::from_str(line)
+            .with_context(|| format!("{}/metrics.jsonl: bad line", dir.display()))?;
         if let (Some(t), Some(v)) = (m["tokens"].as_f64(), m["val_loss"].as_f64()) {
             curve.push((t, v));
         }
@@ -80,7 +87,11 @@ pub struct Stat {
 pub fn stat(v: &[f64]) -> Stat {
     let n = v.len() as f64;
     let mean = v.iter().sum::<f64>() / n;
-    let std = if v.len() > 1 { (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt() } else { 0.0 };
+    let std = if v.len() > 1 {
+        (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt()
+    } else {
+        0.0
+    };
     Stat { mean, std }
 }
 
@@ -108,7 +119,11 @@ pub fn write(out: &Path) -> Result<PathBuf> {
     let runs: Vec<Vec<Option<Run>>> = plan
         .variants
         .iter()
-        .map(|v| (0..plan.seeds).map(|s| read_run(&Plan::run_dir(out, &v.name, s))).collect::<Result<Vec<_>>>())
+        .map(|v| {
+            (0..plan.seeds)
+                .map(|s| read_run(&Plan::run_dir(out, &v.name, s)))
+                .collect::<Result<Vec<_>>>()
+        })
         .collect::<Result<_>>()?;
     let rows = summarize(&plan.variants, &runs);
     let scaling = if plan.suite == "scaling" { Some(scaling_fit(&plan, &rows)?) } else { None };
@@ -134,7 +149,11 @@ pub fn write(out: &Path) -> Result<PathBuf> {
             svg(860, 480, |a| scaling_figure(a, sc))?,
         ));
     }
-    figures.push(("loss.svg", "Validation loss during training (mean over seeds).", svg(860, 460, |a| loss_figure(a, &finished))?));
+    figures.push((
+        "loss.svg",
+        "Validation loss during training (mean over seeds).",
+        svg(860, 460, |a| loss_figure(a, &finished))?,
+    ));
     figures.push((
         "rms.svg",
         "RMS of each sublayer's output (left) and of the input it reads (right), on validation tokens at the end of training. \
@@ -153,10 +172,18 @@ pub fn write(out: &Path) -> Result<PathBuf> {
             let name = format!("alpha-{}.svg", v.name);
             let layers = (alpha.len() - 1) / 2;
             let (w, h) = heatmap_size(rs[0].diag.sources.len(), layers + 1);
-            heatmaps.push((name, v.name.clone(), svg(2 * w + 40, h + 30, |a| alpha_figure(a, &v.name, &alpha, &rs[0].diag.sources))?));
+            heatmaps.push((
+                name,
+                v.name.clone(),
+                svg(2 * w + 40, h + 30, |a| alpha_figure(a, &v.name, &alpha, &rs[0].diag.sources))?,
+            ));
         }
     }
-    for (name, body) in figures.iter().map(|(n, _, b)| (n.to_string(), b)).chain(heatmaps.iter().map(|(n, _, b)| (n.clone(), b))) {
+    for (name, body) in figures
+        .iter()
+        .map(|(n, _, b)| (n.to_string(), b))
+        .chain(heatmaps.iter().map(|(n, _, b)| (n.clone(), b)))
+    {
         write_atomic(&out.join(&name), body.as_bytes())?;
     }
     let page = out.join("index.html");
@@ -171,13 +198,21 @@ fn summarize(variants: &[Variant], runs: &[Vec<Option<Run>>]) -> Vec<Row> {
         .enumerate()
         .filter(|(_, (_, rs))| rs.iter().any(|r| r.is_some()))
         .map(|(i, (v, rs))| {
-            let b = v.baseline.as_ref().and_then(|n| variants.iter().position(|x| &x.name == n)).unwrap_or(0);
+            let b = v
+                .baseline
+                .as_ref()
+                .and_then(|n| variants.iter().position(|x| &x.name == n))
+                .unwrap_or(0);
             let base = &runs[b];
             let base_tps: Vec<f64> = base.iter().flatten().map(|r| r.tokens_per_second).collect();
             let done: Vec<&Run> = rs.iter().flatten().collect();
             let pick = |f: fn(&Run) -> f64| stat(&done.iter().map(|r| f(r)).collect::<Vec<_>>());
             // Paired by seed, over the seeds both have finished.
-            let diffs: Vec<f64> = rs.iter().zip(base).filter_map(|(a, b)| Some(a.as_ref()?.val_loss - b.as_ref()?.val_loss)).collect();
+            let diffs: Vec<f64> = rs
+                .iter()
+                .zip(base)
+                .filter_map(|(a, b)| Some(a.as_ref()?.val_loss - b.as_ref()?.val_loss))
+                .collect();
             let tps = pick(|r| r.tokens_per_second);
             Row {
                 name: v.name.clone(),
@@ -188,7 +223,8 @@ fn summarize(variants: &[Variant], runs: &[Vec<Option<Run>>]) -> Vec<Row> {
                 val_bits_per_byte: pick(|r| r.bpb),
                 val_loss_minus_baseline: (i != b && !diffs.is_empty()).then(|| stat(&diffs)),
                 train_tokens_per_second: tps,
-                training_overhead: (i != b && !base_tps.is_empty()).then(|| stat(&base_tps).mean / tps.mean - 1.0),
+                training_overhead: (i != b && !base_tps.is_empty())
+                    .then(|| stat(&base_tps).mean / tps.mean - 1.0),
                 val_losses: done.iter().map(|r| r.val_loss).collect(),
             }
         })
@@ -196,7 +232,11 @@ fn summarize(variants: &[Variant], runs: &[Vec<Option<Run>>]) -> Vec<Row> {
 }
 
 /// Renders one figure into an SVG string.
-fn svg(w: u32, h: u32, draw: impl FnOnce(&DrawingArea<SVGBackend, plotters::coord::Shift>) -> Result<()>) -> Result<String> {
+fn svg(
+    w: u32,
+    h: u32,
+    draw: impl FnOnce(&DrawingArea<SVGBackend, plotters::coord::Shift>) -> Result<()>,
+) -> Result<String> {
     let mut s = String::new();
     {
         let area = SVGBackend::with_string(&mut s, (w, h)).into_drawing_area();
@@ -232,7 +272,9 @@ fn color(i: usize) -> RGBColor {
 }
 
 fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
-    let (lo, hi) = values.filter(|x| x.is_finite()).fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
+    let (lo, hi) = values
+        .filter(|x| x.is_finite())
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| (a.min(x), b.max(x)));
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
@@ -243,7 +285,11 @@ fn bounds(values: impl Iterator<Item = f64>) -> (f64, f64) {
 /// Mean over seeds, pointwise, of curves sampled at the same steps.
 fn mean_curve(runs: &[&Run]) -> Vec<(f64, f64)> {
     let n = runs.iter().map(|r| r.curve.len()).min().unwrap_or(0);
-    (0..n).map(|i| (runs[0].curve[i].0, runs.iter().map(|r| r.curve[i].1).sum::<f64>() / runs.len() as f64)).collect()
+    (0..n)
+        .map(|i| {
+            (runs[0].curve[i].0, runs.iter().map(|r| r.curve[i].1).sum::<f64>() / runs.len() as f64)
+        })
+        .collect()
 }
 
 fn mean_vec(runs: &[&Run], f: impl Fn(&Run) -> &[f64]) -> Vec<f64> {
@@ -253,9 +299,16 @@ fn mean_vec(runs: &[&Run], f: impl Fn(&Run) -> &[f64]) -> Vec<f64> {
 
 type Finished<'a> = [(usize, &'a Variant, Vec<&'a Run>)];
 
-fn loss_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, runs: &Finished) -> Result<()> {
-    let curves: Vec<(usize, &str, Vec<(f64, f64)>)> =
-        runs.iter().map(|(i, v, rs)| (*i, v.name.as_str(), mean_curve(rs).into_iter().map(|(t, l)| (t / 1e6, l)).collect())).collect();
+fn loss_figure(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    runs: &Finished,
+) -> Result<()> {
+    let curves: Vec<(usize, &str, Vec<(f64, f64)>)> = runs
+        .iter()
+        .map(|(i, v, rs)| {
+            (*i, v.name.as_str(), mean_curve(rs).into_iter().map(|(t, l)| (t / 1e6, l)).collect())
+        })
+        .collect();
     let (x0, x1) = bounds(curves.iter().flat_map(|c| c.2.iter().map(|p| p.0)));
     // Skip the first, much higher, evaluation when choosing the y range.
     let (y0, y1) = bounds(curves.iter().flat_map(|c| c.2.iter().skip(1).map(|p| p.1)));
@@ -266,17 +319,32 @@ fn loss_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, runs: &Fi
         .y_label_area_size(60)
         .build_cartesian_2d(x0..x1, y0..y1)
         .map_err(plot_err)?;
-    chart.configure_mesh().x_desc("training tokens (millions)").y_desc("loss (nats/token)").draw().map_err(plot_err)?;
+    chart
+        .configure_mesh()
+        .x_desc("training tokens (millions)")
+        .y_desc("loss (nats/token)")
+        .draw()
+        .map_err(plot_err)?;
     for (i, name, pts) in curves {
         let c = color(i);
         chart
-            .draw_series(LineSeries::new(pts.iter().copied().filter(|p| p.1 <= y1), c.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                pts.iter().copied().filter(|p| p.1 <= y1),
+                c.stroke_width(2),
+            ))
             .map_err(plot_err)?
             .label(name.to_string())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-        chart.draw_series(pts.iter().filter(|p| p.1 <= y1).map(|p| Circle::new(*p, 3, c.filled()))).map_err(plot_err)?;
+        chart
+            .draw_series(pts.iter().filter(|p| p.1 <= y1).map(|p| Circle::new(*p, 3, c.filled())))
+            .map_err(plot_err)?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw().map_err(plot_err)?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)?;
     Ok(())
 }
 
@@ -292,7 +360,18 @@ fn sublayer_chart(
     let x = -0.5..(n as f64 - 0.5);
     let mut chart = ChartBuilder::on(area);
     chart.caption(title, ("sans-serif", 18)).margin(12).x_label_area_size(40).y_label_area_size(64);
-    let draw_lines = |lines: &[(usize, String, Vec<f64>)]| lines.iter().map(|(i, name, v)| (*i, name.clone(), v.iter().enumerate().map(|(l, y)| (l as f64, *y)).collect::<Vec<_>>())).collect::<Vec<_>>();
+    let draw_lines = |lines: &[(usize, String, Vec<f64>)]| {
+        lines
+            .iter()
+            .map(|(i, name, v)| {
+                (
+                    *i,
+                    name.clone(),
+                    v.iter().enumerate().map(|(l, y)| (l as f64, *y)).collect::<Vec<_>>(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
     let series = draw_lines(lines);
     macro_rules! plot {
         ($chart:expr) => {{
@@ -310,14 +389,26 @@ fn sublayer_chart(
                 ch.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
                     .map_err(plot_err)?
                     .label(name.clone())
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
-                ch.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled()))).map_err(plot_err)?;
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                    });
+                ch.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled())))
+                    .map_err(plot_err)?;
             }
-            ch.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.85)).border_style(BLACK).draw().map_err(plot_err)?;
+            ch.configure_series_labels()
+                .position(SeriesLabelPosition::UpperLeft)
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .draw()
+                .map_err(plot_err)?;
         }};
     }
     if log {
-        let (lo, hi) = lines.iter().flat_map(|l| l.2.iter().copied()).filter(|v| *v > 0.0).fold((f64::INFINITY, 0.0f64), |(a, b), v| (a.min(v), b.max(v)));
+        let (lo, hi) = lines
+            .iter()
+            .flat_map(|l| l.2.iter().copied())
+            .filter(|v| *v > 0.0)
+            .fold((f64::INFINITY, 0.0f64), |(a, b), v| (a.min(v), b.max(v)));
         let (lo, hi) = if lo.is_finite() { (lo / 1.3, hi * 1.3) } else { (1e-3, 1.0) };
         plot!(chart.build_cartesian_2d(x, (lo..hi).log_scale()).map_err(plot_err)?);
     } else {
@@ -336,23 +427,51 @@ fn short_number(v: f64) -> String {
     format!("{v:.digits$}")
 }
 
-fn rms_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, runs: &Finished) -> Result<()> {
+fn rms_figure(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    runs: &Finished,
+) -> Result<()> {
     let (left, right) = area.split_horizontally(550);
-    let outs: Vec<_> = runs.iter().map(|(i, v, rs)| (*i, v.name.clone(), mean_vec(rs, |r| &r.diag.output_rms))).collect();
-    let ins: Vec<_> = runs.iter().map(|(i, v, rs)| (*i, v.name.clone(), mean_vec(rs, |r| &r.diag.input_rms))).collect();
+    let outs: Vec<_> = runs
+        .iter()
+        .map(|(i, v, rs)| (*i, v.name.clone(), mean_vec(rs, |r| &r.diag.output_rms)))
+        .collect();
+    let ins: Vec<_> = runs
+        .iter()
+        .map(|(i, v, rs)| (*i, v.name.clone(), mean_vec(rs, |r| &r.diag.input_rms)))
+        .collect();
     sublayer_chart(&left, "sublayer output RMS", "RMS", &outs, false)?;
     sublayer_chart(&right, "sublayer input RMS (h_l)", "RMS", &ins, false)
 }
 
-fn grad_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, runs: &Finished) -> Result<()> {
-    let lines: Vec<_> = runs.iter().map(|(i, v, rs)| (*i, v.name.clone(), mean_vec(rs, |r| &r.grad_norms))).collect();
-    sublayer_chart(area, "gradient norm per sublayer (mean over training)", "gradient norm", &lines, true)
+fn grad_figure(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    runs: &Finished,
+) -> Result<()> {
+    let lines: Vec<_> = runs
+        .iter()
+        .map(|(i, v, rs)| (*i, v.name.clone(), mean_vec(rs, |r| &r.grad_norms)))
+        .collect();
+    sublayer_chart(
+        area,
+        "gradient norm per sublayer (mean over training)",
+        "gradient norm",
+        &lines,
+        true,
+    )
 }
 
 fn mean_alpha(runs: &[&Run]) -> Option<Vec<Vec<f64>>> {
-    let all: Vec<&Vec<Vec<f64>>> = runs.iter().map(|r| r.diag.alpha.as_ref()).collect::<Option<_>>()?;
+    let all: Vec<&Vec<Vec<f64>>> =
+        runs.iter().map(|r| r.diag.alpha.as_ref()).collect::<Option<_>>()?;
     let n = all.len() as f64;
-    Some((0..all[0].len()).map(|c| (0..all[0][c].len()).map(|s| all.iter().map(|a| a[c][s]).sum::<f64>() / n).collect()).collect())
+    Some(
+        (0..all[0].len())
+            .map(|c| {
+                (0..all[0][c].len()).map(|s| all.iter().map(|a| a[c][s]).sum::<f64>() / n).collect()
+            })
+            .collect(),
+    )
 }
 
 const CELL_H: u32 = 26;
@@ -369,32 +488,64 @@ fn cell_width(cols: usize) -> u32 {
 
 /// Pre-attention and pre-MLP depth-attention weights side by side: one row per layer (the
 /// output aggregation as the last pre-MLP row), one column per source.
-fn alpha_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, name: &str, alpha: &[Vec<f64>], sources: &[String]) -> Result<()> {
+fn alpha_figure(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    name: &str,
+    alpha: &[Vec<f64>],
+    sources: &[String],
+) -> Result<()> {
     let layers = (alpha.len() - 1) / 2;
     let (w, _) = heatmap_size(sources.len(), layers + 1);
     let (title, body) = area.split_vertically(30);
-    let style = |size: u32| TextStyle::from(("sans-serif", size).into_font()).pos(Pos::new(HPos::Center, VPos::Center));
+    let style = |size: u32| {
+        TextStyle::from(("sans-serif", size).into_font()).pos(Pos::new(HPos::Center, VPos::Center))
+    };
     title
-        .draw(&Text::new(format!("{name}: mean depth-attention weight α (rows: consumers, columns: sources)"), ((2 * w as i32 + 40) / 2, 16), style(17)))
+        .draw(&Text::new(
+            format!("{name}: mean depth-attention weight α (rows: consumers, columns: sources)"),
+            ((2 * w as i32 + 40) / 2, 16),
+            style(17),
+        ))
         .map_err(plot_err)?;
     let (left, right) = body.split_horizontally(w + 20);
-    let attn: Vec<(String, &Vec<f64>)> = (0..layers).map(|i| (format!("layer {i}"), &alpha[2 * i])).collect();
-    let mut mlp: Vec<(String, &Vec<f64>)> = (0..layers).map(|i| (format!("layer {i}"), &alpha[2 * i + 1])).collect();
+    let attn: Vec<(String, &Vec<f64>)> =
+        (0..layers).map(|i| (format!("layer {i}"), &alpha[2 * i])).collect();
+    let mut mlp: Vec<(String, &Vec<f64>)> =
+        (0..layers).map(|i| (format!("layer {i}"), &alpha[2 * i + 1])).collect();
     mlp.push(("output".into(), &alpha[2 * layers]));
     heatmap(&left, "pre-attention", &attn, sources)?;
     heatmap(&right, "pre-MLP (and output)", &mlp, sources)
 }
 
-fn heatmap(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, title: &str, rows: &[(String, &Vec<f64>)], sources: &[String]) -> Result<()> {
+fn heatmap(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    title: &str,
+    rows: &[(String, &Vec<f64>)],
+    sources: &[String],
+) -> Result<()> {
     let cw = cell_width(sources.len()) as i32;
     let ch = CELL_H as i32;
     let (x0, y0) = (90, 56);
-    let center = |size: u32| TextStyle::from(("sans-serif", size).into_font()).pos(Pos::new(HPos::Center, VPos::Center));
-    let right = TextStyle::from(("sans-serif", 12).into_font()).pos(Pos::new(HPos::Right, VPos::Center));
-    let d = |e: &dyn Fn() -> Result<(), plotters::drawing::DrawingAreaErrorKind<std::io::Error>>| e().map_err(plot_err);
-    d(&|| area.draw(&Text::new(title.to_string(), (x0 + cw * sources.len() as i32 / 2, 14), center(15))))?;
+    let center = |size: u32| {
+        TextStyle::from(("sans-serif", size).into_font()).pos(Pos::new(HPos::Center, VPos::Center))
+    };
+    let right =
+        TextStyle::from(("sans-serif", 12).into_font()).pos(Pos::new(HPos::Right, VPos::Center));
+    let d = |e: &dyn Fn()
+        -> Result<(), plotters::drawing::DrawingAreaErrorKind<std::io::Error>>| {
+        e().map_err(plot_err)
+    };
+    d(&|| {
+        area.draw(&Text::new(
+            title.to_string(),
+            (x0 + cw * sources.len() as i32 / 2, 14),
+            center(15),
+        ))
+    })?;
     for (j, s) in sources.iter().enumerate() {
-        d(&|| area.draw(&Text::new(s.clone(), (x0 + cw * j as i32 + cw / 2, y0 - 12), center(11))))?;
+        d(&|| {
+            area.draw(&Text::new(s.clone(), (x0 + cw * j as i32 + cw / 2, y0 - 12), center(11)))
+        })?;
     }
     let max = rows.iter().flat_map(|r| r.1.iter().copied()).fold(1e-9f64, f64::max);
     for (i, (label, row)) in rows.iter().enumerate() {
@@ -407,19 +558,36 @@ fn heatmap(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, title: &str, 
                 RGBColor(225, 225, 225)
             } else {
                 let t = (a / max).clamp(0.0, 1.0);
-                RGBColor((255.0 - t * 247.0) as u8, (255.0 - t * 207.0) as u8, (255.0 - t * 148.0) as u8)
+                RGBColor(
+                    (255.0 - t * 247.0) as u8,
+                    (255.0 - t * 207.0) as u8,
+                    (255.0 - t * 148.0) as u8,
+                )
             };
             d(&|| area.draw(&Rectangle::new([(x, y), (x + cw, y + ch)], fill.filled())))?;
-            d(&|| area.draw(&Rectangle::new([(x, y), (x + cw, y + ch)], RGBColor(255, 255, 255).stroke_width(1))))?;
+            d(&|| {
+                area.draw(&Rectangle::new(
+                    [(x, y), (x + cw, y + ch)],
+                    RGBColor(255, 255, 255).stroke_width(1),
+                ))
+            })?;
             if a > 0.0 && cw >= 34 {
                 let ink = if a / max > 0.55 { WHITE } else { BLACK };
                 let txt = center(10).color(&ink);
-                d(&|| area.draw(&Text::new(format!("{a:.2}"), (x + cw / 2, y + ch / 2), txt.clone())))?;
+                d(&|| {
+                    area.draw(&Text::new(format!("{a:.2}"), (x + cw / 2, y + ch / 2), txt.clone()))
+                })?;
             }
         }
     }
     let yb = y0 + ch * rows.len() as i32 + 16;
-    d(&|| area.draw(&Text::new(format!("darkest = {max:.2}; grey = not a source of that consumer"), (x0 + cw * sources.len() as i32 / 2, yb), center(11))))?;
+    d(&|| {
+        area.draw(&Text::new(
+            format!("darkest = {max:.2}; grey = not a source of that consumer"),
+            (x0 + cw * sources.len() as i32 / 2, yb),
+            center(11),
+        ))
+    })?;
     Ok(())
 }
 
@@ -480,14 +648,23 @@ fn scaling_fit(plan: &Plan, rows: &[Row]) -> Result<Scaling> {
         let n = crate::compare::non_embedding_parameters(&cfg.model);
         let tokens = cfg.train.steps() * cfg.train.batch_tokens;
         let mode = crate::bench::label(&cfg.model).trim_end_matches(char::is_numeric).to_string();
-        points.push(ScalePoint { variant: r.name.clone(), mode, non_embedding_parameters: n, tokens, flops: 6.0 * n as f64 * tokens as f64, val_loss: r.val_loss.mean });
+        points.push(ScalePoint {
+            variant: r.name.clone(),
+            mode,
+            non_embedding_parameters: n,
+            tokens,
+            flops: 6.0 * n as f64 * tokens as f64,
+            val_loss: r.val_loss.mean,
+        });
     }
     let fit = |mode: &str| {
-        let p: Vec<(f64, f64)> = points.iter().filter(|p| p.mode == mode).map(|p| (p.flops, p.val_loss)).collect();
+        let p: Vec<(f64, f64)> =
+            points.iter().filter(|p| p.mode == mode).map(|p| (p.flops, p.val_loss)).collect();
         (p.len() >= 2).then(|| PowerLaw::fit(&p))
     };
     let (standard, block) = (fit("standard"), fit("block"));
-    let largest = points.iter().filter(|p| p.mode == "block").max_by(|a, b| a.flops.total_cmp(&b.flops));
+    let largest =
+        points.iter().filter(|p| p.mode == "block").max_by(|a, b| a.flops.total_cmp(&b.flops));
     let compute_advantage = match (standard, largest) {
         (Some(s), Some(b)) => Some(s.compute_for(b.val_loss) / b.flops),
         _ => None,
@@ -495,8 +672,14 @@ fn scaling_fit(plan: &Plan, rows: &[Row]) -> Result<Scaling> {
     Ok(Scaling { points, standard, block, compute_advantage })
 }
 
-fn scaling_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, sc: &Scaling) -> Result<()> {
-    let (c0, c1) = sc.points.iter().fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.flops), b.max(p.flops)));
+fn scaling_figure(
+    area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    sc: &Scaling,
+) -> Result<()> {
+    let (c0, c1) = sc
+        .points
+        .iter()
+        .fold((f64::INFINITY, 0.0f64), |(a, b), p| (a.min(p.flops), b.max(p.flops)));
     if !c0.is_finite() {
         return Ok(());
     }
@@ -519,19 +702,30 @@ fn scaling_figure(area: &DrawingArea<SVGBackend, plotters::coord::Shift>, sc: &S
         .map_err(plot_err)?;
     for (i, mode, fit) in [(0, "standard", sc.standard), (1, "block", sc.block)] {
         let c = color(i);
-        let pts: Vec<(f64, f64)> = sc.points.iter().filter(|p| p.mode == mode).map(|p| (p.flops, p.val_loss)).collect();
+        let pts: Vec<(f64, f64)> =
+            sc.points.iter().filter(|p| p.mode == mode).map(|p| (p.flops, p.val_loss)).collect();
         chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, c.filled()))).map_err(plot_err)?;
         if let Some(f) = fit {
-            let line: Vec<(f64, f64)> =
-                (0..=60).map(|k| x0 * (x1 / x0).powf(k as f64 / 60.0)).map(|x| (x, f.loss(x))).filter(|p| p.1 >= y0 && p.1 <= y1).collect();
+            let line: Vec<(f64, f64)> = (0..=60)
+                .map(|k| x0 * (x1 / x0).powf(k as f64 / 60.0))
+                .map(|x| (x, f.loss(x)))
+                .filter(|p| p.1 >= y0 && p.1 <= y1)
+                .collect();
             chart
                 .draw_series(LineSeries::new(line, c.stroke_width(2)))
                 .map_err(plot_err)?
                 .label(format!("{mode}: {:.3}·C^-{:.4}", f.a, f.alpha))
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+                });
         }
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.85)).border_style(BLACK).draw().map_err(plot_err)?;
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)?;
     Ok(())
 }
 
@@ -547,7 +741,13 @@ fn pm(s: &Stat, digits: usize, seeds: usize) -> String {
     }
 }
 
-fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, &str, String)], heatmaps: &[(String, String, String)]) -> String {
+fn html(
+    plan: &Plan,
+    rows: &[Row],
+    scaling: Option<&Scaling>,
+    figures: &[(&str, &str, String)],
+    heatmaps: &[(String, String, String)],
+) -> String {
     let m = &plan.base.model;
     let t = &plan.base.train;
     let mut h = String::new();
@@ -584,7 +784,12 @@ fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, 
     for r in rows {
         let n = r.seeds_finished;
         let delta = match &r.val_loss_minus_baseline {
-            Some(s) => format!("<span class=\"{}\">{:+.4}{}</span>", if s.mean < 0.0 { "neg" } else { "pos" }, s.mean, if n > 1 { format!(" ± {:.4}", s.std) } else { String::new() }),
+            Some(s) => format!(
+                "<span class=\"{}\">{:+.4}{}</span>",
+                if s.mean < 0.0 { "neg" } else { "pos" },
+                s.mean,
+                if n > 1 { format!(" ± {:.4}", s.std) } else { String::new() }
+            ),
             None => "—".into(),
         };
         let over = r.training_overhead.map_or("—".into(), |o| format!("{:+.1}%", 100.0 * o));
@@ -603,7 +808,15 @@ fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, 
     if let Some(sc) = scaling {
         h.push_str("<h2>Scaling</h2>\n<table><tr><th>variant</th><th>non-embedding parameters</th><th>tokens</th><th>FLOPs</th><th>val loss</th></tr>\n");
         for p in &sc.points {
-            let _ = writeln!(h, "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.3e}</td><td>{:.4}</td></tr>", esc(&p.variant), p.non_embedding_parameters, p.tokens, p.flops, p.val_loss);
+            let _ = writeln!(
+                h,
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.3e}</td><td>{:.4}</td></tr>",
+                esc(&p.variant),
+                p.non_embedding_parameters,
+                p.tokens,
+                p.flops,
+                p.val_loss
+            );
         }
         h.push_str("</table>\n<p>");
         for (name, f) in [("standard", sc.standard), ("block", sc.block)] {
@@ -618,7 +831,12 @@ fn html(plan: &Plan, rows: &[Row], scaling: Option<&Scaling>, figures: &[(&str, 
     }
     h.push_str("<p>± is the sample standard deviation over seeds. Training throughput counts training steps only (no validation); it is measured on a shared machine, so small overheads are within noise. The ablation options other than the method itself run a plain one-pass depth attention, so their throughput is not representative.</p>\n");
     for (name, caption, _) in figures {
-        let _ = writeln!(h, "<figure><img src=\"{name}\" alt=\"{}\"><figcaption>{}</figcaption></figure>", esc(caption), esc(caption));
+        let _ = writeln!(
+            h,
+            "<figure><img src=\"{name}\" alt=\"{}\"><figcaption>{}</figcaption></figure>",
+            esc(caption),
+            esc(caption)
+        );
     }
     if !heatmaps.is_empty() {
         h.push_str("<h2>Learned depth-attention weights</h2>\n<p>Mean α over validation tokens (and seeds) for every consumer and source. \
@@ -647,7 +865,8 @@ mod tests {
     #[test]
     fn power_law_fit_recovers_its_parameters() {
         let truth = PowerLaw { a: 7.5, alpha: 0.07 };
-        let pts: Vec<(f64, f64)> = [1e12, 3e12, 1e13, 4e13].iter().map(|c| (*c, truth.loss(*c))).collect();
+        let pts: Vec<(f64, f64)> =
+            [1e12, 3e12, 1e13, 4e13].iter().map(|c| (*c, truth.loss(*c))).collect();
         let f = PowerLaw::fit(&pts);
         assert!((f.a - 7.5).abs() < 1e-6 && (f.alpha - 0.07).abs() < 1e-9, "{f:?}");
         // A baseline 1.25x less compute-efficient needs 1.25x the compute for the same loss.

@@ -29,7 +29,14 @@ pub fn fd_check(x: &[f32], grad: &[f32], f: impl Fn(&[f32]) -> f64, what: &str) 
 
 /// Like [`fd_check`] on chosen coordinates, with step `h`. The tolerance is relative to the
 /// largest gradient so that tiny entries do not fail on f32 rounding.
-pub fn fd_check_at(x: &[f32], grad: &[f32], f: impl Fn(&[f32]) -> f64, what: &str, idx: &[usize], h: f32) {
+pub fn fd_check_at(
+    x: &[f32],
+    grad: &[f32],
+    f: impl Fn(&[f32]) -> f64,
+    what: &str,
+    idx: &[usize],
+    h: f32,
+) {
     let scale = grad.iter().fold(0.0f32, |m, g| m.max(g.abs())).max(1e-3);
     let mut xp = x.to_vec();
     for &i in idx {

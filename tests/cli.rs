@@ -21,7 +21,10 @@ fn fails(args: &[&str], needle: &str) {
     let o = attnres(args);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "attnres {args:?} should fail cleanly, stderr: {err}");
-    assert!(err.starts_with("error: ") && err.contains(needle), "attnres {args:?}: expected {needle:?} in {err:?}");
+    assert!(
+        err.starts_with("error: ") && err.contains(needle),
+        "attnres {args:?}: expected {needle:?} in {err:?}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -38,13 +41,29 @@ fn init_then_forward_writes_logits_loss_and_every_gradient() {
     let tmp = tempfile::tempdir().unwrap();
     let ck = tmp.path().join("ck");
     init(&ck, &["residual=block", "num_blocks=2", "hidden_size=32", "intermediate_size=64"]);
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
-    assert_eq!((cfg["residual"].as_str(), cfg["num_blocks"].as_u64(), cfg["head_dim"].as_u64()), (Some("block"), Some(2), Some(8)));
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(ck.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        (cfg["residual"].as_str(), cfg["num_blocks"].as_u64(), cfg["head_dim"].as_u64()),
+        (Some("block"), Some(2), Some(8))
+    );
     assert_eq!(cfg["model_type"], "llama");
     let batch = tmp.path().join("b.json");
-    std::fs::write(&batch, r#"{"input_ids": [[1, 2, 3], [4, 5, 6]], "targets": [[2, 3, 4], [5, 6, 7]]}"#).unwrap();
+    std::fs::write(
+        &batch,
+        r#"{"input_ids": [[1, 2, 3], [4, 5, 6]], "targets": [[2, 3, 4], [5, 6, 7]]}"#,
+    )
+    .unwrap();
     let out = tmp.path().join("out.safetensors");
-    let log = ok(&["forward", "--model", ck.to_str().unwrap(), "--batch", batch.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let log = ok(&[
+        "forward",
+        "--model",
+        ck.to_str().unwrap(),
+        "--batch",
+        batch.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     assert!(log.contains("loss"));
     let bytes = std::fs::read(&out).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
@@ -62,7 +81,15 @@ fn init_then_forward_writes_logits_loss_and_every_gradient() {
     }
     // Without targets only logits are written.
     std::fs::write(&batch, r#"{"input_ids": [[1, 2]]}"#).unwrap();
-    ok(&["forward", "--model", ck.to_str().unwrap(), "--batch", batch.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    ok(&[
+        "forward",
+        "--model",
+        ck.to_str().unwrap(),
+        "--batch",
+        batch.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
     let bytes = std::fs::read(&out).unwrap();
     assert_eq!(SafeTensors::deserialize(&bytes).unwrap().names(), vec!["logits"]);
 }
@@ -73,10 +100,19 @@ fn init_is_deterministic_and_refuses_to_overwrite() {
     let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
     init(&a, &[]);
     init(&b, &[]);
-    assert_eq!(std::fs::read(a.join("model.safetensors")).unwrap(), std::fs::read(b.join("model.safetensors")).unwrap());
-    fails(&["init", "--out", a.to_str().unwrap(), "--preset", "tiny"], "already holds a checkpoint");
+    assert_eq!(
+        std::fs::read(a.join("model.safetensors")).unwrap(),
+        std::fs::read(b.join("model.safetensors")).unwrap()
+    );
+    fails(
+        &["init", "--out", a.to_str().unwrap(), "--preset", "tiny"],
+        "already holds a checkpoint",
+    );
     ok(&["init", "--out", a.to_str().unwrap(), "--preset", "tiny", "--seed", "4", "--force"]);
-    assert_ne!(std::fs::read(a.join("model.safetensors")).unwrap(), std::fs::read(b.join("model.safetensors")).unwrap());
+    assert_ne!(
+        std::fs::read(a.join("model.safetensors")).unwrap(),
+        std::fs::read(b.join("model.safetensors")).unwrap()
+    );
     // A bare checkpoint has no tokenizer to generate text with.
     fails(&["generate", "--model", a.to_str().unwrap(), "--prompt", "x"], "has no tokenizer.json");
 }
@@ -91,7 +127,10 @@ fn bad_init_arguments_are_named() {
     fails(&["init", "--out", o, "--set", "hidden_size=0"], "hidden_size");
     fails(&["init", "--out", o, "--set", "colour=blue"], "unknown config key \"colour\"");
     fails(&["init", "--out", o, "--set", "novalue"], "expected key=value");
-    fails(&["init", "--out", o, "--set", "vocab_size=many"], "vocab_size must be a non-negative integer");
+    fails(
+        &["init", "--out", o, "--set", "vocab_size=many"],
+        "vocab_size must be a non-negative integer",
+    );
     assert!(!out.exists(), "nothing is written on error");
 }
 
@@ -99,10 +138,14 @@ fn bad_init_arguments_are_named() {
 fn rewrite(ck: &Path, edit: impl FnOnce(&mut Vec<(String, Vec<usize>, Vec<f32>)>)) {
     let bytes = std::fs::read(ck.join("model.safetensors")).unwrap();
     let st = SafeTensors::deserialize(&bytes).unwrap();
-    let mut ts: Vec<(String, Vec<usize>, Vec<f32>)> =
-        st.tensors().into_iter().map(|(n, t)| (n.clone(), t.shape().to_vec(), f32_values(&n, &t).unwrap())).collect();
+    let mut ts: Vec<(String, Vec<usize>, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n.clone(), t.shape().to_vec(), f32_values(&n, &t).unwrap()))
+        .collect();
     edit(&mut ts);
-    let refs: Vec<(String, Vec<usize>, &[f32])> = ts.iter().map(|(n, s, v)| (n.clone(), s.clone(), v.as_slice())).collect();
+    let refs: Vec<(String, Vec<usize>, &[f32])> =
+        ts.iter().map(|(n, s, v)| (n.clone(), s.clone(), v.as_slice())).collect();
     std::fs::write(ck.join("model.safetensors"), safetensors_bytes(&refs, None).unwrap()).unwrap();
 }
 
@@ -113,7 +156,18 @@ fn malformed_checkpoints_fail_with_the_problem_named() {
     std::fs::write(&batch, r#"{"input_ids": [[1, 2]]}"#).unwrap();
     let out = tmp.path().join("o.safetensors");
     let run = |ck: &Path, needle: &str| {
-        fails(&["forward", "--model", ck.to_str().unwrap(), "--batch", batch.to_str().unwrap(), "--out", out.to_str().unwrap()], needle)
+        fails(
+            &[
+                "forward",
+                "--model",
+                ck.to_str().unwrap(),
+                "--batch",
+                batch.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            needle,
+        )
     };
     let fresh = |name: &str| {
         let ck = tmp.path().join(name);
@@ -158,9 +212,12 @@ fn malformed_checkpoints_fail_with_the_problem_named() {
             .collect();
         let views: Vec<(String, safetensors::tensor::TensorView)> = owned
             .iter()
-            .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .map(|(n, d, s, b)| {
+                (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())
+            })
             .collect();
-        std::fs::write(ck.join("model.safetensors"), safetensors::serialize(views, None).unwrap()).unwrap();
+        std::fs::write(ck.join("model.safetensors"), safetensors::serialize(views, None).unwrap())
+            .unwrap();
     }
     run(&ck, "has dtype F64, expected F32");
 
@@ -174,12 +231,17 @@ fn malformed_checkpoints_fail_with_the_problem_named() {
     run(&ck, "not valid JSON");
 
     let ck = fresh("impossible");
-    let text = std::fs::read_to_string(ck.join("config.json")).unwrap().replace("\"full\"", "\"block\"").replace("\"num_blocks\": 4", "\"num_blocks\": 3");
+    let text = std::fs::read_to_string(ck.join("config.json"))
+        .unwrap()
+        .replace("\"full\"", "\"block\"")
+        .replace("\"num_blocks\": 4", "\"num_blocks\": 3");
     std::fs::write(ck.join("config.json"), text).unwrap();
     run(&ck, "num_blocks = 3 must be a positive divisor of the sublayer count");
 
     let ck = fresh("mismatch");
-    let text = std::fs::read_to_string(ck.join("config.json")).unwrap().replace("\"full\"", "\"standard\"");
+    let text = std::fs::read_to_string(ck.join("config.json"))
+        .unwrap()
+        .replace("\"full\"", "\"standard\"");
     std::fs::write(ck.join("config.json"), text).unwrap();
     run(&ck, "unexpected tensor(s) for residual = Standard");
     assert!(!out.exists(), "nothing is written on error");
@@ -194,43 +256,111 @@ fn malformed_batches_fail_with_the_problem_named() {
     let out = tmp.path().join("o.safetensors");
     let case = |json: &str, needle: &str| {
         std::fs::write(&batch, json).unwrap();
-        fails(&["forward", "--model", ck.to_str().unwrap(), "--batch", batch.to_str().unwrap(), "--out", out.to_str().unwrap()], needle);
+        fails(
+            &[
+                "forward",
+                "--model",
+                ck.to_str().unwrap(),
+                "--batch",
+                batch.to_str().unwrap(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+            needle,
+        );
     };
     case("[1, 2]", "not a valid batch file");
     case(r#"{"input_ids": []}"#, "input_ids is empty");
     case(r#"{"input_ids": [[1, 2], [3]]}"#, "input_ids[1] has 1 ids");
     case(r#"{"input_ids": [[1, -2]]}"#, "input_ids[0][1] = -2 is not a valid token id");
-    case(r#"{"input_ids": [[1, 512]]}"#, "token id 512 at position 1 is out of range for vocab_size = 512");
-    case(r#"{"input_ids": [[1, 2]], "targets": [[1, 2, 3]]}"#, "targets are 1 x 3, input_ids are 1 x 2");
+    case(
+        r#"{"input_ids": [[1, 512]]}"#,
+        "token id 512 at position 1 is out of range for vocab_size = 512",
+    );
+    case(
+        r#"{"input_ids": [[1, 2]], "targets": [[1, 2, 3]]}"#,
+        "targets are 1 x 3, input_ids are 1 x 2",
+    );
     case(r#"{"input_ids": [[1, 2]], "targets": [[1, 999]]}"#, "target id 999");
     case(r#"{"input_ids": [[1, 2]], "labels": [[1, 2]]}"#, "unknown field `labels`");
     let long: Vec<u32> = vec![1; 129];
     case(&format!("{{\"input_ids\": [{:?}]}}", long), "exceeds max_position_embeddings = 128");
     std::fs::write(&batch, r#"{"input_ids": [[1, 2]]}"#).unwrap();
-    fails(&["forward", "--model", ck.to_str().unwrap(), "--batch", batch.to_str().unwrap(), "--out", "/nonexistent/dir/o.safetensors"], "does not exist");
+    fails(
+        &[
+            "forward",
+            "--model",
+            ck.to_str().unwrap(),
+            "--batch",
+            batch.to_str().unwrap(),
+            "--out",
+            "/nonexistent/dir/o.safetensors",
+        ],
+        "does not exist",
+    );
     assert!(!out.exists());
 }
 
 #[test]
 fn generation_benchmark_reports_every_mode_and_batch() {
     let o = attnres(&[
-        "bench", "--generate", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--prompt-tokens", "8", "--new-tokens", "3", "--batches", "1,2", "--json",
+        "bench",
+        "--generate",
+        "--preset",
+        "tiny",
+        "--steps",
+        "1",
+        "--warmup",
+        "0",
+        "--prompt-tokens",
+        "8",
+        "--new-tokens",
+        "3",
+        "--batches",
+        "1,2",
+        "--json",
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     let modes = r["modes"].as_array().unwrap();
-    assert_eq!(modes.iter().map(|m| m["residual"].as_str().unwrap()).collect::<Vec<_>>(), ["standard", "block", "full"]);
+    assert_eq!(
+        modes.iter().map(|m| m["residual"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["standard", "block", "full"]
+    );
     // tiny: 4 layers, 4 KV heads of 16, hidden 64, block with 4 blocks of 2 sublayers.
-    let bytes: Vec<(u64, u64)> = modes.iter().map(|m| (m["kv_cache_bytes_per_token"].as_u64().unwrap(), m["depth_cache_bytes_per_token"].as_u64().unwrap())).collect();
+    let bytes: Vec<(u64, u64)> = modes
+        .iter()
+        .map(|m| {
+            (
+                m["kv_cache_bytes_per_token"].as_u64().unwrap(),
+                m["depth_cache_bytes_per_token"].as_u64().unwrap(),
+            )
+        })
+        .collect();
     assert_eq!(bytes, [(2048, 256), (2048, (1 + 4 + 1) * 65 * 4), (2048, (1 + 8) * 65 * 4)]);
     for m in modes {
         let b = m["batches"].as_array().unwrap();
         assert_eq!(b.iter().map(|x| x["batch"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2]);
         for x in b {
-            assert!(x["decode_tokens_per_second"].as_f64().unwrap() > 0.0 && x["prefill_tokens_per_second"].as_f64().unwrap() > 0.0);
+            assert!(
+                x["decode_tokens_per_second"].as_f64().unwrap() > 0.0
+                    && x["prefill_tokens_per_second"].as_f64().unwrap() > 0.0
+            );
         }
     }
     assert_eq!(modes[0]["batches"][0]["latency_relative_to_standard"].as_f64(), Some(1.0));
-    fails(&["bench", "--generate", "--preset", "tiny", "--prompt-tokens", "120", "--new-tokens", "20"], "exceeds max_position_embeddings");
+    fails(
+        &[
+            "bench",
+            "--generate",
+            "--preset",
+            "tiny",
+            "--prompt-tokens",
+            "120",
+            "--new-tokens",
+            "20",
+        ],
+        "exceeds max_position_embeddings",
+    );
     fails(&["bench", "--generate", "--preset", "tiny", "--batches", "0"], "--batches");
 }

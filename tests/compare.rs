@@ -7,7 +7,13 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 fn attnres(cache: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_attnres")).args(args).env("ATTNRES_CACHE", cache).arg("--threads").arg("2").output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_attnres"))
+        .args(args)
+        .env("ATTNRES_CACHE", cache)
+        .arg("--threads")
+        .arg("2")
+        .output()
+        .unwrap()
 }
 
 fn ok(o: Output) -> String {
@@ -24,31 +30,62 @@ fn read(p: &Path) -> Value {
 fn compare_trains_reports_and_resumes() {
     let tmp = tempfile::tempdir().unwrap();
     let corpus = attnres::train::data::Corpus::embedded();
-    let text = corpus.documents[..12].iter().map(|d| d.chars().take(8_000).collect::<String>()).collect::<Vec<_>>().join("\n\n\n");
+    let text = corpus.documents[..12]
+        .iter()
+        .map(|d| d.chars().take(8_000).collect::<String>())
+        .collect::<Vec<_>>()
+        .join("\n\n\n");
     let data = tmp.path().join("corpus.txt");
     std::fs::write(&data, text).unwrap();
     let out = tmp.path().join("report");
     let cache = tmp.path().join("cache");
-    let mut args: Vec<String> = ["compare", "--quick", "--seeds", "2", "--no-progress", "--out"].iter().map(|s| s.to_string()).collect();
+    let mut args: Vec<String> = ["compare", "--quick", "--seeds", "2", "--no-progress", "--out"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
     args.push(out.to_string_lossy().into());
     args.push("--data".into());
     args.push(data.to_string_lossy().into());
-    for s in ["vocab_size=300", "seq_len=32", "micro_batch=4", "batch_tokens=256", "max_tokens=1024", "eval_every=2", "eval_tokens=256", "checkpoint_every=2", "warmup_steps=1"] {
+    for s in [
+        "vocab_size=300",
+        "seq_len=32",
+        "micro_batch=4",
+        "batch_tokens=256",
+        "max_tokens=1024",
+        "eval_every=2",
+        "eval_tokens=256",
+        "checkpoint_every=2",
+        "warmup_steps=1",
+    ] {
         args.push("--set".into());
         args.push(s.into());
     }
     let argv: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     ok(attnres(&cache, &argv));
 
-    for f in ["index.html", "summary.json", "compare.json", "loss.svg", "rms.svg", "grads.svg", "alpha-block.svg", "alpha-full.svg"] {
+    for f in [
+        "index.html",
+        "summary.json",
+        "compare.json",
+        "loss.svg",
+        "rms.svg",
+        "grads.svg",
+        "alpha-block.svg",
+        "alpha-full.svg",
+    ] {
         assert!(out.join(f).exists(), "{f} missing");
     }
     assert!(!out.join("alpha-standard.svg").exists(), "the standard residual has no depth weights");
     let summary = read(&out.join("summary.json"));
     let rows = summary["variants"].as_array().unwrap();
-    assert_eq!(rows.iter().map(|r| r["name"].as_str().unwrap()).collect::<Vec<_>>(), ["standard", "block", "full"]);
+    assert_eq!(
+        rows.iter().map(|r| r["name"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["standard", "block", "full"]
+    );
     // The table is the runs' own numbers: mean and paired difference over the two seeds.
-    let loss = |v: &str, s: usize| read(&out.join(format!("runs/{v}-seed{s}/summary.json")))["val_loss"].as_f64().unwrap();
+    let loss = |v: &str, s: usize| {
+        read(&out.join(format!("runs/{v}-seed{s}/summary.json")))["val_loss"].as_f64().unwrap()
+    };
     for r in rows {
         let v = r["name"].as_str().unwrap();
         assert_eq!(r["seeds_finished"], 2);
@@ -56,7 +93,10 @@ fn compare_trains_reports_and_resumes() {
         assert!((r["val_loss"]["mean"].as_f64().unwrap() - mean).abs() < 1e-12, "{v}");
         if v != "standard" {
             let d = (loss(v, 0) - loss("standard", 0) + loss(v, 1) - loss("standard", 1)) / 2.0;
-            assert!((r["val_loss_minus_baseline"]["mean"].as_f64().unwrap() - d).abs() < 1e-12, "{v}");
+            assert!(
+                (r["val_loss_minus_baseline"]["mean"].as_f64().unwrap() - d).abs() < 1e-12,
+                "{v}"
+            );
         }
     }
     // Seeds differ in initialisation and data order, so their losses differ.
@@ -75,7 +115,11 @@ fn compare_trains_reports_and_resumes() {
     let log = ok(attnres(&cache, &argv));
     assert_eq!(log.matches("finished earlier, reused").count(), 5, "{log}");
     assert!(log.contains("resuming at step 4/4"), "{log}");
-    assert_eq!(std::fs::read(run.join("model.safetensors")).unwrap(), weights, "the resumed run is the same run");
+    assert_eq!(
+        std::fs::read(run.join("model.safetensors")).unwrap(),
+        weights,
+        "the resumed run is the same run"
+    );
     assert!(run.join("summary.json").exists());
 
     // Other settings in the same directory are refused before anything is touched.

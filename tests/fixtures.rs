@@ -7,13 +7,18 @@ use safetensors::SafeTensors;
 use std::path::Path;
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().unwrap().iter().flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32)).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
+        .collect()
 }
 
 fn check(name: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
     let model = checkpoint::load(&dir).unwrap();
-    let batch: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap();
+    let batch: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap();
     let (input, targets) = (ids(&batch["input_ids"]), ids(&batch["targets"]));
     let b = batch["input_ids"].as_array().unwrap().len();
     let t = input.len() / b;
@@ -35,7 +40,11 @@ fn check(name: &str) {
         let g = &grads[s.range.clone()];
         let scale = w.iter().fold(0f32, |a, x| a.max(x.abs())).max(1e-6);
         for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-            assert!((a - b).abs() <= 1e-4 * scale, "{name}: grad {}[{i}] {a} vs {b} (scale {scale})", s.name);
+            assert!(
+                (a - b).abs() <= 1e-4 * scale,
+                "{name}: grad {}[{i}] {a} vs {b} (scale {scale})",
+                s.name
+            );
         }
         if s.name.contains("res_proj") && !s.name.contains("layers.0.attn") {
             assert!(scale > 1e-4, "{name}: {} should receive gradient", s.name);

@@ -61,7 +61,8 @@ fn cached_decoding_matches_the_full_forward_pass() {
         let m = perturbed(config(kind, nb, 40));
         let v = m.config.vocab_size;
         let seqs = [tokens(30, 1, v as u32), tokens(23, 2, v as u32)];
-        let want: Vec<Vec<f32>> = seqs.iter().map(|s| m.forward(s, 1, s.len()).unwrap().logits).collect();
+        let want: Vec<Vec<f32>> =
+            seqs.iter().map(|s| m.forward(s, 1, s.len()).unwrap().logits).collect();
         let mut got: Vec<Vec<f32>> = vec![Vec::new(), Vec::new()];
         let mut cache = KvCache::new(&m.config, 2, 40).unwrap();
         // Prefill of unequal lengths in one call, then mixed steps: single tokens for slot 0,
@@ -102,7 +103,9 @@ fn token_by_token_decoding_matches_the_pytorch_fixtures() {
     for name in ["standard", "full", "block3", "block2"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
         let m = checkpoint::load(&dir).unwrap();
-        let batch: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap()).unwrap();
+        let batch: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("batch.json")).unwrap())
+                .unwrap();
         let rows: Vec<Vec<u32>> = batch["input_ids"]
             .as_array()
             .unwrap()
@@ -117,10 +120,12 @@ fn token_by_token_decoding_matches_the_pytorch_fixtures() {
         let mut got = vec![0.0; want.len()];
         let v = m.config.vocab_size;
         for i in 0..t {
-            let chunks: Vec<(usize, &[u32])> = rows.iter().enumerate().map(|(s, r)| (s, &r[i..i + 1])).collect();
+            let chunks: Vec<(usize, &[u32])> =
+                rows.iter().enumerate().map(|(s, r)| (s, &r[i..i + 1])).collect();
             let logits = m.decode(&mut cache, &chunks, false).unwrap();
             for s in 0..b {
-                got[(s * t + i) * v..(s * t + i + 1) * v].copy_from_slice(&logits[s * v..(s + 1) * v]);
+                got[(s * t + i) * v..(s * t + i + 1) * v]
+                    .copy_from_slice(&logits[s * v..(s + 1) * v]);
             }
         }
         let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
@@ -172,7 +177,8 @@ fn greedy_generation_equals_recomputation_for_every_mode() {
         let m = perturbed(config(kind, nb, 40));
         let prompts = vec![tokens(9, 3, 37), tokens(2, 4, 37), tokens(20, 5, 37)];
         let mut streamed = vec![Vec::new(); 3];
-        let (gens, timing) = generate(&m, &prompts, &opts(12, Overflow::Error), |i, t| streamed[i].push(t)).unwrap();
+        let (gens, timing) =
+            generate(&m, &prompts, &opts(12, Overflow::Error), |i, t| streamed[i].push(t)).unwrap();
         for (i, p) in prompts.iter().enumerate() {
             assert_eq!(gens[i].tokens, greedy_from_scratch(&m, p, 12), "{kind:?}/{nb} prompt {i}");
             assert_eq!(gens[i].tokens, streamed[i]);
@@ -193,7 +199,9 @@ fn sliding_window_generation_equals_its_definition() {
         for (i, p) in prompts.iter().enumerate() {
             assert_eq!(gens[i].tokens, greedy_from_scratch(&m, p, 25), "{kind:?}/{nb} prompt {i}");
         }
-        let err = generate(&m, &prompts[..1], &opts(25, Overflow::Error), |_, _| {}).unwrap_err().to_string();
+        let err = generate(&m, &prompts[..1], &opts(25, Overflow::Error), |_, _| {})
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("beyond the model's context of 10"), "{err}");
     }
 }
@@ -204,7 +212,14 @@ fn sampling_is_deterministic_for_a_seed_and_stops_at_end_of_text() {
     let prompts = vec![tokens(5, 8, 37), tokens(7, 9, 37)];
     let mut o = opts(20, Overflow::Error);
     o.sampling = Sampling { temperature: 1.0, top_k: Some(10), top_p: Some(0.95) };
-    let run = |o: &GenerateOptions| generate(&m, &prompts, o, |_, _| {}).unwrap().0.into_iter().map(|g| g.tokens).collect::<Vec<_>>();
+    let run = |o: &GenerateOptions| {
+        generate(&m, &prompts, o, |_, _| {})
+            .unwrap()
+            .0
+            .into_iter()
+            .map(|g| g.tokens)
+            .collect::<Vec<_>>()
+    };
     let a = run(&o);
     assert_eq!(a, run(&o));
     o.seed = 1;
@@ -220,7 +235,9 @@ fn sampling_is_deterministic_for_a_seed_and_stops_at_end_of_text() {
 #[test]
 fn bad_requests_get_named_errors() {
     let m = perturbed(config(ResidualKind::Full, 0, 16));
-    let err = |prompts: Vec<Vec<u32>>, o: GenerateOptions| generate(&m, &prompts, &o, |_, _| {}).unwrap_err().to_string();
+    let err = |prompts: Vec<Vec<u32>>, o: GenerateOptions| {
+        generate(&m, &prompts, &o, |_, _| {}).unwrap_err().to_string()
+    };
     assert!(err(vec![vec![1], vec![]], opts(3, Overflow::Error)).contains("prompt 2 is empty"));
     assert!(err(vec![vec![1]], opts(0, Overflow::Error)).contains("max-tokens"));
     assert!(err(vec![vec![1, 99]], opts(3, Overflow::Error)).contains("token id 99"));

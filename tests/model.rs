@@ -41,8 +41,17 @@ fn check_gradients(cfg: Config) {
         }
     }
     // The pseudo-queries of sublayers that read more than one source must get gradient.
-    for spec in m.layout.specs.iter().filter(|s| s.name.contains("res_proj") && !s.name.contains("layers.0.attn")) {
-        assert!(grads[spec.range.clone()].iter().any(|g| g.abs() > 1e-6), "{} has no gradient", spec.name);
+    for spec in m
+        .layout
+        .specs
+        .iter()
+        .filter(|s| s.name.contains("res_proj") && !s.name.contains("layers.0.attn"))
+    {
+        assert!(
+            grads[spec.range.clone()].iter().any(|g| g.abs() > 1e-6),
+            "{} has no gradient",
+            spec.name
+        );
     }
 }
 
@@ -99,12 +108,14 @@ fn gradients_of_every_ablation() {
 fn ablation_path_equals_the_two_phase_path() {
     for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2)] {
         let fast = perturbed(tiny(kind, nb));
-        let slow = Model::new(ablation(kind, nb, &["attn_res_window=100"]), fast.params.clone()).unwrap();
+        let slow =
+            Model::new(ablation(kind, nb, &["attn_res_window=100"]), fast.params.clone()).unwrap();
         let (ff, fs) = (fast.forward(&IDS, 2, 3).unwrap(), slow.forward(&IDS, 2, 3).unwrap());
         for (a, b) in ff.logits.iter().zip(&fs.logits) {
             assert!((a - b).abs() < 1e-5 * (1.0 + a.abs()), "{kind:?}: logits {a} vs {b}");
         }
-        let (g1, g2) = (fast.backward(&ff, &TARGETS).unwrap().1, slow.backward(&fs, &TARGETS).unwrap().1);
+        let (g1, g2) =
+            (fast.backward(&ff, &TARGETS).unwrap().1, slow.backward(&fs, &TARGETS).unwrap().1);
         let scale = g1.iter().fold(0f32, |a, g| a.max(g.abs()));
         for (i, (a, b)) in g1.iter().zip(&g2).enumerate() {
             assert!((a - b).abs() < 1e-5 * scale, "{kind:?}: gradient {i}: {a} vs {b}");
@@ -118,7 +129,8 @@ fn ablation_path_equals_the_two_phase_path() {
 fn dense_mixing_starts_as_the_standard_residual() {
     let std = perturbed(tiny(ResidualKind::Standard, 0));
     let f0 = std.forward(&IDS, 2, 3).unwrap();
-    for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2), (ResidualKind::Block, 1)] {
+    for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2), (ResidualKind::Block, 1)]
+    {
         let mut m = Model::init(ablation(kind, nb, &["attn_res_query=dense"]), 1).unwrap();
         copy_shared(&std, &mut m);
         let f = m.forward(&IDS, 2, 3).unwrap();
@@ -166,7 +178,8 @@ fn zero_init_equivalence_with_standard() {
     let std = Model::init(eps(tiny(ResidualKind::Standard, 0)), 5).unwrap();
     let fs = std.forward(&IDS, 2, 3).unwrap();
     let (loss_s, grad_s) = std.backward(&fs, &TARGETS).unwrap();
-    for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2), (ResidualKind::Block, 1)] {
+    for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2), (ResidualKind::Block, 1)]
+    {
         let mut m = Model::init(eps(tiny(kind, nb)), 99).unwrap();
         copy_shared(&std, &mut m);
         let f = m.forward(&IDS, 2, 3).unwrap();
@@ -202,7 +215,8 @@ fn block_with_one_sublayer_per_block_is_full() {
     let block = Model::new(tiny(ResidualKind::Block, 4), full.params.clone()).unwrap();
     let (ff, fb) = (full.forward(&IDS, 2, 3).unwrap(), block.forward(&IDS, 2, 3).unwrap());
     assert_eq!(ff.logits, fb.logits);
-    let (g1, g2) = (full.backward(&ff, &TARGETS).unwrap().1, block.backward(&fb, &TARGETS).unwrap().1);
+    let (g1, g2) =
+        (full.backward(&ff, &TARGETS).unwrap().1, block.backward(&fb, &TARGETS).unwrap().1);
     assert_eq!(g1, g2);
     // ...and a coarser block count really is different.
     let coarse = Model::new(tiny(ResidualKind::Block, 2), full.params.clone()).unwrap();
@@ -213,7 +227,12 @@ fn block_with_one_sublayer_per_block_is_full() {
 fn bad_batches_are_rejected_with_names() {
     let m = Model::init(tiny(ResidualKind::Block, 2), 1).unwrap();
     assert!(m.forward(&[1, 2, 11], 1, 3).err().unwrap().to_string().contains("token id 11"));
-    assert!(m.forward(&[1; 9], 1, 9).err().unwrap().to_string().contains("max_position_embeddings"));
+    assert!(m
+        .forward(&[1; 9], 1, 9)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("max_position_embeddings"));
     let f = m.forward(&[1, 2, 3], 1, 3).unwrap();
     assert!(m.loss(&f, &[1, 2]).unwrap_err().to_string().contains("targets"));
 }

@@ -15,7 +15,11 @@ impl Env {
         let tmp = tempfile::tempdir().unwrap();
         // A small corpus: the first plays of the embedded one (many documents, fast to tokenize).
         let corpus = attnres::train::data::Corpus::embedded();
-        let text = corpus.documents[..12].iter().map(|d| d.chars().take(12_000).collect::<String>()).collect::<Vec<_>>().join("\n\n\n");
+        let text = corpus.documents[..12]
+            .iter()
+            .map(|d| d.chars().take(12_000).collect::<String>())
+            .collect::<Vec<_>>()
+            .join("\n\n\n");
         std::fs::write(tmp.path().join("corpus.txt"), text).unwrap();
         Env { tmp }
     }
@@ -37,16 +41,32 @@ impl Env {
     /// Arguments that resume the run in `out` (which remembers its own --data).
     fn resume_args(&self, out: &str) -> Vec<String> {
         let o = self.path(out);
-        ["train", "--resume", "--no-progress", "--out", o.to_str().unwrap()].iter().map(|s| s.to_string()).collect()
+        ["train", "--resume", "--no-progress", "--out", o.to_str().unwrap()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect()
     }
 
     /// Training arguments for a short run into `out`.
     fn train_args(&self, out: &str) -> Vec<String> {
-        let mut v: Vec<String> = ["train", "--preset", "tiny", "--no-progress", "--out"].iter().map(|s| s.to_string()).collect();
+        let mut v: Vec<String> = ["train", "--preset", "tiny", "--no-progress", "--out"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         v.push(self.path(out).to_string_lossy().into_owned());
         v.push("--data".into());
         v.push(self.path("corpus.txt").to_string_lossy().into_owned());
-        for s in ["vocab_size=400", "seq_len=64", "micro_batch=4", "batch_tokens=512", "max_tokens=30720", "eval_every=5", "eval_tokens=512", "checkpoint_every=3", "warmup_steps=3"] {
+        for s in [
+            "vocab_size=400",
+            "seq_len=64",
+            "micro_batch=4",
+            "batch_tokens=512",
+            "max_tokens=30720",
+            "eval_every=5",
+            "eval_tokens=512",
+            "checkpoint_every=3",
+            "warmup_steps=3",
+        ] {
             v.push("--set".into());
             v.push(s.into());
         }
@@ -98,7 +118,9 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
         let mut child = child.stderr(Stdio::null()).spawn().unwrap();
         let t = Instant::now();
         loop {
-            let n = std::fs::read_to_string(env.path("b").join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0);
+            let n = std::fs::read_to_string(env.path("b").join("metrics.jsonl"))
+                .map(|s| s.lines().count())
+                .unwrap_or(0);
             if n >= min_lines || t.elapsed() > Duration::from_secs(120) {
                 break;
             }
@@ -107,24 +129,51 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
         child.kill().unwrap();
         child.wait().unwrap();
         let n = losses(&env.path("b")).len();
-        assert!(n < 60, "the run finished before it could be killed ({n} steps); the test needs a longer run");
+        assert!(
+            n < 60,
+            "the run finished before it could be killed ({n} steps); the test needs a longer run"
+        );
     }
     let log = ok(&env.run(&resume));
     assert!(log.contains("resuming at step"), "{log}");
     assert_eq!(losses(&env.path("b")), want, "resumed losses differ from the uninterrupted run");
-    assert_eq!(std::fs::read(env.path("a/model.safetensors")).unwrap(), std::fs::read(env.path("b/model.safetensors")).unwrap());
+    assert_eq!(
+        std::fs::read(env.path("a/model.safetensors")).unwrap(),
+        std::fs::read(env.path("b/model.safetensors")).unwrap()
+    );
 
     // Evaluation of the trained model on held-out text.
     let text = env.path("heldout.txt");
-    std::fs::write(&text, attnres::train::data::Corpus::embedded().documents[20].chars().take(3000).collect::<String>()).unwrap();
-    let out = env.run(&["eval", "--model", env.path("a").to_str().unwrap(), "--text", text.to_str().unwrap(), "--json"]);
+    std::fs::write(
+        &text,
+        attnres::train::data::Corpus::embedded().documents[20]
+            .chars()
+            .take(3000)
+            .collect::<String>(),
+    )
+    .unwrap();
+    let out = env.run(&[
+        "eval",
+        "--model",
+        env.path("a").to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--json",
+    ]);
     ok(&out);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let (loss, ppl, bpb) = (v["loss"].as_f64().unwrap(), v["perplexity"].as_f64().unwrap(), v["bits_per_byte"].as_f64().unwrap());
+    let (loss, ppl, bpb) = (
+        v["loss"].as_f64().unwrap(),
+        v["perplexity"].as_f64().unwrap(),
+        v["bits_per_byte"].as_f64().unwrap(),
+    );
     assert!((ppl - loss.exp()).abs() < 1e-9 * ppl);
     let (tokens, bytes) = (v["tokens"].as_f64().unwrap(), v["bytes"].as_f64().unwrap());
     assert!((bpb - loss * tokens / bytes / std::f64::consts::LN_2).abs() < 1e-9);
-    assert!(loss > 1.0 && loss < (400f64).ln(), "loss {loss} should beat a uniform guess over the vocabulary");
+    assert!(
+        loss > 1.0 && loss < (400f64).ln(),
+        "loss {loss} should beat a uniform guess over the vocabulary"
+    );
 }
 
 #[test]
@@ -132,7 +181,9 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
     let env = Env::new();
     let args = env.train_args("r");
     let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-    let with = |extra: &[&str]| -> Vec<String> { a.iter().map(|s| s.to_string()).chain(extra.iter().map(|s| s.to_string())).collect() };
+    let with = |extra: &[&str]| -> Vec<String> {
+        a.iter().map(|s| s.to_string()).chain(extra.iter().map(|s| s.to_string())).collect()
+    };
     let run = |v: Vec<String>| env.run(&v.iter().map(|s| s.as_str()).collect::<Vec<_>>());
 
     fails(&run(with(&["--set", "lr=nan"])), "lr must be a number");
@@ -143,20 +194,61 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
     fails(&run(with(&["--set", "hidden_size=0"])), "hidden_size must be positive");
     fails(&run(with(&["--set", "warmup=3"])), "--set warmup: unknown setting");
     fails(&run(with(&["--set", "micro_batch=two"])), "micro_batch must be a non-negative integer");
-    fails(&run(with(&["--set", "batch_tokens=100"])), "must be a multiple of micro_batch x seq_len");
-    fails(&env.run(&["train", "--preset", "huge", "--out", env.path("x").to_str().unwrap()]), "unknown preset");
-    fails(&env.run(&["train", "--resume", "--out", env.path("nothing").to_str().unwrap()]), "holds no checkpoint");
+    fails(
+        &run(with(&["--set", "batch_tokens=100"])),
+        "must be a multiple of micro_batch x seq_len",
+    );
+    fails(
+        &env.run(&["train", "--preset", "huge", "--out", env.path("x").to_str().unwrap()]),
+        "unknown preset",
+    );
+    fails(
+        &env.run(&["train", "--resume", "--out", env.path("nothing").to_str().unwrap()]),
+        "holds no checkpoint",
+    );
 
     let bad = env.path("bad.txt");
     std::fs::write(&bad, b"Shakespeare \xc3\x28 broken").unwrap();
-    fails(&env.run(&["train", "--preset", "tiny", "--out", env.path("x").to_str().unwrap(), "--data", bad.to_str().unwrap()]), "not valid UTF-8");
+    fails(
+        &env.run(&[
+            "train",
+            "--preset",
+            "tiny",
+            "--out",
+            env.path("x").to_str().unwrap(),
+            "--data",
+            bad.to_str().unwrap(),
+        ]),
+        "not valid UTF-8",
+    );
     let empty = env.path("empty.txt");
     std::fs::write(&empty, "\n\n").unwrap();
-    fails(&env.run(&["train", "--preset", "tiny", "--out", env.path("x").to_str().unwrap(), "--data", empty.to_str().unwrap()]), "empty");
+    fails(
+        &env.run(&[
+            "train",
+            "--preset",
+            "tiny",
+            "--out",
+            env.path("x").to_str().unwrap(),
+            "--data",
+            empty.to_str().unwrap(),
+        ]),
+        "empty",
+    );
     let tiny = env.path("tiny.txt");
     std::fs::write(&tiny, "To be, or not to be.\n\n\nThat is the question.").unwrap();
     fails(
-        &env.run(&["train", "--preset", "tiny", "--out", env.path("x").to_str().unwrap(), "--data", tiny.to_str().unwrap(), "--set", "vocab_size=300"]),
+        &env.run(&[
+            "train",
+            "--preset",
+            "tiny",
+            "--out",
+            env.path("x").to_str().unwrap(),
+            "--data",
+            tiny.to_str().unwrap(),
+            "--set",
+            "vocab_size=300",
+        ]),
         "too small",
     );
 
@@ -173,10 +265,38 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
     assert_eq!(std::fs::read(env.path("r/model.safetensors")).unwrap(), before);
     // Resuming on other data is refused.
     std::fs::write(&opt, &bytes).unwrap();
-    let other: Vec<String> = ["train", "--resume", "--out", env.path("r").to_str().unwrap(), "--data", tiny.to_str().unwrap()].iter().map(|s| s.to_string()).collect();
+    let other: Vec<String> = [
+        "train",
+        "--resume",
+        "--out",
+        env.path("r").to_str().unwrap(),
+        "--data",
+        tiny.to_str().unwrap(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     fails(&run(other), "differs from the run being resumed");
-    fails(&env.run(&["eval", "--model", env.path("r").to_str().unwrap(), "--text", bad.to_str().unwrap()]), "not valid UTF-8");
-    fails(&env.run(&["eval", "--model", env.path("r").to_str().unwrap(), "--text", env.path("missing.txt").to_str().unwrap()]), "cannot read");
+    fails(
+        &env.run(&[
+            "eval",
+            "--model",
+            env.path("r").to_str().unwrap(),
+            "--text",
+            bad.to_str().unwrap(),
+        ]),
+        "not valid UTF-8",
+    );
+    fails(
+        &env.run(&[
+            "eval",
+            "--model",
+            env.path("r").to_str().unwrap(),
+            "--text",
+            env.path("missing.txt").to_str().unwrap(),
+        ]),
+        "cannot read",
+    );
     generation_from_a_trained_run(&env, "r");
 }
 
@@ -199,15 +319,39 @@ fn generation_from_a_trained_run(env: &Env, run: &str) {
     // The same prompt inside a batch gives the same greedy continuation.
     let prompts = env.path("prompts.txt");
     std::fs::write(&prompts, "ROMEO:\nWhat light through yonder window\n").unwrap();
-    let batch = gen(&["--prompt-file", prompts.to_str().unwrap(), "--max-tokens", "24", "--temperature", "0"]);
+    let batch = gen(&[
+        "--prompt-file",
+        prompts.to_str().unwrap(),
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0",
+    ]);
     ok(&batch);
-    let lines: Vec<serde_json::Value> = String::from_utf8(batch.stdout).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = String::from_utf8(batch.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     assert_eq!(lines.len(), 2);
     assert_eq!(lines[1]["prompt"], "What light through yonder window");
     assert_eq!(format!("ROMEO:{}\n", lines[0]["completion"].as_str().unwrap()), text);
 
     let sampled = |seed: &str| {
-        let o = gen(&["--prompt", "KING:", "--max-tokens", "30", "--temperature", "1.0", "--top-k", "50", "--top-p", "0.9", "--seed", seed]);
+        let o = gen(&[
+            "--prompt",
+            "KING:",
+            "--max-tokens",
+            "30",
+            "--temperature",
+            "1.0",
+            "--top-k",
+            "50",
+            "--top-p",
+            "0.9",
+            "--seed",
+            seed,
+        ]);
         ok(&o);
         o.stdout
     };
@@ -228,5 +372,8 @@ fn generation_from_a_trained_run(env: &Env, run: &str) {
     let slid = gen(&["--prompt", "x", "--max-tokens", "300", "--temperature", "0", "--slide"]);
     ok(&slid);
     assert!(String::from_utf8(slid.stdout).unwrap().len() > 300);
-    fails(&env.run(&["generate", "--model", env.path("nothing").to_str().unwrap(), "--prompt", "x"]), "is not a directory");
+    fails(
+        &env.run(&["generate", "--model", env.path("nothing").to_str().unwrap(), "--prompt", "x"]),
+        "is not a directory",
+    );
 }

@@ -16,7 +16,11 @@ use std::path::{Path, PathBuf};
 static ALLOC: attnres::alloc::Recycling = attnres::alloc::Recycling;
 
 #[derive(Parser)]
-#[command(name = "attnres", version, about = "Train, evaluate, inspect and serve transformer language models with Attention Residuals")]
+#[command(
+    name = "attnres",
+    version,
+    about = "Train, evaluate, inspect and serve transformer language models with Attention Residuals"
+)]
 struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true)]
@@ -254,7 +258,10 @@ fn main() {
 fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
         ensure!(n > 0, "--threads must be positive");
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("cannot start the thread pool")?;
     }
     match cli.command {
         Command::Init(a) => init(a),
@@ -275,18 +282,23 @@ fn run(cli: Cli) -> Result<()> {
 fn compare_cmd(a: CompareArgs) -> Result<()> {
     let base = compare::base(a.quick)?.with_overrides(&a.sets)?;
     let variants = compare::suite(&a.suite, &base)?;
-    let plan = compare::Plan { suite: a.suite.clone(), base, variants, seeds: a.seeds, data: a.data };
+    let plan =
+        compare::Plan { suite: a.suite.clone(), base, variants, seeds: a.seeds, data: a.data };
     compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
 }
 
 fn train_cmd(a: TrainArgs) -> Result<()> {
     let run = if a.resume {
-        ensure!(a.sets.is_empty() && a.config.is_none() && a.preset.is_none(), "--resume continues with the run's own settings; drop --config/--preset/--set");
+        ensure!(
+            a.sets.is_empty() && a.config.is_none() && a.preset.is_none(),
+            "--resume continues with the run's own settings; drop --config/--preset/--set"
+        );
         None
     } else {
         let base = match &a.config {
             Some(p) => {
-                let text = std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?;
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read {}", p.display()))?;
                 RunConfig::from_toml(&text, &p.display().to_string())?
             }
             None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,
@@ -310,16 +322,30 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
 fn load_with_tokenizer(dir: &Path) -> Result<(Model, Bpe)> {
     let model = checkpoint::load(dir)?;
     let path = dir.join("tokenizer.json");
-    ensure!(path.exists(), "{} has no tokenizer.json: pass the directory of a training run (attnres train --out DIR)", dir.display());
+    ensure!(
+        path.exists(),
+        "{} has no tokenizer.json: pass the directory of a training run (attnres train --out DIR)",
+        dir.display()
+    );
     let bpe = Bpe::load(&path)?;
-    ensure!(bpe.vocab_size() <= model.config.vocab_size, "tokenizer.json has {} tokens, the model only {}", bpe.vocab_size(), model.config.vocab_size);
+    ensure!(
+        bpe.vocab_size() <= model.config.vocab_size,
+        "tokenizer.json has {} tokens, the model only {}",
+        bpe.vocab_size(),
+        model.config.vocab_size
+    );
     Ok((model, bpe))
 }
 
 fn read_utf8(path: &Path) -> Result<String> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    String::from_utf8(bytes)
-        .map_err(|e| anyhow::anyhow!("{} is not valid UTF-8 (first invalid byte at offset {})", path.display(), e.utf8_error().valid_up_to()))
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not valid UTF-8 (first invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 fn generate_cmd(a: GenerateArgs) -> Result<()> {
@@ -406,9 +432,18 @@ fn eval_cmd(a: EvalArgs) -> Result<()> {
     let (model, bpe) = load_with_tokenizer(&a.model)?;
     let text = read_utf8(&a.text)?;
     let ids = bpe.encode(&text)?;
-    ensure!(ids.len() >= 2, "{} is too short to measure: it encodes to {} token(s)", a.text.display(), ids.len());
+    ensure!(
+        ids.len() >= 2,
+        "{} is too short to measure: it encodes to {} token(s)",
+        a.text.display(),
+        ids.len()
+    );
     let seq = a.seq.unwrap_or(model.config.max_position_embeddings);
-    ensure!(seq > 0 && seq <= model.config.max_position_embeddings, "--seq must lie in 1..={}", model.config.max_position_embeddings);
+    ensure!(
+        seq > 0 && seq <= model.config.max_position_embeddings,
+        "--seq must lie in 1..={}",
+        model.config.max_position_embeddings
+    );
     let (nats, count) = run::windowed_loss(&model, &ids, seq.min(ids.len() - 1), 8, 0)?;
     let loss = nats / count as f64;
     // Every token but the first is predicted: count the bytes those tokens decode to.
@@ -416,17 +451,29 @@ fn eval_cmd(a: EvalArgs) -> Result<()> {
     let predicted_bytes = (text.len() - first).max(1);
     let bpb = nats / std::f64::consts::LN_2 / predicted_bytes as f64;
     if a.json {
-        println!("{}", serde_json::json!({"loss": loss, "perplexity": loss.exp(), "bits_per_byte": bpb, "tokens": count, "bytes": predicted_bytes}));
+        println!(
+            "{}",
+            serde_json::json!({"loss": loss, "perplexity": loss.exp(), "bits_per_byte": bpb, "tokens": count, "bytes": predicted_bytes})
+        );
     } else {
-        println!("{}: {count} tokens, loss {loss:.4} nats/token, perplexity {:.2}, {bpb:.4} bits/byte", a.text.display(), loss.exp());
+        println!(
+            "{}: {count} tokens, loss {loss:.4} nats/token, perplexity {:.2}, {bpb:.4} bits/byte",
+            a.text.display(),
+            loss.exp()
+        );
     }
     Ok(())
 }
 
 fn init(a: InitArgs) -> Result<()> {
     let config = a.model.config()?;
-    let existing = [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE].iter().any(|f| a.out.join(f).exists());
-    ensure!(!existing || a.force, "{} already holds a checkpoint; pass --force to replace it", a.out.display());
+    let existing =
+        [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE].iter().any(|f| a.out.join(f).exists());
+    ensure!(
+        !existing || a.force,
+        "{} already holds a checkpoint; pass --force to replace it",
+        a.out.display()
+    );
     let model = Model::init(config, a.seed)?;
     checkpoint::save(&model, &a.out)?;
     eprintln!(
@@ -452,9 +499,16 @@ fn flatten_ids(rows: &[Vec<i64>], what: &str) -> Result<(Vec<u32>, usize, usize)
     ensure!(t > 0, "{what}[0] is empty");
     let mut out = Vec::with_capacity(rows.len() * t);
     for (b, row) in rows.iter().enumerate() {
-        ensure!(row.len() == t, "{what}[{b}] has {} ids, {what}[0] has {t}: rows must have equal length", row.len());
+        ensure!(
+            row.len() == t,
+            "{what}[{b}] has {} ids, {what}[0] has {t}: rows must have equal length",
+            row.len()
+        );
         for (i, &id) in row.iter().enumerate() {
-            ensure!((0..=u32::MAX as i64).contains(&id), "{what}[{b}][{i}] = {id} is not a valid token id");
+            ensure!(
+                (0..=u32::MAX as i64).contains(&id),
+                "{what}[{b}][{i}] = {id} is not a valid token id"
+            );
             out.push(id as u32);
         }
     }
@@ -463,12 +517,15 @@ fn flatten_ids(rows: &[Vec<i64>], what: &str) -> Result<(Vec<u32>, usize, usize)
 
 fn forward(a: ForwardArgs) -> Result<()> {
     let model = checkpoint::load(&a.model)?;
-    let text = std::fs::read_to_string(&a.batch).with_context(|| format!("cannot read {}", a.batch.display()))?;
-    let batch: BatchFile = serde_json::from_str(&text).with_context(|| format!("{} is not a valid batch file", a.batch.display()))?;
+    let text = std::fs::read_to_string(&a.batch)
+        .with_context(|| format!("cannot read {}", a.batch.display()))?;
+    let batch: BatchFile = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a valid batch file", a.batch.display()))?;
     let (ids, b, t) = flatten_ids(&batch.input_ids, "input_ids")?;
     let fwd = model.forward(&ids, b, t)?;
     let v = model.config.vocab_size;
-    let mut tensors: Vec<(String, Vec<usize>, &[f32])> = vec![("logits".into(), vec![b, t, v], &fwd.logits)];
+    let mut tensors: Vec<(String, Vec<usize>, &[f32])> =
+        vec![("logits".into(), vec![b, t, v], &fwd.logits)];
     let (loss, grads);
     if let Some(tg) = &batch.targets {
         let (targets, tb, tt) = flatten_ids(tg, "targets")?;
@@ -510,7 +567,12 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     if a.generate {
         return bench_generate(&a, &configs);
     }
-    ensure!(a.seq <= base.max_position_embeddings, "--seq {} exceeds max_position_embeddings = {}", a.seq, base.max_position_embeddings);
+    ensure!(
+        a.seq <= base.max_position_embeddings,
+        "--seq {} exceeds max_position_embeddings = {}",
+        a.seq,
+        base.max_position_embeddings
+    );
     eprintln!(
         "bench: {} layers, hidden {}, {} heads, batch {} x seq {}, {} threads",
         base.num_hidden_layers,
@@ -520,7 +582,8 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         a.seq,
         rayon::current_num_threads()
     );
-    let report = bench::run(&configs, a.batch, a.seq, a.warmup, a.steps, |line| eprintln!("  {line}"))?;
+    let report =
+        bench::run(&configs, a.batch, a.seq, a.warmup, a.steps, |line| eprintln!("  {line}"))?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
@@ -532,7 +595,11 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     for m in &report.modes {
         println!(
             "| {} | {:.1} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {} |",
-            if m.residual == "block" { format!("block ({} blocks)", m.num_blocks) } else { m.residual.clone() },
+            if m.residual == "block" {
+                format!("block ({} blocks)", m.num_blocks)
+            } else {
+                m.residual.clone()
+            },
             m.step_seconds * 1e3,
             m.tokens_per_second,
             m.gflops,
@@ -545,7 +612,11 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     for m in report.modes.iter().filter(|m| !m.profile.is_empty()) {
         println!("\nphases of one {} step:", m.residual);
         for (name, secs) in &m.profile {
-            println!("  {name:<16} {:>8.1} ms  {:>5.1}%", secs * 1e3, 100.0 * secs / m.step_seconds);
+            println!(
+                "  {name:<16} {:>8.1} ms  {:>5.1}%",
+                secs * 1e3,
+                100.0 * secs / m.step_seconds
+            );
         }
     }
     Ok(())
@@ -553,10 +624,20 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 
 fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
     let base = &configs[0];
-    ensure!(a.prompt_tokens > 0 && a.new_tokens > 0, "--prompt-tokens and --new-tokens must be positive");
-    ensure!(!a.batches.is_empty() && a.batches.iter().all(|&b| b > 0), "--batches must list positive batch sizes");
+    ensure!(
+        a.prompt_tokens > 0 && a.new_tokens > 0,
+        "--prompt-tokens and --new-tokens must be positive"
+    );
+    ensure!(
+        !a.batches.is_empty() && a.batches.iter().all(|&b| b > 0),
+        "--batches must list positive batch sizes"
+    );
     let total = a.prompt_tokens + a.new_tokens;
-    ensure!(total <= base.max_position_embeddings, "--prompt-tokens + --new-tokens = {total} exceeds max_position_embeddings = {}", base.max_position_embeddings);
+    ensure!(
+        total <= base.max_position_embeddings,
+        "--prompt-tokens + --new-tokens = {total} exceeds max_position_embeddings = {}",
+        base.max_position_embeddings
+    );
     eprintln!(
         "bench --generate: {} layers, hidden {}, {} heads, prompt {} + {} new tokens, batches {:?}, {} threads",
         base.num_hidden_layers,
@@ -567,14 +648,28 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         a.batches,
         rayon::current_num_threads()
     );
-    let report = bench::run_generate(configs, a.prompt_tokens, a.new_tokens, &a.batches, a.warmup, a.steps, |line| eprintln!("  {line}"))?;
+    let report = bench::run_generate(
+        configs,
+        a.prompt_tokens,
+        a.new_tokens,
+        &a.batches,
+        a.warmup,
+        a.steps,
+        |line| eprintln!("  {line}"),
+    )?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
     println!("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard | prefill time vs standard |");
     println!("|---|---:|---:|---:|---:|---:|---:|");
-    let name = |m: &bench::GenerateModeResult| if m.residual == "block" { format!("block ({} blocks)", m.num_blocks) } else { m.residual.clone() };
+    let name = |m: &bench::GenerateModeResult| {
+        if m.residual == "block" {
+            format!("block ({} blocks)", m.num_blocks)
+        } else {
+            m.residual.clone()
+        }
+    };
     let rel = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}x"));
     for b in 0..a.batches.len() {
         for m in &report.modes {
@@ -594,13 +689,22 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
     println!("\n| mode | KV cache bytes/token (whole context) | depth cache bytes/token (while in flight) |");
     println!("|---|---:|---:|");
     for m in &report.modes {
-        println!("| {} | {} | {} |", name(m), m.kv_cache_bytes_per_token, m.depth_cache_bytes_per_token);
+        println!(
+            "| {} | {} | {} |",
+            name(m),
+            m.kv_cache_bytes_per_token,
+            m.depth_cache_bytes_per_token
+        );
     }
     for m in &report.modes {
         for r in m.batches.iter().filter(|r| !r.decode_profile.is_empty()) {
             println!("\nphases of one {} decode step, batch {}:", name(m), r.batch);
             for (phase, secs) in &r.decode_profile {
-                println!("  {phase:<16} {:>8.1} us  {:>5.1}%", secs * 1e6, 100.0 * secs / r.step_seconds);
+                println!(
+                    "  {phase:<16} {:>8.1} us  {:>5.1}%",
+                    secs * 1e6,
+                    100.0 * secs / r.step_seconds
+                );
             }
         }
     }

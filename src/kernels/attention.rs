@@ -48,7 +48,11 @@ const TILE: usize = 64;
 /// (zero above the diagonal).
 pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
     let (t, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
-    assert!(qkv.len() == s.batch * t * w && out.len() == s.batch * t * ow && probs.len() == s.probs_len());
+    assert!(
+        qkv.len() == s.batch * t * w
+            && out.len() == s.batch * t * ow
+            && probs.len() == s.probs_len()
+    );
     let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = SendPtr(out.as_mut_ptr());
     probs.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
@@ -64,7 +68,19 @@ pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
             // SAFETY: each task writes its own probs chunk and its own (b, h) block of `out`.
             unsafe {
                 // Scores of rows r0..r1 against keys 0..r1.
-                gemm_strided(r1 - r0, r1, hd, pt.as_mut_ptr(), t as isize, 1, false, q, kt, scale, Parallelism::None);
+                gemm_strided(
+                    r1 - r0,
+                    r1,
+                    hd,
+                    pt.as_mut_ptr(),
+                    t as isize,
+                    1,
+                    false,
+                    q,
+                    kt,
+                    scale,
+                    Parallelism::None,
+                );
             }
             for (i, row) in (r0..r1).zip(pt.chunks_mut(t)) {
                 let m = simd::max(&row[..=i]);
@@ -74,7 +90,19 @@ pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
             }
             unsafe {
                 let dst = out_ptr.get().add(b * t * ow + r0 * ow + h * hd);
-                gemm_strided(r1 - r0, hd, r1, dst, ow as isize, 1, false, Strided::rows(pt, t), v, 1.0, Parallelism::None);
+                gemm_strided(
+                    r1 - r0,
+                    hd,
+                    r1,
+                    dst,
+                    ow as isize,
+                    1,
+                    false,
+                    Strided::rows(pt, t),
+                    v,
+                    1.0,
+                    Parallelism::None,
+                );
             }
         }
     });
@@ -96,7 +124,14 @@ pub struct Span {
 /// `s.seq` = capacity. The new rows' keys and values (already rotated) are first written into
 /// their slots; then each new row attends to its own sequence's positions `0..=its position`.
 /// Writes `out[rows, H·hd]` for the rows the spans name.
-pub fn forward_cached(out: &mut [f32], qkv: &[f32], cache_k: &mut [f32], cache_v: &mut [f32], spans: &[Span], s: AttnShape) {
+pub fn forward_cached(
+    out: &mut [f32],
+    qkv: &[f32],
+    cache_k: &mut [f32],
+    cache_v: &mut [f32],
+    spans: &[Span],
+    s: AttnShape,
+) {
     let (cap, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
     let kvw = s.kv_heads * hd;
     assert!(cache_k.len() == s.batch * cap * kvw && cache_v.len() == cache_k.len());
@@ -116,7 +151,9 @@ pub fn forward_cached(out: &mut [f32], qkv: &[f32], cache_k: &mut [f32], cache_v
     // One task per (span, query head, tile of rows).
     let tasks: Vec<(Span, usize, usize)> = spans
         .iter()
-        .flat_map(|&sp| (0..s.heads).flat_map(move |h| (0..sp.len).step_by(TILE).map(move |r0| (sp, h, r0))))
+        .flat_map(|&sp| {
+            (0..s.heads).flat_map(move |h| (0..sp.len).step_by(TILE).map(move |r0| (sp, h, r0)))
+        })
         .collect();
     tasks.par_iter().for_each(|&(sp, h, r0)| {
         let r1 = (r0 + TILE).min(sp.len);
@@ -129,7 +166,19 @@ pub fn forward_cached(out: &mut [f32], qkv: &[f32], cache_k: &mut [f32], cache_v
         // SAFETY: the views stay inside the cache and qkv (checked above); each task writes its
         // own rows and head columns of `out`.
         unsafe {
-            gemm_strided(r1 - r0, keys, hd, scores.as_mut_ptr(), keys as isize, 1, false, q, kt, scale, Parallelism::None);
+            gemm_strided(
+                r1 - r0,
+                keys,
+                hd,
+                scores.as_mut_ptr(),
+                keys as isize,
+                1,
+                false,
+                q,
+                kt,
+                scale,
+                Parallelism::None,
+            );
         }
         for (i, row) in scores.chunks_mut(keys).enumerate() {
             let visible = sp.start + r0 + i + 1;
@@ -140,7 +189,19 @@ pub fn forward_cached(out: &mut [f32], qkv: &[f32], cache_k: &mut [f32], cache_v
         }
         unsafe {
             let dst = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
-            gemm_strided(r1 - r0, hd, keys, dst, ow as isize, 1, false, Strided::rows(&scores, keys), v, 1.0, Parallelism::None);
+            gemm_strided(
+                r1 - r0,
+                hd,
+                keys,
+                dst,
+                ow as isize,
+                1,
+                false,
+                Strided::rows(&scores, keys),
+                v,
+                1.0,
+                Parallelism::None,
+            );
         }
     });
 }
@@ -149,7 +210,9 @@ pub fn forward_cached(out: &mut [f32], qkv: &[f32], cache_k: &mut [f32], cache_v
 /// (after rotary embedding) and `probs`.
 pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: AttnShape) {
     let (t, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
-    assert!(dqkv.len() == qkv.len() && dout.len() == s.batch * t * ow && probs.len() == s.probs_len());
+    assert!(
+        dqkv.len() == qkv.len() && dout.len() == s.batch * t * ow && probs.len() == s.probs_len()
+    );
     let scale = 1.0 / (hd as f32).sqrt();
     let dptr = SendPtr(dqkv.as_mut_ptr());
     // One task per (batch, kv head): the query heads of a group all add into the same dK, dV.
@@ -171,11 +234,28 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
             for r0 in (0..t).step_by(TILE) {
                 let (r1, rows) = ((r0 + TILE).min(t), (r0 + TILE).min(t) - r0);
                 let pt = &p[r0 * t..r1 * t];
-                let dout_h = Strided { ptr: dout[b * t * ow + r0 * ow + h * hd..].as_ptr(), rs: ow as isize, cs: 1 };
-                let q = Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
+                let dout_h = Strided {
+                    ptr: dout[b * t * ow + r0 * ow + h * hd..].as_ptr(),
+                    rs: ow as isize,
+                    cs: 1,
+                };
+                let q =
+                    Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
                 unsafe {
                     // dP = dO · Vᵀ for rows r0..r1, keys 0..r1.
-                    gemm_strided(rows, r1, hd, ds.as_mut_ptr(), t as isize, 1, false, dout_h, vt, 1.0, Parallelism::None);
+                    gemm_strided(
+                        rows,
+                        r1,
+                        hd,
+                        ds.as_mut_ptr(),
+                        t as isize,
+                        1,
+                        false,
+                        dout_h,
+                        vt,
+                        1.0,
+                        Parallelism::None,
+                    );
                 }
                 for (i, (prow, drow)) in (r0..r1).zip(pt.chunks(t).zip(ds.chunks_mut(t))) {
                     let dot = simd::dot(&prow[..=i], &drow[..=i]);
@@ -186,11 +266,47 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
                 }
                 unsafe {
                     // dQ = dS · K
-                    gemm_strided(rows, hd, r1, dptr.get().add(row0 + r0 * w + h * hd), w as isize, 1, false, Strided::rows(&ds, t), k, 1.0, Parallelism::None);
+                    gemm_strided(
+                        rows,
+                        hd,
+                        r1,
+                        dptr.get().add(row0 + r0 * w + h * hd),
+                        w as isize,
+                        1,
+                        false,
+                        Strided::rows(&ds, t),
+                        k,
+                        1.0,
+                        Parallelism::None,
+                    );
                     // dK += dSᵀ · Q
-                    gemm_strided(r1, hd, rows, dptr.get().add(row0 + s.k_col(kvh)), w as isize, 1, true, Strided::transposed(&ds, t), q, 1.0, Parallelism::None);
+                    gemm_strided(
+                        r1,
+                        hd,
+                        rows,
+                        dptr.get().add(row0 + s.k_col(kvh)),
+                        w as isize,
+                        1,
+                        true,
+                        Strided::transposed(&ds, t),
+                        q,
+                        1.0,
+                        Parallelism::None,
+                    );
                     // dV += Pᵀ · dO
-                    gemm_strided(r1, hd, rows, dptr.get().add(row0 + s.v_col(kvh)), w as isize, 1, true, Strided::transposed(pt, t), dout_h, 1.0, Parallelism::None);
+                    gemm_strided(
+                        r1,
+                        hd,
+                        rows,
+                        dptr.get().add(row0 + s.v_col(kvh)),
+                        w as isize,
+                        1,
+                        true,
+                        Strided::transposed(pt, t),
+                        dout_h,
+                        1.0,
+                        Parallelism::None,
+                    );
                 }
             }
         }
@@ -213,7 +329,8 @@ mod tests {
                     let scores: Vec<f64> = (0..=i)
                         .map(|j| {
                             let kj = &qkv[(b * t + j) * w + (s.heads + kvh) * hd..][..hd];
-                            qi.iter().zip(kj).map(|(a, b)| (a * b) as f64).sum::<f64>() / (hd as f64).sqrt()
+                            qi.iter().zip(kj).map(|(a, b)| (a * b) as f64).sum::<f64>()
+                                / (hd as f64).sqrt()
                         })
                         .collect();
                     let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -221,7 +338,8 @@ mod tests {
                     for (j, sc) in scores.iter().enumerate() {
                         let vj = &qkv[(b * t + j) * w + (s.heads + s.kv_heads + kvh) * hd..][..hd];
                         for d in 0..hd {
-                            out[(b * t + i) * s.out_width() + h * hd + d] += (((sc - m).exp() / z) * vj[d] as f64) as f32;
+                            out[(b * t + i) * s.out_width() + h * hd + d] +=
+                                (((sc - m).exp() / z) * vj[d] as f64) as f32;
                         }
                     }
                 }
@@ -232,7 +350,8 @@ mod tests {
 
     const SHAPE: AttnShape = AttnShape { batch: 2, seq: 5, heads: 4, kv_heads: 2, head_dim: 4 };
     /// Longer than one tile, and not a multiple of it.
-    const LONG: AttnShape = AttnShape { batch: 1, seq: 2 * TILE + 7, heads: 2, kv_heads: 1, head_dim: 4 };
+    const LONG: AttnShape =
+        AttnShape { batch: 1, seq: 2 * TILE + 7, heads: 2, kv_heads: 1, head_dim: 4 };
 
     #[test]
     fn forward_matches_naive_with_gqa() {
@@ -303,7 +422,8 @@ mod tests {
             forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, s);
             for sp in &spans {
                 let dst = (sp.slot * t + sp.start) * ow;
-                got[dst..dst + sp.len * ow].copy_from_slice(&out[sp.row0 * ow..(sp.row0 + sp.len) * ow]);
+                got[dst..dst + sp.len * ow]
+                    .copy_from_slice(&out[sp.row0 * ow..(sp.row0 + sp.len) * ow]);
                 pos[sp.slot] += sp.len;
             }
             step += 1;

@@ -5,7 +5,12 @@ use super::{par_reduce_rows, simd, SendPtr};
 
 /// Mean cross-entropy of `logits[rows, V]` against `targets[rows]`. When `dlogits` is given it
 /// receives `(softmax − onehot) / rows`, the gradient of the mean loss.
-pub fn forward_backward(logits: &[f32], targets: &[u32], v: usize, dlogits: Option<&mut [f32]>) -> f32 {
+pub fn forward_backward(
+    logits: &[f32],
+    targets: &[u32],
+    v: usize,
+    dlogits: Option<&mut [f32]>,
+) -> f32 {
     let rows = targets.len();
     assert_eq!(logits.len(), rows * v);
     let inv = 1.0 / rows as f32;

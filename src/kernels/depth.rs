@@ -143,7 +143,14 @@ impl Phase1 {
     pub fn with_capacity(consumers: usize, rows: usize, completed: usize) -> Phase1 {
         let n = consumers * rows;
         let v = Vec::with_capacity;
-        Phase1 { rows, completed: 0, logits: v(n * completed), m1: v(n), l1: v(n), o1: Vec::with_capacity(consumers) }
+        Phase1 {
+            rows,
+            completed: 0,
+            logits: v(n * completed),
+            m1: v(n),
+            l1: v(n),
+            o1: Vec::with_capacity(consumers),
+        }
     }
 
     /// Tokens scored.
@@ -162,7 +169,9 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
     out.rows = rows;
     out.completed = c;
     // Every value is overwritten below, so only growth needs filling.
-    for (v, n) in [(&mut out.logits, s * rows * c), (&mut out.m1, s * rows), (&mut out.l1, s * rows)] {
+    for (v, n) in
+        [(&mut out.logits, s * rows * c), (&mut out.m1, s * rows), (&mut out.l1, s * rows)]
+    {
         v.resize(n, 0.0);
     }
     out.o1.resize_with(s, Vec::new);
@@ -209,7 +218,9 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
                 for (r, e) in e.chunks_mut(c).enumerate() {
                     let row = (k0 + r) * rows + t;
                     // SAFETY: row t of every consumer's outputs belongs to this task only.
-                    let (lg, m1, l1) = unsafe { (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1)) };
+                    let (lg, m1, l1) = unsafe {
+                        (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1))
+                    };
                     let mut m = f32::NEG_INFINITY;
                     for i in 0..c {
                         lg[i] = e[i] * rstds[i * rows + t];
@@ -229,7 +240,9 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
                 // SAFETY: row t of each consumer's o1 lies in its reserved capacity and belongs
                 // to this task only; `mixes` writes it in full.
                 let mut outs: [&mut [MaybeUninit<f32>]; 2] = [0, 1].map(|r| match r < pair {
-                    true => unsafe { std::slice::from_raw_parts_mut(o1s[k0 + r].get().add(t * d).cast(), d) },
+                    true => unsafe {
+                        std::slice::from_raw_parts_mut(o1s[k0 + r].get().add(t * d).cast(), d)
+                    },
                     false => &mut [],
                 });
                 simd::mixes(&mut outs[..pair], e, first, rows * d);
@@ -255,7 +268,14 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
 /// (alpha, logits)`, also writes per token the weights `alpha[rows, K]` and logits
 /// `logits[rows, K]` over all `K = C (+1)` sources (completed first, partial last), which
 /// backward needs; inference passes `None` and skips them.
-pub fn phase2(weights: Option<(&mut [f32], &mut [f32])>, p1: &mut Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], d: usize) -> Vec<f32> {
+pub fn phase2(
+    weights: Option<(&mut [f32], &mut [f32])>,
+    p1: &mut Phase1,
+    j: usize,
+    partial: Option<(&[f32], &[f32])>,
+    w: &[f32],
+    d: usize,
+) -> Vec<f32> {
     let (rows, c) = (p1.rows, p1.completed);
     let k = c + partial.is_some() as usize;
     let mut h = std::mem::take(&mut p1.o1[j]);
@@ -268,7 +288,11 @@ pub fn phase2(weights: Option<(&mut [f32], &mut [f32])>, p1: &mut Phase1, j: usi
         assert!(alpha.len() == rows * k && logits.len() == rows * k);
         (SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()))
     });
-    let (l1_logits, m1, l1) = (&p1.logits[j * rows * c..(j + 1) * rows * c], &p1.m1[j * rows..(j + 1) * rows], &p1.l1[j * rows..(j + 1) * rows]);
+    let (l1_logits, m1, l1) = (
+        &p1.logits[j * rows * c..(j + 1) * rows * c],
+        &p1.m1[j * rows..(j + 1) * rows],
+        &p1.l1[j * rows..(j + 1) * rows],
+    );
     par_rows_mut(&mut h, d, |r0, chunk| {
         for (i, hrow) in chunk.chunks_mut(d).enumerate() {
             let t = r0 + i;
@@ -330,7 +354,15 @@ pub fn grad_mean(dh: &[f32], h: &[f32], d: usize) -> Vec<f32> {
 /// Backward into the source at index `src` of one consumer (used for the partial sum, which
 /// only its own consumer reads): accumulates into `dv` and the effective-query gradient `dw`.
 #[allow(clippy::too_many_arguments)]
-pub fn backward_one(dv: &mut [f32], dw: &mut [f32], g: &ConsumerGrad, src: usize, v: &[f32], rstd: &[f32], d: usize) {
+pub fn backward_one(
+    dv: &mut [f32],
+    dw: &mut [f32],
+    g: &ConsumerGrad,
+    src: usize,
+    v: &[f32],
+    rstd: &[f32],
+    d: usize,
+) {
     let rows = rstd.len();
     let k = g.k;
     let dptr = SendPtr(dv.as_mut_ptr());
@@ -341,7 +373,16 @@ pub fn backward_one(dv: &mut [f32], dw: &mut [f32], g: &ConsumerGrad, src: usize
             let dl = a * (dot(dh, vrow) - g.mean[t]);
             // SAFETY: row t of dv belongs to this task only.
             let dvrow = unsafe { dptr.slice(t * d, d) };
-            simd::depth_source_grad(dvrow, acc, dh, g.w, vrow, a, dl * r, dl * r * r * l / d as f32);
+            simd::depth_source_grad(
+                dvrow,
+                acc,
+                dh,
+                g.w,
+                vrow,
+                a,
+                dl * r,
+                dl * r * r * l / d as f32,
+            );
         }
     });
     dw.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
@@ -352,7 +393,14 @@ pub fn backward_one(dv: &mut [f32], dw: &mut [f32], g: &ConsumerGrad, src: usize
 /// source's whole gradient and accumulates into each consumer's effective-query gradient
 /// `dws[c]`. Taking a source's gradient once, when the backward pass reaches it, reads the
 /// source once and writes its gradient once, instead of updating it after every block.
-pub fn backward_source(dws: &mut [&mut [f32]], consumers: &[ConsumerGrad], col: usize, v: &[f32], rstd: &[f32], d: usize) -> Vec<f32> {
+pub fn backward_source(
+    dws: &mut [&mut [f32]],
+    consumers: &[ConsumerGrad],
+    col: usize,
+    v: &[f32],
+    rstd: &[f32],
+    d: usize,
+) -> Vec<f32> {
     let (rows, s) = (rstd.len(), consumers.len());
     let mut dv: Vec<f32> = Vec::with_capacity(rows * d);
     let dptr = SendPtr(dv.as_mut_ptr());
@@ -398,7 +446,12 @@ mod tests {
 
     const EPS: f32 = 1e-6;
 
-    fn run(srcs: &[Vec<f32>], q: &[f32], g: &[f32], d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
+    fn run(
+        srcs: &[Vec<f32>],
+        q: &[f32],
+        g: &[f32],
+        d: usize,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
         let rows = srcs[0].len() / d;
         let rs: Vec<Vec<f32>> = srcs
             .iter()
@@ -419,7 +472,8 @@ mod tests {
     #[test]
     fn forward_matches_definition() {
         let (rows, d, k) = (6, 10, 4);
-        let srcs: Vec<Vec<f32>> = (0..k).map(|s| rand_vec(rows * d, 40 + s as u64, 1.0 + s as f32)).collect();
+        let srcs: Vec<Vec<f32>> =
+            (0..k).map(|s| rand_vec(rows * d, 40 + s as u64, 1.0 + s as f32)).collect();
         let (q, g) = (rand_vec(d, 50, 1.0), rand_vec(d, 51, 2.0));
         let (h, a, _, _) = run(&srcs, &q, &g, d);
         for t in 0..rows {
@@ -435,9 +489,8 @@ mod tests {
             let z: f64 = logit.iter().map(|x| x.exp()).sum();
             let want_a: Vec<f32> = logit.iter().map(|x| (x.exp() / z) as f32).collect();
             assert_close(&a[t * k..(t + 1) * k], &want_a, 1e-5, "alpha");
-            let want_h: Vec<f32> = (0..d)
-                .map(|j| (0..k).map(|s| want_a[s] * srcs[s][t * d + j]).sum())
-                .collect();
+            let want_h: Vec<f32> =
+                (0..d).map(|j| (0..k).map(|s| want_a[s] * srcs[s][t * d + j]).sum()).collect();
             assert_close(&h[t * d..(t + 1) * d], &want_h, 1e-5, "h");
         }
     }
@@ -448,7 +501,8 @@ mod tests {
         let srcs: Vec<Vec<f32>> = (0..k).map(|s| rand_vec(rows * d, 60 + s as u64, 1.0)).collect();
         let (h, a, _, _) = run(&srcs, &vec![0.0; d], &vec![1.0; d], d);
         assert!(a.iter().all(|x| (x - 0.2).abs() < 1e-7));
-        let avg: Vec<f32> = (0..rows * d).map(|i| srcs.iter().map(|s| s[i]).sum::<f32>() / k as f32).collect();
+        let avg: Vec<f32> =
+            (0..rows * d).map(|i| srcs.iter().map(|s| s[i]).sum::<f32>() / k as f32).collect();
         assert_close(&h, &avg, 1e-6, "uniform average");
     }
 
@@ -470,8 +524,10 @@ mod tests {
     }
 
     fn case(rows: usize, d: usize, c: usize, s: usize) -> Case {
-        let srcs: Vec<Vec<f32>> = (0..c).map(|i| rand_vec(rows * d, 100 + i as u64, 1.0 + i as f32)).collect();
-        let partials: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 200 + j as u64, 2.0)).collect();
+        let srcs: Vec<Vec<f32>> =
+            (0..c).map(|i| rand_vec(rows * d, 100 + i as u64, 1.0 + i as f32)).collect();
+        let partials: Vec<Vec<f32>> =
+            (0..s).map(|j| rand_vec(rows * d, 200 + j as u64, 2.0)).collect();
         Case {
             rs: srcs.iter().map(|v| rstd_of(v, d)).collect(),
             prs: partials.iter().map(|v| rstd_of(v, d)).collect(),
@@ -504,7 +560,8 @@ mod tests {
     fn two_phase_case(rows: usize) {
         let (d, c, s) = (24, 4, 3);
         let cs = case(rows, d, c, s);
-        let ws: Vec<Vec<f32>> = (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
+        let ws: Vec<Vec<f32>> =
+            (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
         let (sv, rv) = (cs.srcs.concat(), cs.rs.concat());
         let mut p1 = Phase1::default();
         // Reused buffers must not leak a previous block's results.
@@ -517,7 +574,8 @@ mod tests {
             let k = v.len();
             let (mut a, mut l) = (vec![0.0; rows * k], vec![0.0; rows * k]);
             let h = phase2(Some((&mut a, &mut l)), &mut p1, j, partial, &ws[j], d);
-            let (mut h1, mut a1, mut l1) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
+            let (mut h1, mut a1, mut l1) =
+                (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
             forward(&mut h1, &mut a1, &mut l1, &v, &r, &cs.qs[j], &cs.gs[j], d);
             assert_close(&h, &h1, 1e-5, "two-phase h");
             assert_close(&a, &a1, 1e-6, "two-phase alpha");
@@ -528,7 +586,11 @@ mod tests {
         phase1(&mut p1, &sv, &rv, &ws.concat(), rows, d);
         for j in 0..s {
             let partial = (j > 0).then(|| (cs.partials[j].as_slice(), cs.prs[j].as_slice()));
-            assert_eq!(phase2(None, &mut p1, j, partial, &ws[j], d), hs[j], "inference phase 2 of consumer {j}");
+            assert_eq!(
+                phase2(None, &mut p1, j, partial, &ws[j], d),
+                hs[j],
+                "inference phase 2 of consumer {j}"
+            );
         }
     }
 
@@ -545,25 +607,54 @@ mod tests {
         for j in 0..s {
             let (v, r) = sources_of(&cs, j);
             let k = v.len();
-            let (mut h, mut a, mut l) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
+            let (mut h, mut a, mut l) =
+                (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
             forward(&mut h, &mut a, &mut l, &v, &r, &cs.qs[j], &cs.gs[j], d);
             let mut ds: Vec<&mut [f32]> = want_src.iter_mut().map(|x| x.as_mut_slice()).collect();
             if j > 0 {
                 ds.push(want_part[j].as_mut_slice());
             }
-            backward(&mut ds, &mut want_dq[j], &mut want_dg[j], &dhs[j], &v, &r, &a, &l, &cs.qs[j], &cs.gs[j], d);
+            backward(
+                &mut ds,
+                &mut want_dq[j],
+                &mut want_dg[j],
+                &dhs[j],
+                &v,
+                &r,
+                &a,
+                &l,
+                &cs.qs[j],
+                &cs.gs[j],
+                d,
+            );
             saved.push((h, a, l, k));
         }
         // Per source: partials one by one, each completed source once for all its consumers.
-        let ws: Vec<Vec<f32>> = (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
+        let ws: Vec<Vec<f32>> =
+            (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
         let means: Vec<Vec<f32>> = (0..s).map(|j| grad_mean(&dhs[j], &saved[j].0, d)).collect();
         let grads: Vec<ConsumerGrad> = (0..s)
-            .map(|j| ConsumerGrad { dh: &dhs[j], mean: &means[j], alpha: &saved[j].1, logits: &saved[j].2, k: saved[j].3, w: &ws[j] })
+            .map(|j| ConsumerGrad {
+                dh: &dhs[j],
+                mean: &means[j],
+                alpha: &saved[j].1,
+                logits: &saved[j].2,
+                k: saved[j].3,
+                w: &ws[j],
+            })
             .collect();
         let mut got_part = vec![vec![0.0f32; rows * d]; s];
         let mut dws = vec![vec![0.0f32; d]; s];
         for j in 1..s {
-            backward_one(&mut got_part[j], &mut dws[j], &grads[j], c, &cs.partials[j], &cs.prs[j], d);
+            backward_one(
+                &mut got_part[j],
+                &mut dws[j],
+                &grads[j],
+                c,
+                &cs.partials[j],
+                &cs.prs[j],
+                d,
+            );
         }
         let got_src: Vec<Vec<f32>> = (0..c)
             .map(|i| {
@@ -605,11 +696,16 @@ mod tests {
             backward(&mut dsv, &mut dq, &mut dg, &dh, &sv, &rv, &a, &l, &q, &g, d);
         }
         for s in 0..k {
-            fd_check(&srcs[s], &ds[s], |x| {
-                let mut p = srcs.clone();
-                p[s] = x.to_vec();
-                loss(&p, &q, &g)
-            }, &format!("depth dsource{s}"));
+            fd_check(
+                &srcs[s],
+                &ds[s],
+                |x| {
+                    let mut p = srcs.clone();
+                    p[s] = x.to_vec();
+                    loss(&p, &q, &g)
+                },
+                &format!("depth dsource{s}"),
+            );
         }
         fd_check(&q, &dq, |x| loss(&srcs, x, &g), "depth dq");
         fd_check(&g, &dg, |x| loss(&srcs, &q, x), "depth dgamma");

@@ -45,16 +45,28 @@ pub struct Options {
 /// Forward: writes `h[rows, d]` and per token the weights and logits `[rows, K, H]`.
 /// `rstds[i]` is source i's per-token 1/rms (read only with key norm).
 #[allow(clippy::too_many_arguments)]
-pub fn forward(h: &mut [f32], alpha: &mut [f32], logits: &mut [f32], sources: &[&[f32]], rstds: &[&[f32]], query: Query, o: Options, d: usize) {
+pub fn forward(
+    h: &mut [f32],
+    alpha: &mut [f32],
+    logits: &mut [f32],
+    sources: &[&[f32]],
+    rstds: &[&[f32]],
+    query: Query,
+    o: Options,
+    d: usize,
+) {
     let (k, nh) = (sources.len(), o.heads);
     let rows = h.len() / d;
     let hd = d / nh;
     assert!(k > 0 && d % nh == 0 && alpha.len() == rows * k * nh && logits.len() == rows * k * nh);
-    let (hp, ap, lp) = (SendPtr(h.as_mut_ptr()), SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
+    let (hp, ap, lp) =
+        (SendPtr(h.as_mut_ptr()), SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
     par_reduce_rows(rows, k * d, 0, |range, _| {
         for t in range {
             // SAFETY: row t of h, alpha and logits belongs to this task only.
-            let (hrow, a, l) = unsafe { (hp.slice(t * d, d), ap.slice(t * k * nh, k * nh), lp.slice(t * k * nh, k * nh)) };
+            let (hrow, a, l) = unsafe {
+                (hp.slice(t * d, d), ap.slice(t * k * nh, k * nh), lp.slice(t * k * nh, k * nh))
+            };
             for i in 0..k {
                 let v = &sources[i][t * d..(t + 1) * d];
                 let r = if o.key_norm { rstds[i][t] } else { 1.0 };
@@ -62,7 +74,9 @@ pub fn forward(h: &mut [f32], alpha: &mut [f32], logits: &mut [f32], sources: &[
                     let cols = g * hd..(g + 1) * hd;
                     l[i * nh + g] = match query {
                         Query::Static(w) => r * dot(&w[cols.clone()], &v[cols]),
-                        Query::PerToken(w) => r * dot(&w[t * d..(t + 1) * d][cols.clone()], &v[cols]),
+                        Query::PerToken(w) => {
+                            r * dot(&w[t * d..(t + 1) * d][cols.clone()], &v[cols])
+                        }
                         Query::Scalar(c) => c[i],
                     };
                 }
@@ -130,7 +144,8 @@ pub fn backward(
     let total = par_reduce_rows(rows, k * d, shared, |range, acc| {
         let (mut da, mut ds) = (vec![0.0f32; k * nh], vec![0.0f32; k * nh]);
         for t in range {
-            let (a, l) = (&alpha[t * k * nh..(t + 1) * k * nh], &logits[t * k * nh..(t + 1) * k * nh]);
+            let (a, l) =
+                (&alpha[t * k * nh..(t + 1) * k * nh], &logits[t * k * nh..(t + 1) * k * nh]);
             let g_row = &dh[t * d..(t + 1) * d];
             for i in 0..k {
                 let v = &sources[i][t * d..(t + 1) * d];
@@ -144,7 +159,8 @@ pub fn backward(
                 match o.gate {
                     Gate::Softmax => {
                         let mean: f32 = (0..k).map(|i| a[i * nh + g] * da[i * nh + g]).sum();
-                        (0..k).for_each(|i| ds[i * nh + g] = a[i * nh + g] * (da[i * nh + g] - mean));
+                        (0..k)
+                            .for_each(|i| ds[i * nh + g] = a[i * nh + g] * (da[i * nh + g] - mean));
                     }
                     Gate::Sigmoid => (0..k).for_each(|i| {
                         let s = a[i * nh + g];
@@ -186,7 +202,10 @@ pub fn backward(
                         None => &mut *acc,
                     };
                     let cols = g * hd..(g + 1) * hd;
-                    dv[cols.clone()].iter_mut().zip(&w[cols.clone()]).for_each(|(x, y)| *x += s * r * y);
+                    dv[cols.clone()]
+                        .iter_mut()
+                        .zip(&w[cols.clone()])
+                        .for_each(|(x, y)| *x += s * r * y);
                     dq[cols.clone()].iter_mut().zip(&v[cols]).for_each(|(x, y)| *x += s * r * y);
                 }
                 if o.key_norm {
@@ -217,7 +236,8 @@ mod tests {
     }
 
     fn case(rows: usize, d: usize, k: usize, qlen: usize) -> Case {
-        let srcs: Vec<Vec<f32>> = (0..k).map(|i| rand_vec(rows * d, 700 + i as u64, 1.0 + i as f32)).collect();
+        let srcs: Vec<Vec<f32>> =
+            (0..k).map(|i| rand_vec(rows * d, 700 + i as u64, 1.0 + i as f32)).collect();
         let rs = srcs.iter().map(|s| rstd(s, d)).collect();
         Case { srcs, rs, q: rand_vec(qlen, 777, 0.8), rows, d }
     }
@@ -237,11 +257,18 @@ mod tests {
     }
 
     /// Runs forward with the sources' 1/rms recomputed from the (possibly perturbed) values.
-    fn run(srcs: &[Vec<f32>], q: &[f32], kind: &str, o: Options, d: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn run(
+        srcs: &[Vec<f32>],
+        q: &[f32],
+        kind: &str,
+        o: Options,
+        d: usize,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let rows = srcs[0].len() / d;
         let k = srcs.len();
         let rs: Vec<Vec<f32>> = srcs.iter().map(|s| rstd(s, d)).collect();
-        let (mut h, mut a, mut l) = (vec![0.0; rows * d], vec![0.0; rows * k * o.heads], vec![0.0; rows * k * o.heads]);
+        let (mut h, mut a, mut l) =
+            (vec![0.0; rows * d], vec![0.0; rows * k * o.heads], vec![0.0; rows * k * o.heads]);
         let sv: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
         let rv: Vec<&[f32]> = rs.iter().map(|s| s.as_slice()).collect();
         forward(&mut h, &mut a, &mut l, &sv, &rv, query(kind, q), o, d);
@@ -253,7 +280,8 @@ mod tests {
         let c = case(9, 12, 4, 12);
         let o = Options { key_norm: true, gate: Gate::Softmax, heads: 1 };
         let (h, a, _) = run(&c.srcs, &c.q, "static", o, c.d);
-        let (mut h1, mut a1, mut l1) = (vec![0.0; c.rows * c.d], vec![0.0; c.rows * 4], vec![0.0; c.rows * 4]);
+        let (mut h1, mut a1, mut l1) =
+            (vec![0.0; c.rows * c.d], vec![0.0; c.rows * 4], vec![0.0; c.rows * 4]);
         let sv: Vec<&[f32]> = c.srcs.iter().map(|s| s.as_slice()).collect();
         let rv: Vec<&[f32]> = c.rs.iter().map(|s| s.as_slice()).collect();
         depth::forward(&mut h1, &mut a1, &mut l1, &sv, &rv, &c.q, &vec![1.0; c.d], c.d);
@@ -270,9 +298,12 @@ mod tests {
         let (h, ..) = run(&c.srcs, &c.q, "static", o, d);
         let hd = d / nh;
         for g in 0..nh {
-            let part = |v: &[f32]| -> Vec<f32> { v.chunks(d).flat_map(|r| r[g * hd..(g + 1) * hd].to_vec()).collect() };
+            let part = |v: &[f32]| -> Vec<f32> {
+                v.chunks(d).flat_map(|r| r[g * hd..(g + 1) * hd].to_vec()).collect()
+            };
             let srcs: Vec<Vec<f32>> = c.srcs.iter().map(|s| part(s)).collect();
-            let (hg, ..) = run(&srcs, &c.q[g * hd..(g + 1) * hd], "static", Options { heads: 1, ..o }, hd);
+            let (hg, ..) =
+                run(&srcs, &c.q[g * hd..(g + 1) * hd], "static", Options { heads: 1, ..o }, hd);
             assert_close(&part(&h), &hg, 1e-6, "head");
         }
     }
@@ -312,11 +343,16 @@ mod tests {
             }
             let tag = format!("{kind} {gate:?} norm={key_norm} heads={heads}");
             for s in 0..k {
-                fd_check(&c.srcs[s], &ds[s], |x| {
-                    let mut p = c.srcs.clone();
-                    p[s] = x.to_vec();
-                    loss(&p, &c.q)
-                }, &format!("{tag}: dsource{s}"));
+                fd_check(
+                    &c.srcs[s],
+                    &ds[s],
+                    |x| {
+                        let mut p = c.srcs.clone();
+                        p[s] = x.to_vec();
+                        loss(&p, &c.q)
+                    },
+                    &format!("{tag}: dsource{s}"),
+                );
             }
             fd_check(&c.q, &dq, |x| loss(&c.srcs, x), &format!("{tag}: dquery"));
         }

@@ -83,7 +83,10 @@ pub fn matmul(
     accumulate: bool,
     par: Parallelism,
 ) {
-    assert!(dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= k * n, "matmul: operand too small");
+    assert!(
+        dst.len() >= m * n && lhs.len() >= m * k && rhs.len() >= k * n,
+        "matmul: operand too small"
+    );
     let l = if lhs_t { Strided::transposed(lhs, m) } else { Strided::rows(lhs, k) };
     let r = if rhs_t { Strided::transposed(rhs, k) } else { Strided::rows(rhs, n) };
     // SAFETY: sizes were checked above; `dst` is a distinct &mut borrow.
@@ -107,8 +110,18 @@ pub const FEW_ROWS: usize = 16;
 /// `y = x · wᵀ` for a few rows: four weight rows at a time are read from memory once and applied
 /// to every input row while they sit in cache. Output features are split across threads when
 /// there is enough work to pay for it.
-fn linear_forward_few_rows(y: &mut [f32], x: &[f32], w: &[f32], rows: usize, d_in: usize, d_out: usize) {
-    assert!(y.len() >= rows * d_out && x.len() >= rows * d_in && w.len() >= d_in * d_out, "linear: operand too small");
+fn linear_forward_few_rows(
+    y: &mut [f32],
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+) {
+    assert!(
+        y.len() >= rows * d_out && x.len() >= rows * d_in && w.len() >= d_in * d_out,
+        "linear: operand too small"
+    );
     let y_ptr = super::SendPtr(y.as_mut_ptr());
     // Output features j0..j1 for every row; tasks own disjoint feature ranges.
     let run = |j0: usize, j1: usize| {
@@ -122,7 +135,10 @@ fn linear_forward_few_rows(y: &mut [f32], x: &[f32], w: &[f32], rows: usize, d_i
                 // SAFETY: features j..j+width of every row belong to this task only.
                 let ys = |r: usize| unsafe { y_ptr.slice((b + r) * d_out + j, width) };
                 if width == 4 {
-                    let xs = [&x[b * d_in..(b + 1) * d_in], &x[(b + pair - 1) * d_in..(b + pair) * d_in]];
+                    let xs = [
+                        &x[b * d_in..(b + 1) * d_in],
+                        &x[(b + pair - 1) * d_in..(b + pair) * d_in],
+                    ];
                     super::simd::dot4(&xs[..pair], wr, &mut out);
                     for r in 0..pair {
                         ys(r).copy_from_slice(&out[r]);
@@ -163,7 +179,14 @@ pub fn linear_backward_input(
 }
 
 /// Linear backward into the weight: `dw += dyᵀ · x` (always accumulates).
-pub fn linear_backward_weight(dw: &mut [f32], dy: &[f32], x: &[f32], rows: usize, d_in: usize, d_out: usize) {
+pub fn linear_backward_weight(
+    dw: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    rows: usize,
+    d_in: usize,
+    d_out: usize,
+) {
     matmul(dw, dy, true, x, false, d_out, rows, d_in, true, threads());
 }
 
@@ -239,14 +262,24 @@ mod tests {
     fn linear_forward_matches_naive_for_few_and_many_rows() {
         // Small (serial) and large (split across threads) products; feature counts that are not
         // multiples of four; and a row count on each side of FEW_ROWS.
-        for (rows, din, dout) in [(2, 7, 5), (3, 37, 30), (2, 256, 1027), (8, 300, 401), (FEW_ROWS + 1, 33, 18), (1, 9, 6)] {
+        for (rows, din, dout) in [
+            (2, 7, 5),
+            (3, 37, 30),
+            (2, 256, 1027),
+            (8, 300, 401),
+            (FEW_ROWS + 1, 33, 18),
+            (1, 9, 6),
+        ] {
             let x: Vec<f32> = (0..rows * din).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..dout * din).map(|i| (i as f32 * 0.71).cos()).collect();
             let want = naive(&x, &transpose(&w, dout, din), rows, din, dout);
             let mut y = vec![f32::NAN; rows * dout];
             linear_forward(&mut y, &x, &w, rows, din, dout);
             for (i, (a, b)) in y.iter().zip(&want).enumerate() {
-                assert!((a - b).abs() < 1e-4 * (1.0 + b.abs()), "{rows}x{din}x{dout} [{i}]: {a} vs {b}");
+                assert!(
+                    (a - b).abs() < 1e-4 * (1.0 + b.abs()),
+                    "{rows}x{din}x{dout} [{i}]: {a} vs {b}"
+                );
             }
         }
     }

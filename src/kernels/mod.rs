@@ -36,9 +36,7 @@ where
         // One task: skip the thread pool (decoding runs many such tiny calls).
         return f(0, out);
     }
-    out.par_chunks_mut(chunk * cols)
-        .enumerate()
-        .for_each(|(i, c)| f(i * chunk, c));
+    out.par_chunks_mut(chunk * cols).enumerate().for_each(|(i, c)| f(i * chunk, c));
 }
 
 /// Sums per-task partial vectors of length `n` produced by `f(row_range, acc)` over `rows` rows.
@@ -109,7 +107,9 @@ pub fn add_assign(dst: &mut [f32], src: &[f32]) {
     if dst.len() < PAR_MIN {
         return simd::axpy(dst, 1.0, src);
     }
-    dst.par_chunks_mut(PAR_MIN).zip(src.par_chunks(PAR_MIN)).for_each(|(d, s)| simd::axpy(d, 1.0, s));
+    dst.par_chunks_mut(PAR_MIN)
+        .zip(src.par_chunks(PAR_MIN))
+        .for_each(|(d, s)| simd::axpy(d, 1.0, s));
 }
 
 /// `a + b` as a new buffer, in one parallel pass when large.

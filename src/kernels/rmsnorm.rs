@@ -50,7 +50,16 @@ pub fn forward(y: &mut [f32], rstd_out: &mut [f32], x: &[f32], g: &[f32], d: usi
 /// `x_dot`, when given, receives each row's `⟨dx, x⟩`, taken while the rows are in cache (the
 /// depth attention's backward needs it for the norm's input).
 #[allow(clippy::too_many_arguments)]
-pub fn backward(dx: &mut [f32], dg: &mut [f32], dy: &[f32], x: &[f32], g: &[f32], rstd: &[f32], d: usize, x_dot: Option<&mut [f32]>) {
+pub fn backward(
+    dx: &mut [f32],
+    dg: &mut [f32],
+    dy: &[f32],
+    x: &[f32],
+    g: &[f32],
+    rstd: &[f32],
+    d: usize,
+    x_dot: Option<&mut [f32]>,
+) {
     let rows = rstd.len();
     let dot_ptr = x_dot.map(|v| {
         assert_eq!(v.len(), rows);
@@ -104,7 +113,10 @@ mod tests {
             for (i, ri) in r.iter().enumerate() {
                 let row = &want[i * d..(i + 1) * d];
                 let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
-                assert!((*ri as f64 - 1.0 / (ms + eps as f64).sqrt()).abs() < 1e-5 * *ri as f64, "rstd of row {i}");
+                assert!(
+                    (*ri as f64 - 1.0 / (ms + eps as f64).sqrt()).abs() < 1e-5 * *ri as f64,
+                    "rstd of row {i}"
+                );
             }
         }
     }
@@ -118,9 +130,11 @@ mod tests {
         forward(&mut y, &mut r, &x, &g, d, eps);
         let mut want = vec![0.0; rows * d];
         for i in 0..rows {
-            let ms: f64 = x[i * d..(i + 1) * d].iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
+            let ms: f64 =
+                x[i * d..(i + 1) * d].iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;
             for j in 0..d {
-                want[i * d + j] = (x[i * d + j] as f64 / (ms + eps as f64).sqrt() * g[j] as f64) as f32;
+                want[i * d + j] =
+                    (x[i * d + j] as f64 / (ms + eps as f64).sqrt() * g[j] as f64) as f32;
             }
         }
         assert_close(&y, &want, 1e-5, "rmsnorm forward");
@@ -143,7 +157,11 @@ mod tests {
         backward(&mut dx, &mut dg, &dy, &x, &g, &r, d, Some(&mut x_dot));
         fd_check(&x, &dx, |xp| loss(xp, &g), "rmsnorm dx");
         fd_check(&g, &dg, |gp| loss(&x, gp), "rmsnorm dg");
-        let want: Vec<f32> = dx.chunks(d).zip(x.chunks(d)).map(|(a, b)| a.iter().zip(b).map(|(p, q)| p * q).sum()).collect();
+        let want: Vec<f32> = dx
+            .chunks(d)
+            .zip(x.chunks(d))
+            .map(|(a, b)| a.iter().zip(b).map(|(p, q)| p * q).sum())
+            .collect();
         assert_close(&x_dot, &want, 1e-5, "rmsnorm <dx, x>");
     }
 }

@@ -48,14 +48,25 @@ impl Positions<'_> {
 
 /// Rotates, in place, `n_heads` consecutive heads starting at column `col0` of each row of
 /// `x` (`[rows, width]`). `inverse` applies the transpose rotation (the backward pass).
-pub fn apply(x: &mut [f32], width: usize, col0: usize, n_heads: usize, positions: Positions, table: &RopeTable, inverse: bool) {
+pub fn apply(
+    x: &mut [f32],
+    width: usize,
+    col0: usize,
+    n_heads: usize,
+    positions: Positions,
+    table: &RopeTable,
+    inverse: bool,
+) {
     let half = table.half;
     let hd = 2 * half;
     let sign = if inverse { -1.0 } else { 1.0 };
     par_rows_mut(x, width, |r0, chunk| {
         for (i, row) in chunk.chunks_mut(width).enumerate() {
             let pos = positions.of(r0 + i);
-            let (c, s) = (&table.cos[pos * half..(pos + 1) * half], &table.sin[pos * half..(pos + 1) * half]);
+            let (c, s) = (
+                &table.cos[pos * half..(pos + 1) * half],
+                &table.sin[pos * half..(pos + 1) * half],
+            );
             for h in 0..n_heads {
                 let head = &mut row[col0 + h * hd..col0 + (h + 1) * hd];
                 let (a, b) = head.split_at_mut(half);

@@ -120,10 +120,17 @@ unsafe fn dot4_avx2<const R: usize>(xs: [&[f32]; R], w: &[f32], n: usize) -> [[f
 /// `w` (`[4, n]`): each load of `w` serves both rows.
 pub fn dot4(xs: &[&[f32]], w: &[f32], out: &mut [[f32; 4]]) {
     let n = xs[0].len();
-    assert!(matches!(xs.len(), 1 | 2) && out.len() >= xs.len() && xs.iter().all(|x| x.len() == n) && w.len() >= 4 * n, "dot4: bad operand sizes");
+    assert!(
+        matches!(xs.len(), 1 | 2)
+            && out.len() >= xs.len()
+            && xs.iter().all(|x| x.len() == n)
+            && w.len() >= 4 * n,
+        "dot4: bad operand sizes"
+    );
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
             // SAFETY: features detected; sizes checked.
             unsafe {
                 if xs.len() == 2 {
@@ -146,12 +153,16 @@ pub fn scores(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
     let (r, n) = (ws.len(), ws.first().map_or(0, |w| w.len()));
     let c = out.len() / r.max(1);
     assert!(
-        matches!(r, 1 | 2) && c * r == out.len() && ws.iter().all(|w| w.len() == n) && (c == 0 || src.len() >= (c - 1) * stride + n),
+        matches!(r, 1 | 2)
+            && c * r == out.len()
+            && ws.iter().all(|w| w.len() == n)
+            && (c == 0 || src.len() >= (c - 1) * stride + n),
         "scores: bad operand sizes"
     );
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
             // SAFETY: features detected; sizes checked.
             unsafe {
                 if r == 2 {
@@ -182,7 +193,13 @@ fn scores_portable(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
 /// `(c − 1)·stride + n`, `n = ws[r].len()`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores_avx2<const R: usize>(ws: [&[f32]; R], out: &mut [f32], src: &[f32], stride: usize, c: usize) {
+unsafe fn scores_avx2<const R: usize>(
+    ws: [&[f32]; R],
+    out: &mut [f32],
+    src: &[f32],
+    stride: usize,
+    c: usize,
+) {
     let mut i = 0;
     while i + 4 <= c {
         let got = scores_group_avx2::<R, 4>(ws, src.as_ptr().add(i * stride), stride);
@@ -206,7 +223,11 @@ unsafe fn scores_avx2<const R: usize>(ws: [&[f32]; R], out: &mut [f32], src: &[f
 /// As [`scores_avx2`]; `src` must reach `(K − 1)·stride + n`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn scores_group_avx2<const R: usize, const K: usize>(ws: [&[f32]; R], src: *const f32, stride: usize) -> [[f32; K]; R] {
+unsafe fn scores_group_avx2<const R: usize, const K: usize>(
+    ws: [&[f32]; R],
+    src: *const f32,
+    stride: usize,
+) -> [[f32; K]; R] {
     use std::arch::x86_64::*;
     let n = ws[0].len();
     let full = n / 8 * 8;
@@ -247,16 +268,28 @@ pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], strid
     let (r, n) = (outs.len(), outs.first().map_or(0, |o| o.len()));
     let c = e.len() / r.max(1);
     assert!(
-        matches!(r, 1 | 2) && c > 0 && c * r == e.len() && outs.iter().all(|o| o.len() == n) && src.len() >= (c - 1) * stride + n,
+        matches!(r, 1 | 2)
+            && c > 0
+            && c * r == e.len()
+            && outs.iter().all(|o| o.len() == n)
+            && src.len() >= (c - 1) * stride + n,
         "mixes: bad operand sizes"
     );
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
             // SAFETY: features detected; sizes checked.
             unsafe {
                 if let [a, b] = outs {
-                    mixes_avx2([a.as_mut_ptr().cast(), b.as_mut_ptr().cast()], e, src, stride, c, n);
+                    mixes_avx2(
+                        [a.as_mut_ptr().cast(), b.as_mut_ptr().cast()],
+                        e,
+                        src,
+                        stride,
+                        c,
+                        n,
+                    );
                 } else {
                     mixes_avx2([outs[0].as_mut_ptr().cast()], e, src, stride, c, n);
                 }
@@ -285,7 +318,14 @@ fn mixes_portable(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], 
 /// hold `R·c` weights and `src` reach `(c − 1)·stride + n`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn mixes_avx2<const R: usize>(outs: [*mut f32; R], e: &[f32], src: &[f32], stride: usize, c: usize, n: usize) {
+unsafe fn mixes_avx2<const R: usize>(
+    outs: [*mut f32; R],
+    e: &[f32],
+    src: &[f32],
+    stride: usize,
+    c: usize,
+    n: usize,
+) {
     use std::arch::x86_64::*;
     let (s, ep) = (src.as_ptr(), e.as_ptr());
     let full = n / 16 * 16;
@@ -379,7 +419,16 @@ fn swiglu_bwd_imp(dg: &mut [f32], du: &mut [f32], da: &[f32], g: &[f32], u: &[f3
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn depth_source_grad_imp(dv: &mut [f32], dw: &mut [f32], g: &[f32], w: &[f32], v: &[f32], a: f32, b: f32, c: f32) {
+fn depth_source_grad_imp(
+    dv: &mut [f32],
+    dw: &mut [f32],
+    g: &[f32],
+    w: &[f32],
+    v: &[f32],
+    a: f32,
+    b: f32,
+    c: f32,
+) {
     for ((((dv, dw), g), w), v) in dv.iter_mut().zip(dw.iter_mut()).zip(g).zip(w).zip(v) {
         *dv += a * g + b * w - c * v;
         *dw += b * v;
@@ -471,7 +520,10 @@ mod tests {
         for (r, x) in [&a, &b].iter().enumerate() {
             for k in 0..4 {
                 let want: f32 = x.iter().zip(&w[k * 37..]).map(|(x, y)| x * y).sum();
-                assert!((d4[r][k] - want).abs() < 1e-5 && (p4[r][k] - want).abs() < 1e-5, "dot4[{r}][{k}]");
+                assert!(
+                    (d4[r][k] - want).abs() < 1e-5 && (p4[r][k] - want).abs() < 1e-5,
+                    "dot4[{r}][{k}]"
+                );
             }
         }
         // Five rows of 37 at a stride of 40 (a token's sources), scored by and mixed into one
@@ -483,7 +535,10 @@ mod tests {
         type Mixes = fn(&mut [&mut [std::mem::MaybeUninit<f32>]], &[f32], &[f32], usize);
         let vector = (super::scores as Scores, super::mixes as Mixes);
         let portable = (super::scores_portable as Scores, super::mixes_portable as Mixes);
-        for ((scores, mixes), ws) in [vector, portable].into_iter().flat_map(|k| [(k, vec![&a[..]]), (k, vec![&a[..], &b[..]])]) {
+        for ((scores, mixes), ws) in [vector, portable]
+            .into_iter()
+            .flat_map(|k| [(k, vec![&a[..]]), (k, vec![&a[..], &b[..]])])
+        {
             let mut got = vec![0.0f32; ws.len() * c];
             scores(&mut got, &ws, &src, stride);
             for (r, w) in ws.iter().enumerate() {
@@ -499,7 +554,10 @@ mod tests {
                 for j in 0..n {
                     let want: f64 = (0..c).map(|i| e[r * c + i] as f64 * row(i)[j] as f64).sum();
                     // SAFETY: initialised above (and overwritten by `mixes`).
-                    assert!((unsafe { o[j].assume_init() } as f64 - want).abs() < 1e-5, "mixes[{r}][{j}]");
+                    assert!(
+                        (unsafe { o[j].assume_init() } as f64 - want).abs() < 1e-5,
+                        "mixes[{r}][{j}]"
+                    );
                 }
             }
         }

@@ -43,10 +43,15 @@ mod tests {
         let dact = rand_vec(rows * f, 22, 1.0);
         let mut dgu = vec![0.0; gu.len()];
         backward(&mut dgu, &dact, &gu, f);
-        fd_check(&gu, &dgu, |x| {
-            let mut a = vec![0.0; rows * f];
-            forward(&mut a, x, f);
-            a.iter().zip(&dact).map(|(a, b)| (a * b) as f64).sum()
-        }, "swiglu");
+        fd_check(
+            &gu,
+            &dgu,
+            |x| {
+                let mut a = vec![0.0; rows * f];
+                forward(&mut a, x, f);
+                a.iter().zip(&dact).map(|(a, b)| (a * b) as f64).sum()
+            },
+            "swiglu",
+        );
     }
 }

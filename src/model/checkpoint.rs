@@ -19,16 +19,23 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
     let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
     fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    fs::rename(&tmp, path).with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
+    fs::rename(&tmp, path)
+        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
 }
 
 /// Serialises named f32 tensors in safetensors format.
-pub fn safetensors_bytes(tensors: &[(String, Vec<usize>, &[f32])], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
+pub fn safetensors_bytes(
+    tensors: &[(String, Vec<usize>, &[f32])],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let bytes: Vec<Vec<u8>> =
+        tensors.iter().map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
     let views = tensors
         .iter()
         .zip(&bytes)
-        .map(|((name, shape, _), b)| Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), b)?)))
+        .map(|((name, shape, _), b)| {
+            Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), b)?))
+        })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
     Ok(safetensors::serialize(views, metadata)?)
 }
@@ -57,18 +64,21 @@ pub fn save(model: &Model, dir: &Path) -> Result<()> {
 pub fn load(dir: &Path) -> Result<Model> {
     ensure!(dir.is_dir(), "checkpoint {} is not a directory", dir.display());
     let cpath = dir.join(CONFIG_FILE);
-    let text = fs::read_to_string(&cpath).with_context(|| format!("cannot read {}", cpath.display()))?;
+    let text =
+        fs::read_to_string(&cpath).with_context(|| format!("cannot read {}", cpath.display()))?;
     let config = Config::from_json(&text).with_context(|| format!("in {}", cpath.display()))?;
     let wpath = dir.join(WEIGHTS_FILE);
     let bytes = fs::read(&wpath).with_context(|| format!("cannot read {}", wpath.display()))?;
-    let params = params_from_safetensors(&config, &bytes).with_context(|| format!("in {}", wpath.display()))?;
+    let params = params_from_safetensors(&config, &bytes)
+        .with_context(|| format!("in {}", wpath.display()))?;
     Model::new(config, params)
 }
 
 /// Checks a safetensors file against the layout the config implies and returns the flat
 /// parameter buffer.
 pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| anyhow::anyhow!("not a valid safetensors file: {e}"))?;
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| anyhow::anyhow!("not a valid safetensors file: {e}"))?;
     let layout = Layout::new(config);
     let have: BTreeSet<String> = st.names().into_iter().map(String::from).collect();
     let want: BTreeSet<String> = layout.specs.iter().map(|s| s.name.clone()).collect();
@@ -83,7 +93,13 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
     let mut params = vec![0.0f32; layout.total];
     for s in &layout.specs {
         let t = st.tensor(&s.name)?;
-        ensure!(t.shape() == s.shape.as_slice(), "tensor {:?} has shape {:?}, expected {:?}", s.name, t.shape(), s.shape);
+        ensure!(
+            t.shape() == s.shape.as_slice(),
+            "tensor {:?} has shape {:?}, expected {:?}",
+            s.name,
+            t.shape(),
+            s.shape
+        );
         let vals = f32_values(&s.name, &t)?;
         if let Some(i) = vals.iter().position(|x| !x.is_finite()) {
             bail!("tensor {:?} holds a non-finite value at index {i}", s.name);

@@ -195,7 +195,11 @@ impl Config {
 
     /// Checks every value; the error names the offending key.
     pub fn validate(&self) -> Result<()> {
-        ensure!(self.model_type == "llama", "config: model_type must be \"llama\", got {:?}", self.model_type);
+        ensure!(
+            self.model_type == "llama",
+            "config: model_type must be \"llama\", got {:?}",
+            self.model_type
+        );
         for (key, v) in [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -208,30 +212,57 @@ impl Config {
         ] {
             ensure!(v > 0, "config: {key} must be positive, got {v}");
         }
-        ensure!(self.vocab_size <= u32::MAX as usize, "config: vocab_size {} is too large", self.vocab_size);
+        ensure!(
+            self.vocab_size <= u32::MAX as usize,
+            "config: vocab_size {} is too large",
+            self.vocab_size
+        );
         ensure!(
             self.num_attention_heads % self.num_key_value_heads == 0,
             "config: num_key_value_heads ({}) must divide num_attention_heads ({})",
             self.num_key_value_heads,
             self.num_attention_heads
         );
-        ensure!(self.head_dim % 2 == 0, "config: head_dim must be even for rotary embedding, got {}", self.head_dim);
+        ensure!(
+            self.head_dim % 2 == 0,
+            "config: head_dim must be even for rotary embedding, got {}",
+            self.head_dim
+        );
         ensure!(
             self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0,
             "config: rms_norm_eps must be a positive number, got {}",
             self.rms_norm_eps
         );
-        ensure!(self.rope_theta.is_finite() && self.rope_theta > 0.0, "config: rope_theta must be positive, got {}", self.rope_theta);
+        ensure!(
+            self.rope_theta.is_finite() && self.rope_theta > 0.0,
+            "config: rope_theta must be positive, got {}",
+            self.rope_theta
+        );
         ensure!(
             self.initializer_range.is_finite() && self.initializer_range >= 0.0,
             "config: initializer_range must be a non-negative number, got {}",
             self.initializer_range
         );
-        ensure!(self.hidden_act == "silu", "config: only hidden_act = \"silu\" is supported, got {:?}", self.hidden_act);
-        ensure!(!self.attention_bias, "config: attention_bias = true is not supported (Llama has no biases)");
+        ensure!(
+            self.hidden_act == "silu",
+            "config: only hidden_act = \"silu\" is supported, got {:?}",
+            self.hidden_act
+        );
+        ensure!(
+            !self.attention_bias,
+            "config: attention_bias = true is not supported (Llama has no biases)"
+        );
         ensure!(!self.mlp_bias, "config: mlp_bias = true is not supported (Llama has no biases)");
-        ensure!(self.attention_dropout == 0.0, "config: attention_dropout must be 0, got {}", self.attention_dropout);
-        ensure!(self.torch_dtype == "float32", "config: only torch_dtype = \"float32\" is supported, got {:?}", self.torch_dtype);
+        ensure!(
+            self.attention_dropout == 0.0,
+            "config: attention_dropout must be 0, got {}",
+            self.attention_dropout
+        );
+        ensure!(
+            self.torch_dtype == "float32",
+            "config: only torch_dtype = \"float32\" is supported, got {:?}",
+            self.torch_dtype
+        );
         if self.residual == ResidualKind::Block {
             let l = self.sublayers();
             ensure!(
@@ -249,7 +280,8 @@ impl Config {
                 "config: attn_res_heads = {heads} must be a positive divisor of hidden_size = {}",
                 self.hidden_size
             );
-            let content_free = matches!(self.attn_res_query, DepthQuery::Scalar | DepthQuery::Dense);
+            let content_free =
+                matches!(self.attn_res_query, DepthQuery::Scalar | DepthQuery::Dense);
             ensure!(!content_free || heads == 1, "config: attn_res_heads must be 1 with attn_res_query = scalar or dense (their weights do not look at channels)");
             ensure!(
                 self.attn_res_query != DepthQuery::Dense || self.attn_res_gate == DepthGate::Softmax,
@@ -271,7 +303,13 @@ impl Config {
         check_hf_extras(&mut map)?;
         // Fill keys a third-party config may omit from our defaults, but never the ones that
         // define the shape: those must be given.
-        for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"] {
+        for key in [
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ] {
             ensure!(map.contains_key(key), "config: missing key {key:?}");
         }
         if !map.contains_key("num_key_value_heads") {
@@ -284,11 +322,13 @@ impl Config {
                 map.insert("head_dim".into(), Value::from(h / n));
             }
         }
-        let defaults = serde_json::to_value(Config { residual: ResidualKind::Standard, ..Config::default() })?;
+        let defaults =
+            serde_json::to_value(Config { residual: ResidualKind::Standard, ..Config::default() })?;
         let defaults = defaults.as_object().expect("struct serialises to an object");
         for (k, v) in &map {
             let Some(d) = defaults.get(k) else { bail!("config: unknown key {k:?}") };
-            same_kind(d, v).map_err(|want| anyhow::anyhow!("config: {k} must be {want}, got {v}"))?;
+            same_kind(d, v)
+                .map_err(|want| anyhow::anyhow!("config: {k} must be {want}, got {v}"))?;
         }
         if let Some(r) = map.get("residual") {
             ensure!(
@@ -303,12 +343,16 @@ impl Config {
             );
         }
         if let Some(r) = map.get("attn_res_gate") {
-            ensure!(serde_json::from_value::<DepthGate>(r.clone()).is_ok(), "config: attn_res_gate must be \"softmax\" or \"sigmoid\", got {r}");
+            ensure!(
+                serde_json::from_value::<DepthGate>(r.clone()).is_ok(),
+                "config: attn_res_gate must be \"softmax\" or \"sigmoid\", got {r}"
+            );
         }
         for (k, v) in defaults {
             map.entry(k.clone()).or_insert_with(|| v.clone());
         }
-        let cfg: Config = serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("config: {e}"))?;
+        let cfg: Config = serde_json::from_value(Value::Object(map))
+            .map_err(|e| anyhow::anyhow!("config: {e}"))?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -318,8 +362,10 @@ impl Config {
     pub fn with_overrides(&self, sets: &[String]) -> Result<Config> {
         let mut values = Map::new();
         for s in sets {
-            let (k, v) = s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
-            let v = serde_json::from_str(v.trim()).unwrap_or_else(|_| Value::String(v.trim().to_string()));
+            let (k, v) =
+                s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
+            let v = serde_json::from_str(v.trim())
+                .unwrap_or_else(|_| Value::String(v.trim().to_string()));
             values.insert(k.trim().to_string(), v);
         }
         self.with_values(values).map_err(|e| anyhow::anyhow!("--set: {e}"))
@@ -331,9 +377,14 @@ impl Config {
     pub fn with_values(&self, values: Map<String, Value>) -> Result<Config> {
         let Value::Object(mut map) = serde_json::to_value(self)? else { unreachable!() };
         for k in values.keys() {
-            ensure!(map.contains_key(k), "unknown config key {k:?} (known: {})", map.keys().cloned().collect::<Vec<_>>().join(", "));
+            ensure!(
+                map.contains_key(k),
+                "unknown config key {k:?} (known: {})",
+                map.keys().cloned().collect::<Vec<_>>().join(", ")
+            );
         }
-        let reshaped = values.contains_key("hidden_size") || values.contains_key("num_attention_heads");
+        let reshaped =
+            values.contains_key("hidden_size") || values.contains_key("num_attention_heads");
         if reshaped && !values.contains_key("head_dim") {
             map.remove("head_dim");
         }
@@ -344,7 +395,8 @@ impl Config {
     /// `config.json` text: our fields plus `rope_parameters`, which newer `transformers` reads.
     pub fn to_json(&self) -> String {
         let mut v = serde_json::to_value(self).expect("config serialises");
-        v["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
+        v["rope_parameters"] =
+            serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
         serde_json::to_string_pretty(&v).expect("config serialises")
     }
 }
@@ -362,9 +414,17 @@ fn check_hf_extras(map: &mut Map<String, Value>) -> Result<()> {
     }
     if let Some(rp) = map.get("rope_parameters").cloned() {
         let rp: RopeParameters = serde_json::from_value(rp).context("config: rope_parameters")?;
-        ensure!(rp.rope_type == "default", "config: only rope_type \"default\" is supported, got {:?}", rp.rope_type);
+        ensure!(
+            rp.rope_type == "default",
+            "config: only rope_type \"default\" is supported, got {:?}",
+            rp.rope_type
+        );
         match map.get("rope_theta").and_then(Value::as_f64) {
-            Some(t) => ensure!(t == rp.rope_theta, "config: rope_theta ({t}) disagrees with rope_parameters.rope_theta ({})", rp.rope_theta),
+            Some(t) => ensure!(
+                t == rp.rope_theta,
+                "config: rope_theta ({t}) disagrees with rope_parameters.rope_theta ({})",
+                rp.rope_theta
+            ),
             None => {
                 map.insert("rope_theta".into(), Value::from(rp.rope_theta));
             }
@@ -384,7 +444,9 @@ pub(crate) fn same_kind(d: &Value, v: &Value) -> std::result::Result<(), &'stati
         Value::Number(_) => (v.is_number(), "a number"),
         Value::Bool(_) => (v.is_boolean(), "true or false"),
         Value::String(_) => (v.is_string(), "a string"),
-        Value::Array(_) => (v.as_array().is_some_and(|a| a.iter().all(Value::is_string)), "a list of strings"),
+        Value::Array(_) => {
+            (v.as_array().is_some_and(|a| a.iter().all(Value::is_string)), "a list of strings")
+        }
         _ => (true, ""),
     };
     if ok {
@@ -411,13 +473,19 @@ mod tests {
     #[test]
     fn rejects_bad_values_by_name() {
         let c = Config::default();
-        let err = |sets: &[&str]| c.with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap_err().to_string();
+        let err = |sets: &[&str]| {
+            c.with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+                .unwrap_err()
+                .to_string()
+        };
         assert!(err(&["num_blocks=3"]).contains("num_blocks = 3"));
         assert!(err(&["hidden_sizee=3"]).contains("unknown config key"));
         assert!(err(&["hidden_size=-1"]).contains("hidden_size"));
         assert!(err(&["num_key_value_heads=3"]).contains("num_key_value_heads"));
         assert!(err(&["residual=sideways"]).contains("residual must be"));
-        assert!(err(&["tie_word_embeddings=3"]).contains("tie_word_embeddings must be true or false"));
+        assert!(
+            err(&["tie_word_embeddings=3"]).contains("tie_word_embeddings must be true or false")
+        );
         assert!(err(&["rms_norm_eps=0"]).contains("rms_norm_eps"));
         assert!(err(&["attn_res_query=dynamic"]).contains("attn_res_query must be"));
         assert!(err(&["attn_res_gate=relu"]).contains("attn_res_gate must be"));
@@ -425,7 +493,10 @@ mod tests {
         assert!(err(&["attn_res_query=dense", "attn_res_gate=sigmoid"]).contains("does not apply"));
         assert!(err(&["attn_res_query=scalar", "attn_res_heads=2"]).contains("must be 1"));
         assert!(Config::from_json("{").unwrap_err().to_string().contains("not valid JSON"));
-        assert!(Config::from_json("{\"hidden_size\": 4}").unwrap_err().to_string().contains("missing key"));
+        assert!(Config::from_json("{\"hidden_size\": 4}")
+            .unwrap_err()
+            .to_string()
+            .contains("missing key"));
         let ok = c.with_overrides(&["residual=full".into(), "num_blocks=3".into()]).unwrap();
         assert_eq!(ok.block_size(), Some(1));
     }

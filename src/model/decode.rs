@@ -108,21 +108,38 @@ impl Model {
     /// with the tokens that continue its sequence (each slot at most once). Returns logits
     /// `[rows, vocab]`: for every new token, in chunk order, when `all_logits`; otherwise for
     /// the last token of each chunk.
-    pub fn decode(&self, cache: &mut KvCache, chunks: &[(usize, &[u32])], all_logits: bool) -> Result<Vec<f32>> {
+    pub fn decode(
+        &self,
+        cache: &mut KvCache,
+        chunks: &[(usize, &[u32])],
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
         // Run on a worker of the thread pool: a decoding step makes hundreds of small parallel
         // calls, which are cheap from inside the pool and costly from outside it.
         rayon::scope(|_| self.decode_in_pool(cache, chunks, all_logits))
     }
 
-    fn decode_in_pool(&self, cache: &mut KvCache, chunks: &[(usize, &[u32])], all_logits: bool) -> Result<Vec<f32>> {
+    fn decode_in_pool(
+        &self,
+        cache: &mut KvCache,
+        chunks: &[(usize, &[u32])],
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let (d, v) = (c.hidden_size, c.vocab_size);
         let mut spans = Vec::with_capacity(chunks.len());
         let mut seen = vec![false; cache.slots];
         let mut rows = 0;
         for &(slot, ids) in chunks {
-            ensure!(slot < cache.slots, "slot {slot} does not exist (the cache has {})", cache.slots);
-            ensure!(!std::mem::replace(&mut seen[slot], true), "slot {slot} appears twice in one call");
+            ensure!(
+                slot < cache.slots,
+                "slot {slot} does not exist (the cache has {})",
+                cache.slots
+            );
+            ensure!(
+                !std::mem::replace(&mut seen[slot], true),
+                "slot {slot} appears twice in one call"
+            );
             ensure!(!ids.is_empty(), "no new tokens for slot {slot}");
             let start = cache.len[slot];
             if start + ids.len() > cache.capacity {
@@ -165,9 +182,20 @@ impl Model {
             let h = phase("fwd residual", || res.input(2 * i, p, lay));
             let (_, _, qkv) = self.attn_project(lp, &h, Positions::Explicit(&positions));
             let mut o = zeros(rows * ow);
-            phase("fwd attention", || attention::forward_cached(&mut o, &qkv, &mut cache.k[i], &mut cache.v[i], &spans, sh));
+            phase("fwd attention", || {
+                attention::forward_cached(
+                    &mut o,
+                    &qkv,
+                    &mut cache.k[i],
+                    &mut cache.v[i],
+                    &spans,
+                    sh,
+                )
+            });
             let mut out = zeros(rows * d);
-            phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d));
+            phase("fwd linear", || {
+                linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d)
+            });
             phase("fwd residual", || res.push_output(2 * i, out));
 
             let h = phase("fwd residual", || res.input(2 * i + 1, p, lay));
@@ -180,7 +208,10 @@ impl Model {
         let mut h = phase("fwd residual", || res.output(p, lay));
         if !all_logits {
             // Only the last token of each chunk predicts what comes next.
-            h = spans.iter().flat_map(|s| h[(s.row0 + s.len - 1) * d..(s.row0 + s.len) * d].iter().copied()).collect();
+            h = spans
+                .iter()
+                .flat_map(|s| h[(s.row0 + s.len - 1) * d..(s.row0 + s.len) * d].iter().copied())
+                .collect();
         }
         Ok(self.head(&h).2)
     }

@@ -91,7 +91,8 @@ impl Builder {
         let keys_read = !matches!(c.attn_res_query, DepthQuery::Scalar | DepthQuery::Dense);
         DepthParams {
             query: self.add(format!("{prefix}_proj.weight"), &shape, init),
-            gain: (c.attn_res_key_norm && keys_read).then(|| self.add(format!("{prefix}_norm.weight"), &[d], Init::One)),
+            gain: (c.attn_res_key_norm && keys_read)
+                .then(|| self.add(format!("{prefix}_norm.weight"), &[d], Init::One)),
         }
     }
 }
@@ -189,7 +190,16 @@ mod tests {
 
     #[test]
     fn init_is_deterministic_and_zeroes_pseudo_queries() {
-        let c = Config { residual: ResidualKind::Block, num_blocks: 4, hidden_size: 32, head_dim: 8, intermediate_size: 48, num_hidden_layers: 2, vocab_size: 50, ..Config::default() };
+        let c = Config {
+            residual: ResidualKind::Block,
+            num_blocks: 4,
+            hidden_size: 32,
+            head_dim: 8,
+            intermediate_size: 48,
+            num_hidden_layers: 2,
+            vocab_size: 50,
+            ..Config::default()
+        };
         let lay = Layout::new(&c);
         let (a, b) = (lay.init(&c, 7), lay.init(&c, 7));
         assert_eq!(a, b);

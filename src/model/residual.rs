@@ -154,7 +154,13 @@ struct Sources {
 impl Sources {
     /// Room for `capacity` sources of `rows` tokens.
     fn new(capacity: usize, rows: usize, d: usize, eps: f32) -> Sources {
-        Sources { values: Vec::with_capacity(capacity * rows * d), rstd: Vec::with_capacity(capacity * rows), rows, d, eps }
+        Sources {
+            values: Vec::with_capacity(capacity * rows * d),
+            rstd: Vec::with_capacity(capacity * rows),
+            rows,
+            d,
+            eps,
+        }
     }
 
     fn len(&self) -> usize {
@@ -217,7 +223,8 @@ impl ResidualForward {
     /// The effective queries of the method's depth attention for [`Self::with_queries`], or
     /// `None` when the model has none (standard) or runs an ablation.
     pub fn queries_of(c: &Config, params: &[f32], layout: &Layout) -> Option<Arc<[f32]>> {
-        (c.block_size().is_some() && Ablation::of(c).is_none()).then(|| Arc::from(effective_queries(params, layout)))
+        (c.block_size().is_some() && Ablation::of(c).is_none())
+            .then(|| Arc::from(effective_queries(params, layout)))
     }
 
     /// Uses `queries` (from [`Self::queries_of`] on the current parameters) instead of computing
@@ -234,7 +241,15 @@ impl ResidualForward {
         let (d, eps, keep) = (self.d, self.eps, self.for_backward);
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
-            State::Depth { ablation: Some(ab), blocks, partial, partial_rstd, consumed, calls, .. } => {
+            State::Depth {
+                ablation: Some(ab),
+                blocks,
+                partial,
+                partial_rstd,
+                consumed,
+                calls,
+                ..
+            } => {
                 debug_assert_eq!(*consumed, l);
                 *consumed += 1;
                 let part = partial.as_deref().map(|p| (p, partial_rstd.as_slice()));
@@ -244,7 +259,18 @@ impl ResidualForward {
                 }
                 h
             }
-            State::Depth { block_size, blocks, partial, partial_rstd, phase1, queries, consumed, calls, ablation: None, .. } => {
+            State::Depth {
+                block_size,
+                blocks,
+                partial,
+                partial_rstd,
+                phase1,
+                queries,
+                consumed,
+                calls,
+                ablation: None,
+                ..
+            } => {
                 debug_assert_eq!(*consumed, l);
                 *consumed += 1;
                 if queries.is_empty() {
@@ -253,7 +279,14 @@ impl ResidualForward {
                 let s = *block_size;
                 if l % s == 0 {
                     // Phase 1 for every sublayer of the block that starts here.
-                    depth::phase1(phase1, &blocks.values, &blocks.rstd, &queries[l * d..(l + s) * d], blocks.rows, d);
+                    depth::phase1(
+                        phase1,
+                        &blocks.values,
+                        &blocks.rstd,
+                        &queries[l * d..(l + s) * d],
+                        blocks.rows,
+                        d,
+                    );
                 }
                 let w = &queries[l * d..(l + 1) * d];
                 let k = blocks.len() + partial.is_some() as usize;
@@ -308,7 +341,8 @@ impl ResidualForward {
         match &mut self.state {
             State::Standard { stream } => kernels::copy(stream),
             State::Depth { ablation: Some(ab), blocks, consumed, calls, .. } => {
-                let (h, call) = ablation_forward(ab, *consumed, blocks, None, params, layout, d, self.eps);
+                let (h, call) =
+                    ablation_forward(ab, *consumed, blocks, None, params, layout, d, self.eps);
                 *consumed += 1;
                 if keep {
                     calls.push(call);
@@ -322,7 +356,16 @@ impl ResidualForward {
                 }
                 let w = &queries[queries.len() - d..];
                 depth::phase1(phase1, &blocks.values, &blocks.rstd, w, blocks.rows, d);
-                consumer_phase2(phase1, 0, None, w, blocks.len(), blocks.len(), keep.then_some(calls), d)
+                consumer_phase2(
+                    phase1,
+                    0,
+                    None,
+                    w,
+                    blocks.len(),
+                    blocks.len(),
+                    keep.then_some(calls),
+                    d,
+                )
             }
         }
     }
@@ -333,9 +376,22 @@ impl ResidualForward {
             State::Standard { .. } => None,
             State::Depth { calls, ablation, columns, .. } => {
                 // Completed sources keep their index; the partial sum is the last column.
-                let columns = calls.iter().map(|c| c.srcs.iter().copied().chain((c.k > c.srcs.len()).then_some(columns - 1)).collect()).collect();
+                let columns = calls
+                    .iter()
+                    .map(|c| {
+                        c.srcs
+                            .iter()
+                            .copied()
+                            .chain((c.k > c.srcs.len()).then_some(columns - 1))
+                            .collect()
+                    })
+                    .collect();
                 let heads = ablation.map_or(1, |a| a.options.heads);
-                Some(DepthWeights { alpha: calls.iter().map(|c| c.alpha.as_slice()).collect(), columns, heads })
+                Some(DepthWeights {
+                    alpha: calls.iter().map(|c| c.alpha.as_slice()).collect(),
+                    columns,
+                    heads,
+                })
             }
         }
     }
@@ -344,7 +400,10 @@ impl ResidualForward {
 /// Mean over the rows of `v` (`[rows, d]`) of each row's root mean square.
 pub fn mean_rms(v: &[f32], d: usize) -> f64 {
     let rows = v.len() / d;
-    let total: f64 = v.chunks(d).map(|r| (r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / d as f64).sqrt()).sum();
+    let total: f64 = v
+        .chunks(d)
+        .map(|r| (r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / d as f64).sqrt())
+        .sum();
     total / rows.max(1) as f64
 }
 
@@ -355,14 +414,30 @@ fn depth_param(layout: &Layout, l: usize) -> &DepthParams {
 /// Phase 2 of consumer `j` of the block `phase1` scored, reading `k` sources (`completed`
 /// blocks, then the partial sum if given): returns its input `h`. The weights and logits go to
 /// a new [`DepthCall`] in `calls` when backward needs them; inference skips them.
-fn consumer_phase2(phase1: &mut Phase1, j: usize, partial: Option<(&[f32], &[f32])>, w: &[f32], k: usize, completed: usize, calls: Option<&mut Vec<DepthCall>>, d: usize) -> Vec<f32> {
+fn consumer_phase2(
+    phase1: &mut Phase1,
+    j: usize,
+    partial: Option<(&[f32], &[f32])>,
+    w: &[f32],
+    k: usize,
+    completed: usize,
+    calls: Option<&mut Vec<DepthCall>>,
+    d: usize,
+) -> Vec<f32> {
     let Some(calls) = calls else {
         return depth::phase2(None, phase1, j, partial, w, d);
     };
     let n = phase1.rows() * k;
     let (mut alpha, mut logits) = (zeros(n), zeros(n));
     let h = depth::phase2(Some((&mut alpha, &mut logits)), phase1, j, partial, w, d);
-    calls.push(DepthCall { alpha, logits, k, partial: None, srcs: (0..completed).collect(), input_query: None });
+    calls.push(DepthCall {
+        alpha,
+        logits,
+        k,
+        partial: None,
+        srcs: (0..completed).collect(),
+        input_query: None,
+    });
     h
 }
 
@@ -370,7 +445,8 @@ fn consumer_phase2(phase1: &mut Phase1, j: usize, partial: Option<(&[f32], &[f32
 /// `[L + 1, d]` (SPEC §3: the query and the key-norm gain fold into one vector).
 fn effective_queries(params: &[f32], layout: &Layout) -> Vec<f32> {
     let sublayers = 2 * layout.layers.len();
-    let consumers = (0..sublayers).map(|l| depth_param(layout, l)).chain(layout.output_depth.as_ref());
+    let consumers =
+        (0..sublayers).map(|l| depth_param(layout, l)).chain(layout.output_depth.as_ref());
     let d = layout.output_depth.as_ref().map_or(0, |p| p.query.len());
     let mut out = Vec::with_capacity((sublayers + 1) * d);
     for p in consumers {
@@ -407,7 +483,13 @@ fn normed_sum(sources: &[&[f32]], d: usize, eps: f32) -> (Vec<f32>, Vec<f32>, Ve
 }
 
 /// The logits of content-free mixing (scalar, dense) for the given sources.
-fn scalar_logits(ab: &Ablation, p: &DepthParams, srcs: &[usize], partial: bool, params: &[f32]) -> Vec<f32> {
+fn scalar_logits(
+    ab: &Ablation,
+    p: &DepthParams,
+    srcs: &[usize],
+    partial: bool,
+    params: &[f32],
+) -> Vec<f32> {
     let q = &params[p.query.clone()];
     srcs.iter().map(|&i| q[i]).chain(partial.then(|| q[ab.columns - 1])).collect()
 }
@@ -439,7 +521,10 @@ fn ablation_forward(
     let (w, scalars): (Vec<f32>, Vec<f32>) = match ab.query {
         DepthQuery::Static => {
             let q = &params[p.query.clone()];
-            (gain.map_or_else(|| q.to_vec(), |g| q.iter().zip(g).map(|(a, b)| a * b).collect()), Vec::new())
+            (
+                gain.map_or_else(|| q.to_vec(), |g| q.iter().zip(g).map(|(a, b)| a * b).collect()),
+                Vec::new(),
+            )
         }
         DepthQuery::Input => {
             let (_, xhat, rstd) = normed_sum(&sv, d, eps);
@@ -452,14 +537,17 @@ fn ablation_forward(
             input_query = Some(InputQuery { xhat, rstd, q });
             (w, Vec::new())
         }
-        DepthQuery::Scalar | DepthQuery::Dense => (Vec::new(), scalar_logits(ab, p, &srcs, partial.is_some(), params)),
+        DepthQuery::Scalar | DepthQuery::Dense => {
+            (Vec::new(), scalar_logits(ab, p, &srcs, partial.is_some(), params))
+        }
     };
     let query = match ab.query {
         DepthQuery::Static => Query::Static(&w),
         DepthQuery::Input => Query::PerToken(&w),
         _ => Query::Scalar(&scalars),
     };
-    let (mut h, mut alpha, mut logits) = (zeros(rows * d), zeros(rows * k * nh), zeros(rows * k * nh));
+    let (mut h, mut alpha, mut logits) =
+        (zeros(rows * d), zeros(rows * k * nh), zeros(rows * k * nh));
     depth_variants::forward(&mut h, &mut alpha, &mut logits, &sv, &rv, query, ab.options, d);
     (h, DepthCall { alpha, logits, k, partial: None, srcs, input_query })
 }
@@ -492,9 +580,18 @@ impl ResidualBackward {
     /// [`ResidualForward::output`] returned); backpropagates the output aggregation into `grads`.
     /// `dh_dot_h` holds, per token, `⟨dh, h⟩` (the depth attention's backward needs it; the
     /// final norm's backward makes it in passing); only the method's depth attention reads it.
-    pub fn new(fwd: &ResidualForward, dh: Vec<f32>, dh_dot_h: Vec<f32>, params: &[f32], grads: &mut [f32], layout: &Layout) -> Self {
+    pub fn new(
+        fwd: &ResidualForward,
+        dh: Vec<f32>,
+        dh_dot_h: Vec<f32>,
+        params: &[f32],
+        grads: &mut [f32],
+        layout: &Layout,
+    ) -> Self {
         match &fwd.state {
-            State::Standard { .. } => ResidualBackward { acc: dh, g_blocks: Vec::new(), owed: Vec::new() },
+            State::Standard { .. } => {
+                ResidualBackward { acc: dh, g_blocks: Vec::new(), owed: Vec::new() }
+            }
             State::Depth { blocks, calls, ablation: Some(_), .. } => {
                 let g_blocks = (0..blocks.len()).map(|_| zeros(dh.len())).collect();
                 let mut rb = ResidualBackward { acc: Vec::new(), g_blocks, owed: Vec::new() };
@@ -502,7 +599,8 @@ impl ResidualBackward {
                 rb
             }
             State::Depth { calls, .. } => {
-                let mut rb = ResidualBackward { acc: Vec::new(), g_blocks: Vec::new(), owed: Vec::new() };
+                let mut rb =
+                    ResidualBackward { acc: Vec::new(), g_blocks: Vec::new(), owed: Vec::new() };
                 rb.owe(calls.len() - 1, dh, dh_dot_h, fwd);
                 rb
             }
@@ -527,10 +625,21 @@ impl ResidualBackward {
     /// Backpropagates `dh`, the gradient of the input `h` of sublayer `l`; `dh_dot_h` as in
     /// [`Self::new`].
     #[allow(clippy::too_many_arguments)]
-    pub fn input_grad(&mut self, l: usize, dh: Vec<f32>, dh_dot_h: Vec<f32>, fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
+    pub fn input_grad(
+        &mut self,
+        l: usize,
+        dh: Vec<f32>,
+        dh_dot_h: Vec<f32>,
+        fwd: &ResidualForward,
+        params: &[f32],
+        grads: &mut [f32],
+        layout: &Layout,
+    ) {
         match &fwd.state {
             State::Standard { .. } => kernels::add_assign(&mut self.acc, &dh),
-            State::Depth { ablation: Some(_), .. } => self.ablation_backward(l, &dh, fwd, params, grads, layout),
+            State::Depth { ablation: Some(_), .. } => {
+                self.ablation_backward(l, &dh, fwd, params, grads, layout)
+            }
             State::Depth { .. } => self.owe(l, dh, dh_dot_h, fwd),
         }
     }
@@ -545,7 +654,14 @@ impl ResidualBackward {
         assert_eq!(mean.len() * d, dh.len(), "one <dh, h> per token");
         let mut dw = vec![0.0f32; d];
         if let Some((pv, pr)) = &call.partial {
-            let g = ConsumerGrad { dh: &dh, mean: &mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w: &w };
+            let g = ConsumerGrad {
+                dh: &dh,
+                mean: &mean,
+                alpha: &call.alpha,
+                logits: &call.logits,
+                k: call.k,
+                w: &w,
+            };
             depth::backward_one(&mut self.acc, &mut dw, &g, call.k - 1, pv, pr, d);
         }
         self.owed.push(Owed { l, dh, mean, w, dw });
@@ -560,7 +676,17 @@ impl ResidualBackward {
             .iter_mut()
             .map(|Owed { l, dh, mean, w, dw }| {
                 let call = &calls[*l];
-                (ConsumerGrad { dh, mean, alpha: &call.alpha, logits: &call.logits, k: call.k, w }, dw.as_mut_slice())
+                (
+                    ConsumerGrad {
+                        dh,
+                        mean,
+                        alpha: &call.alpha,
+                        logits: &call.logits,
+                        k: call.k,
+                        w,
+                    },
+                    dw.as_mut_slice(),
+                )
             })
             .unzip();
         depth::backward_source(&mut dws, &consumers, n, blocks.get(n), blocks.rstd(n), fwd.d)
@@ -568,8 +694,18 @@ impl ResidualBackward {
 
     /// Backpropagates consumer `l`'s depth attention under an ablation: into the completed
     /// blocks it read, its partial sum (`acc`) and its parameters.
-    fn ablation_backward(&mut self, l: usize, dh: &[f32], fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) {
-        let State::Depth { blocks, calls, ablation: Some(ab), .. } = &fwd.state else { unreachable!("ablation state") };
+    fn ablation_backward(
+        &mut self,
+        l: usize,
+        dh: &[f32],
+        fwd: &ResidualForward,
+        params: &[f32],
+        grads: &mut [f32],
+        layout: &Layout,
+    ) {
+        let State::Depth { blocks, calls, ablation: Some(ab), .. } = &fwd.state else {
+            unreachable!("ablation state")
+        };
         let (d, eps) = (fwd.d, fwd.eps);
         let call = &calls[l];
         let p = depth_param(layout, l);
@@ -583,7 +719,11 @@ impl ResidualBackward {
         }
         // Each source's gradient: its block's, or `acc` for the partial sum.
         let mut by_block: Vec<Option<&mut Vec<f32>>> = self.g_blocks.iter_mut().map(Some).collect();
-        let mut dsrc: Vec<&mut [f32]> = call.srcs.iter().map(|&i| by_block[i].take().expect("distinct sources").as_mut_slice()).collect();
+        let mut dsrc: Vec<&mut [f32]> = call
+            .srcs
+            .iter()
+            .map(|&i| by_block[i].take().expect("distinct sources").as_mut_slice())
+            .collect();
         if call.k > call.srcs.len() {
             dsrc.push(self.acc.as_mut_slice());
         }
@@ -591,24 +731,52 @@ impl ResidualBackward {
         match ab.query {
             DepthQuery::Static => {
                 let q = &params[p.query.clone()];
-                let w: Vec<f32> = gain.map_or_else(|| q.to_vec(), |g| q.iter().zip(g).map(|(a, b)| a * b).collect());
+                let w: Vec<f32> = gain
+                    .map_or_else(|| q.to_vec(), |g| q.iter().zip(g).map(|(a, b)| a * b).collect());
                 let mut dw = zeros(d);
-                depth_variants::backward(&mut dsrc, &mut dw, dh, &sv, &rv, &call.alpha, &call.logits, Query::Static(&w), ab.options, d);
+                depth_variants::backward(
+                    &mut dsrc,
+                    &mut dw,
+                    dh,
+                    &sv,
+                    &rv,
+                    &call.alpha,
+                    &call.logits,
+                    Query::Static(&w),
+                    ab.options,
+                    d,
+                );
                 query_grad(p, &dw, params, grads);
             }
             DepthQuery::Input => {
                 let iq = call.input_query.as_ref().expect("forward kept the input query");
                 let w: Vec<f32> = match gain {
-                    Some(g) => iq.q.chunks(d).flat_map(|r| r.iter().zip(g).map(|(a, b)| a * b)).collect(),
+                    Some(g) => {
+                        iq.q.chunks(d).flat_map(|r| r.iter().zip(g).map(|(a, b)| a * b)).collect()
+                    }
                     None => iq.q.clone(),
                 };
                 let mut dw = zeros(rows * d);
-                depth_variants::backward(&mut dsrc, &mut dw, dh, &sv, &rv, &call.alpha, &call.logits, Query::PerToken(&w), ab.options, d);
+                depth_variants::backward(
+                    &mut dsrc,
+                    &mut dw,
+                    dh,
+                    &sv,
+                    &rv,
+                    &call.alpha,
+                    &call.logits,
+                    Query::PerToken(&w),
+                    ab.options,
+                    d,
+                );
                 // w = q ⊙ γ: dq = dw ⊙ γ, dγ = Σ_t dw ⊙ q.
                 let dq: Vec<f32> = match (gain, &p.gain) {
                     (Some(g), Some(gr)) => {
                         for (dwr, qr) in dw.chunks(d).zip(iq.q.chunks(d)) {
-                            grads[gr.clone()].iter_mut().zip(dwr.iter().zip(qr)).for_each(|(a, (x, y))| *a += x * y);
+                            grads[gr.clone()]
+                                .iter_mut()
+                                .zip(dwr.iter().zip(qr))
+                                .for_each(|(a, (x, y))| *a += x * y);
                         }
                         dw.chunks(d).flat_map(|r| r.iter().zip(g).map(|(a, b)| a * b)).collect()
                     }
@@ -620,7 +788,16 @@ impl ResidualBackward {
                 linear_backward_input(&mut dxhat, &dq, &params[p.query.clone()], rows, d, d, false);
                 let (x, _, _) = normed_sum(&sv, d, eps);
                 let (mut dx, mut unused_dgain) = (zeros(rows * d), zeros(d));
-                rmsnorm::backward(&mut dx, &mut unused_dgain, &dxhat, &x, &vec![1.0; d], &iq.rstd, d, None);
+                rmsnorm::backward(
+                    &mut dx,
+                    &mut unused_dgain,
+                    &dxhat,
+                    &x,
+                    &vec![1.0; d],
+                    &iq.rstd,
+                    d,
+                    None,
+                );
                 for g in dsrc.iter_mut() {
                     kernels::add_assign(g, &dx);
                 }
@@ -629,7 +806,18 @@ impl ResidualBackward {
                 let partial = call.k > call.srcs.len();
                 let c = scalar_logits(ab, p, &call.srcs, partial, params);
                 let mut dc = zeros(c.len());
-                depth_variants::backward(&mut dsrc, &mut dc, dh, &sv, &rv, &call.alpha, &call.logits, Query::Scalar(&c), ab.options, d);
+                depth_variants::backward(
+                    &mut dsrc,
+                    &mut dc,
+                    dh,
+                    &sv,
+                    &rv,
+                    &call.alpha,
+                    &call.logits,
+                    Query::Scalar(&c),
+                    ab.options,
+                    d,
+                );
                 let cols = call.srcs.iter().copied().chain(partial.then_some(ab.columns - 1));
                 for (col, g) in cols.zip(&dc) {
                     grads[p.query.start + col] += g;
@@ -639,7 +827,13 @@ impl ResidualBackward {
     }
 
     /// Gradient of the embedding output.
-    pub fn embedding_grad(mut self, fwd: &ResidualForward, params: &[f32], grads: &mut [f32], layout: &Layout) -> Vec<f32> {
+    pub fn embedding_grad(
+        mut self,
+        fwd: &ResidualForward,
+        params: &[f32],
+        grads: &mut [f32],
+        layout: &Layout,
+    ) -> Vec<f32> {
         match &fwd.state {
             State::Standard { .. } => self.acc,
             State::Depth { ablation: Some(_), .. } => self.g_blocks.swap_remove(0),
@@ -666,8 +860,14 @@ mod tests {
     #[test]
     fn block_sources_by_hand() {
         let c = Config {
-            hidden_size: 2, head_dim: 2, num_attention_heads: 1, num_key_value_heads: 1,
-            num_hidden_layers: 2, residual: ResidualKind::Block, num_blocks: 2, ..Config::default()
+            hidden_size: 2,
+            head_dim: 2,
+            num_attention_heads: 1,
+            num_key_value_heads: 1,
+            num_hidden_layers: 2,
+            residual: ResidualKind::Block,
+            num_blocks: 2,
+            ..Config::default()
         };
         let lay = Layout::new(&c);
         let params = lay.init(&c, 0);
@@ -689,8 +889,13 @@ mod tests {
     #[test]
     fn full_reads_every_earlier_output() {
         let c = Config {
-            hidden_size: 2, head_dim: 2, num_attention_heads: 1, num_key_value_heads: 1,
-            num_hidden_layers: 1, residual: ResidualKind::Full, ..Config::default()
+            hidden_size: 2,
+            head_dim: 2,
+            num_attention_heads: 1,
+            num_key_value_heads: 1,
+            num_hidden_layers: 1,
+            residual: ResidualKind::Full,
+            ..Config::default()
         };
         let lay = Layout::new(&c);
         let params = lay.init(&c, 0);

@@ -57,7 +57,11 @@ pub struct Forward {
 impl Forward {
     /// The input `h_l` each sublayer read, in sublayer order (`[rows, d]` each).
     pub fn sublayer_inputs(&self) -> Vec<&[f32]> {
-        self.attn.iter().zip(&self.mlp).flat_map(|(a, m)| [a.h.as_slice(), m.h.as_slice()]).collect()
+        self.attn
+            .iter()
+            .zip(&self.mlp)
+            .flat_map(|(a, m)| [a.h.as_slice(), m.h.as_slice()])
+            .collect()
     }
 
     /// The vector fed to the final norm (`[rows, d]`).
@@ -70,8 +74,14 @@ impl Model {
     pub fn new(config: Config, params: Vec<f32>) -> Result<Model> {
         config.validate()?;
         let layout = Layout::new(&config);
-        ensure!(params.len() == layout.total, "parameter buffer has {} values, the config needs {}", params.len(), layout.total);
-        let rope = RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
+        ensure!(
+            params.len() == layout.total,
+            "parameter buffer has {} values, the config needs {}",
+            params.len(),
+            layout.total
+        );
+        let rope =
+            RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
         Ok(Model { config, layout, params, rope })
     }
 
@@ -84,7 +94,13 @@ impl Model {
 
     fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
         let c = &self.config;
-        AttnShape { batch, seq, heads: c.num_attention_heads, kv_heads: c.num_key_value_heads, head_dim: c.head_dim }
+        AttnShape {
+            batch,
+            seq,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        }
     }
 
     /// Checks a batch of token ids against the vocabulary and the context length.
@@ -96,8 +112,13 @@ impl Model {
             "sequence length {seq} exceeds max_position_embeddings = {}",
             self.config.max_position_embeddings
         );
-        if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size) {
-            anyhow::bail!("token id {t} at position {i} is out of range for vocab_size = {}", self.config.vocab_size);
+        if let Some((i, &t)) =
+            ids.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size)
+        {
+            anyhow::bail!(
+                "token id {t} at position {i} is out of range for vocab_size = {}",
+                self.config.vocab_size
+            );
         }
         Ok(())
     }
@@ -105,13 +126,27 @@ impl Model {
     /// The attention sublayer up to the attention itself: RMSNorm of `h`, the fused q/k/v
     /// projection and the rotary embedding at `positions`. Returns the normed input, its 1/rms
     /// and `qkv`.
-    pub(crate) fn attn_project(&self, lp: &LayerParams, h: &[f32], positions: Positions) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    pub(crate) fn attn_project(
+        &self,
+        lp: &LayerParams,
+        h: &[f32],
+        positions: Positions,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let c = &self.config;
         let (d, qw) = (c.hidden_size, c.qkv_width());
         let n = h.len() / d;
         let p = &self.params;
         let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, h, &p[lp.input_norm.clone()], d, c.rms_norm_eps as f32));
+        phase("fwd rmsnorm", || {
+            rmsnorm::forward(
+                &mut xn,
+                &mut rstd,
+                h,
+                &p[lp.input_norm.clone()],
+                d,
+                c.rms_norm_eps as f32,
+            )
+        });
         let mut qkv = zeros(n * qw);
         phase("fwd linear", || linear_forward(&mut qkv, &xn, &p[lp.qkv.clone()], n, d, qw));
         let heads = c.num_attention_heads + c.num_key_value_heads;
@@ -126,7 +161,16 @@ impl Model {
         let n = h.len() / d;
         let p = &self.params;
         let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, &h, &p[lp.post_norm.clone()], d, c.rms_norm_eps as f32));
+        phase("fwd rmsnorm", || {
+            rmsnorm::forward(
+                &mut xn,
+                &mut rstd,
+                &h,
+                &p[lp.post_norm.clone()],
+                d,
+                c.rms_norm_eps as f32,
+            )
+        });
         let mut gu = zeros(n * 2 * f);
         phase("fwd linear", || linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f));
         let mut act = zeros(n * f);
@@ -144,9 +188,20 @@ impl Model {
         let n = h.len() / d;
         let p = &self.params;
         let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-        phase("fwd rmsnorm", || rmsnorm::forward(&mut xn, &mut rstd, h, &p[self.layout.final_norm.clone()], d, c.rms_norm_eps as f32));
+        phase("fwd rmsnorm", || {
+            rmsnorm::forward(
+                &mut xn,
+                &mut rstd,
+                h,
+                &p[self.layout.final_norm.clone()],
+                d,
+                c.rms_norm_eps as f32,
+            )
+        });
         let mut logits = zeros(n * v);
-        phase("fwd head", || linear_forward(&mut logits, &xn, &p[self.layout.head.clone()], n, d, v));
+        phase("fwd head", || {
+            linear_forward(&mut logits, &xn, &p[self.layout.head.clone()], n, d, v)
+        });
         (xn, rstd, logits)
     }
 
@@ -194,14 +249,35 @@ impl Model {
         }
         let h_final = phase("fwd residual", || res.output(p, &self.layout));
         let (xn_final, rstd_final, logits) = self.head(&h_final);
-        Ok(Forward { batch, seq, ids: ids.to_vec(), attn, mlp, residual: res, h_final, rstd_final, xn_final, logits })
+        Ok(Forward {
+            batch,
+            seq,
+            ids: ids.to_vec(),
+            attn,
+            mlp,
+            residual: res,
+            h_final,
+            rstd_final,
+            xn_final,
+            logits,
+        })
     }
 
     /// Checks targets against the vocabulary.
     pub fn check_targets(&self, targets: &[u32], fwd: &Forward) -> Result<()> {
-        ensure!(targets.len() == fwd.ids.len(), "targets have {} ids, inputs have {}", targets.len(), fwd.ids.len());
-        if let Some((i, &t)) = targets.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size) {
-            anyhow::bail!("target id {t} at position {i} is out of range for vocab_size = {}", self.config.vocab_size);
+        ensure!(
+            targets.len() == fwd.ids.len(),
+            "targets have {} ids, inputs have {}",
+            targets.len(),
+            fwd.ids.len()
+        );
+        if let Some((i, &t)) =
+            targets.iter().enumerate().find(|(_, &t)| t as usize >= self.config.vocab_size)
+        {
+            anyhow::bail!(
+                "target id {t} at position {i} is out of range for vocab_size = {}",
+                self.config.vocab_size
+            );
         }
         Ok(())
     }
@@ -224,18 +300,41 @@ impl Model {
         let mut g = zeros(lay.total);
 
         let mut dlogits = zeros(n * v);
-        let loss = phase("cross-entropy", || cross_entropy::forward_backward(&fwd.logits, targets, v, Some(&mut dlogits)));
+        let loss = phase("cross-entropy", || {
+            cross_entropy::forward_backward(&fwd.logits, targets, v, Some(&mut dlogits))
+        });
         let mut dxn = zeros(n * d);
         phase("bwd head", || {
-            linear_backward(&mut dxn, &mut g[lay.head.clone()], &dlogits, &fwd.xn_final, &p[lay.head.clone()], n, d, v, false);
+            linear_backward(
+                &mut dxn,
+                &mut g[lay.head.clone()],
+                &dlogits,
+                &fwd.xn_final,
+                &p[lay.head.clone()],
+                n,
+                d,
+                v,
+                false,
+            );
         });
         drop(dlogits);
         // ⟨dh, h⟩ per token for the depth attention's backward, taken inside each norm's backward.
         let rows_dot = || if c.block_size().is_some() { zeros(n) } else { Vec::new() };
         let mut dh = zeros(n * d);
         let mut dh_dot = rows_dot();
-        rmsnorm::backward(&mut dh, &mut g[lay.final_norm.clone()], &dxn, &fwd.h_final, &p[lay.final_norm.clone()], &fwd.rstd_final, d, non_empty(&mut dh_dot));
-        let mut res = phase("bwd residual", || ResidualBackward::new(&fwd.residual, dh, dh_dot, p, &mut g, lay));
+        rmsnorm::backward(
+            &mut dh,
+            &mut g[lay.final_norm.clone()],
+            &dxn,
+            &fwd.h_final,
+            &p[lay.final_norm.clone()],
+            &fwd.rstd_final,
+            d,
+            non_empty(&mut dh_dot),
+        );
+        let mut res = phase("bwd residual", || {
+            ResidualBackward::new(&fwd.residual, dh, dh_dot, p, &mut g, lay)
+        });
 
         // Scratch buffers reused across layers.
         let mut dact = zeros(n * f);
@@ -247,30 +346,106 @@ impl Model {
             let s = &fwd.mlp[i];
             let dout = phase("bwd residual", || res.output_grad(2 * i + 1, &fwd.residual));
             phase("bwd linear", || {
-                linear_backward(&mut dact, &mut g[lp.down.clone()], dout, &s.act, &p[lp.down.clone()], n, f, d, false);
+                linear_backward(
+                    &mut dact,
+                    &mut g[lp.down.clone()],
+                    dout,
+                    &s.act,
+                    &p[lp.down.clone()],
+                    n,
+                    f,
+                    d,
+                    false,
+                );
             });
             phase("bwd swiglu", || swiglu::backward(&mut dgu, &dact, &s.gu, f));
             phase("bwd linear", || {
-                linear_backward(&mut dxn, &mut g[lp.gate_up.clone()], &dgu, &s.xn, &p[lp.gate_up.clone()], n, d, 2 * f, false);
+                linear_backward(
+                    &mut dxn,
+                    &mut g[lp.gate_up.clone()],
+                    &dgu,
+                    &s.xn,
+                    &p[lp.gate_up.clone()],
+                    n,
+                    d,
+                    2 * f,
+                    false,
+                );
             });
             let (mut dh, mut dh_dot) = (zeros(n * d), rows_dot());
-            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.post_norm.clone()], &dxn, &s.h, &p[lp.post_norm.clone()], &s.rstd, d, non_empty(&mut dh_dot)));
-            phase("bwd residual", || res.input_grad(2 * i + 1, dh, dh_dot, &fwd.residual, p, &mut g, lay));
+            phase("bwd rmsnorm", || {
+                rmsnorm::backward(
+                    &mut dh,
+                    &mut g[lp.post_norm.clone()],
+                    &dxn,
+                    &s.h,
+                    &p[lp.post_norm.clone()],
+                    &s.rstd,
+                    d,
+                    non_empty(&mut dh_dot),
+                )
+            });
+            phase("bwd residual", || {
+                res.input_grad(2 * i + 1, dh, dh_dot, &fwd.residual, p, &mut g, lay)
+            });
 
             // Attention sublayer 2i.
             let s = &fwd.attn[i];
             let dout = phase("bwd residual", || res.output_grad(2 * i, &fwd.residual));
             phase("bwd linear", || {
-                linear_backward(&mut do_, &mut g[lp.o_proj.clone()], dout, &s.o, &p[lp.o_proj.clone()], n, ow, d, false);
+                linear_backward(
+                    &mut do_,
+                    &mut g[lp.o_proj.clone()],
+                    dout,
+                    &s.o,
+                    &p[lp.o_proj.clone()],
+                    n,
+                    ow,
+                    d,
+                    false,
+                );
             });
             phase("bwd attention", || attention::backward(&mut dqkv, &do_, &s.qkv, &s.probs, sh));
-            phase("bwd rope", || rope::apply(&mut dqkv, qw, 0, sh.heads + sh.kv_heads, Positions::Packed(fwd.seq), &self.rope, true));
+            phase("bwd rope", || {
+                rope::apply(
+                    &mut dqkv,
+                    qw,
+                    0,
+                    sh.heads + sh.kv_heads,
+                    Positions::Packed(fwd.seq),
+                    &self.rope,
+                    true,
+                )
+            });
             phase("bwd linear", || {
-                linear_backward(&mut dxn, &mut g[lp.qkv.clone()], &dqkv, &s.xn, &p[lp.qkv.clone()], n, d, qw, false);
+                linear_backward(
+                    &mut dxn,
+                    &mut g[lp.qkv.clone()],
+                    &dqkv,
+                    &s.xn,
+                    &p[lp.qkv.clone()],
+                    n,
+                    d,
+                    qw,
+                    false,
+                );
             });
             let (mut dh, mut dh_dot) = (zeros(n * d), rows_dot());
-            phase("bwd rmsnorm", || rmsnorm::backward(&mut dh, &mut g[lp.input_norm.clone()], &dxn, &s.h, &p[lp.input_norm.clone()], &s.rstd, d, non_empty(&mut dh_dot)));
-            phase("bwd residual", || res.input_grad(2 * i, dh, dh_dot, &fwd.residual, p, &mut g, lay));
+            phase("bwd rmsnorm", || {
+                rmsnorm::backward(
+                    &mut dh,
+                    &mut g[lp.input_norm.clone()],
+                    &dxn,
+                    &s.h,
+                    &p[lp.input_norm.clone()],
+                    &s.rstd,
+                    d,
+                    non_empty(&mut dh_dot),
+                )
+            });
+            phase("bwd residual", || {
+                res.input_grad(2 * i, dh, dh_dot, &fwd.residual, p, &mut g, lay)
+            });
         }
         let de = phase("bwd residual", || res.embedding_grad(&fwd.residual, p, &mut g, lay));
         phase("bwd embed", || embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d));

@@ -33,7 +33,9 @@ impl Corpus {
     /// The embedded default corpus.
     pub fn embedded() -> Corpus {
         let mut text = String::new();
-        flate2::read::GzDecoder::new(EMBEDDED).read_to_string(&mut text).expect("the embedded corpus is valid gzip UTF-8");
+        flate2::read::GzDecoder::new(EMBEDDED)
+            .read_to_string(&mut text)
+            .expect("the embedded corpus is valid gzip UTF-8");
         Corpus { name: "Shakespeare's plays (embedded)".into(), documents: split_documents(&text) }
     }
 
@@ -75,7 +77,11 @@ impl Corpus {
             _ => {
                 let (mut train, mut val) = (Vec::new(), Vec::new());
                 for (i, d) in docs.iter().enumerate() {
-                    if i % 10 == 9 { val.push(d.clone()) } else { train.push(d.clone()) }
+                    if i % 10 == 9 {
+                        val.push(d.clone())
+                    } else {
+                        train.push(d.clone())
+                    }
                 }
                 Split { train, val }
             }
@@ -86,7 +92,11 @@ impl Corpus {
 /// Splits text at runs of two or more blank lines.
 pub fn split_documents(text: &str) -> Vec<String> {
     let text = text.replace("\r\n", "\n");
-    text.split("\n\n\n").map(|d| d.trim_matches('\n')).filter(|d| !d.trim().is_empty()).map(String::from).collect()
+    text.split("\n\n\n")
+        .map(|d| d.trim_matches('\n'))
+        .filter(|d| !d.trim().is_empty())
+        .map(String::from)
+        .collect()
 }
 
 fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
@@ -128,8 +138,8 @@ fn read_documents(path: &Path) -> Result<Vec<String>> {
         if line.trim().is_empty() {
             continue;
         }
-        let v: serde_json::Value =
-            serde_json::from_str(line).with_context(|| format!("{} line {}: not valid JSON", path.display(), i + 1))?;
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}: not valid JSON", path.display(), i + 1))?;
         match v.get("text") {
             Some(serde_json::Value::String(s)) => docs.push(s.clone()),
             Some(_) => bail!("{} line {}: field \"text\" is not a string", path.display(), i + 1),
@@ -157,7 +167,11 @@ mod tests {
     fn files_directories_and_jsonl() {
         let tmp = tempfile::tempdir().unwrap();
         std::fs::write(tmp.path().join("a.txt"), "one\n\n\n\ntwo\nlines\n\n\nthree").unwrap();
-        std::fs::write(tmp.path().join("b.jsonl"), "{\"text\": \"four\"}\n\n{\"text\": \"five\", \"id\": 2}\n").unwrap();
+        std::fs::write(
+            tmp.path().join("b.jsonl"),
+            "{\"text\": \"four\"}\n\n{\"text\": \"five\", \"id\": 2}\n",
+        )
+        .unwrap();
         std::fs::write(tmp.path().join(".hidden"), "ignored").unwrap();
         let c = Corpus::from_path(tmp.path()).unwrap();
         assert_eq!(c.documents, vec!["one", "two\nlines", "three", "four", "five"]);
@@ -168,9 +182,14 @@ mod tests {
         let e = Corpus::from_path(tmp.path()).err().unwrap().to_string();
         assert!(e.contains("line 1: field \"text\" is not a string"), "{e}");
         std::fs::write(tmp.path().join("b.jsonl"), "{\"txt\": \"x\"}\n").unwrap();
-        assert!(Corpus::from_path(tmp.path()).err().unwrap().to_string().contains("no \"text\" field"));
+        assert!(Corpus::from_path(tmp.path())
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("no \"text\" field"));
         std::fs::write(tmp.path().join("b.jsonl"), "[1,\n").unwrap();
-        assert!(format!("{:#}", Corpus::from_path(tmp.path()).err().unwrap()).contains("not valid JSON"));
+        assert!(format!("{:#}", Corpus::from_path(tmp.path()).err().unwrap())
+            .contains("not valid JSON"));
 
         let bad = tmp.path().join("bad.txt");
         std::fs::write(&bad, b"ok \xff\xfe nope").unwrap();
@@ -179,7 +198,11 @@ mod tests {
         let empty = tmp.path().join("empty.txt");
         std::fs::write(&empty, "\n\n  \n").unwrap();
         assert!(Corpus::from_path(&empty).err().unwrap().to_string().contains("empty"));
-        assert!(Corpus::from_path(&tmp.path().join("nope")).err().unwrap().to_string().contains("no such file"));
+        assert!(Corpus::from_path(&tmp.path().join("nope"))
+            .err()
+            .unwrap()
+            .to_string()
+            .contains("no such file"));
     }
 
     #[test]

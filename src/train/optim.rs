@@ -104,7 +104,8 @@ enum Rule {
 
 fn rule(spec: &ParamSpec, kind: OptimizerKind) -> Rule {
     let query_matrix = spec.name.contains("res_proj") && spec.shape.len() == 2 && spec.shape[0] > 1;
-    let hidden_matrix = spec.name.contains(".self_attn.") || spec.name.contains(".mlp.") || query_matrix;
+    let hidden_matrix =
+        spec.name.contains(".self_attn.") || spec.name.contains(".mlp.") || query_matrix;
     if kind == OptimizerKind::Muon && hidden_matrix && spec.shape.len() == 2 {
         return Rule::Muon { rows: spec.shape[0], cols: spec.shape[1] };
     }
@@ -127,14 +128,26 @@ pub struct Optimizer {
 
 impl Optimizer {
     pub fn new(config: OptimConfig, layout: &Layout) -> Optimizer {
-        let rules = layout.specs.iter().map(|s| (s.range.clone(), rule(s, config.optimizer))).collect();
+        let rules =
+            layout.specs.iter().map(|s| (s.range.clone(), rule(s, config.optimizer))).collect();
         let n = layout.total;
-        Optimizer { config, step: 0, m: vec![0.0; n], v: vec![0.0; n], momentum: vec![0.0; n], rules }
+        Optimizer {
+            config,
+            step: 0,
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+            momentum: vec![0.0; n],
+            rules,
+        }
     }
 
     /// Global L2 norm of `grads`.
     pub fn grad_norm(grads: &[f32]) -> f64 {
-        grads.par_chunks(1 << 16).map(|c| c.iter().map(|g| (*g as f64) * (*g as f64)).sum::<f64>()).sum::<f64>().sqrt()
+        grads
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().map(|g| (*g as f64) * (*g as f64)).sum::<f64>())
+            .sum::<f64>()
+            .sqrt()
     }
 
     /// Clips `grads` to the configured global norm; returns the norm before clipping.
@@ -161,19 +174,21 @@ impl Optimizer {
                 Rule::Adam { decay } => {
                     let wd = if decay { c.weight_decay } else { 0.0 };
                     let (m, v) = (&mut self.m[range.clone()], &mut self.v[range.clone()]);
-                    p.par_chunks_mut(4096).zip(g.par_chunks(4096)).zip(m.par_chunks_mut(4096).zip(v.par_chunks_mut(4096))).for_each(
-                        |((p, g), (m, v))| {
+                    p.par_chunks_mut(4096)
+                        .zip(g.par_chunks(4096))
+                        .zip(m.par_chunks_mut(4096).zip(v.par_chunks_mut(4096)))
+                        .for_each(|((p, g), (m, v))| {
                             for i in 0..p.len() {
                                 let gi = g[i] as f64;
                                 let mi = c.beta1 * m[i] as f64 + (1.0 - c.beta1) * gi;
                                 let vi = c.beta2 * v[i] as f64 + (1.0 - c.beta2) * gi * gi;
                                 m[i] = mi as f32;
                                 v[i] = vi as f32;
-                                let upd = (mi / bc1) / ((vi / bc2).sqrt() + c.adam_eps) + wd * p[i] as f64;
+                                let upd = (mi / bc1) / ((vi / bc2).sqrt() + c.adam_eps)
+                                    + wd * p[i] as f64;
                                 p[i] = (p[i] as f64 - lr * upd) as f32;
                             }
-                        },
-                    );
+                        });
                 }
                 Rule::Muon { rows, cols } => {
                     let buf = &mut self.momentum[range.clone()];
@@ -253,12 +268,27 @@ mod tests {
     #[test]
     fn muon_takes_the_hidden_and_query_matrices() {
         use crate::model::Config;
-        let c = Config { hidden_size: 16, head_dim: 8, intermediate_size: 24, num_hidden_layers: 1, vocab_size: 40, residual: crate::model::ResidualKind::Full, ..Config::default() };
+        let c = Config {
+            hidden_size: 16,
+            head_dim: 8,
+            intermediate_size: 24,
+            num_hidden_layers: 1,
+            vocab_size: 40,
+            residual: crate::model::ResidualKind::Full,
+            ..Config::default()
+        };
         let input = c.with_overrides(&["attn_res_query=input".to_string()]).unwrap();
-        let rule_of = |c: &Config, name: &str| rule(Layout::new(c).spec(name).unwrap(), OptimizerKind::Muon);
-        assert_eq!(rule_of(&c, "model.layers.0.mlp.down_proj.weight"), Rule::Muon { rows: 16, cols: 24 });
+        let rule_of =
+            |c: &Config, name: &str| rule(Layout::new(c).spec(name).unwrap(), OptimizerKind::Muon);
+        assert_eq!(
+            rule_of(&c, "model.layers.0.mlp.down_proj.weight"),
+            Rule::Muon { rows: 16, cols: 24 }
+        );
         assert_eq!(rule_of(&c, "model.layers.0.attn_res_proj.weight"), Rule::Adam { decay: false });
-        assert_eq!(rule_of(&input, "model.layers.0.attn_res_proj.weight"), Rule::Muon { rows: 16, cols: 16 });
+        assert_eq!(
+            rule_of(&input, "model.layers.0.attn_res_proj.weight"),
+            Rule::Muon { rows: 16, cols: 16 }
+        );
         assert_eq!(rule_of(&c, "model.embed_tokens.weight"), Rule::Adam { decay: false });
     }
 
@@ -278,7 +308,18 @@ mod tests {
 
     #[test]
     fn adamw_matches_the_textbook_update() {
-        let c = Config { residual: ResidualKind::Block, num_blocks: 2, vocab_size: 10, hidden_size: 8, head_dim: 4, num_attention_heads: 2, num_key_value_heads: 2, intermediate_size: 8, num_hidden_layers: 1, ..Config::default() };
+        let c = Config {
+            residual: ResidualKind::Block,
+            num_blocks: 2,
+            vocab_size: 10,
+            hidden_size: 8,
+            head_dim: 4,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            intermediate_size: 8,
+            num_hidden_layers: 1,
+            ..Config::default()
+        };
         let lay = Layout::new(&c);
         let mut opt = Optimizer::new(cfg(OptimizerKind::Adamw), &lay);
         let mut p = lay.init(&c, 1);
@@ -304,7 +345,8 @@ mod tests {
     #[test]
     fn newton_schulz_orthogonalises() {
         for (rows, cols) in [(8, 32), (32, 8)] {
-            let g: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
+            let g: Vec<f32> =
+                (0..rows * cols).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
             let o = newton_schulz(&g, rows, cols);
             // Singular values end up near 1 (the quintic lands them in roughly [0.7, 1.2]).
             let (r, k) = (rows.min(cols), rows.max(cols));
@@ -322,7 +364,16 @@ mod tests {
 
     #[test]
     fn clipping_scales_to_the_limit() {
-        let c = Config { vocab_size: 10, hidden_size: 8, head_dim: 4, num_attention_heads: 2, num_key_value_heads: 2, intermediate_size: 8, num_hidden_layers: 1, ..Config::default() };
+        let c = Config {
+            vocab_size: 10,
+            hidden_size: 8,
+            head_dim: 4,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            intermediate_size: 8,
+            num_hidden_layers: 1,
+            ..Config::default()
+        };
         let opt = Optimizer::new(cfg(OptimizerKind::Muon), &Layout::new(&c));
         let mut g = vec![1.0f32; Layout::new(&c).total];
         let before = opt.clip(&mut g);

@@ -93,13 +93,32 @@ impl TrainConfig {
             "train: batch_tokens = {} must be a multiple of micro_batch x seq_len = {per}",
             self.batch_tokens
         );
-        ensure!(self.steps() > 0, "train: max_tokens = {} is less than one batch of {} tokens", self.max_tokens, self.batch_tokens);
+        ensure!(
+            self.steps() > 0,
+            "train: max_tokens = {} is less than one batch of {} tokens",
+            self.max_tokens,
+            self.batch_tokens
+        );
         let o = &self.optim;
-        for (k, v) in [("lr", o.lr), ("weight_decay", o.weight_decay), ("grad_clip", o.grad_clip), ("adam_eps", o.adam_eps)] {
-            ensure!(v.is_finite() && v >= 0.0, "train: {k} must be a finite non-negative number, got {v}");
+        for (k, v) in [
+            ("lr", o.lr),
+            ("weight_decay", o.weight_decay),
+            ("grad_clip", o.grad_clip),
+            ("adam_eps", o.adam_eps),
+        ] {
+            ensure!(
+                v.is_finite() && v >= 0.0,
+                "train: {k} must be a finite non-negative number, got {v}"
+            );
         }
         ensure!(o.lr > 0.0, "train: lr must be positive, got {}", o.lr);
-        for (k, v) in [("beta1", o.beta1), ("beta2", o.beta2), ("muon_momentum", o.muon_momentum), ("min_lr_ratio", o.min_lr_ratio), ("decay_fraction", o.decay_fraction)] {
+        for (k, v) in [
+            ("beta1", o.beta1),
+            ("beta2", o.beta2),
+            ("muon_momentum", o.muon_momentum),
+            ("min_lr_ratio", o.min_lr_ratio),
+            ("decay_fraction", o.decay_fraction),
+        ] {
             ensure!((0.0..=1.0).contains(&v), "train: {k} must lie in [0, 1], got {v}");
         }
         Ok(())
@@ -116,9 +135,13 @@ pub struct RunConfig {
 impl RunConfig {
     /// Parses a TOML document with `[model]` and `[train]` tables laid over the defaults.
     pub fn from_toml(text: &str, origin: &str) -> Result<RunConfig> {
-        let doc: toml::Table = toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
+        let doc: toml::Table =
+            toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
         for k in doc.keys() {
-            ensure!(k == "model" || k == "train", "{origin}: unknown table [{k}] (expected [model] and [train])");
+            ensure!(
+                k == "model" || k == "train",
+                "{origin}: unknown table [{k}] (expected [model] and [train])"
+            );
         }
         let table = |name: &str| -> Result<Map<String, Value>> {
             match doc.get(name).map(serde_json::to_value).transpose()? {
@@ -127,8 +150,11 @@ impl RunConfig {
                 Some(_) => bail!("{origin}: [{name}] must be a table"),
             }
         };
-        let model = Config::default().with_values(table("model")?).with_context(|| format!("in {origin}"))?;
-        let train = overlay_train(&TrainConfig::default(), table("train")?).with_context(|| format!("in {origin} [train]"))?;
+        let model = Config::default()
+            .with_values(table("model")?)
+            .with_context(|| format!("in {origin}"))?;
+        let train = overlay_train(&TrainConfig::default(), table("train")?)
+            .with_context(|| format!("in {origin} [train]"))?;
         Ok(RunConfig { model, train })
     }
 
@@ -144,12 +170,14 @@ impl RunConfig {
         };
         let (mut model_sets, mut train_sets) = (Vec::new(), Map::new());
         for s in sets {
-            let (k, v) = s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
+            let (k, v) =
+                s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
             let k = k.trim();
             if model_keys.contains_key(k) {
                 model_sets.push(s.clone());
             } else if train_keys.contains_key(k) {
-                let v = serde_json::from_str(v.trim()).unwrap_or_else(|_| Value::String(v.trim().to_string()));
+                let v = serde_json::from_str(v.trim())
+                    .unwrap_or_else(|_| Value::String(v.trim().to_string()));
                 train_sets.insert(k.to_string(), v);
             } else {
                 bail!(
@@ -169,7 +197,8 @@ fn overlay_train(base: &TrainConfig, values: Map<String, Value>) -> Result<Train
     let Value::Object(mut map) = serde_json::to_value(base)? else { unreachable!() };
     for (k, v) in values {
         let Some(old) = map.get(&k) else { bail!("unknown training key {k:?}") };
-        crate::model::config::same_kind(old, &v).map_err(|want| anyhow::anyhow!("training key {k} must be {want}, got {v}"))?;
+        crate::model::config::same_kind(old, &v)
+            .map_err(|want| anyhow::anyhow!("training key {k} must be {want}, got {v}"))?;
         map.insert(k, v);
     }
     serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("{e}"))
@@ -224,9 +253,14 @@ const METRICS: &str = "metrics.jsonl";
 /// Trains (or resumes) a run; returns the final validation loss.
 pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     let out = &opts.out;
-    let has_run = out.join(CKPT).exists() || out.join(".ckpt.old").exists() || out.join(METRICS).exists();
+    let has_run =
+        out.join(CKPT).exists() || out.join(".ckpt.old").exists() || out.join(METRICS).exists();
     let resume_dir = if opts.resume {
-        ensure!(run.is_none(), "--resume continues the run in {} with its own settings; drop --config/--preset/--set", out.display());
+        ensure!(
+            run.is_none(),
+            "--resume continues the run in {} with its own settings; drop --config/--preset/--set",
+            out.display()
+        );
         Some(checkpoint_dir(out)?)
     } else {
         ensure!(!has_run || opts.overwrite, "{} already holds a training run; pass --resume to continue it or --overwrite to start over", out.display());
@@ -234,8 +268,11 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     };
     let state: Option<TrainState> = match &resume_dir {
         Some(dir) => Some(
-            serde_json::from_str(&std::fs::read_to_string(dir.join("train_state.json")).context("cannot read the checkpoint's train_state.json")?)
-                .context("the checkpoint's train_state.json is corrupt")?,
+            serde_json::from_str(
+                &std::fs::read_to_string(dir.join("train_state.json"))
+                    .context("cannot read the checkpoint's train_state.json")?,
+            )
+            .context("the checkpoint's train_state.json is corrupt")?,
         ),
         None => None,
     };
@@ -252,7 +289,10 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
         (Some(dir), Some(state)) => {
             let bpe = Bpe::load(&dir.join("tokenizer.json"))?;
             let model = checkpoint::load(dir).context("cannot load the checkpoint's model")?;
-            ensure!(model.config == state.run.model, "the checkpoint's config.json does not match its train_state.json");
+            ensure!(
+                model.config == state.run.model,
+                "the checkpoint's config.json does not match its train_state.json"
+            );
             (state.run.clone(), bpe, model)
         }
         _ => {
@@ -272,7 +312,10 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     let (tokens, reused) = Tokens::load_or_build(&split, &bpe)?;
     let data_key = content_key(&[tokens.path.to_string_lossy().as_bytes()]);
     if let Some(s) = &state {
-        ensure!(s.data_key == data_key, "the training data (or tokenizer) differs from the run being resumed");
+        ensure!(
+            s.data_key == data_key,
+            "the training data (or tokenizer) differs from the run being resumed"
+        );
     }
     ensure!(tokens.val_len() >= 2, "the validation split is empty: use a corpus with more text");
     let mut order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
@@ -292,7 +335,12 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     let (mut step, mut tokens_seen, mut windows_seen, elapsed0) = (0usize, 0u64, 0u64, 0.0f64);
     if let (Some(dir), Some(s)) = (&resume_dir, &state) {
         load_optimizer(&mut opt, &dir.join("optimizer.safetensors"))?;
-        ensure!(opt.step as usize == s.step, "the checkpoint's optimizer state is from step {}, its train_state from step {}", opt.step, s.step);
+        ensure!(
+            opt.step as usize == s.step,
+            "the checkpoint's optimizer state is from step {}, its train_state from step {}",
+            opt.step,
+            s.step
+        );
         (step, tokens_seen, windows_seen) = (s.step, s.tokens_seen, s.windows_seen);
         truncate_metrics(&out.join(METRICS), step)?;
     } else {
@@ -323,7 +371,11 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
         crate::bench::label(&model.config),
     ));
 
-    let mut metrics = std::fs::OpenOptions::new().create(true).append(true).open(out.join(METRICS)).context("cannot open metrics.jsonl")?;
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(out.join(METRICS))
+        .context("cannot open metrics.jsonl")?;
     let t0 = Instant::now();
     let mut last_val = f64::NAN;
     let mut seen_since = 0u64;
@@ -337,7 +389,10 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
             let (ids, targets) = next_batch(&tokens, &mut order, &mut windows_seen, tc.micro_batch);
             let fwd = model.forward(&ids, tc.micro_batch, tc.seq_len)?;
             let (loss, g) = model.backward(&fwd, &targets)?;
-            ensure!(loss.is_finite(), "the training loss became {loss} at step {step}; lower the learning rate");
+            ensure!(
+                loss.is_finite(),
+                "the training loss became {loss} at step {step}; lower the learning rate"
+            );
             loss_sum += loss as f64;
             kernels::add_assign(&mut grads, &g);
         }
@@ -359,7 +414,8 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
             "sublayer_grad_norms": sublayer_norms,
         });
         if step % tc.eval_every == 0 || step == total {
-            let (val_loss, bpb) = validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
+            let (val_loss, bpb) =
+                validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
             last_val = val_loss;
             rec["val_loss"] = json!(val_loss);
             rec["val_bits_per_byte"] = json!(bpb);
@@ -398,9 +454,13 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     if last_val.is_nan() {
         last_val = validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?.0;
     }
-    let (unigram, val_bpb) = (unigram_bits_per_byte(&tokens, bpe.vocab_size()), last_val / std::f64::consts::LN_2 / (tokens.val_bytes as f64 / tokens.val_len() as f64));
+    let (unigram, val_bpb) = (
+        unigram_bits_per_byte(&tokens, bpe.vocab_size()),
+        last_val / std::f64::consts::LN_2 / (tokens.val_bytes as f64 / tokens.val_len() as f64),
+    );
     let val: Vec<u32> = tokens.val(0..tokens.val_len());
-    let diag = crate::diagnostics::diagnose(&model, &val, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
+    let diag =
+        crate::diagnostics::diagnose(&model, &val, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
     write_atomic(&out.join("diagnostics.json"), serde_json::to_string_pretty(&diag)?.as_bytes())?;
     let summary = json!({
         "residual": crate::bench::label(&model.config), "parameters": n_params, "steps": step, "tokens": tokens_seen,
@@ -427,7 +487,8 @@ pub fn unigram_bits_per_byte(tokens: &Tokens, vocab: usize) -> f64 {
         counts[t as usize] += 1.0;
     }
     let total: f64 = counts.iter().sum();
-    let nats: f64 = tokens.val(0..tokens.val_len()).iter().map(|&t| -(counts[t as usize] / total).ln()).sum();
+    let nats: f64 =
+        tokens.val(0..tokens.val_len()).iter().map(|&t| -(counts[t as usize] / total).ln()).sum();
     nats / std::f64::consts::LN_2 / tokens.val_bytes as f64
 }
 
@@ -453,8 +514,10 @@ pub fn new_progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
     }
     let b = indicatif::ProgressBar::new(total);
     b.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} steps | {msg} | {elapsed_precise} elapsed, ETA {eta_precise}")
-            .expect("valid template"),
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} steps | {msg} | {elapsed_precise} elapsed, ETA {eta_precise}",
+        )
+        .expect("valid template"),
     );
     Some(b)
 }
@@ -473,9 +536,15 @@ fn progress_bar(opts: &TrainOptions, total: u64, pos: u64) -> Option<SharedBar> 
 }
 
 /// The next `micro_batch` training windows: inputs and their next-token targets.
-fn next_batch(tokens: &Tokens, order: &mut WindowOrder, windows_seen: &mut u64, micro_batch: usize) -> (Vec<u32>, Vec<u32>) {
+fn next_batch(
+    tokens: &Tokens,
+    order: &mut WindowOrder,
+    windows_seen: &mut u64,
+    micro_batch: usize,
+) -> (Vec<u32>, Vec<u32>) {
     let seq = order.seq;
-    let (mut ids, mut targets) = (Vec::with_capacity(micro_batch * seq), Vec::with_capacity(micro_batch * seq));
+    let (mut ids, mut targets) =
+        (Vec::with_capacity(micro_batch * seq), Vec::with_capacity(micro_batch * seq));
     for _ in 0..micro_batch {
         let s = order.start(*windows_seen);
         *windows_seen += 1;
@@ -488,7 +557,13 @@ fn next_batch(tokens: &Tokens, order: &mut WindowOrder, windows_seen: &mut u64, 
 
 /// Mean validation loss over consecutive windows (up to `max_tokens` predicted tokens, 0 = all)
 /// and the matching bits per byte (using the split's bytes per token).
-pub fn validate(model: &Model, tokens: &Tokens, seq: usize, micro_batch: usize, max_tokens: usize) -> Result<(f64, f64)> {
+pub fn validate(
+    model: &Model,
+    tokens: &Tokens,
+    seq: usize,
+    micro_batch: usize,
+    max_tokens: usize,
+) -> Result<(f64, f64)> {
     let n = tokens.val_len();
     let val: Vec<u32> = tokens.val(0..n);
     let (nats, count) = windowed_loss(model, &val, seq.min(n - 1), micro_batch, max_tokens)?;
@@ -500,7 +575,13 @@ pub fn validate(model: &Model, tokens: &Tokens, seq: usize, micro_batch: usize, 
 /// Summed next-token loss (nats) and the number of predicted tokens, over windows of `seq + 1`
 /// tokens taken with stride `seq` (so every token but the first is predicted once), stopping
 /// after `max_tokens` predictions when non-zero.
-pub fn windowed_loss(model: &Model, ids: &[u32], seq: usize, micro_batch: usize, max_tokens: usize) -> Result<(f64, usize)> {
+pub fn windowed_loss(
+    model: &Model,
+    ids: &[u32],
+    seq: usize,
+    micro_batch: usize,
+    max_tokens: usize,
+) -> Result<(f64, usize)> {
     ensure!(ids.len() >= 2, "need at least two tokens to measure a loss");
     let mut starts: Vec<usize> = (0..ids.len() - 1).step_by(seq).collect();
     if max_tokens > 0 {
@@ -554,7 +635,13 @@ fn checkpoint_dir(out: &Path) -> Result<PathBuf> {
     bail!("{} holds no checkpoint to resume (no {}/train_state.json)", out.display(), CKPT)
 }
 
-fn save_checkpoint(out: &Path, model: &Model, bpe: &Bpe, opt: &Optimizer, st: &TrainState) -> Result<()> {
+fn save_checkpoint(
+    out: &Path,
+    model: &Model,
+    bpe: &Bpe,
+    opt: &Optimizer,
+    st: &TrainState,
+) -> Result<()> {
     let tmp = out.join(".ckpt.tmp");
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
@@ -564,8 +651,11 @@ fn save_checkpoint(out: &Path, model: &Model, bpe: &Bpe, opt: &Optimizer, st: &T
     write_atomic(&tmp.join("tokenizer.json"), tok.as_bytes())?;
     let meta = std::collections::HashMap::from([("step".to_string(), opt.step.to_string())]);
     let n = opt.m.len();
-    let tensors: Vec<(String, Vec<usize>, &[f32])> =
-        vec![("adam.m".into(), vec![n], &opt.m), ("adam.v".into(), vec![n], &opt.v), ("muon.momentum".into(), vec![n], &opt.momentum)];
+    let tensors: Vec<(String, Vec<usize>, &[f32])> = vec![
+        ("adam.m".into(), vec![n], &opt.m),
+        ("adam.v".into(), vec![n], &opt.v),
+        ("muon.momentum".into(), vec![n], &opt.momentum),
+    ];
     write_atomic(&tmp.join("optimizer.safetensors"), &safetensors_bytes(&tensors, Some(meta))?)?;
     write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
     let (cur, old) = (out.join(CKPT), out.join(".ckpt.old"));
@@ -586,18 +676,28 @@ fn save_checkpoint(out: &Path, model: &Model, bpe: &Bpe, opt: &Optimizer, st: &T
 
 fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", path.display()))?;
-    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes)
+        .map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", path.display()))?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
     opt.step = meta
         .metadata()
         .as_ref()
         .and_then(|m| m.get("step"))
         .and_then(|s| s.parse().ok())
         .with_context(|| format!("{} has no step", path.display()))?;
-    for (name, buf) in [("adam.m", &mut opt.m), ("adam.v", &mut opt.v), ("muon.momentum", &mut opt.momentum)] {
+    for (name, buf) in
+        [("adam.m", &mut opt.m), ("adam.v", &mut opt.v), ("muon.momentum", &mut opt.momentum)]
+    {
         let t = st.tensor(name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let vals = f32_values(name, &t)?;
-        ensure!(vals.len() == buf.len(), "{}: {name} has {} values, the model needs {}", path.display(), vals.len(), buf.len());
+        ensure!(
+            vals.len() == buf.len(),
+            "{}: {name} has {} values, the model needs {}",
+            path.display(),
+            vals.len(),
+            buf.len()
+        );
         buf.copy_from_slice(&vals);
     }
     Ok(())
@@ -608,7 +708,12 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
     let kept: String = text
         .lines()
-        .filter(|l| serde_json::from_str::<Value>(l).ok().and_then(|v| v["step"].as_u64()).is_some_and(|s| s as usize <= step))
+        .filter(|l| {
+            serde_json::from_str::<Value>(l)
+                .ok()
+                .and_then(|v| v["step"].as_u64())
+                .is_some_and(|s| s as usize <= step)
+        })
         .map(|l| format!("{l}\n"))
         .collect();
     write_atomic(path, kept.as_bytes())

@@ -5,8 +5,8 @@
 use anyhow::{anyhow, ensure, Context, Result};
 use std::path::Path;
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::normalizers::NormalizerWrapper;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::{AddedToken, Tokenizer, TokenizerImpl};
 
@@ -31,22 +31,34 @@ impl Bpe {
             .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
             .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
             .build();
-        let mut tk: TokenizerImpl<BPE, NormalizerWrapper, ByteLevel, PostProcessorWrapper, ByteLevel> = TokenizerImpl::new(BPE::default());
+        let mut tk: TokenizerImpl<
+            BPE,
+            NormalizerWrapper,
+            ByteLevel,
+            PostProcessorWrapper,
+            ByteLevel,
+        > = TokenizerImpl::new(BPE::default());
         tk.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
         tk.with_decoder(Some(ByteLevel::default()));
-        tk.train(&mut trainer, docs.iter()).map_err(|e| anyhow!("tokenizer training failed: {e}"))?;
-        let json = tk.to_string(false).map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))?;
+        tk.train(&mut trainer, docs.iter())
+            .map_err(|e| anyhow!("tokenizer training failed: {e}"))?;
+        let json =
+            tk.to_string(false).map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))?;
         Self::from_json(&json)
     }
 
     pub fn from_json(json: &str) -> Result<Bpe> {
-        let inner: Tokenizer = json.parse().map_err(|e| anyhow!("not a valid tokenizer.json: {e}"))?;
-        let eot = inner.token_to_id(END_OF_TEXT).with_context(|| format!("tokenizer has no {END_OF_TEXT} token"))?;
+        let inner: Tokenizer =
+            json.parse().map_err(|e| anyhow!("not a valid tokenizer.json: {e}"))?;
+        let eot = inner
+            .token_to_id(END_OF_TEXT)
+            .with_context(|| format!("tokenizer has no {END_OF_TEXT} token"))?;
         Ok(Bpe { inner, eot })
     }
 
     pub fn load(path: &Path) -> Result<Bpe> {
-        let json = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let json = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
         Self::from_json(&json).with_context(|| format!("in {}", path.display()))
     }
 
@@ -59,7 +71,8 @@ impl Bpe {
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode_fast(text, false).map_err(|e| anyhow!("tokenizer failed: {e}"))?;
+        let enc =
+            self.inner.encode_fast(text, false).map_err(|e| anyhow!("tokenizer failed: {e}"))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -87,7 +100,11 @@ mod tests {
     use super::*;
 
     fn small() -> Bpe {
-        let docs: Vec<String> = (0..50).map(|i| format!("To be, or not to be: that is the question {i}. Whether 'tis nobler\n")).collect();
+        let docs: Vec<String> = (0..50)
+            .map(|i| {
+                format!("To be, or not to be: that is the question {i}. Whether 'tis nobler\n")
+            })
+            .collect();
         Bpe::train(&docs, 300).unwrap()
     }
 

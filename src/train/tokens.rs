@@ -78,16 +78,23 @@ impl Tokens {
         for t in train.iter().chain(&val) {
             bytes.extend_from_slice(&t.to_le_bytes());
         }
-        std::fs::create_dir_all(&dir).with_context(|| format!("cannot create the cache directory {}", dir.display()))?;
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create the cache directory {}", dir.display()))?;
         crate::model::checkpoint::write_atomic(&path, &bytes)?;
         Ok((Self::open(&path, val_bytes)?, false))
     }
 
     fn open(path: &Path, val_bytes: usize) -> Result<Tokens> {
-        let f = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let f =
+            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
         // SAFETY: cache files are written once (atomically) and never modified in place.
-        let map = unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map {}", path.display()))?;
-        ensure!(map.len() >= HEADER && &map[..8] == MAGIC, "{} is not a token cache", path.display());
+        let map =
+            unsafe { Mmap::map(&f) }.with_context(|| format!("cannot map {}", path.display()))?;
+        ensure!(
+            map.len() >= HEADER && &map[..8] == MAGIC,
+            "{} is not a token cache",
+            path.display()
+        );
         let n_train = u64::from_le_bytes(map[8..16].try_into().unwrap()) as usize;
         let n_val = u64::from_le_bytes(map[16..24].try_into().unwrap()) as usize;
         ensure!(map.len() == HEADER + 4 * (n_train + n_val), "{} is truncated", path.display());
@@ -145,7 +152,8 @@ impl WindowOrder {
     pub fn start(&mut self, pos: u64) -> usize {
         let epoch = pos / self.windows as u64;
         if epoch != self.epoch {
-            let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ epoch.wrapping_mul(0x9E3779B97F4A7C15));
+            let mut rng =
+                ChaCha8Rng::seed_from_u64(self.seed ^ epoch.wrapping_mul(0x9E3779B97F4A7C15));
             self.perm = (0..self.windows as u32).collect();
             for i in (1..self.perm.len()).rev() {
                 let j = (rng.next_u64() % (i as u64 + 1)) as usize;
@@ -180,7 +188,8 @@ mod tests {
     fn cache_round_trips_and_is_reused() {
         let tmp = tempfile::tempdir().unwrap();
         std::env::set_var("ATTNRES_CACHE", tmp.path());
-        let docs: Vec<String> = (0..30).map(|i| format!("document number {i} with some words\n")).collect();
+        let docs: Vec<String> =
+            (0..30).map(|i| format!("document number {i} with some words\n")).collect();
         let bpe = Bpe::train(&docs, 300).unwrap();
         let split = Split { train: docs[..27].to_vec(), val: docs[27..].to_vec() };
         let (t, reused) = Tokens::load_or_build(&split, &bpe).unwrap();
