@@ -58,7 +58,7 @@ pub fn ablations(base: &Config) -> Vec<crate::compare::Variant> {
     let window = format!("attn_res_window={}", (base.sublayers() / 4).max(1));
     let heads = format!(
         "attn_res_heads={}",
-        (1..=16).rev().find(|h| base.hidden_size % h == 0).unwrap_or(1)
+        (1..=16).rev().find(|h| base.hidden_size.is_multiple_of(*h)).unwrap_or(1)
     );
     let v = |name: &str, sets: &[&str]| Variant::new(name, sets);
     vec![

@@ -299,11 +299,14 @@ fn mean_vec(runs: &[&Run], f: impl Fn(&Run) -> &[f64]) -> Vec<f64> {
 
 type Finished<'a> = [(usize, &'a Variant, Vec<&'a Run>)];
 
+/// A variant's colour index, name and mean validation curve.
+type Curve<'a> = (usize, &'a str, Vec<(f64, f64)>);
+
 fn loss_figure(
     area: &DrawingArea<SVGBackend, plotters::coord::Shift>,
     runs: &Finished,
 ) -> Result<()> {
-    let curves: Vec<(usize, &str, Vec<(f64, f64)>)> = runs
+    let curves: Vec<Curve> = runs
         .iter()
         .map(|(i, v, rs)| {
             (*i, v.name.as_str(), mean_curve(rs).into_iter().map(|(t, l)| (t / 1e6, l)).collect())

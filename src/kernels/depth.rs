@@ -539,7 +539,7 @@ mod tests {
     }
 
     /// Sources of consumer j: the completed ones, then its partial when j > 0.
-    fn sources_of<'a>(cs: &'a Case, j: usize) -> (Vec<&'a [f32]>, Vec<&'a [f32]>) {
+    fn sources_of(cs: &Case, j: usize) -> (Vec<&[f32]>, Vec<&[f32]>) {
         let mut v: Vec<&[f32]> = cs.srcs.iter().map(|x| x.as_slice()).collect();
         let mut r: Vec<&[f32]> = cs.rs.iter().map(|x| x.as_slice()).collect();
         if j > 0 {

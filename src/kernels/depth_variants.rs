@@ -58,7 +58,12 @@ pub fn forward(
     let (k, nh) = (sources.len(), o.heads);
     let rows = h.len() / d;
     let hd = d / nh;
-    assert!(k > 0 && d % nh == 0 && alpha.len() == rows * k * nh && logits.len() == rows * k * nh);
+    assert!(
+        k > 0
+            && d.is_multiple_of(nh)
+            && alpha.len() == rows * k * nh
+            && logits.len() == rows * k * nh
+    );
     let (hp, ap, lp) =
         (SendPtr(h.as_mut_ptr()), SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
     par_reduce_rows(rows, k * d, 0, |range, _| {

@@ -218,13 +218,13 @@ impl Config {
             self.vocab_size
         );
         ensure!(
-            self.num_attention_heads % self.num_key_value_heads == 0,
+            self.num_attention_heads.is_multiple_of(self.num_key_value_heads),
             "config: num_key_value_heads ({}) must divide num_attention_heads ({})",
             self.num_key_value_heads,
             self.num_attention_heads
         );
         ensure!(
-            self.head_dim % 2 == 0,
+            self.head_dim.is_multiple_of(2),
             "config: head_dim must be even for rotary embedding, got {}",
             self.head_dim
         );
@@ -266,7 +266,7 @@ impl Config {
         if self.residual == ResidualKind::Block {
             let l = self.sublayers();
             ensure!(
-                self.num_blocks > 0 && l % self.num_blocks == 0,
+                self.num_blocks > 0 && l.is_multiple_of(self.num_blocks),
                 "config: num_blocks = {} must be a positive divisor of the sublayer count 2 * num_hidden_layers = {l} \
                  (for example {})",
                 self.num_blocks,
@@ -276,7 +276,7 @@ impl Config {
         if self.residual != ResidualKind::Standard {
             let heads = self.attn_res_heads;
             ensure!(
-                heads > 0 && self.hidden_size % heads == 0,
+                heads > 0 && self.hidden_size.is_multiple_of(heads),
                 "config: attn_res_heads = {heads} must be a positive divisor of hidden_size = {}",
                 self.hidden_size
             );
@@ -457,7 +457,7 @@ pub(crate) fn same_kind(d: &Value, v: &Value) -> std::result::Result<(), &'stati
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 #[cfg(test)]

@@ -144,7 +144,7 @@ impl Layout {
     pub fn depth_params(&self, l: usize) -> Option<&DepthParams> {
         if l == 2 * self.layers.len() {
             self.output_depth.as_ref()
-        } else if l % 2 == 0 {
+        } else if l.is_multiple_of(2) {
             self.layers[l / 2].attn_depth.as_ref()
         } else {
             self.layers[l / 2].mlp_depth.as_ref()

@@ -277,7 +277,7 @@ impl ResidualForward {
                     *queries = Arc::from(effective_queries(params, layout));
                 }
                 let s = *block_size;
-                if l % s == 0 {
+                if l.is_multiple_of(s) {
                     // Phase 1 for every sublayer of the block that starts here.
                     depth::phase1(
                         phase1,
@@ -315,7 +315,7 @@ impl ResidualForward {
         match &mut self.state {
             State::Standard { stream } => kernels::add_assign(stream, &out),
             State::Depth { block_size, blocks, partial, partial_rstd, calls, .. } => {
-                let last = (l + 1) % *block_size == 0;
+                let last = (l + 1).is_multiple_of(*block_size);
                 let p = partial.take();
                 // Backward needs the partial sum this sublayer read (its 1/rms is overwritten below).
                 let read_rstd = (keep && p.is_some()).then(|| partial_rstd.clone());
@@ -610,7 +610,7 @@ impl ResidualBackward {
     /// Gradient of the raw output of sublayer `l` (sublayers visited from last to first).
     pub fn output_grad(&mut self, l: usize, fwd: &ResidualForward) -> &[f32] {
         if let State::Depth { block_size, ablation, .. } = &fwd.state {
-            if (l + 1) % block_size == 0 {
+            if (l + 1).is_multiple_of(*block_size) {
                 // Last sublayer of its block: start from the gradient of that block's sum.
                 let n = l / block_size + 1;
                 self.acc = match ablation {

@@ -89,7 +89,7 @@ impl TrainConfig {
         );
         let per = self.micro_batch * self.seq_len;
         ensure!(
-            self.batch_tokens % per == 0,
+            self.batch_tokens.is_multiple_of(per),
             "train: batch_tokens = {} must be a multiple of micro_batch x seq_len = {per}",
             self.batch_tokens
         );

@@ -23,7 +23,7 @@ impl Bpe {
     /// Trains a byte-level BPE with `vocab_size` entries (including the 256 bytes and the
     /// end-of-text token) on `docs`.
     pub fn train(docs: &[String], vocab_size: usize) -> Result<Bpe> {
-        ensure!(vocab_size >= 257 + 1, "tokenizer vocabulary size must be at least 258 (256 bytes, end-of-text, one merge), got {vocab_size}");
+        ensure!(vocab_size > 257, "tokenizer vocabulary size must be at least 258 (256 bytes, end-of-text, one merge), got {vocab_size}");
         let mut trainer = BpeTrainerBuilder::new()
             .vocab_size(vocab_size)
             .min_frequency(2)
