@@ -19,6 +19,7 @@ pub mod presets;
 pub mod profile;
 pub mod report;
 pub mod train;
+pub mod version;
 
 #[cfg(test)]
 pub(crate) mod testutil;
