@@ -89,6 +89,25 @@ fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow::anyhow!("drawing a figure failed: {e:?}")
 }
 
+/// A variant's mark in a legend: a short line in its colour.
+fn legend_mark(c: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
+    move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+}
+
+/// The chart's legend at `position`, on a white box.
+fn legend<'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, SVGBackend<'a>, CT>,
+    position: SeriesLabelPosition,
+) -> Result<()> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)
+}
+
 /// A distinct colour per variant.
 fn color(i: usize) -> RGBColor {
     const C: [(u8, u8, u8); 12] = [
@@ -173,18 +192,12 @@ fn loss_figure(
             ))
             .map_err(plot_err)?
             .label(name.to_string())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+            .legend(legend_mark(c));
         chart
             .draw_series(pts.iter().filter(|p| p.1 <= y1).map(|p| Circle::new(*p, 3, c.filled())))
             .map_err(plot_err)?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(plot_err)?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::MiddleRight)
 }
 
 /// One line per variant over the sublayers (x = sublayer index).
@@ -228,18 +241,11 @@ fn sublayer_chart(
                 ch.draw_series(LineSeries::new(pts.clone(), c.stroke_width(2)))
                     .map_err(plot_err)?
                     .label(name.clone())
-                    .legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-                    });
+                    .legend(legend_mark(c));
                 ch.draw_series(pts.iter().map(|p| Circle::new(*p, 3, c.filled())))
                     .map_err(plot_err)?;
             }
-            ch.configure_series_labels()
-                .position(SeriesLabelPosition::UpperLeft)
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .draw()
-                .map_err(plot_err)?;
+            legend(&mut ch, SeriesLabelPosition::UpperLeft)?;
         }};
     }
     if log {
@@ -473,16 +479,8 @@ fn scaling_figure(
                 .draw_series(LineSeries::new(line, c.stroke_width(2)))
                 .map_err(plot_err)?
                 .label(format!("{mode}: {:.3}·C^-{:.4}", f.a, f.alpha))
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
-                });
+                .legend(legend_mark(c));
         }
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .draw()
-        .map_err(plot_err)?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::MiddleRight)
 }

@@ -8,12 +8,12 @@
 //! depth-attention weights α of every AttnRes variant as heatmaps. Numbers are means over seeds;
 //! the spread is the sample standard deviation.
 //!
-//! This file gathers the runs and writes the directory; [`stat`] holds the statistics,
+//! This file gathers the runs and writes the directory; `stat` holds the statistics,
 //! `figures` the SVGs and `html` the page.
 
 mod figures;
 mod html;
-pub mod stat;
+mod stat;
 
 pub use stat::{paired_differences, stat, PowerLaw, ScalePoint, Scaling, Stat};
 
