@@ -16,6 +16,7 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+/// Where the report directory is, and whether to draw a progress bar.
 pub struct CompareOptions {
     pub out: PathBuf,
     pub progress: bool,

@@ -1,6 +1,7 @@
 //! What a comparison trains: its variants (a name and the settings each changes), the named
 //! suites of variants, and the plan of a report directory (`compare.json`: base settings,
-//! variants, seeds, data). [`crate::compare`] trains a plan; [`crate::report`] reads it back.
+//! variants, seeds, data). `compare` trains a plan and `report` reads it back; this module
+//! depends on neither.
 
 use crate::model::params::Layout;
 use crate::model::Config;
@@ -44,6 +45,7 @@ pub struct Plan {
     pub data: Option<PathBuf>,
 }
 
+/// The plan's file in a report directory.
 pub const PLAN: &str = "compare.json";
 
 impl Plan {

@@ -1,4 +1,5 @@
-//! The `attnres` command line.
+//! The `attnres` command line: arguments and what is printed. The work itself is done by the
+//! library (`train`, `compare`, `report`, `eval`, `forward`, `generate`, `bench`).
 
 use anyhow::{bail, ensure, Context, Result};
 use attnres::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};

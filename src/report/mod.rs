@@ -1,6 +1,6 @@
 //! The comparison report: `index.html` with SVG figures (drawn with `plotters`) and a
 //! machine-readable `summary.json`, built from the runs of a report directory
-//! ([`crate::suite::Plan`], trained by [`crate::compare`]).
+//! (the [`crate::suite::Plan`] that `compare` trained).
 //!
 //! Figures: validation loss over training for every variant; the RMS of every sublayer's output
 //! and of the input it reads (docs/method.md §6: growth with depth for the baseline, bounded for

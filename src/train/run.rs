@@ -22,6 +22,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+/// Where a run goes and how it starts: fresh, resumed or over an earlier one.
 pub struct TrainOptions {
     pub out: PathBuf,
     /// Training text (none: the embedded corpus, or on resume the run's own `--data`).
