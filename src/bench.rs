@@ -1,11 +1,12 @@
 //! Benchmarks, measured interleaved so that machine noise hits all residual modes alike: the
 //! training step (forward + backward, one step of each mode per round) and generation (one
-//! prefill and one decoding run of each mode per round).
+//! prefill and one decoding run of each mode per round), and their results as Markdown tables.
 
 use crate::kernels::matmul::{matmul, threads};
 use crate::model::{Config, Model, ResidualKind};
-use anyhow::Result;
+use anyhow::{bail, ensure, Result};
 use serde::Serialize;
+use std::fmt::Write as _;
 use std::time::Instant;
 
 #[derive(Serialize, Debug, Clone)]
@@ -103,7 +104,7 @@ pub fn run(
             progress(&format!(
                 "{} {:>8} step {:>2}/{}: {:.3} s",
                 if round < warmup { "warmup" } else { "timed " },
-                label(&m.config),
+                m.config.residual_label(),
                 round + 1,
                 warmup + steps,
                 dt
@@ -311,7 +312,7 @@ pub fn run_generate(
             let per_mode: Vec<String> = models
                 .iter()
                 .zip(&dec)
-                .map(|(m, d)| format!("{} {:.2} ms", label(&m.config), median(d) * 1e3))
+                .map(|(m, d)| format!("{} {:.2} ms", m.config.residual_label(), median(d) * 1e3))
                 .collect();
             progress(&format!(
                 "{} round {:>2}/{} batch {batch}: decode step {}",
@@ -373,9 +374,128 @@ pub fn run_generate(
     })
 }
 
-pub fn label(c: &Config) -> String {
-    match c.residual {
-        ResidualKind::Block => format!("block{}", c.num_blocks),
-        r => format!("{r:?}").to_lowercase(),
+/// One config per residual mode named in `modes` (`standard`, `full`, `block`), each `base`
+/// with that residual.
+pub fn mode_configs(base: &Config, modes: &[String]) -> Result<Vec<Config>> {
+    let mut configs = Vec::new();
+    for m in modes {
+        let residual = match m.as_str() {
+            "standard" => ResidualKind::Standard,
+            "full" => ResidualKind::Full,
+            "block" => ResidualKind::Block,
+            other => bail!("--modes: unknown residual mode {other:?} (use standard, block, full)"),
+        };
+        let c = Config { residual, ..base.clone() };
+        c.validate()?;
+        configs.push(c);
+    }
+    ensure!(!configs.is_empty(), "--modes is empty");
+    Ok(configs)
+}
+
+/// A mode's name in a table: `block` shows its number of blocks.
+fn mode_name(residual: &str, num_blocks: usize) -> String {
+    if residual == "block" {
+        format!("block ({num_blocks} blocks)")
+    } else {
+        residual.to_string()
+    }
+}
+
+/// A ratio to `standard` (`-` when there is no standard mode).
+fn relative(r: Option<f64>) -> String {
+    r.map_or("-".into(), |r| format!("{r:.3}x"))
+}
+
+impl BenchReport {
+    /// The matrix-product peak, a table of modes and, when profiled, each mode's phases.
+    pub fn table(&self) -> String {
+        let mut t = String::new();
+        let _ = writeln!(
+            t,
+            "matrix-product peak (1024^3, f32): {:.1} GFLOP/s",
+            self.matmul_peak_gflops
+        );
+        t.push_str("| mode | step (ms) | tokens/s | GFLOP/s | % of peak | vs standard | fastest step (ms) | fastest vs standard |\n");
+        t.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
+        for m in &self.modes {
+            let _ = writeln!(
+                t,
+                "| {} | {:.1} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {} |",
+                mode_name(&m.residual, m.num_blocks),
+                m.step_seconds * 1e3,
+                m.tokens_per_second,
+                m.gflops,
+                100.0 * m.gflops / self.matmul_peak_gflops,
+                relative(m.relative_to_standard),
+                m.fastest_step_seconds * 1e3,
+                relative(m.fastest_relative_to_standard)
+            );
+        }
+        for m in self.modes.iter().filter(|m| !m.profile.is_empty()) {
+            let _ = writeln!(t, "\nphases of one {} step:", m.residual);
+            for (name, secs) in &m.profile {
+                let _ = writeln!(
+                    t,
+                    "  {name:<16} {:>8.1} ms  {:>5.1}%",
+                    secs * 1e3,
+                    100.0 * secs / m.step_seconds
+                );
+            }
+        }
+        t
+    }
+}
+
+impl GenerateReport {
+    /// Throughput and latency per mode and batch size, cache sizes per mode and, when profiled,
+    /// the phases of a decode step.
+    pub fn table(&self) -> String {
+        let mut t = String::new();
+        t.push_str("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard | prefill time vs standard |\n");
+        t.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        let name = |m: &GenerateModeResult| mode_name(&m.residual, m.num_blocks);
+        let batches = self.modes.first().map_or(0, |m| m.batches.len());
+        for b in 0..batches {
+            for m in &self.modes {
+                let r = &m.batches[b];
+                let _ = writeln!(
+                    t,
+                    "| {} | {} | {:.0} | {:.2} | {:.0} | {} | {} |",
+                    name(m),
+                    r.batch,
+                    r.prefill_tokens_per_second,
+                    r.step_seconds * 1e3,
+                    r.decode_tokens_per_second,
+                    relative(r.latency_relative_to_standard),
+                    relative(r.prefill_relative_to_standard)
+                );
+            }
+        }
+        t.push_str("\n| mode | KV cache bytes/token (whole context) | depth cache bytes/token (while in flight) |\n");
+        t.push_str("|---|---:|---:|\n");
+        for m in &self.modes {
+            let _ = writeln!(
+                t,
+                "| {} | {} | {} |",
+                name(m),
+                m.kv_cache_bytes_per_token,
+                m.depth_cache_bytes_per_token
+            );
+        }
+        for m in &self.modes {
+            for r in m.batches.iter().filter(|r| !r.decode_profile.is_empty()) {
+                let _ = writeln!(t, "\nphases of one {} decode step, batch {}:", name(m), r.batch);
+                for (phase, secs) in &r.decode_profile {
+                    let _ = writeln!(
+                        t,
+                        "  {phase:<16} {:>8.1} us  {:>5.1}%",
+                        secs * 1e6,
+                        100.0 * secs / r.step_seconds
+                    );
+                }
+            }
+        }
+        t
     }
 }

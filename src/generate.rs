@@ -11,12 +11,16 @@
 //!   before anything runs, unless [`Overflow::Slide`] is chosen: then, whenever a sequence fills
 //!   the context, its cache is rebuilt from the most recent half of the context (one prefill
 //!   pass) and generation continues; prompts longer than the context keep their last tokens.
+//!
+//! Also here: reading a file of prompts, and turning tokens into text as they arrive.
 
 use crate::model::decode::KvCache;
 use crate::model::Model;
+use crate::train::tokenizer::Bpe;
 use anyhow::{bail, ensure, Result};
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
+use std::path::Path;
 
 /// How the next token is drawn from the logits.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -249,6 +253,76 @@ pub fn generate(
     }
     timing.decode_seconds = t0.elapsed().as_secs_f64();
     Ok((out, timing))
+}
+
+/// The prompts of a UTF-8 file, one per line; an empty file or an empty line is an error.
+pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
+    let text = crate::fs::read_utf8(path)?;
+    let lines: Vec<String> = text.lines().map(str::to_string).collect();
+    ensure!(!lines.is_empty(), "{} holds no prompts", path.display());
+    if let Some(i) = lines.iter().position(|l| l.is_empty()) {
+        bail!("{} line {} is empty: every line must be a prompt", path.display(), i + 1);
+    }
+    Ok(lines)
+}
+
+/// Text of generated tokens as they arrive. A token can end inside a UTF-8 character, so text
+/// that decodes to a trailing replacement character is held back until the character is whole.
+pub struct TextStream<'a> {
+    bpe: &'a Bpe,
+    tokens: Vec<u32>,
+    /// Bytes of the decoded text already handed out.
+    shown: usize,
+}
+
+impl<'a> TextStream<'a> {
+    pub fn new(bpe: &'a Bpe) -> TextStream<'a> {
+        TextStream { bpe, tokens: Vec::new(), shown: 0 }
+    }
+
+    /// Adds a token (the end-of-text token is skipped); returns the new text it completes.
+    pub fn push(&mut self, token: u32) -> Option<String> {
+        if token == self.bpe.eot {
+            return None;
+        }
+        self.tokens.push(token);
+        let text = self.bpe.decode(&self.tokens).ok()?;
+        if text.ends_with('\u{FFFD}') || text.len() <= self.shown {
+            return None;
+        }
+        let new = text[self.shown..].to_string();
+        self.shown = text.len();
+        Some(new)
+    }
+
+    /// The text not handed out yet, partial characters included.
+    pub fn finish(self) -> Result<String> {
+        let text = self.bpe.decode(&self.tokens)?;
+        Ok(text.get(self.shown..).unwrap_or("").to_string())
+    }
+}
+
+impl Generation {
+    /// The continuation as text, without the end-of-text token.
+    pub fn text(&self, bpe: &Bpe) -> Result<String> {
+        let body: Vec<u32> = self.tokens.iter().copied().filter(|&x| x != bpe.eot).collect();
+        bpe.decode(&body)
+    }
+}
+
+impl Timing {
+    /// One line: tokens, time and throughput of prefill and of decoding.
+    pub fn summary(&self) -> String {
+        format!(
+            "prefill {} tokens in {:.1} ms ({:.0} tokens/s); decode {} tokens in {:.2} s ({:.1} tokens/s)",
+            self.prefill_tokens,
+            self.prefill_seconds * 1e3,
+            self.prefill_tokens as f64 / self.prefill_seconds,
+            self.decode_tokens,
+            self.decode_seconds,
+            self.decode_tokens as f64 / self.decode_seconds.max(1e-9)
+        )
+    }
 }
 
 #[cfg(test)]

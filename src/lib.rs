@@ -1,23 +1,36 @@
 //! attnres: a pure-Rust engine for transformer language models with Attention Residuals.
 //!
+//! From the bottom up (each module uses only those above it in this list):
+//!
+//! - [`profile`], [`alloc`], [`fs`]: phase timers, the binary's allocator (which recycles large
+//!   buffers between steps), and files written atomically.
 //! - [`kernels`]: forward and backward of every operation, on contiguous f32 slices.
 //! - [`model`]: configuration, parameters, the residual connection (standard / full / block),
-//!   the transformer and checkpoints.
-//! - [`presets`]: named configurations embedded from `configs/`.
-//! - [`generate`]: sampling and batched text generation with the key/value cache.
-//! - [`bench`]: the training-step and generation benchmarks.
-//! - [`alloc`]: the allocator the binary uses, which recycles large buffers between steps.
+//!   the transformer, decoding with a key/value cache, and checkpoints.
+//! - [`diagnostics`]: what a model does with its depth (RMS per sublayer, depth-attention
+//!   weights, gradient norms).
+//! - [`train`]: corpora, tokenizers, a run's settings, optimisers and the training loop.
+//! - [`presets`]: named run settings embedded from `configs/`.
+//! - [`suite`]: what a comparison trains: variants, named suites and the plan.
+//! - [`report`]: a comparison's report (statistics, figures, HTML) from its runs.
+//! - [`compare`]: trains a plan's runs, then writes the report.
+//! - [`eval`], [`forward`], [`generate`], [`bench`]: the other commands of the binary: measuring
+//!   a model on a text, one batch through a model, text generation, and benchmarks.
 
 pub mod alloc;
 pub mod bench;
 pub mod compare;
 pub mod diagnostics;
+pub mod eval;
+pub mod forward;
+pub mod fs;
 pub mod generate;
 pub mod kernels;
 pub mod model;
 pub mod presets;
 pub mod profile;
 pub mod report;
+pub mod suite;
 pub mod train;
 pub mod version;
 

@@ -1,6 +1,7 @@
 //! Named presets, embedded from `configs/*.toml` so the binary needs no files at run time.
 
 use crate::model::Config;
+use crate::train::config::RunConfig;
 use anyhow::{bail, Context, Result};
 use serde_json::{Map, Value};
 
@@ -46,34 +47,8 @@ pub fn model_config(name: &str) -> Result<Config> {
 }
 
 /// The full run settings (model and training) of a named preset.
-pub fn run_config(name: &str) -> Result<crate::train::run::RunConfig> {
-    crate::train::run::RunConfig::from_toml(text(name)?, &format!("preset {name:?}"))
-}
-
-/// The ablation suite (SPEC §5): the report's table at laptop scale, each arm a set of model
-/// settings over the comparison's model `base`. The report's sliding window (the latest 8 of 32
-/// sublayers) and multi-head depth attention (16 groups) keep their proportions here.
-pub fn ablations(base: &Config) -> Vec<crate::compare::Variant> {
-    use crate::compare::Variant;
-    let window = format!("attn_res_window={}", (base.sublayers() / 4).max(1));
-    let heads = format!(
-        "attn_res_heads={}",
-        (1..=16).rev().find(|h| base.hidden_size.is_multiple_of(*h)).unwrap_or(1)
-    );
-    let v = |name: &str, sets: &[&str]| Variant::new(name, sets);
-    vec![
-        v("standard", &["residual=standard"]),
-        v("denseformer", &["residual=full", "attn_res_query=dense"]),
-        v("full", &["residual=full"]),
-        v("full-input-query", &["residual=full", "attn_res_query=input"]),
-        v("full-scalar-mixing", &["residual=full", "attn_res_query=scalar"]),
-        v("full-sigmoid", &["residual=full", "attn_res_gate=sigmoid"]),
-        v("full-no-key-norm", &["residual=full", "attn_res_key_norm=false"]),
-        v("sliding-window", &["residual=full", &window]),
-        v("block", &["residual=block"]),
-        v("block-multihead", &["residual=block", &heads]),
-        v("block-no-key-norm", &["residual=block", "attn_res_key_norm=false"]),
-    ]
+pub fn run_config(name: &str) -> Result<RunConfig> {
+    RunConfig::from_toml(text(name)?, &format!("preset {name:?}"))
 }
 
 #[cfg(test)]

@@ -1,16 +1,16 @@
-//! The `attnres` command line.
+//! The `attnres` command line: arguments and what is printed. The work itself is done by the
+//! library (`train`, `compare`, `report`, `eval`, `forward`, `generate`, `bench`).
 
 use anyhow::{bail, ensure, Context, Result};
-use attnres::bench;
-use attnres::compare;
-use attnres::model::checkpoint::{self, safetensors_bytes, write_atomic};
-use attnres::model::{Config, Model, ResidualKind};
-use attnres::presets;
-use attnres::train::run::{self, RunConfig, TrainOptions};
-use attnres::train::tokenizer::Bpe;
+use attnres::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
+use attnres::model::{checkpoint, Config, Model};
+use attnres::train::checkpoint::load_with_tokenizer;
+use attnres::train::config::RunConfig;
+use attnres::train::run::{self, TrainOptions};
+use attnres::{bench, compare, eval, forward, presets, suite};
 use clap::{Args, Parser, Subcommand};
-use serde::Deserialize;
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::PathBuf;
 
 #[global_allocator]
 static ALLOC: attnres::alloc::Recycling = attnres::alloc::Recycling;
@@ -56,7 +56,7 @@ struct CompareArgs {
     /// Report directory: compare.json, runs/, index.html, summary.json and the figures.
     #[arg(long)]
     out: PathBuf,
-    /// residuals (standard, block, full), ablations (SPEC §5) or block-sizes (S from 1 to L).
+    /// residuals (standard, block, full), ablations (docs/method.md §5) or block-sizes (S from 1 to L).
     #[arg(long, default_value = "residuals")]
     suite: String,
     /// Seeds per variant (each changes initialisation and data order).
@@ -265,7 +265,7 @@ fn run(cli: Cli) -> Result<()> {
     }
     match cli.command {
         Command::Init(a) => init(a),
-        Command::Forward(a) => forward(a),
+        Command::Forward(a) => forward_cmd(a),
         Command::Train(a) => train_cmd(a),
         Command::Eval(a) => eval_cmd(a),
         Command::Generate(a) => generate_cmd(a),
@@ -280,10 +280,9 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn compare_cmd(a: CompareArgs) -> Result<()> {
-    let base = compare::base(a.quick)?.with_overrides(&a.sets)?;
-    let variants = compare::suite(&a.suite, &base)?;
-    let plan =
-        compare::Plan { suite: a.suite.clone(), base, variants, seeds: a.seeds, data: a.data };
+    let base = suite::base(a.quick)?.with_overrides(&a.sets)?;
+    let variants = suite::suite(&a.suite, &base)?;
+    let plan = suite::Plan { suite: a.suite.clone(), base, variants, seeds: a.seeds, data: a.data };
     compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
 }
 
@@ -318,39 +317,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// A checkpoint and the tokenizer stored beside it.
-fn load_with_tokenizer(dir: &Path) -> Result<(Model, Bpe)> {
-    let model = checkpoint::load(dir)?;
-    let path = dir.join("tokenizer.json");
-    ensure!(
-        path.exists(),
-        "{} has no tokenizer.json: pass the directory of a training run (attnres train --out DIR)",
-        dir.display()
-    );
-    let bpe = Bpe::load(&path)?;
-    ensure!(
-        bpe.vocab_size() <= model.config.vocab_size,
-        "tokenizer.json has {} tokens, the model only {}",
-        bpe.vocab_size(),
-        model.config.vocab_size
-    );
-    Ok((model, bpe))
-}
-
-fn read_utf8(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not valid UTF-8 (first invalid byte at offset {})",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })
-}
-
 fn generate_cmd(a: GenerateArgs) -> Result<()> {
-    use attnres::generate::{generate, GenerateOptions, Overflow, Sampling};
-    use std::io::Write;
     ensure!(a.max_tokens > 0, "--max-tokens must be at least 1, got {}", a.max_tokens);
     let top_k = match a.top_k {
         Some(k) if k < 1 => bail!("--top-k must be at least 1, got {k}"),
@@ -363,15 +330,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
             ensure!(!p.is_empty(), "--prompt is empty: give some text to continue");
             vec![p.clone()]
         }
-        (None, Some(f)) => {
-            let text = read_utf8(f)?;
-            let lines: Vec<String> = text.lines().map(str::to_string).collect();
-            ensure!(!lines.is_empty(), "{} holds no prompts", f.display());
-            if let Some(i) = lines.iter().position(|l| l.is_empty()) {
-                bail!("{} line {} is empty: every line must be a prompt", f.display(), i + 1);
-            }
-            lines
-        }
+        (None, Some(f)) => generate::read_prompts(f)?,
         (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
     };
     let (model, bpe) = load_with_tokenizer(&a.model)?;
@@ -386,80 +345,49 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     // --prompt streams text; --prompt-file (even with one line) prints JSON lines.
     let single = a.prompt.is_some();
     let mut out = std::io::stdout().lock();
-    let mut streamed: Vec<u32> = Vec::new();
-    let mut shown = 0;
+    let mut stream = TextStream::new(&bpe);
     if single {
         write!(out, "{}", texts[0])?;
         out.flush()?;
     }
-    let (gens, timing) = generate(&model, &prompts, &opts, |_, tok| {
-        if !single || tok == bpe.eot {
+    let (gens, timing) = generate::generate(&model, &prompts, &opts, |_, tok| {
+        if !single {
             return;
         }
-        // Print what the tokens so far decode to, holding back a trailing partial character.
-        streamed.push(tok);
-        if let Ok(text) = bpe.decode(&streamed) {
-            if !text.ends_with('\u{FFFD}') && text.len() > shown {
-                let _ = write!(out, "{}", &text[shown..]);
-                let _ = out.flush();
-                shown = text.len();
-            }
+        if let Some(text) = stream.push(tok) {
+            let _ = write!(out, "{text}");
+            let _ = out.flush();
         }
     })?;
     if single {
-        let text = bpe.decode(&streamed)?;
-        writeln!(out, "{}", text.get(shown..).unwrap_or(""))?;
+        writeln!(out, "{}", stream.finish()?)?;
     } else {
         for (t, g) in texts.iter().zip(&gens) {
-            let body: Vec<u32> = g.tokens.iter().copied().filter(|&x| x != bpe.eot).collect();
-            let line = serde_json::json!({"prompt": t, "completion": bpe.decode(&body)?, "new_tokens": g.tokens.len(), "stop": g.stop});
+            let line = serde_json::json!({"prompt": t, "completion": g.text(&bpe)?, "new_tokens": g.tokens.len(), "stop": g.stop});
             writeln!(out, "{line}")?;
         }
     }
-    eprintln!(
-        "prefill {} tokens in {:.1} ms ({:.0} tokens/s); decode {} tokens in {:.2} s ({:.1} tokens/s)",
-        timing.prefill_tokens,
-        timing.prefill_seconds * 1e3,
-        timing.prefill_tokens as f64 / timing.prefill_seconds,
-        timing.decode_tokens,
-        timing.decode_seconds,
-        timing.decode_tokens as f64 / timing.decode_seconds.max(1e-9)
-    );
+    eprintln!("{}", timing.summary());
     Ok(())
 }
 
 fn eval_cmd(a: EvalArgs) -> Result<()> {
     let (model, bpe) = load_with_tokenizer(&a.model)?;
-    let text = read_utf8(&a.text)?;
-    let ids = bpe.encode(&text)?;
-    ensure!(
-        ids.len() >= 2,
-        "{} is too short to measure: it encodes to {} token(s)",
-        a.text.display(),
-        ids.len()
-    );
-    let seq = a.seq.unwrap_or(model.config.max_position_embeddings);
-    ensure!(
-        seq > 0 && seq <= model.config.max_position_embeddings,
-        "--seq must lie in 1..={}",
-        model.config.max_position_embeddings
-    );
-    let (nats, count) = run::windowed_loss(&model, &ids, seq.min(ids.len() - 1), 8, 0)?;
-    let loss = nats / count as f64;
-    // Every token but the first is predicted: count the bytes those tokens decode to.
-    let first = bpe.decode(&ids[..1])?.len();
-    let predicted_bytes = (text.len() - first).max(1);
-    let bpb = nats / std::f64::consts::LN_2 / predicted_bytes as f64;
+    let text = attnres::fs::read_utf8(&a.text)?;
+    let m = eval::measure(&model, &bpe, &text, &a.text.display().to_string(), a.seq)?;
     if a.json {
         println!(
             "{}",
-            serde_json::json!({"loss": loss, "perplexity": loss.exp(), "bits_per_byte": bpb, "tokens": count, "bytes": predicted_bytes})
+            serde_json::json!({"loss": m.loss, "perplexity": m.perplexity, "bits_per_byte": m.bits_per_byte, "tokens": m.tokens, "bytes": m.bytes})
         );
     } else {
         println!(
-            "{}: {count} tokens, loss {loss:.4} nats/token, perplexity {:.2}, {bpb:.4} bits/byte",
+            "{}: {} tokens, loss {:.4} nats/token, perplexity {:.2}, {:.4} bits/byte",
             a.text.display(),
-            loss.exp()
+            m.tokens,
+            m.loss,
+            m.perplexity,
+            m.bits_per_byte
         );
     }
     Ok(())
@@ -480,89 +408,25 @@ fn init(a: InitArgs) -> Result<()> {
         "wrote {} ({} parameters, residual = {})",
         a.out.display(),
         model.params.len(),
-        bench::label(&model.config)
+        model.config.residual_label()
     );
     Ok(())
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BatchFile {
-    input_ids: Vec<Vec<i64>>,
-    targets: Option<Vec<Vec<i64>>>,
-}
-
-/// Flattens a rectangular list of token ids, naming what is wrong.
-fn flatten_ids(rows: &[Vec<i64>], what: &str) -> Result<(Vec<u32>, usize, usize)> {
-    ensure!(!rows.is_empty(), "{what} is empty");
-    let t = rows[0].len();
-    ensure!(t > 0, "{what}[0] is empty");
-    let mut out = Vec::with_capacity(rows.len() * t);
-    for (b, row) in rows.iter().enumerate() {
-        ensure!(
-            row.len() == t,
-            "{what}[{b}] has {} ids, {what}[0] has {t}: rows must have equal length",
-            row.len()
-        );
-        for (i, &id) in row.iter().enumerate() {
-            ensure!(
-                (0..=u32::MAX as i64).contains(&id),
-                "{what}[{b}][{i}] = {id} is not a valid token id"
-            );
-            out.push(id as u32);
-        }
-    }
-    Ok((out, rows.len(), t))
-}
-
-fn forward(a: ForwardArgs) -> Result<()> {
+fn forward_cmd(a: ForwardArgs) -> Result<()> {
     let model = checkpoint::load(&a.model)?;
-    let text = std::fs::read_to_string(&a.batch)
-        .with_context(|| format!("cannot read {}", a.batch.display()))?;
-    let batch: BatchFile = serde_json::from_str(&text)
-        .with_context(|| format!("{} is not a valid batch file", a.batch.display()))?;
-    let (ids, b, t) = flatten_ids(&batch.input_ids, "input_ids")?;
-    let fwd = model.forward(&ids, b, t)?;
-    let v = model.config.vocab_size;
-    let mut tensors: Vec<(String, Vec<usize>, &[f32])> =
-        vec![("logits".into(), vec![b, t, v], &fwd.logits)];
-    let (loss, grads);
-    if let Some(tg) = &batch.targets {
-        let (targets, tb, tt) = flatten_ids(tg, "targets")?;
-        ensure!((tb, tt) == (b, t), "targets are {tb} x {tt}, input_ids are {b} x {t}");
-        (loss, grads) = model.backward(&fwd, &targets)?;
-        tensors.push(("loss".into(), vec![], std::slice::from_ref(&loss)));
-        for s in &model.layout.specs {
-            tensors.push((format!("grad.{}", s.name), s.shape.clone(), &grads[s.range.clone()]));
-        }
+    let batch = forward::BatchFile::read(&a.batch)?;
+    let output = forward::run(&model, &batch)?;
+    if let Some(loss) = output.loss {
         eprintln!("loss {loss:.6}");
     }
-    write_output(&a.out, &safetensors_bytes(&tensors, None)?)
-}
-
-fn write_output(path: &Path, bytes: &[u8]) -> Result<()> {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        ensure!(dir.is_dir(), "output directory {} does not exist", dir.display());
-    }
-    write_atomic(path, bytes)
+    forward::write_output(&a.out, &output.safetensors)
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {
     ensure!(a.batch > 0 && a.seq > 0 && a.steps > 0, "--batch, --seq and --steps must be positive");
     let base = a.model.config()?;
-    let mut configs = Vec::new();
-    for m in &a.modes {
-        let residual = match m.as_str() {
-            "standard" => ResidualKind::Standard,
-            "full" => ResidualKind::Full,
-            "block" => ResidualKind::Block,
-            other => bail!("--modes: unknown residual mode {other:?} (use standard, block, full)"),
-        };
-        let c = Config { residual, ..base.clone() };
-        c.validate()?;
-        configs.push(c);
-    }
-    ensure!(!configs.is_empty(), "--modes is empty");
+    let configs = bench::mode_configs(&base, &a.modes)?;
     attnres::profile::enable(a.profile);
     if a.generate {
         return bench_generate(&a, &configs);
@@ -588,37 +452,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!("matrix-product peak (1024^3, f32): {:.1} GFLOP/s", report.matmul_peak_gflops);
-    println!("| mode | step (ms) | tokens/s | GFLOP/s | % of peak | vs standard | fastest step (ms) | fastest vs standard |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    let rel = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}x"));
-    for m in &report.modes {
-        println!(
-            "| {} | {:.1} | {:.0} | {:.1} | {:.0}% | {} | {:.1} | {} |",
-            if m.residual == "block" {
-                format!("block ({} blocks)", m.num_blocks)
-            } else {
-                m.residual.clone()
-            },
-            m.step_seconds * 1e3,
-            m.tokens_per_second,
-            m.gflops,
-            100.0 * m.gflops / report.matmul_peak_gflops,
-            rel(m.relative_to_standard),
-            m.fastest_step_seconds * 1e3,
-            rel(m.fastest_relative_to_standard)
-        );
-    }
-    for m in report.modes.iter().filter(|m| !m.profile.is_empty()) {
-        println!("\nphases of one {} step:", m.residual);
-        for (name, secs) in &m.profile {
-            println!(
-                "  {name:<16} {:>8.1} ms  {:>5.1}%",
-                secs * 1e3,
-                100.0 * secs / m.step_seconds
-            );
-        }
-    }
+    print!("{}", report.table());
     Ok(())
 }
 
@@ -661,52 +495,6 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(());
     }
-    println!("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard | prefill time vs standard |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    let name = |m: &bench::GenerateModeResult| {
-        if m.residual == "block" {
-            format!("block ({} blocks)", m.num_blocks)
-        } else {
-            m.residual.clone()
-        }
-    };
-    let rel = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.3}x"));
-    for b in 0..a.batches.len() {
-        for m in &report.modes {
-            let r = &m.batches[b];
-            println!(
-                "| {} | {} | {:.0} | {:.2} | {:.0} | {} | {} |",
-                name(m),
-                r.batch,
-                r.prefill_tokens_per_second,
-                r.step_seconds * 1e3,
-                r.decode_tokens_per_second,
-                rel(r.latency_relative_to_standard),
-                rel(r.prefill_relative_to_standard)
-            );
-        }
-    }
-    println!("\n| mode | KV cache bytes/token (whole context) | depth cache bytes/token (while in flight) |");
-    println!("|---|---:|---:|");
-    for m in &report.modes {
-        println!(
-            "| {} | {} | {} |",
-            name(m),
-            m.kv_cache_bytes_per_token,
-            m.depth_cache_bytes_per_token
-        );
-    }
-    for m in &report.modes {
-        for r in m.batches.iter().filter(|r| !r.decode_profile.is_empty()) {
-            println!("\nphases of one {} decode step, batch {}:", name(m), r.batch);
-            for (phase, secs) in &r.decode_profile {
-                println!(
-                    "  {phase:<16} {:>8.1} us  {:>5.1}%",
-                    secs * 1e6,
-                    100.0 * secs / r.step_seconds
-                );
-            }
-        }
-    }
+    print!("{}", report.table());
     Ok(())
 }

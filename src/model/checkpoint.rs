@@ -5,6 +5,7 @@
 use super::config::Config;
 use super::params::Layout;
 use super::transformer::Model;
+use crate::fs::write_atomic;
 use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::collections::{BTreeSet, HashMap};
@@ -13,15 +14,6 @@ use std::path::Path;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
-
-/// Writes `bytes` to `path` through a temporary file in the same directory and a rename.
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let name = path.file_name().context("output path has no file name")?.to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-    fs::write(&tmp, bytes).with_context(|| format!("cannot write {}", tmp.display()))?;
-    fs::rename(&tmp, path)
-        .with_context(|| format!("cannot rename {} to {}", tmp.display(), path.display()))
-}
 
 /// Serialises named f32 tensors in safetensors format.
 pub fn safetensors_bytes(

@@ -460,6 +460,17 @@ fn divisors(n: usize) -> Vec<usize> {
     (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
+impl Config {
+    /// The residual connection in one word, as logs and reports show it: `standard`, `full`, or
+    /// `block` followed by the number of blocks.
+    pub fn residual_label(&self) -> String {
+        match self.residual {
+            ResidualKind::Block => format!("block{}", self.num_blocks),
+            r => format!("{r:?}").to_lowercase(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

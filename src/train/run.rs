@@ -1,228 +1,28 @@
-//! The training run: settings, the loop, validation, metrics and resumable checkpoints.
+//! The training loop: set a run up (fresh, resumed or overwritten), then step, log, evaluate
+//! and checkpoint until the token budget is spent, then write the run's summary.
 //!
-//! A run directory holds the latest model as a checkpoint (`config.json`, `model.safetensors`,
-//! `tokenizer.json`), `metrics.jsonl` (one JSON object per logged step) and `ckpt/`, the full
-//! state a resume needs: model, tokenizer, optimiser moments, step, data position and the run's
-//! settings. `ckpt/` is replaced as a whole: the new state is written to `.ckpt.tmp/`, the old one
-//! renamed away, the new one renamed in, so a run killed at any moment resumes from the last
-//! complete checkpoint.
+//! Settings live in [`super::config`], the run directory's files in [`super::checkpoint`],
+//! progress output in [`super::progress`] and the loss measurements in [`super::validation`].
 
+use super::checkpoint::{self as run_dir, TrainState, METRICS};
+use super::config::RunConfig;
 use super::data::{Corpus, Split};
-use super::optim::{lr_at, OptimConfig, Optimizer};
+use super::optim::{lr_at, Optimizer};
+use super::progress::{Progress, SharedBar};
 use super::tokenizer::Bpe;
 use super::tokens::{cache_dir, content_key, Tokens, WindowOrder};
+use super::validation::{unigram_bits_per_byte, validate};
+use crate::fs::write_atomic;
 use crate::kernels;
-use crate::model::checkpoint::{self, f32_values, safetensors_bytes, write_atomic};
-use crate::model::{Config, Model};
-use anyhow::{bail, ensure, Context, Result};
-use serde::{Deserialize, Serialize};
-use serde_json::{json, Map, Value};
+use crate::model::{checkpoint, Model};
+use anyhow::{ensure, Context, Result};
+use serde_json::{json, Value};
+use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// Training settings (the `[train]` table of a config file or preset).
-// Unknown keys are caught by `overlay_train` (serde cannot deny them next to `flatten`).
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct TrainConfig {
-    /// Tokens per training sequence (at most `max_position_embeddings`).
-    pub seq_len: usize,
-    /// Sequences per forward/backward pass.
-    pub micro_batch: usize,
-    /// Tokens per optimiser step; a multiple of `micro_batch · seq_len` (the rest is gradient
-    /// accumulation).
-    pub batch_tokens: usize,
-    /// Training budget in tokens; the run takes `max_tokens / batch_tokens` steps.
-    pub max_tokens: u64,
-    /// Validate every this many steps (and at the end).
-    pub eval_every: usize,
-    /// Validation tokens per evaluation (0: the whole validation split).
-    pub eval_tokens: usize,
-    /// Write a resumable checkpoint every this many steps (and at the end).
-    pub checkpoint_every: usize,
-    /// Seed of the initialisation and of the data order.
-    pub seed: u64,
-    #[serde(flatten)]
-    pub optim: OptimConfig,
-}
-
-impl Default for TrainConfig {
-    fn default() -> Self {
-        TrainConfig {
-            seq_len: 256,
-            micro_batch: 8,
-            batch_tokens: 16384,
-            max_tokens: 1_000_000,
-            eval_every: 20,
-            eval_tokens: 65536,
-            checkpoint_every: 50,
-            seed: 0,
-            optim: OptimConfig::default(),
-        }
-    }
-}
-
-impl TrainConfig {
-    pub fn steps(&self) -> usize {
-        (self.max_tokens / self.batch_tokens as u64) as usize
-    }
-
-    pub fn accumulation(&self) -> usize {
-        self.batch_tokens / (self.micro_batch * self.seq_len)
-    }
-
-    pub fn validate(&self, model: &Config) -> Result<()> {
-        for (k, v) in [
-            ("seq_len", self.seq_len),
-            ("micro_batch", self.micro_batch),
-            ("batch_tokens", self.batch_tokens),
-            ("eval_every", self.eval_every),
-            ("checkpoint_every", self.checkpoint_every),
-        ] {
-            ensure!(v > 0, "train: {k} must be positive, got {v}");
-        }
-        ensure!(
-            self.seq_len <= model.max_position_embeddings,
-            "train: seq_len = {} exceeds the model's max_position_embeddings = {}",
-            self.seq_len,
-            model.max_position_embeddings
-        );
-        let per = self.micro_batch * self.seq_len;
-        ensure!(
-            self.batch_tokens.is_multiple_of(per),
-            "train: batch_tokens = {} must be a multiple of micro_batch x seq_len = {per}",
-            self.batch_tokens
-        );
-        ensure!(
-            self.steps() > 0,
-            "train: max_tokens = {} is less than one batch of {} tokens",
-            self.max_tokens,
-            self.batch_tokens
-        );
-        let o = &self.optim;
-        for (k, v) in [
-            ("lr", o.lr),
-            ("weight_decay", o.weight_decay),
-            ("grad_clip", o.grad_clip),
-            ("adam_eps", o.adam_eps),
-        ] {
-            ensure!(
-                v.is_finite() && v >= 0.0,
-                "train: {k} must be a finite non-negative number, got {v}"
-            );
-        }
-        ensure!(o.lr > 0.0, "train: lr must be positive, got {}", o.lr);
-        for (k, v) in [
-            ("beta1", o.beta1),
-            ("beta2", o.beta2),
-            ("muon_momentum", o.muon_momentum),
-            ("min_lr_ratio", o.min_lr_ratio),
-            ("decay_fraction", o.decay_fraction),
-        ] {
-            ensure!((0.0..=1.0).contains(&v), "train: {k} must lie in [0, 1], got {v}");
-        }
-        Ok(())
-    }
-}
-
-/// A full run description: the model and the training settings.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
-pub struct RunConfig {
-    pub model: Config,
-    pub train: TrainConfig,
-}
-
-impl RunConfig {
-    /// Parses a TOML document with `[model]` and `[train]` tables laid over the defaults.
-    pub fn from_toml(text: &str, origin: &str) -> Result<RunConfig> {
-        let doc: toml::Table =
-            toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
-        for k in doc.keys() {
-            ensure!(
-                k == "model" || k == "train",
-                "{origin}: unknown table [{k}] (expected [model] and [train])"
-            );
-        }
-        let table = |name: &str| -> Result<Map<String, Value>> {
-            match doc.get(name).map(serde_json::to_value).transpose()? {
-                None => Ok(Map::new()),
-                Some(Value::Object(m)) => Ok(m),
-                Some(_) => bail!("{origin}: [{name}] must be a table"),
-            }
-        };
-        let model = Config::default()
-            .with_values(table("model")?)
-            .with_context(|| format!("in {origin}"))?;
-        let train = overlay_train(&TrainConfig::default(), table("train")?)
-            .with_context(|| format!("in {origin} [train]"))?;
-        Ok(RunConfig { model, train })
-    }
-
-    /// Applies `key=value` overrides; each key must name a model or a training setting.
-    pub fn with_overrides(&self, sets: &[String]) -> Result<RunConfig> {
-        let train_keys = match serde_json::to_value(&self.train)? {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        };
-        let model_keys = match serde_json::to_value(&self.model)? {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        };
-        let (mut model_sets, mut train_sets) = (Vec::new(), Map::new());
-        for s in sets {
-            let (k, v) =
-                s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
-            let k = k.trim();
-            if model_keys.contains_key(k) {
-                model_sets.push(s.clone());
-            } else if train_keys.contains_key(k) {
-                let v = serde_json::from_str(v.trim())
-                    .unwrap_or_else(|_| Value::String(v.trim().to_string()));
-                train_sets.insert(k.to_string(), v);
-            } else {
-                bail!(
-                    "--set {k}: unknown setting (model keys: {}; training keys: {})",
-                    model_keys.keys().cloned().collect::<Vec<_>>().join(", "),
-                    train_keys.keys().cloned().collect::<Vec<_>>().join(", ")
-                );
-            }
-        }
-        let model = self.model.with_overrides(&model_sets)?;
-        let train = overlay_train(&self.train, train_sets).context("--set")?;
-        Ok(RunConfig { model, train })
-    }
-}
-
-fn overlay_train(base: &TrainConfig, values: Map<String, Value>) -> Result<TrainConfig> {
-    let Value::Object(mut map) = serde_json::to_value(base)? else { unreachable!() };
-    for (k, v) in values {
-        let Some(old) = map.get(&k) else { bail!("unknown training key {k:?}") };
-        crate::model::config::same_kind(old, &v)
-            .map_err(|want| anyhow::anyhow!("training key {k} must be {want}, got {v}"))?;
-        map.insert(k, v);
-    }
-    serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("{e}"))
-}
-
-/// The resumable state besides model and optimiser moments.
-#[derive(Serialize, Deserialize, Debug)]
-struct TrainState {
-    run: RunConfig,
-    /// Optimiser steps completed.
-    step: usize,
-    tokens_seen: u64,
-    /// Training windows consumed (the data position).
-    windows_seen: u64,
-    elapsed_seconds: f64,
-    /// Time spent in training steps alone (no validation or checkpoints).
-    #[serde(default)]
-    train_seconds: f64,
-    /// Hash of the corpus split and tokenizer, to refuse resuming on other data.
-    data_key: String,
-    /// `--data` of the run (none: the embedded corpus).
-    data: Option<PathBuf>,
-}
-
+/// Where a run goes and how it starts: fresh, resumed or over an earlier one.
 pub struct TrainOptions {
     pub out: PathBuf,
     /// Training text (none: the embedded corpus, or on resume the run's own `--data`).
@@ -238,160 +38,247 @@ pub struct TrainOptions {
     pub shared_bar: Option<SharedBar>,
 }
 
-/// A progress bar over several runs: this run's steps start at `offset`, and its messages are
-/// prefixed with `label`.
-#[derive(Clone)]
-pub struct SharedBar {
-    pub bar: indicatif::ProgressBar,
-    pub offset: u64,
-    pub label: String,
-}
-
-const CKPT: &str = "ckpt";
-const METRICS: &str = "metrics.jsonl";
-
 /// Trains (or resumes) a run; returns the final validation loss.
 pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
-    let out = &opts.out;
-    let has_run =
-        out.join(CKPT).exists() || out.join(".ckpt.old").exists() || out.join(METRICS).exists();
-    let resume_dir = if opts.resume {
+    let mut trainer = Trainer::start(run, opts)?;
+    while trainer.at.step < trainer.total {
+        let outcome = trainer.step()?;
+        let mut record = outcome.record(&trainer.at);
+        let evaluated = trainer.evaluation_due();
+        if evaluated {
+            trainer.evaluate(&outcome, &mut record)?;
+        }
+        trainer.log(&outcome, record, evaluated)?;
+        if trainer.checkpoint_due() {
+            trainer.checkpoint()?;
+        }
+    }
+    trainer.finish()
+}
+
+/// How far a run has got; saved in every checkpoint.
+struct Position {
+    /// Optimiser steps completed.
+    step: usize,
+    tokens_seen: u64,
+    /// Training windows consumed (the data order's position).
+    windows_seen: u64,
+    /// Seconds in training steps alone (no validation or checkpoints), over every session.
+    train_seconds: f64,
+    /// Wall-clock seconds of the sessions before this one.
+    earlier_seconds: f64,
+}
+
+/// What one optimiser step produced.
+struct StepOutcome {
+    lr: f64,
+    train_loss: f64,
+    grad_norm: f64,
+    sublayer_grad_norms: Vec<f64>,
+}
+
+impl StepOutcome {
+    /// The step's line of `metrics.jsonl`, before validation and timing are added.
+    fn record(&self, at: &Position) -> Value {
+        json!({
+            "step": at.step, "tokens": at.tokens_seen, "train_loss": self.train_loss, "lr": self.lr,
+            "grad_norm": self.grad_norm, "sublayer_grad_norms": self.sublayer_grad_norms,
+        })
+    }
+}
+
+/// Training tokens per second since the last evaluation.
+struct Throughput {
+    tokens: u64,
+    since: Instant,
+}
+
+/// A run in progress: settings, data, model, optimiser and where it writes.
+struct Trainer {
+    run: RunConfig,
+    out: PathBuf,
+    /// `--data` of the run (none: the embedded corpus).
+    data: Option<PathBuf>,
+    /// Hash of the tokenized data, to refuse resuming on other data.
+    data_key: String,
+    bpe: Bpe,
+    tokens: Tokens,
+    order: WindowOrder,
+    model: Model,
+    opt: Optimizer,
+    total: usize,
+    at: Position,
+    metrics: File,
+    progress: Progress,
+    started: Instant,
+    throughput: Throughput,
+    last_val: f64,
+}
+
+/// A checkpoint to resume from: its directory and state.
+struct Resume {
+    dir: PathBuf,
+    state: TrainState,
+}
+
+impl Resume {
+    /// The checkpoint to resume with `--resume`; without it, none, and an earlier run in the
+    /// directory is refused unless `--overwrite` was given.
+    fn find(settings_given: bool, opts: &TrainOptions, has_run: bool) -> Result<Option<Resume>> {
+        let out = &opts.out;
+        if !opts.resume {
+            ensure!(!has_run || opts.overwrite, "{} already holds a training run; pass --resume to continue it or --overwrite to start over", out.display());
+            return Ok(None);
+        }
         ensure!(
-            run.is_none(),
+            !settings_given,
             "--resume continues the run in {} with its own settings; drop --config/--preset/--set",
             out.display()
         );
-        Some(checkpoint_dir(out)?)
-    } else {
-        ensure!(!has_run || opts.overwrite, "{} already holds a training run; pass --resume to continue it or --overwrite to start over", out.display());
-        None
-    };
-    let state: Option<TrainState> = match &resume_dir {
-        Some(dir) => Some(
-            serde_json::from_str(
-                &std::fs::read_to_string(dir.join("train_state.json"))
-                    .context("cannot read the checkpoint's train_state.json")?,
-            )
-            .context("the checkpoint's train_state.json is corrupt")?,
-        ),
-        None => None,
-    };
-
-    // Data: as given, else the resumed run's own, else the embedded corpus.
-    let data = opts.data.clone().or_else(|| state.as_ref().and_then(|s| s.data.clone()));
-    let corpus = match &data {
-        Some(p) => Corpus::from_path(p)?,
-        None => Corpus::embedded(),
-    };
-    let split = corpus.split();
-    // Settings, tokenizer and model: from the checkpoint, or fresh.
-    let (run, bpe, mut model) = match (&resume_dir, &state) {
-        (Some(dir), Some(state)) => {
-            let bpe = Bpe::load(&dir.join("tokenizer.json"))?;
-            let model = checkpoint::load(dir).context("cannot load the checkpoint's model")?;
-            ensure!(
-                model.config == state.run.model,
-                "the checkpoint's config.json does not match its train_state.json"
-            );
-            (state.run.clone(), bpe, model)
-        }
-        _ => {
-            let mut run = run.context("no settings given")?;
-            let bpe = match &opts.tokenizer {
-                Some(p) => Bpe::load(p)?,
-                None => cached_tokenizer(&split, run.model.vocab_size)?,
-            };
-            run.model.vocab_size = bpe.vocab_size();
-            run.model.validate()?;
-            run.train.validate(&run.model)?;
-            let model = Model::init(run.model.clone(), run.train.seed)?;
-            (run, bpe, model)
-        }
-    };
-    let tc = run.train.clone();
-    let (tokens, reused) = Tokens::load_or_build(&split, &bpe)?;
-    let data_key = content_key(&[tokens.path.to_string_lossy().as_bytes()]);
-    if let Some(s) = &state {
-        ensure!(
-            s.data_key == data_key,
-            "the training data (or tokenizer) differs from the run being resumed"
-        );
+        let dir = run_dir::checkpoint_dir(out)?;
+        let state = run_dir::read_state(&dir)?;
+        Ok(Some(Resume { dir, state }))
     }
-    ensure!(tokens.val_len() >= 2, "the validation split is empty: use a corpus with more text");
-    let mut order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
-    if resume_dir.is_none() && has_run {
-        // --overwrite: everything checked, now clear the old run.
-        for p in [CKPT, ".ckpt.old", ".ckpt.tmp", METRICS, "summary.json", "diagnostics.json"] {
-            let p = out.join(p);
-            if p.is_dir() {
-                std::fs::remove_dir_all(&p)?;
-            } else if p.exists() {
-                std::fs::remove_file(&p)?;
-            }
-        }
-    }
+}
 
-    let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
-    let (mut step, mut tokens_seen, mut windows_seen, elapsed0) = (0usize, 0u64, 0u64, 0.0f64);
-    if let (Some(dir), Some(s)) = (&resume_dir, &state) {
-        load_optimizer(&mut opt, &dir.join("optimizer.safetensors"))?;
+impl Position {
+    /// Where a resumed run stopped (its optimiser state restored into `opt`, metrics after its
+    /// checkpoint dropped), or the start of a new run in a new directory.
+    fn restore(resume: Option<&Resume>, opt: &mut Optimizer, out: &Path) -> Result<Position> {
+        let Some(r) = resume else {
+            std::fs::create_dir_all(out)
+                .with_context(|| format!("cannot create {}", out.display()))?;
+            return Ok(Position {
+                step: 0,
+                tokens_seen: 0,
+                windows_seen: 0,
+                train_seconds: 0.0,
+                earlier_seconds: 0.0,
+            });
+        };
+        run_dir::load_optimizer(opt, &r.dir.join("optimizer.safetensors"))?;
+        let s = &r.state;
         ensure!(
             opt.step as usize == s.step,
             "the checkpoint's optimizer state is from step {}, its train_state from step {}",
             opt.step,
             s.step
         );
-        (step, tokens_seen, windows_seen) = (s.step, s.tokens_seen, s.windows_seen);
-        truncate_metrics(&out.join(METRICS), step)?;
-    } else {
-        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+        run_dir::truncate_metrics(&out.join(METRICS), s.step)?;
+        Ok(Position {
+            step: s.step,
+            tokens_seen: s.tokens_seen,
+            windows_seen: s.windows_seen,
+            train_seconds: s.train_seconds,
+            earlier_seconds: s.elapsed_seconds,
+        })
     }
-    let elapsed0 = state.as_ref().map_or(elapsed0, |s| s.elapsed_seconds);
-    let mut train_seconds = state.as_ref().map_or(0.0, |s| s.train_seconds);
+}
 
-    let total = tc.steps();
-    let accum = tc.accumulation();
-    let n_params = model.params.len();
-    let bar = progress_bar(opts, total as u64, step as u64);
-    let say = |line: String| match &bar {
-        Some(b) => b.bar.println(format!("{}{line}", b.prefix())),
-        None => log(&line),
-    };
-    say(format!(
-        "{}: {} ({} documents, {:.1} MB), {} train / {} val tokens{}, vocab {}, {} parameters, residual {}",
-        if resume_dir.is_some() { format!("resuming at step {step}/{total}") } else { format!("training {total} steps") },
-        corpus.name,
-        corpus.documents.len(),
-        corpus.bytes() as f64 / 1e6,
-        tokens.train_len(),
-        tokens.val_len(),
-        if reused { " (cached)" } else { "" },
-        bpe.vocab_size(),
-        n_params,
-        crate::bench::label(&model.config),
-    ));
+impl Trainer {
+    /// Checks the request against the run directory, loads or builds settings, tokenizer, data,
+    /// model and optimiser, and announces the run.
+    fn start(run: Option<RunConfig>, opts: &TrainOptions) -> Result<Trainer> {
+        let out = &opts.out;
+        let has_run = run_dir::holds_run(out);
+        let resume = Resume::find(run.is_some(), opts, has_run)?;
 
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(out.join(METRICS))
-        .context("cannot open metrics.jsonl")?;
-    let t0 = Instant::now();
-    let mut last_val = f64::NAN;
-    let mut seen_since = 0u64;
-    let mut t_since = Instant::now();
-    while step < total {
+        // Data: as given, else the resumed run's own, else the embedded corpus.
+        let data = opts.data.clone().or_else(|| resume.as_ref().and_then(|r| r.state.data.clone()));
+        let corpus = match &data {
+            Some(p) => Corpus::from_path(p)?,
+            None => Corpus::embedded(),
+        };
+        let split = corpus.split();
+        let (run, bpe, model) = match &resume {
+            Some(r) => resumed_model(r)?,
+            None => fresh_model(run, opts, &split)?,
+        };
+        let tc = &run.train;
+        let (tokens, reused) = Tokens::load_or_build(&split, &bpe)?;
+        let data_key = content_key(&[tokens.path.to_string_lossy().as_bytes()]);
+        if let Some(r) = &resume {
+            ensure!(
+                r.state.data_key == data_key,
+                "the training data (or tokenizer) differs from the run being resumed"
+            );
+        }
+        ensure!(
+            tokens.val_len() >= 2,
+            "the validation split is empty: use a corpus with more text"
+        );
+        let order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
+        if resume.is_none() && has_run {
+            // --overwrite: everything checked, now clear the old run.
+            run_dir::clear(out)?;
+        }
+
+        let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
+        let at = Position::restore(resume.as_ref(), &mut opt, out)?;
+
+        let total = tc.steps();
+        let progress =
+            Progress::new(opts.shared_bar.as_ref(), opts.progress, total as u64, at.step as u64);
+        progress.say(format!(
+            "{}: {} ({} documents, {:.1} MB), {} train / {} val tokens{}, vocab {}, {} parameters, residual {}",
+            if resume.is_some() { format!("resuming at step {}/{total}", at.step) } else { format!("training {total} steps") },
+            corpus.name,
+            corpus.documents.len(),
+            corpus.bytes() as f64 / 1e6,
+            tokens.train_len(),
+            tokens.val_len(),
+            if reused { " (cached)" } else { "" },
+            bpe.vocab_size(),
+            model.params.len(),
+            model.config.residual_label(),
+        ));
+        let metrics = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(out.join(METRICS))
+            .context("cannot open metrics.jsonl")?;
+        Ok(Trainer {
+            run,
+            out: out.clone(),
+            data,
+            data_key,
+            bpe,
+            tokens,
+            order,
+            model,
+            opt,
+            total,
+            at,
+            metrics,
+            progress,
+            started: Instant::now(),
+            throughput: Throughput { tokens: 0, since: Instant::now() },
+            last_val: f64::NAN,
+        })
+    }
+
+    /// One optimiser step: forward and backward over `accumulation` micro-batches, gradient
+    /// clipping, the update.
+    fn step(&mut self) -> Result<StepOutcome> {
+        let tc = &self.run.train;
         let t_step = Instant::now();
-        let lr = lr_at(&tc.optim, step, total);
-        let mut grads = kernels::zeros(n_params);
+        let lr = lr_at(&tc.optim, self.at.step, self.total);
+        let accum = tc.accumulation();
+        let mut grads = kernels::zeros(self.model.params.len());
         let mut loss_sum = 0.0f64;
         for _ in 0..accum {
-            let (ids, targets) = next_batch(&tokens, &mut order, &mut windows_seen, tc.micro_batch);
-            let fwd = model.forward(&ids, tc.micro_batch, tc.seq_len)?;
-            let (loss, g) = model.backward(&fwd, &targets)?;
+            let (ids, targets) = next_batch(
+                &self.tokens,
+                &mut self.order,
+                &mut self.at.windows_seen,
+                tc.micro_batch,
+            );
+            let fwd = self.model.forward(&ids, tc.micro_batch, tc.seq_len)?;
+            let (loss, g) = self.model.backward(&fwd, &targets)?;
             ensure!(
                 loss.is_finite(),
-                "the training loss became {loss} at step {step}; lower the learning rate"
+                "the training loss became {loss} at step {}; lower the learning rate",
+                self.at.step
             );
             loss_sum += loss as f64;
             kernels::add_assign(&mut grads, &g);
@@ -400,139 +287,149 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
             let s = 1.0 / accum as f32;
             grads.iter_mut().for_each(|g| *g *= s);
         }
-        let sublayer_norms = crate::diagnostics::sublayer_grad_norms(&model.layout, &grads);
-        let grad_norm = opt.clip(&mut grads);
-        opt.update(&mut model.params, &grads, lr);
-        train_seconds += t_step.elapsed().as_secs_f64();
-        step += 1;
-        tokens_seen += tc.batch_tokens as u64;
-        seen_since += tc.batch_tokens as u64;
-        let train_loss = loss_sum / accum as f64;
+        let sublayer_grad_norms =
+            crate::diagnostics::sublayer_grad_norms(&self.model.layout, &grads);
+        let grad_norm = self.opt.clip(&mut grads);
+        self.opt.update(&mut self.model.params, &grads, lr);
+        self.at.train_seconds += t_step.elapsed().as_secs_f64();
+        self.at.step += 1;
+        self.at.tokens_seen += tc.batch_tokens as u64;
+        self.throughput.tokens += tc.batch_tokens as u64;
+        Ok(StepOutcome { lr, train_loss: loss_sum / accum as f64, grad_norm, sublayer_grad_norms })
+    }
 
-        let mut rec = json!({
-            "step": step, "tokens": tokens_seen, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-            "sublayer_grad_norms": sublayer_norms,
-        });
-        if step % tc.eval_every == 0 || step == total {
-            let (val_loss, bpb) =
-                validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
-            last_val = val_loss;
-            rec["val_loss"] = json!(val_loss);
-            rec["val_bits_per_byte"] = json!(bpb);
-            say(format!("step {step}/{total}: train loss {train_loss:.4}, val loss {val_loss:.4}, val bits/byte {bpb:.4}"));
-        }
-        let tps = seen_since as f64 / t_since.elapsed().as_secs_f64();
-        rec["tokens_per_second"] = json!(tps);
-        rec["elapsed_seconds"] = json!(elapsed0 + t0.elapsed().as_secs_f64());
+    fn evaluation_due(&self) -> bool {
+        self.at.step.is_multiple_of(self.run.train.eval_every) || self.at.step == self.total
+    }
+
+    fn checkpoint_due(&self) -> bool {
+        self.at.step.is_multiple_of(self.run.train.checkpoint_every) || self.at.step == self.total
+    }
+
+    /// Validation loss and bits per byte, into the step's record and the log.
+    fn evaluate(&mut self, done: &StepOutcome, record: &mut Value) -> Result<()> {
+        let (val_loss, bpb) = self.validate()?;
+        self.last_val = val_loss;
+        record["val_loss"] = json!(val_loss);
+        record["val_bits_per_byte"] = json!(bpb);
+        let (step, total, train_loss) = (self.at.step, self.total, done.train_loss);
+        self.progress.say(format!("step {step}/{total}: train loss {train_loss:.4}, val loss {val_loss:.4}, val bits/byte {bpb:.4}"));
+        Ok(())
+    }
+
+    fn validate(&self) -> Result<(f64, f64)> {
+        let tc = &self.run.train;
+        validate(&self.model, &self.tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)
+    }
+
+    /// Appends the step's record to `metrics.jsonl` and shows progress; the throughput window
+    /// restarts at every regular evaluation.
+    fn log(&mut self, done: &StepOutcome, mut record: Value, evaluated: bool) -> Result<()> {
+        let tps = self.throughput.tokens as f64 / self.throughput.since.elapsed().as_secs_f64();
+        record["tokens_per_second"] = json!(tps);
+        record["elapsed_seconds"] = json!(self.elapsed_seconds());
         // One write per line: a run killed mid-record must not leave half a line behind.
-        metrics.write_all(format!("{rec}\n").as_bytes()).context("cannot write metrics.jsonl")?;
-        metrics.flush()?;
-        if let Some(b) = &bar {
-            b.bar.set_position(b.offset + step as u64);
-            b.bar.set_message(format!("{}loss {train_loss:.3} | {tps:.0} tok/s", b.prefix()));
-        } else if step % tc.eval_every != 0 && step != total {
-            log(&format!("step {step}/{total}: train loss {train_loss:.4}, {tps:.0} tokens/s"));
+        self.metrics
+            .write_all(format!("{record}\n").as_bytes())
+            .context("cannot write metrics.jsonl")?;
+        self.metrics.flush()?;
+        self.progress.step(self.at.step, self.total, done.train_loss, tps, evaluated);
+        if self.at.step.is_multiple_of(self.run.train.eval_every) {
+            self.throughput = Throughput { tokens: 0, since: Instant::now() };
         }
-        if step % tc.eval_every == 0 {
-            seen_since = 0;
-            t_since = Instant::now();
-        }
-        if step % tc.checkpoint_every == 0 || step == total {
-            let st = TrainState {
-                run: run.clone(),
-                step,
-                tokens_seen,
-                windows_seen,
-                elapsed_seconds: elapsed0 + t0.elapsed().as_secs_f64(),
-                train_seconds,
-                data_key: data_key.clone(),
-                data: data.clone(),
-            };
-            save_checkpoint(out, &model, &bpe, &opt, &st)?;
-        }
+        Ok(())
     }
-    if last_val.is_nan() {
-        last_val = validate(&model, &tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)?.0;
+
+    fn elapsed_seconds(&self) -> f64 {
+        self.at.earlier_seconds + self.started.elapsed().as_secs_f64()
     }
-    let (unigram, val_bpb) = (
-        unigram_bits_per_byte(&tokens, bpe.vocab_size()),
-        last_val / std::f64::consts::LN_2 / (tokens.val_bytes as f64 / tokens.val_len() as f64),
+
+    fn checkpoint(&self) -> Result<()> {
+        let state = TrainState {
+            run: self.run.clone(),
+            step: self.at.step,
+            tokens_seen: self.at.tokens_seen,
+            windows_seen: self.at.windows_seen,
+            elapsed_seconds: self.elapsed_seconds(),
+            train_seconds: self.at.train_seconds,
+            data_key: self.data_key.clone(),
+            data: self.data.clone(),
+        };
+        run_dir::save(&self.out, &self.model, &self.bpe, &self.opt, &state)
+    }
+
+    /// Final validation, diagnostics and `summary.json`; returns the final validation loss.
+    fn finish(mut self) -> Result<f64> {
+        if self.last_val.is_nan() {
+            self.last_val = self.validate()?.0;
+        }
+        let (tokens, tc, last_val) = (&self.tokens, &self.run.train, self.last_val);
+        let (unigram, val_bpb) = (
+            unigram_bits_per_byte(tokens, self.bpe.vocab_size()),
+            last_val / std::f64::consts::LN_2 / (tokens.val_bytes as f64 / tokens.val_len() as f64),
+        );
+        let val: Vec<u32> = tokens.val(0..tokens.val_len());
+        let diag = crate::diagnostics::diagnose(
+            &self.model,
+            &val,
+            tc.seq_len,
+            tc.micro_batch,
+            tc.eval_tokens,
+        )?;
+        let out = &self.out;
+        write_atomic(
+            &out.join("diagnostics.json"),
+            serde_json::to_string_pretty(&diag)?.as_bytes(),
+        )?;
+        let at = &self.at;
+        let summary = json!({
+            "residual": self.model.config.residual_label(), "parameters": self.model.params.len(), "steps": at.step, "tokens": at.tokens_seen,
+            "val_loss": last_val, "val_bits_per_byte": val_bpb, "unigram_val_bits_per_byte": unigram,
+            "elapsed_seconds": self.elapsed_seconds(),
+            "train_seconds": at.train_seconds, "train_tokens_per_second": at.tokens_seen as f64 / at.train_seconds.max(1e-9),
+        });
+        write_atomic(
+            &out.join("summary.json"),
+            serde_json::to_string_pretty(&summary)?.as_bytes(),
+        )?;
+        self.progress.say(format!(
+            "done: step {}, validation loss {last_val:.4} ({val_bpb:.4} bits/byte; a unigram model of the training tokens: {unigram:.4} bits/byte); model in {}",
+            at.step,
+            out.display()
+        ));
+        self.progress.finish();
+        Ok(last_val)
+    }
+}
+
+/// Settings, tokenizer and model of the checkpoint being resumed.
+fn resumed_model(r: &Resume) -> Result<(RunConfig, Bpe, Model)> {
+    let bpe = Bpe::load(&r.dir.join("tokenizer.json"))?;
+    let model = checkpoint::load(&r.dir).context("cannot load the checkpoint's model")?;
+    ensure!(
+        model.config == r.state.run.model,
+        "the checkpoint's config.json does not match its train_state.json"
     );
-    let val: Vec<u32> = tokens.val(0..tokens.val_len());
-    let diag =
-        crate::diagnostics::diagnose(&model, &val, tc.seq_len, tc.micro_batch, tc.eval_tokens)?;
-    write_atomic(&out.join("diagnostics.json"), serde_json::to_string_pretty(&diag)?.as_bytes())?;
-    let summary = json!({
-        "residual": crate::bench::label(&model.config), "parameters": n_params, "steps": step, "tokens": tokens_seen,
-        "val_loss": last_val, "val_bits_per_byte": val_bpb, "unigram_val_bits_per_byte": unigram,
-        "elapsed_seconds": elapsed0 + t0.elapsed().as_secs_f64(),
-        "train_seconds": train_seconds, "train_tokens_per_second": tokens_seen as f64 / train_seconds.max(1e-9),
-    });
-    write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
-    say(format!(
-        "done: step {step}, validation loss {last_val:.4} ({val_bpb:.4} bits/byte; a unigram model of the training tokens: {unigram:.4} bits/byte); model in {}",
-        out.display()
-    ));
-    if let Some(b) = bar.filter(|_| opts.shared_bar.is_none()) {
-        b.bar.finish_and_clear();
-    }
-    Ok(last_val)
+    Ok((r.state.run.clone(), bpe, model))
 }
 
-/// Bits per byte of the validation split under a unigram model of the training tokens (add-one
-/// smoothing): the floor any useful language model must beat.
-pub fn unigram_bits_per_byte(tokens: &Tokens, vocab: usize) -> f64 {
-    let mut counts = vec![1.0f64; vocab];
-    for t in tokens.train(0..tokens.train_len()) {
-        counts[t as usize] += 1.0;
-    }
-    let total: f64 = counts.iter().sum();
-    let nats: f64 =
-        tokens.val(0..tokens.val_len()).iter().map(|&t| -(counts[t as usize] / total).ln()).sum();
-    nats / std::f64::consts::LN_2 / tokens.val_bytes as f64
-}
-
-fn log(line: &str) {
-    eprintln!("{line}");
-}
-
-impl SharedBar {
-    fn prefix(&self) -> String {
-        if self.label.is_empty() {
-            String::new()
-        } else {
-            format!("{}: ", self.label)
-        }
-    }
-}
-
-/// A terminal progress bar of `total` steps (none when stderr is not a terminal).
-pub fn new_progress_bar(total: u64) -> Option<indicatif::ProgressBar> {
-    use std::io::IsTerminal;
-    if !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let b = indicatif::ProgressBar::new(total);
-    b.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} steps | {msg} | {elapsed_precise} elapsed, ETA {eta_precise}",
-        )
-        .expect("valid template"),
-    );
-    Some(b)
-}
-
-fn progress_bar(opts: &TrainOptions, total: u64, pos: u64) -> Option<SharedBar> {
-    if let Some(b) = &opts.shared_bar {
-        b.bar.set_position(b.offset + pos);
-        return Some(b.clone());
-    }
-    if !opts.progress {
-        return None;
-    }
-    let bar = new_progress_bar(total)?;
-    bar.set_position(pos);
-    Some(SharedBar { bar, offset: 0, label: String::new() })
+/// A new run: the tokenizer given or trained on the data (its size sets the vocabulary), then a
+/// freshly initialised model.
+fn fresh_model(
+    run: Option<RunConfig>,
+    opts: &TrainOptions,
+    split: &Split,
+) -> Result<(RunConfig, Bpe, Model)> {
+    let mut run = run.context("no settings given")?;
+    let bpe = match &opts.tokenizer {
+        Some(p) => Bpe::load(p)?,
+        None => cached_tokenizer(split, run.model.vocab_size)?,
+    };
+    run.model.vocab_size = bpe.vocab_size();
+    run.model.validate()?;
+    run.train.validate(&run.model)?;
+    let model = Model::init(run.model.clone(), run.train.seed)?;
+    Ok((run, bpe, model))
 }
 
 /// The next `micro_batch` training windows: inputs and their next-token targets.
@@ -555,60 +452,6 @@ fn next_batch(
     (ids, targets)
 }
 
-/// Mean validation loss over consecutive windows (up to `max_tokens` predicted tokens, 0 = all)
-/// and the matching bits per byte (using the split's bytes per token).
-pub fn validate(
-    model: &Model,
-    tokens: &Tokens,
-    seq: usize,
-    micro_batch: usize,
-    max_tokens: usize,
-) -> Result<(f64, f64)> {
-    let n = tokens.val_len();
-    let val: Vec<u32> = tokens.val(0..n);
-    let (nats, count) = windowed_loss(model, &val, seq.min(n - 1), micro_batch, max_tokens)?;
-    let loss = nats / count as f64;
-    let bytes_per_token = tokens.val_bytes as f64 / n as f64;
-    Ok((loss, loss / std::f64::consts::LN_2 / bytes_per_token))
-}
-
-/// Summed next-token loss (nats) and the number of predicted tokens, over windows of `seq + 1`
-/// tokens taken with stride `seq` (so every token but the first is predicted once), stopping
-/// after `max_tokens` predictions when non-zero.
-pub fn windowed_loss(
-    model: &Model,
-    ids: &[u32],
-    seq: usize,
-    micro_batch: usize,
-    max_tokens: usize,
-) -> Result<(f64, usize)> {
-    ensure!(ids.len() >= 2, "need at least two tokens to measure a loss");
-    let mut starts: Vec<usize> = (0..ids.len() - 1).step_by(seq).collect();
-    if max_tokens > 0 {
-        starts.truncate(max_tokens.div_ceil(seq).max(1));
-    }
-    let (mut nats, mut count) = (0.0f64, 0usize);
-    // Full windows go in batches; the ragged last window alone.
-    let (full, last): (Vec<usize>, Vec<usize>) = starts.iter().partition(|&&s| s + seq < ids.len());
-    for chunk in full.chunks(micro_batch) {
-        let (mut x, mut y) = (Vec::new(), Vec::new());
-        for &s in chunk {
-            x.extend_from_slice(&ids[s..s + seq]);
-            y.extend_from_slice(&ids[s + 1..s + seq + 1]);
-        }
-        let f = model.forward(&x, chunk.len(), seq)?;
-        nats += model.loss(&f, &y)? as f64 * y.len() as f64;
-        count += y.len();
-    }
-    for s in last {
-        let t = ids.len() - 1 - s;
-        let f = model.forward(&ids[s..s + t], 1, t)?;
-        nats += model.loss(&f, &ids[s + 1..])? as f64 * t as f64;
-        count += t;
-    }
-    Ok((nats, count))
-}
-
 /// A tokenizer trained on the training split, cached by (text, vocabulary size).
 fn cached_tokenizer(split: &Split, vocab_size: usize) -> Result<Bpe> {
     let mut parts: Vec<&[u8]> = split.train.iter().map(|d| d.as_bytes()).collect();
@@ -622,99 +465,4 @@ fn cached_tokenizer(split: &Split, vocab_size: usize) -> Result<Bpe> {
     std::fs::create_dir_all(cache_dir())?;
     write_atomic(&path, b.to_json()?.as_bytes())?;
     Ok(b)
-}
-
-/// The checkpoint directory to resume from (the previous one if a swap was interrupted).
-fn checkpoint_dir(out: &Path) -> Result<PathBuf> {
-    for name in [CKPT, ".ckpt.old"] {
-        let d = out.join(name);
-        if d.join("train_state.json").exists() {
-            return Ok(d);
-        }
-    }
-    bail!("{} holds no checkpoint to resume (no {}/train_state.json)", out.display(), CKPT)
-}
-
-fn save_checkpoint(
-    out: &Path,
-    model: &Model,
-    bpe: &Bpe,
-    opt: &Optimizer,
-    st: &TrainState,
-) -> Result<()> {
-    let tmp = out.join(".ckpt.tmp");
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
-    }
-    checkpoint::save(model, &tmp)?;
-    let tok = bpe.to_json()?;
-    write_atomic(&tmp.join("tokenizer.json"), tok.as_bytes())?;
-    let meta = std::collections::HashMap::from([("step".to_string(), opt.step.to_string())]);
-    let n = opt.m.len();
-    let tensors: Vec<(String, Vec<usize>, &[f32])> = vec![
-        ("adam.m".into(), vec![n], &opt.m),
-        ("adam.v".into(), vec![n], &opt.v),
-        ("muon.momentum".into(), vec![n], &opt.momentum),
-    ];
-    write_atomic(&tmp.join("optimizer.safetensors"), &safetensors_bytes(&tensors, Some(meta))?)?;
-    write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
-    let (cur, old) = (out.join(CKPT), out.join(".ckpt.old"));
-    if old.exists() {
-        std::fs::remove_dir_all(&old)?;
-    }
-    if cur.exists() {
-        std::fs::rename(&cur, &old)?;
-    }
-    std::fs::rename(&tmp, &cur)?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old)?;
-    }
-    // The latest model, loadable as a plain checkpoint directory.
-    checkpoint::save(model, out)?;
-    write_atomic(&out.join("tokenizer.json"), tok.as_bytes())
-}
-
-fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", path.display()))?;
-    let (_, meta) =
-        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| anyhow::anyhow!("{e}"))?;
-    opt.step = meta
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("step"))
-        .and_then(|s| s.parse().ok())
-        .with_context(|| format!("{} has no step", path.display()))?;
-    for (name, buf) in
-        [("adam.m", &mut opt.m), ("adam.v", &mut opt.v), ("muon.momentum", &mut opt.momentum)]
-    {
-        let t = st.tensor(name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let vals = f32_values(name, &t)?;
-        ensure!(
-            vals.len() == buf.len(),
-            "{}: {name} has {} values, the model needs {}",
-            path.display(),
-            vals.len(),
-            buf.len()
-        );
-        buf.copy_from_slice(&vals);
-    }
-    Ok(())
-}
-
-/// Drops metric lines after `step` (written after the checkpoint the run resumes from).
-fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
-    let kept: String = text
-        .lines()
-        .filter(|l| {
-            serde_json::from_str::<Value>(l)
-                .ok()
-                .and_then(|v| v["step"].as_u64())
-                .is_some_and(|s| s as usize <= step)
-        })
-        .map(|l| format!("{l}\n"))
-        .collect();
-    write_atomic(path, kept.as_bytes())
 }

@@ -80,7 +80,7 @@ impl Tokens {
         }
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create the cache directory {}", dir.display()))?;
-        crate::model::checkpoint::write_atomic(&path, &bytes)?;
+        crate::fs::write_atomic(&path, &bytes)?;
         Ok((Self::open(&path, val_bytes)?, false))
     }
 

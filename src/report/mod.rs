@@ -1,0 +1,203 @@
+//! The comparison report: `index.html` with SVG figures (drawn with `plotters`) and a
+//! machine-readable `summary.json`, built from the runs of a report directory
+//! (the [`crate::suite::Plan`] that `compare` trained).
+//!
+//! Figures: validation loss over training for every variant; the RMS of every sublayer's output
+//! and of the input it reads (docs/method.md §6: growth with depth for the baseline, bounded for
+//! AttnRes); the gradient norm of every sublayer's weights, averaged over training; the
+//! depth-attention weights α of every AttnRes variant as heatmaps. Numbers are means over seeds;
+//! the spread is the sample standard deviation.
+//!
+//! This file gathers the runs and writes the directory; `stat` holds the statistics,
+//! `figures` the SVGs and `html` the page.
+
+mod figures;
+mod html;
+mod stat;
+
+pub use stat::{paired_differences, stat, PowerLaw, ScalePoint, Scaling, Stat};
+
+use crate::diagnostics::Diagnostics;
+use crate::fs::write_atomic;
+use crate::suite::{non_embedding_parameters, Plan, Variant};
+use anyhow::{Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// One finished run, as read back from its directory.
+struct Run {
+    val_loss: f64,
+    bpb: f64,
+    tokens_per_second: f64,
+    parameters: u64,
+    /// Validation loss over training: (tokens, loss).
+    curve: Vec<(f64, f64)>,
+    /// Mean gradient norm of each sublayer's weights over all steps.
+    grad_norms: Vec<f64>,
+    diag: Diagnostics,
+}
+
+fn read_json(path: &Path) -> Result<Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))
+}
+
+fn read_run(dir: &Path) -> Result<Option<Run>> {
+    if !dir.join("summary.json").exists() || !dir.join("diagnostics.json").exists() {
+        return Ok(None);
+    }
+    let s = read_json(&dir.join("summary.json"))?;
+    let num = |k: &str| {
+        s[k].as_f64().with_context(|| format!("{}: summary.json has no {k}", dir.display()))
+    };
+    let diag: Diagnostics = serde_json::from_value(read_json(&dir.join("diagnostics.json"))?)
+        .with_context(|| format!("{}: diagnostics.json", dir.display()))?;
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))
+        .with_context(|| format!("cannot read {}/metrics.jsonl", dir.display()))?;
+    let (mut curve, mut sums, mut steps) =
+        (Vec::new(), vec![0.0f64; diag.output_rms.len()], 0usize);
+    for line in metrics.lines().filter(|l| !l.trim().is_empty()) {
+        let m: Value = serde_json::from_str(line)
+            .with_context(|| format!("{}/metrics.jsonl: bad line", dir.display()))?;
+        if let (Some(t), Some(v)) = (m["tokens"].as_f64(), m["val_loss"].as_f64()) {
+            curve.push((t, v));
+        }
+        if let Some(g) = m["sublayer_grad_norms"].as_array() {
+            for (acc, x) in sums.iter_mut().zip(g) {
+                *acc += x.as_f64().unwrap_or(0.0);
+            }
+            steps += 1;
+        }
+    }
+    let grad_norms = sums.iter().map(|x| x / steps.max(1) as f64).collect();
+    Ok(Some(Run {
+        val_loss: num("val_loss")?,
+        bpb: num("val_bits_per_byte")?,
+        tokens_per_second: num("train_tokens_per_second")?,
+        parameters: num("parameters")? as u64,
+        curve,
+        grad_norms,
+        diag,
+    }))
+}
+
+/// The variants with at least one finished run: colour index, variant, runs.
+type Finished<'a> = [(usize, &'a Variant, Vec<&'a Run>)];
+
+/// One variant's line of the summary.
+#[derive(Serialize)]
+struct Row {
+    name: String,
+    settings: Vec<String>,
+    seeds_finished: usize,
+    parameters: u64,
+    val_loss: Stat,
+    val_bits_per_byte: Stat,
+    /// Per-seed difference from the baseline's run with the same seed.
+    val_loss_minus_baseline: Option<Stat>,
+    train_tokens_per_second: Stat,
+    /// Training time per token relative to the baseline, minus one.
+    training_overhead: Option<f64>,
+    val_losses: Vec<f64>,
+}
+
+/// Writes `index.html`, `summary.json` and the figures into the report directory; returns the
+/// page's path.
+pub fn write(out: &Path) -> Result<PathBuf> {
+    let plan = Plan::load(out)?;
+    let runs: Vec<Vec<Option<Run>>> = plan
+        .variants
+        .iter()
+        .map(|v| {
+            (0..plan.seeds)
+                .map(|s| read_run(&Plan::run_dir(out, &v.name, s)))
+                .collect::<Result<Vec<_>>>()
+        })
+        .collect::<Result<_>>()?;
+    let rows = summarize(&plan.variants, &runs);
+    let scaling = if plan.suite == "scaling" { Some(scaling_fit(&plan, &rows)?) } else { None };
+    let summary = serde_json::json!({
+        "suite": plan.suite, "seeds": plan.seeds, "baseline": plan.variants[0].name,
+        "model": plan.base.model, "train": plan.base.train, "variants": rows, "scaling": scaling,
+    });
+    write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
+
+    let finished: Vec<(usize, &Variant, Vec<&Run>)> = plan
+        .variants
+        .iter()
+        .zip(&runs)
+        .enumerate()
+        .map(|(i, (v, rs))| (i, v, rs.iter().flatten().collect::<Vec<_>>()))
+        .filter(|(_, _, rs)| !rs.is_empty())
+        .collect();
+    let figures = figures::figures(&finished, scaling.as_ref())?;
+    let heatmaps = figures::heatmaps(&finished)?;
+    for f in figures.iter().chain(&heatmaps) {
+        write_atomic(&out.join(&f.file), f.svg.as_bytes())?;
+    }
+    let page = out.join("index.html");
+    let body = html::page(&plan, &rows, scaling.as_ref(), &figures, &heatmaps);
+    write_atomic(&page, body.as_bytes())?;
+    Ok(page)
+}
+
+fn summarize(variants: &[Variant], runs: &[Vec<Option<Run>>]) -> Vec<Row> {
+    variants
+        .iter()
+        .zip(runs)
+        .enumerate()
+        .filter(|(_, (_, rs))| rs.iter().any(|r| r.is_some()))
+        .map(|(i, (v, rs))| {
+            let b = v
+                .baseline
+                .as_ref()
+                .and_then(|n| variants.iter().position(|x| &x.name == n))
+                .unwrap_or(0);
+            let base = &runs[b];
+            let base_tps: Vec<f64> = base.iter().flatten().map(|r| r.tokens_per_second).collect();
+            let done: Vec<&Run> = rs.iter().flatten().collect();
+            let pick = |f: fn(&Run) -> f64| stat(&done.iter().map(|r| f(r)).collect::<Vec<_>>());
+            let losses = |rs: &[Option<Run>]| -> Vec<Option<f64>> {
+                rs.iter().map(|r| r.as_ref().map(|r| r.val_loss)).collect()
+            };
+            let diffs = paired_differences(&losses(rs), &losses(base));
+            let tps = pick(|r| r.tokens_per_second);
+            Row {
+                name: v.name.clone(),
+                settings: v.sets.clone(),
+                seeds_finished: done.len(),
+                parameters: done[0].parameters,
+                val_loss: pick(|r| r.val_loss),
+                val_bits_per_byte: pick(|r| r.bpb),
+                val_loss_minus_baseline: (i != b && !diffs.is_empty()).then(|| stat(&diffs)),
+                train_tokens_per_second: tps,
+                training_overhead: (i != b && !base_tps.is_empty())
+                    .then(|| stat(&base_tps).mean / tps.mean - 1.0),
+                val_losses: done.iter().map(|r| r.val_loss).collect(),
+            }
+        })
+        .collect()
+}
+
+/// The scaling suite's points (one per variant with finished runs) and their fits.
+fn scaling_fit(plan: &Plan, rows: &[Row]) -> Result<Scaling> {
+    let mut points = Vec::new();
+    for r in rows {
+        let v = plan.variants.iter().find(|v| v.name == r.name).expect("rows come from variants");
+        let cfg = plan.run_config(v, 0)?;
+        let n = non_embedding_parameters(&cfg.model);
+        let tokens = cfg.train.steps() * cfg.train.batch_tokens;
+        let mode = cfg.model.residual_label().trim_end_matches(char::is_numeric).to_string();
+        points.push(ScalePoint {
+            variant: r.name.clone(),
+            mode,
+            non_embedding_parameters: n,
+            tokens,
+            flops: 6.0 * n as f64 * tokens as f64,
+            val_loss: r.val_loss.mean,
+        });
+    }
+    Ok(Scaling::fit(points))
+}

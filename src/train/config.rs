@@ -1,0 +1,191 @@
+//! A run's settings: the model ([`Config`]) and the training settings ([`TrainConfig`]), read
+//! from TOML (a preset or the user's file) and changed by `key=value` overrides.
+
+use super::optim::OptimConfig;
+use crate::model::Config;
+use anyhow::{bail, ensure, Context, Result};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// Training settings (the `[train]` table of a config file or preset).
+// Unknown keys are caught by `overlay_train` (serde cannot deny them next to `flatten`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct TrainConfig {
+    /// Tokens per training sequence (at most `max_position_embeddings`).
+    pub seq_len: usize,
+    /// Sequences per forward/backward pass.
+    pub micro_batch: usize,
+    /// Tokens per optimiser step; a multiple of `micro_batch · seq_len` (the rest is gradient
+    /// accumulation).
+    pub batch_tokens: usize,
+    /// Training budget in tokens; the run takes `max_tokens / batch_tokens` steps.
+    pub max_tokens: u64,
+    /// Validate every this many steps (and at the end).
+    pub eval_every: usize,
+    /// Validation tokens per evaluation (0: the whole validation split).
+    pub eval_tokens: usize,
+    /// Write a resumable checkpoint every this many steps (and at the end).
+    pub checkpoint_every: usize,
+    /// Seed of the initialisation and of the data order.
+    pub seed: u64,
+    #[serde(flatten)]
+    pub optim: OptimConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            seq_len: 256,
+            micro_batch: 8,
+            batch_tokens: 16384,
+            max_tokens: 1_000_000,
+            eval_every: 20,
+            eval_tokens: 65536,
+            checkpoint_every: 50,
+            seed: 0,
+            optim: OptimConfig::default(),
+        }
+    }
+}
+
+impl TrainConfig {
+    pub fn steps(&self) -> usize {
+        (self.max_tokens / self.batch_tokens as u64) as usize
+    }
+
+    pub fn accumulation(&self) -> usize {
+        self.batch_tokens / (self.micro_batch * self.seq_len)
+    }
+
+    pub fn validate(&self, model: &Config) -> Result<()> {
+        for (k, v) in [
+            ("seq_len", self.seq_len),
+            ("micro_batch", self.micro_batch),
+            ("batch_tokens", self.batch_tokens),
+            ("eval_every", self.eval_every),
+            ("checkpoint_every", self.checkpoint_every),
+        ] {
+            ensure!(v > 0, "train: {k} must be positive, got {v}");
+        }
+        ensure!(
+            self.seq_len <= model.max_position_embeddings,
+            "train: seq_len = {} exceeds the model's max_position_embeddings = {}",
+            self.seq_len,
+            model.max_position_embeddings
+        );
+        let per = self.micro_batch * self.seq_len;
+        ensure!(
+            self.batch_tokens.is_multiple_of(per),
+            "train: batch_tokens = {} must be a multiple of micro_batch x seq_len = {per}",
+            self.batch_tokens
+        );
+        ensure!(
+            self.steps() > 0,
+            "train: max_tokens = {} is less than one batch of {} tokens",
+            self.max_tokens,
+            self.batch_tokens
+        );
+        let o = &self.optim;
+        for (k, v) in [
+            ("lr", o.lr),
+            ("weight_decay", o.weight_decay),
+            ("grad_clip", o.grad_clip),
+            ("adam_eps", o.adam_eps),
+        ] {
+            ensure!(
+                v.is_finite() && v >= 0.0,
+                "train: {k} must be a finite non-negative number, got {v}"
+            );
+        }
+        ensure!(o.lr > 0.0, "train: lr must be positive, got {}", o.lr);
+        for (k, v) in [
+            ("beta1", o.beta1),
+            ("beta2", o.beta2),
+            ("muon_momentum", o.muon_momentum),
+            ("min_lr_ratio", o.min_lr_ratio),
+            ("decay_fraction", o.decay_fraction),
+        ] {
+            ensure!((0.0..=1.0).contains(&v), "train: {k} must lie in [0, 1], got {v}");
+        }
+        Ok(())
+    }
+}
+
+/// A full run description: the model and the training settings.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct RunConfig {
+    pub model: Config,
+    pub train: TrainConfig,
+}
+
+impl RunConfig {
+    /// Parses a TOML document with `[model]` and `[train]` tables laid over the defaults.
+    pub fn from_toml(text: &str, origin: &str) -> Result<RunConfig> {
+        let doc: toml::Table =
+            toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
+        for k in doc.keys() {
+            ensure!(
+                k == "model" || k == "train",
+                "{origin}: unknown table [{k}] (expected [model] and [train])"
+            );
+        }
+        let table = |name: &str| -> Result<Map<String, Value>> {
+            match doc.get(name).map(serde_json::to_value).transpose()? {
+                None => Ok(Map::new()),
+                Some(Value::Object(m)) => Ok(m),
+                Some(_) => bail!("{origin}: [{name}] must be a table"),
+            }
+        };
+        let model = Config::default()
+            .with_values(table("model")?)
+            .with_context(|| format!("in {origin}"))?;
+        let train = overlay_train(&TrainConfig::default(), table("train")?)
+            .with_context(|| format!("in {origin} [train]"))?;
+        Ok(RunConfig { model, train })
+    }
+
+    /// Applies `key=value` overrides; each key must name a model or a training setting.
+    pub fn with_overrides(&self, sets: &[String]) -> Result<RunConfig> {
+        let train_keys = match serde_json::to_value(&self.train)? {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        };
+        let model_keys = match serde_json::to_value(&self.model)? {
+            Value::Object(m) => m,
+            _ => unreachable!(),
+        };
+        let (mut model_sets, mut train_sets) = (Vec::new(), Map::new());
+        for s in sets {
+            let (k, v) =
+                s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
+            let k = k.trim();
+            if model_keys.contains_key(k) {
+                model_sets.push(s.clone());
+            } else if train_keys.contains_key(k) {
+                let v = serde_json::from_str(v.trim())
+                    .unwrap_or_else(|_| Value::String(v.trim().to_string()));
+                train_sets.insert(k.to_string(), v);
+            } else {
+                bail!(
+                    "--set {k}: unknown setting (model keys: {}; training keys: {})",
+                    model_keys.keys().cloned().collect::<Vec<_>>().join(", "),
+                    train_keys.keys().cloned().collect::<Vec<_>>().join(", ")
+                );
+            }
+        }
+        let model = self.model.with_overrides(&model_sets)?;
+        let train = overlay_train(&self.train, train_sets).context("--set")?;
+        Ok(RunConfig { model, train })
+    }
+}
+
+fn overlay_train(base: &TrainConfig, values: Map<String, Value>) -> Result<TrainConfig> {
+    let Value::Object(mut map) = serde_json::to_value(base)? else { unreachable!() };
+    for (k, v) in values {
+        let Some(old) = map.get(&k) else { bail!("unknown training key {k:?}") };
+        crate::model::config::same_kind(old, &v)
+            .map_err(|want| anyhow::anyhow!("training key {k} must be {want}, got {v}"))?;
+        map.insert(k, v);
+    }
+    serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("{e}"))
+}
