@@ -12,7 +12,13 @@ fn git(args: &[&str]) -> Option<String> {
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
-    let Some(commit) = git(&["rev-parse", "HEAD"]) else { return };
+    let package = std::env::var("CARGO_PKG_VERSION").unwrap_or_default();
+    let Some(commit) = git(&["rev-parse", "HEAD"]) else {
+        println!("cargo:rustc-env=ATTNRES_VERSION={package}");
+        return;
+    };
+    // What `attnres --version` prints.
+    println!("cargo:rustc-env=ATTNRES_VERSION={package} (commit {})", &commit[..12]);
     println!("cargo:rustc-env=ATTNRES_COMMIT={commit}");
     // Run again when HEAD moves: HEAD itself, the branch it names, and the packed refs.
     let mut watched = vec!["HEAD".to_string(), "packed-refs".to_string()];

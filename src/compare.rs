@@ -12,6 +12,7 @@ use crate::suite::{Plan, PLAN};
 use crate::train::config::RunConfig;
 use crate::train::progress::{new_progress_bar, SharedBar};
 use crate::train::run::{self, TrainOptions};
+use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -65,6 +66,20 @@ fn status(dir: &Path, want: &RunConfig) -> Result<Status> {
     } else {
         Status::Resume
     })
+}
+
+/// The version of the code that finished a run, when it is not this one.
+fn other_version(dir: &Path) -> Option<String> {
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("summary.json")).ok()?).ok()?;
+    let current = CodeVersion::current();
+    match serde_json::from_value::<CodeVersion>(summary["code_version"].clone()) {
+        Ok(v) if v == current => None,
+        Ok(v) => Some(format!("attnres {v} (this is {current})")),
+        Err(_) => {
+            Some(format!("a version of attnres that did not record itself (this is {current})"))
+        }
+    }
 }
 
 fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
@@ -129,7 +144,11 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
         let steps = cfg.train.steps() as u64;
         let label = format!("[{}/{n}] {name} seed {seed}", i + 1);
         if st == Status::Done {
-            let line = format!("{label}: finished earlier, reused ({})", dir.display());
+            let line = format!(
+                "{label}: finished earlier{}, reused ({})",
+                other_version(&dir).map(|v| format!(" by {v}")).unwrap_or_default(),
+                dir.display()
+            );
             match &bar {
                 Some(b) => b.println(line),
                 None => eprintln!("{line}"),
@@ -201,6 +220,23 @@ mod tests {
         write(&run);
         let e = status(&tmp, &want).unwrap_err().to_string();
         assert!(e.contains("train.lr"), "{e}");
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+
+    /// A reused run names the version that made it when it is not this one.
+    #[test]
+    fn reused_runs_of_another_version_are_named() {
+        let tmp = std::env::temp_dir().join(format!("attnres-version-{}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        let write = |v: Value| std::fs::write(tmp.join("summary.json"), v.to_string()).unwrap();
+        write(serde_json::json!({ "code_version": CodeVersion::current() }));
+        assert_eq!(other_version(&tmp), None);
+        let old = CodeVersion { package: "0.0.9".into(), commit: Some("0123456789abcdef".into()) };
+        write(serde_json::json!({ "code_version": old }));
+        let said = other_version(&tmp).unwrap();
+        assert!(said.starts_with("attnres 0.0.9 (commit 0123456789ab) (this is "), "{said}");
+        write(serde_json::json!({ "val_loss": 4.0 }));
+        assert!(other_version(&tmp).unwrap().contains("did not record"));
         std::fs::remove_dir_all(&tmp).unwrap();
     }
 }

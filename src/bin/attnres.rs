@@ -18,7 +18,7 @@ static ALLOC: attnres::alloc::Recycling = attnres::alloc::Recycling;
 #[derive(Parser)]
 #[command(
     name = "attnres",
-    version,
+    version = env!("ATTNRES_VERSION"),
     about = "Train, evaluate, inspect and serve transformer language models with Attention Residuals"
 )]
 struct Cli {

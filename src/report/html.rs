@@ -26,6 +26,7 @@ pub(super) fn page(
     scaling: Option<&Scaling>,
     figures: &[Figure],
     heatmaps: &[Figure],
+    code_versions: &[String],
 ) -> String {
     let m = &plan.base.model;
     let t = &plan.base.train;
@@ -58,6 +59,12 @@ pub(super) fn page(
         lr = t.optim.lr,
         seeds = plan.seeds,
         eval = t.eval_tokens,
+    );
+    let _ = writeln!(
+        h,
+        "<p>Runs made by attnres {}; this page by attnres {}.</p>",
+        esc(&code_versions.join(", ")),
+        esc(&crate::version::CodeVersion::current().to_string())
     );
     h.push_str("<table><tr><th>variant</th><th>settings</th><th>seeds</th><th>parameters</th><th>val loss</th><th>val bits/byte</th><th>Δ loss vs baseline</th><th>train tokens/s</th><th>training overhead</th></tr>\n");
     for r in rows {

@@ -20,6 +20,7 @@ pub use stat::{paired_differences, stat, PowerLaw, ScalePoint, Scaling, Stat};
 use crate::diagnostics::Diagnostics;
 use crate::fs::write_atomic;
 use crate::suite::{non_embedding_parameters, Plan, Variant};
+use crate::version::CodeVersion;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::Value;
@@ -36,6 +37,8 @@ struct Run {
     /// Mean gradient norm of each sublayer's weights over all steps.
     grad_norms: Vec<f64>,
     diag: Diagnostics,
+    /// The version of the code that finished the run (none: not recorded).
+    code_version: Option<CodeVersion>,
 }
 
 fn read_json(path: &Path) -> Result<Value> {
@@ -80,6 +83,7 @@ fn read_run(dir: &Path) -> Result<Option<Run>> {
         curve,
         grad_norms,
         diag,
+        code_version: serde_json::from_value(s["code_version"].clone()).ok(),
     }))
 }
 
@@ -118,9 +122,11 @@ pub fn write(out: &Path) -> Result<PathBuf> {
         .collect::<Result<_>>()?;
     let rows = summarize(&plan.variants, &runs);
     let scaling = if plan.suite == "scaling" { Some(scaling_fit(&plan, &rows)?) } else { None };
+    let versions = code_versions(&runs);
     let summary = serde_json::json!({
         "suite": plan.suite, "seeds": plan.seeds, "baseline": plan.variants[0].name,
         "model": plan.base.model, "train": plan.base.train, "variants": rows, "scaling": scaling,
+        "code_versions": versions, "report_code_version": CodeVersion::current(),
     });
     write_atomic(&out.join("summary.json"), serde_json::to_string_pretty(&summary)?.as_bytes())?;
 
@@ -138,9 +144,22 @@ pub fn write(out: &Path) -> Result<PathBuf> {
         write_atomic(&out.join(&f.file), f.svg.as_bytes())?;
     }
     let page = out.join("index.html");
-    let body = html::page(&plan, &rows, scaling.as_ref(), &figures, &heatmaps);
+    let body = html::page(&plan, &rows, scaling.as_ref(), &figures, &heatmaps, &versions);
     write_atomic(&page, body.as_bytes())?;
     Ok(page)
+}
+
+/// The versions of the code that finished the runs, each once, in order of first appearance
+/// ("unrecorded" for runs made before versions were recorded).
+fn code_versions(runs: &[Vec<Option<Run>>]) -> Vec<String> {
+    let mut versions: Vec<String> = Vec::new();
+    for r in runs.iter().flatten().flatten() {
+        let v = r.code_version.as_ref().map_or("unrecorded".to_string(), |v| v.to_string());
+        if !versions.contains(&v) {
+            versions.push(v);
+        }
+    }
+    versions
 }
 
 fn summarize(variants: &[Variant], runs: &[Vec<Option<Run>>]) -> Vec<Row> {

@@ -11,6 +11,7 @@ use super::tokenizer::Bpe;
 use crate::fs::write_atomic;
 use crate::model::checkpoint::{self, f32_values, safetensors_bytes};
 use crate::model::Model;
+use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -36,6 +37,10 @@ pub(super) struct TrainState {
     pub(super) data_key: String,
     /// `--data` of the run (none: the embedded corpus).
     pub(super) data: Option<PathBuf>,
+    /// Every version of the code that trained part of the run, oldest first (empty in
+    /// checkpoints written before versions were recorded).
+    #[serde(default)]
+    pub(super) code_versions: Vec<CodeVersion>,
 }
 
 /// Whether `out` holds (part of) a training run.

@@ -15,6 +15,7 @@ use super::validation::{unigram_bits_per_byte, validate};
 use crate::fs::write_atomic;
 use crate::kernels;
 use crate::model::{checkpoint, Model};
+use crate::version::CodeVersion;
 use anyhow::{ensure, Context, Result};
 use serde_json::{json, Value};
 use std::fs::File;
@@ -101,6 +102,8 @@ struct Trainer {
     data: Option<PathBuf>,
     /// Hash of the tokenized data, to refuse resuming on other data.
     data_key: String,
+    /// Every version of the code that trained part of the run, oldest first, this one last.
+    code_versions: Vec<CodeVersion>,
     bpe: Bpe,
     tokens: Tokens,
     order: WindowOrder,
@@ -219,6 +222,13 @@ impl Trainer {
         let total = tc.steps();
         let progress =
             Progress::new(opts.shared_bar.as_ref(), opts.progress, total as u64, at.step as u64);
+        let (code_versions, other_version) = code_versions(resume.as_ref());
+        if let Some(v) = other_version {
+            progress.say(format!(
+                "resuming a checkpoint written by {v}; this is attnres {}",
+                CodeVersion::current()
+            ));
+        }
         progress.say(format!(
             "{}: {} ({} documents, {:.1} MB), {} train / {} val tokens{}, vocab {}, {} parameters, residual {}",
             if resume.is_some() { format!("resuming at step {}/{total}", at.step) } else { format!("training {total} steps") },
@@ -242,6 +252,7 @@ impl Trainer {
             out: out.clone(),
             data,
             data_key,
+            code_versions,
             bpe,
             tokens,
             order,
@@ -354,6 +365,7 @@ impl Trainer {
             train_seconds: self.at.train_seconds,
             data_key: self.data_key.clone(),
             data: self.data.clone(),
+            code_versions: self.code_versions.clone(),
         };
         run_dir::save(&self.out, &self.model, &self.bpe, &self.opt, &state)
     }
@@ -387,6 +399,7 @@ impl Trainer {
             "val_loss": last_val, "val_bits_per_byte": val_bpb, "unigram_val_bits_per_byte": unigram,
             "elapsed_seconds": self.elapsed_seconds(),
             "train_seconds": at.train_seconds, "train_tokens_per_second": at.tokens_seen as f64 / at.train_seconds.max(1e-9),
+            "code_version": CodeVersion::current(), "trained_by": self.code_versions,
         });
         write_atomic(
             &out.join("summary.json"),
@@ -400,6 +413,22 @@ impl Trainer {
         self.progress.finish();
         Ok(last_val)
     }
+}
+
+/// The versions of the code that trained the run so far, this one last, and the version that
+/// wrote the checkpoint being resumed, when it is another one.
+fn code_versions(resume: Option<&Resume>) -> (Vec<CodeVersion>, Option<String>) {
+    let current = CodeVersion::current();
+    let mut versions = resume.map(|r| r.state.code_versions.clone()).unwrap_or_default();
+    let other = match (resume, versions.last()) {
+        (None, _) => None,
+        (Some(_), None) => Some("a version of attnres that did not record itself".to_string()),
+        (Some(_), Some(v)) => (*v != current).then(|| format!("attnres {v}")),
+    };
+    if versions.last() != Some(&current) {
+        versions.push(current);
+    }
+    (versions, other)
 }
 
 /// Settings, tokenizer and model of the checkpoint being resumed.
