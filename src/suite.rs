@@ -77,7 +77,8 @@ pub fn base(quick: bool) -> Result<RunConfig> {
 }
 
 /// The variants of a named suite over `base`: `residuals` (the main comparison), `ablations`
-/// (docs/method.md §5) or `block-sizes` (the block-size sweep, S from L down to 1).
+/// (docs/method.md §5), `block-sizes` (the block-size sweep, S = L, L/2, ..., 1) or `scaling`
+/// (standard and block at four sizes).
 pub fn suite(name: &str, base: &RunConfig) -> Result<Vec<Variant>> {
     let l = base.model.sublayers();
     let variants = match name {
@@ -141,8 +142,8 @@ fn ablations(base: &Config) -> Vec<Variant> {
 pub const SCALING_SHAPES: [(usize, usize); 4] = [(4, 48), (4, 64), (6, 80), (8, 96)];
 
 /// Training tokens per non-embedding parameter in the scaling suite. Far below the report's
-/// (compute-optimal) budgets, so that four sizes times two modes train in about ten minutes on
-/// two cores; every size gets the same ratio, which is what the fit needs.
+/// (compute-optimal) budgets, to keep four sizes times two modes to minutes on two cores; every
+/// size gets the same ratio, which is what the fit needs.
 pub const SCALING_TOKENS_PER_PARAMETER: f64 = 2.0;
 
 /// Non-embedding parameters of a model (the `N` of `C = 6·N·D`): everything but the token

@@ -56,13 +56,15 @@ struct CompareArgs {
     /// Report directory: compare.json, runs/, index.html, summary.json and the figures.
     #[arg(long)]
     out: PathBuf,
-    /// residuals (standard, block, full), ablations (docs/method.md §5) or block-sizes (S from 1 to L).
+    /// residuals (standard, block, full), ablations (docs/method.md §5), block-sizes
+    /// (S = L, L/2, ..., 1) or scaling (standard and block at four sizes).
     #[arg(long, default_value = "residuals")]
     suite: String,
     /// Seeds per variant (each changes initialisation and data order).
     #[arg(long, default_value_t = 1)]
     seeds: usize,
-    /// The tiny model on 400K tokens: a first look in a couple of minutes.
+    /// The tiny model on 400K tokens (scaling: its own sizes and budgets): the default suite in
+    /// about a minute on two cores.
     #[arg(long)]
     quick: bool,
     /// Change a setting of every run, e.g. --set max_tokens=1000000 --set num_hidden_layers=12.
@@ -90,7 +92,8 @@ struct TrainArgs {
     /// A TOML file with [model] and [train] tables (instead of --preset).
     #[arg(long, conflicts_with = "preset")]
     config: Option<PathBuf>,
-    /// Named preset: tiny (about a minute), small (the default, about 13 minutes on two cores).
+    /// Named preset (configs/): tiny (about a minute), small (the default, about 13 minutes on
+    /// two cores), compare, compare-quick (the models `compare` trains).
     #[arg(long)]
     preset: Option<String>,
     /// Override any model or training setting, e.g. --set residual=full --set lr=1e-3.
@@ -132,7 +135,7 @@ struct EvalArgs {
 
 #[derive(Args)]
 struct ModelChoice {
-    /// Named preset for the model shape (see configs/): tiny, small.
+    /// Named preset for the model shape (configs/): tiny, small, compare, compare-quick.
     #[arg(long, default_value = presets::DEFAULT_PRESET)]
     preset: String,
     /// Override any config.json key, e.g. --set hidden_size=64 --set residual=full.
