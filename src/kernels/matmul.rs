@@ -132,7 +132,9 @@ fn linear_forward_few_rows(
             let wr = &w[j * d_in..(j + width) * d_in];
             for b in (0..rows).step_by(2) {
                 let pair = (rows - b).min(2);
-                // SAFETY: features j..j+width of every row belong to this task only.
+                // SAFETY: features j..j + width of row b + r lie inside `y` (sizes checked
+                // above) and in this task's feature range j0..j1, which no other task writes; the
+                // slice is dropped before the next one is made.
                 let ys = |r: usize| unsafe { y_ptr.slice((b + r) * d_out + j, width) };
                 if width == 4 {
                     let xs = [
