@@ -1,7 +1,7 @@
-//! What a model does with its depth (docs/method.md §6), measured on validation tokens: the RMS of every
-//! sublayer's output and of the input it reads (the report's Figure 5b), the gradient norm of
-//! every sublayer's weights (Figure 5c, taken during training) and the learned depth-attention
-//! weights α of every consumer over every source (Figure 8).
+//! What a model does with its depth (docs/method.md §6), measured on validation tokens: the RMS
+//! of every sublayer's output and of the input it reads (the report's Figure 5b), the gradient
+//! norm of every sublayer's weights (Figure 5c, taken during training) and the learned
+//! depth-attention weights α of every consumer over every source (Figure 8).
 
 use crate::model::params::Layout;
 use crate::model::Model;

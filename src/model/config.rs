@@ -80,8 +80,8 @@ pub struct Config {
     /// Number of blocks for `residual = block` (must divide `2 * num_hidden_layers`); ignored
     /// otherwise.
     pub num_blocks: usize,
-    /// Ablations of the depth attention (docs/method.md §5), for `full` and `block`; the defaults are the
-    /// method. RMS-normalise the keys (with a learned gain).
+    /// Ablations of the depth attention (docs/method.md §5), for `full` and `block`; the
+    /// defaults are the method. RMS-normalise the keys (with a learned gain).
     #[serde(default = "default_true")]
     pub attn_res_key_norm: bool,
     #[serde(default)]

@@ -23,8 +23,8 @@ pub mod reference;
 use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
 use std::mem::MaybeUninit;
 
-/// What phase 1 produced for the `S` consumers of one block (docs/method.md §7), per consumer and token:
-/// the logits over the `C` completed sources, their maximum `m1`, the sum
+/// What phase 1 produced for the `S` consumers of one block (docs/method.md §7), per consumer
+/// and token: the logits over the `C` completed sources, their maximum `m1`, the sum
 /// `l1 = Σ e^(logit − m1)` and the mix `o1 = Σ e^(logit − m1) · v / l1`. (§7 keeps `o1`
 /// unnormalised; dividing the weights by `l1` before mixing is the same sum and spares the
 /// block's first consumer, which reads no partial sum, a pass over its input.)
@@ -119,13 +119,13 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
             // Source i of token t lies at (i·rows + t)·d: a stride of rows·d.
             let first = &sources[t * d..];
             // Consumers two at a time, so that each source load serves both.
-            for k0 in (0..s).step_by(2) {
-                let pair = (s - k0).min(2);
+            for j0 in (0..s).step_by(2) {
+                let pair = (s - j0).min(2);
                 let e = &mut e[..pair * c];
-                let w = |k: usize| &ws[k * d..(k + 1) * d];
-                simd::scores(e, &[w(k0), w(k0 + pair - 1)][..pair], first, rows * d);
+                let w = |j: usize| &ws[j * d..(j + 1) * d];
+                simd::scores(e, &[w(j0), w(j0 + pair - 1)][..pair], first, rows * d);
                 for (r, e) in e.chunks_mut(c).enumerate() {
-                    let row = (k0 + r) * rows + t;
+                    let row = (j0 + r) * rows + t;
                     // SAFETY: entry `row` of m1, l1 and its `c` logits lie inside the buffers
                     // (resized to S·rows·C and S·rows above) and belong to token t, which is this
                     // task's alone.
@@ -153,7 +153,7 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
                 // capacity meanwhile (the lengths are set after every task ended).
                 let mut outs: [&mut [MaybeUninit<f32>]; 2] = [0, 1].map(|r| match r < pair {
                     true => unsafe {
-                        std::slice::from_raw_parts_mut(o1s[k0 + r].get().add(t * d).cast(), d)
+                        std::slice::from_raw_parts_mut(o1s[j0 + r].get().add(t * d).cast(), d)
                     },
                     false => &mut [],
                 });
@@ -176,7 +176,7 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
 }
 
 /// Phase 2 for consumer `j` of the block that `p1` scored: merges the optional partial-sum
-/// source `(p, rstd_p)` into the phase-1 statistics by online softmax. Returns the input
+/// source (its values and per-token 1/rms) into the phase-1 statistics by online softmax. Returns the input
 /// `h[rows, d]` (made in place of the consumer's `o1`, which it takes). With `weights =
 /// (alpha, logits)`, also writes per token the weights `alpha[rows, K]` and logits
 /// `logits[rows, K]` over all `K = C (+1)` sources (completed first, partial last), which
@@ -229,8 +229,8 @@ pub fn phase2(
             }
             if let Some((a, l)) = out {
                 l[..c].copy_from_slice(&l1_logits[t * c..(t + 1) * c]);
-                for j in 0..c {
-                    a[j] = simd::exp(l[j] - m) / z;
+                for (a, l) in a[..c].iter_mut().zip(&l[..c]) {
+                    *a = simd::exp(l - m) / z;
                 }
             }
         }
@@ -329,8 +329,8 @@ pub fn backward_source(
             // set once every row is).
             unsafe {
                 let out = dptr.get().add(t * d);
-                for (k, (x, y)) in acc.iter().zip(vrow).enumerate() {
-                    out.add(k).write(x - c * y);
+                for (i, (x, y)) in acc.iter().zip(vrow).enumerate() {
+                    out.add(i).write(x - c * y);
                 }
             }
         }

@@ -275,8 +275,9 @@ mod tests {
     use crate::model::config::{Config, ResidualKind};
 
     /// With zero pseudo-queries each depth attention is the plain average of its sources, so
-    /// hand-picked outputs show exactly which sources each sublayer reads (docs/method.md §4): the
-    /// embedding once, block sums at boundaries every S sublayers, the partial sum inside one.
+    /// hand-picked outputs show exactly which sources each sublayer reads (docs/method.md §4):
+    /// the embedding once, block sums at boundaries every S sublayers, the partial sum inside
+    /// one.
     #[test]
     fn block_sources_by_hand() {
         let c = Config {
