@@ -240,8 +240,7 @@ pub fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::depth::reference;
-    use crate::kernels::rmsnorm;
+    use crate::kernels::depth::reference::{self, rstd_of};
     use crate::testutil::{assert_close, fd_check, rand_vec};
 
     const EPS: f32 = 1e-6;
@@ -257,14 +256,8 @@ mod tests {
     fn case(rows: usize, d: usize, k: usize, qlen: usize) -> Case {
         let srcs: Vec<Vec<f32>> =
             (0..k).map(|i| rand_vec(rows * d, 700 + i as u64, 1.0 + i as f32)).collect();
-        let rs = srcs.iter().map(|s| rstd(s, d)).collect();
+        let rs = srcs.iter().map(|s| rstd_of(s, d, EPS)).collect();
         Case { srcs, rs, q: rand_vec(qlen, 777, 0.8), rows, d }
-    }
-
-    fn rstd(v: &[f32], d: usize) -> Vec<f32> {
-        let mut r = vec![0.0; v.len() / d];
-        rmsnorm::rstd(&mut r, v, d, EPS);
-        r
     }
 
     fn query<'a>(kind: &str, q: &'a [f32]) -> Query<'a> {
@@ -285,7 +278,7 @@ mod tests {
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let rows = srcs[0].len() / d;
         let k = srcs.len();
-        let rs: Vec<Vec<f32>> = srcs.iter().map(|s| rstd(s, d)).collect();
+        let rs: Vec<Vec<f32>> = srcs.iter().map(|s| rstd_of(s, d, EPS)).collect();
         let (mut h, mut a, mut l) =
             (vec![0.0; rows * d], vec![0.0; rows * k * o.heads], vec![0.0; rows * k * o.heads]);
         let sv: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();

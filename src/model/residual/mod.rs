@@ -6,8 +6,8 @@
 //! with [`ResidualBackward`].
 //!
 //! `standard` (docs/method.md §2) is the running stream, here. Full and Block AttnRes, the
-//! method, are in [`attnres`]: its sources, two-phase forward and per-source backward. The
-//! ablations of §5 are in [`ablation`]: they read the same sources, one pass per consumer.
+//! method, are in `attnres.rs`: its sources, two-phase forward and per-source backward. The
+//! ablations of §5 are in `ablation.rs`: they read the same sources, one pass per consumer.
 
 mod ablation;
 mod attnres;
