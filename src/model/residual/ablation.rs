@@ -52,7 +52,7 @@ impl Ablation {
 
     /// The completed sources a consumer reads when `completed` exist: the embedding and the
     /// latest `window` others (all without a window).
-    fn sources(&self, completed: usize) -> Vec<usize> {
+    fn blocks_read(&self, completed: usize) -> Vec<usize> {
         let first = if self.window > 0 { completed.saturating_sub(self.window).max(1) } else { 1 };
         std::iter::once(0).chain(first..completed).collect()
     }
@@ -69,9 +69,9 @@ impl Ablation {
     ) -> (Vec<f32>, DepthSaved) {
         let blocks = &src.blocks;
         let p = depth_params(layout, l);
-        let completed = self.sources(blocks.len());
-        let mut sv: Vec<&[f32]> = completed.iter().map(|&i| blocks.get(i)).collect();
-        let mut rv: Vec<&[f32]> = completed.iter().map(|&i| blocks.rstd(i)).collect();
+        let blocks_read = self.blocks_read(blocks.len());
+        let mut sv: Vec<&[f32]> = blocks_read.iter().map(|&i| blocks.get(i)).collect();
+        let mut rv: Vec<&[f32]> = blocks_read.iter().map(|&i| blocks.rstd(i)).collect();
         if let Some((v, r)) = partial {
             sv.push(v);
             rv.push(r);
@@ -91,7 +91,7 @@ impl Ablation {
                 (w, Vec::new())
             }
             DepthQuery::Scalar | DepthQuery::Dense => {
-                (Vec::new(), self.scalar_logits(p, &completed, partial.is_some(), params))
+                (Vec::new(), self.scalar_logits(p, &blocks_read, partial.is_some(), params))
             }
         };
         let query = match self.query {
@@ -102,7 +102,8 @@ impl Ablation {
         let n = rows * n_sources * nh;
         let (mut h, mut alpha, mut logits) = (zeros(rows * d), zeros(n), zeros(n));
         depth_ablation::forward(&mut h, &mut alpha, &mut logits, &sv, &rv, query, self.options, d);
-        let saved = DepthSaved { alpha, logits, n_sources, completed, partial: None, input_query };
+        let saved =
+            DepthSaved { alpha, logits, n_sources, blocks_read, partial: None, input_query };
         (h, saved)
     }
 
@@ -110,13 +111,13 @@ impl Ablation {
     fn scalar_logits(
         &self,
         p: &DepthParams,
-        completed: &[usize],
+        blocks_read: &[usize],
         partial: bool,
         params: &[f32],
     ) -> Vec<f32> {
         let q = &params[p.query.clone()];
         let partial = partial.then(|| q[self.depth_sources - 1]);
-        completed.iter().map(|&i| q[i]).chain(partial).collect()
+        blocks_read.iter().map(|&i| q[i]).chain(partial).collect()
     }
 }
 
@@ -184,8 +185,8 @@ impl BlockGrads {
         let saved = &src.saved[l];
         let p = depth_params(layout, l);
         let (rows, d, eps) = (blocks.rows, blocks.d, blocks.eps);
-        let mut sv: Vec<&[f32]> = saved.completed.iter().map(|&i| blocks.get(i)).collect();
-        let mut rv: Vec<&[f32]> = saved.completed.iter().map(|&i| blocks.rstd(i)).collect();
+        let mut sv: Vec<&[f32]> = saved.blocks_read.iter().map(|&i| blocks.get(i)).collect();
+        let mut rv: Vec<&[f32]> = saved.blocks_read.iter().map(|&i| blocks.rstd(i)).collect();
         if saved.reads_partial() {
             let (v, r) = saved.partial.as_ref().expect("forward kept the partial sum");
             sv.push(v);
@@ -194,7 +195,7 @@ impl BlockGrads {
         // Each source's gradient: its block's, or `acc` for the partial sum.
         let mut by_block: Vec<Option<&mut Vec<f32>>> = self.0.iter_mut().map(Some).collect();
         let mut dsrc: Vec<&mut [f32]> = saved
-            .completed
+            .blocks_read
             .iter()
             .map(|&i| by_block[i].take().expect("distinct sources").as_mut_slice())
             .collect();
@@ -248,13 +249,13 @@ impl BlockGrads {
             }
             DepthQuery::Scalar | DepthQuery::Dense => {
                 let partial = saved.reads_partial();
-                let c = ab.scalar_logits(p, &saved.completed, partial, params);
+                let c = ab.scalar_logits(p, &saved.blocks_read, partial, params);
                 let mut dc = zeros(c.len());
                 let q = Query::Scalar(&c);
                 depth_ablation::backward(
                     &mut dsrc, &mut dc, dh, &sv, &rv, alpha, logits, q, options, d,
                 );
-                let cols = saved.completed.iter().copied();
+                let cols = saved.blocks_read.iter().copied();
                 let cols = cols.chain(partial.then_some(ab.depth_sources - 1));
                 for (col, g) in cols.zip(&dc) {
                     grads[p.query.start + col] += g;

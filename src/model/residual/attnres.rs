@@ -82,7 +82,7 @@ pub(super) struct DepthSaved {
     /// Sources read: the completed ones, then the partial sum if any.
     pub n_sources: usize,
     /// The completed sources read, in order (all of them unless an ablation sets a window).
-    pub completed: Vec<usize>,
+    pub blocks_read: Vec<usize>,
     /// The partial-sum source (value and per-token 1/rms), when it was read.
     pub partial: Option<(Vec<f32>, Vec<f32>)>,
     /// Input-dependent query (an ablation) only: what its backward needs.
@@ -91,7 +91,7 @@ pub(super) struct DepthSaved {
 
 impl DepthSaved {
     pub fn reads_partial(&self) -> bool {
-        self.n_sources > self.completed.len()
+        self.n_sources > self.blocks_read.len()
     }
 }
 
@@ -163,7 +163,7 @@ impl Sources {
     /// sources keep their index, the partial sum is the last column.
     pub fn columns(&self, s: &DepthSaved) -> Vec<usize> {
         let partial = s.reads_partial().then_some(self.depth_sources - 1);
-        s.completed.iter().copied().chain(partial).collect()
+        s.blocks_read.iter().copied().chain(partial).collect()
     }
 }
 
@@ -259,7 +259,7 @@ fn consumer_phase2(
         alpha,
         logits,
         n_sources,
-        completed: (0..completed).collect(),
+        blocks_read: (0..completed).collect(),
         partial: None,
         input_query: None,
     });
