@@ -249,8 +249,9 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
     (0..s.batch * s.kv_heads).into_par_iter().for_each(|task| {
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let row0 = b * t * w;
-        // Columns this task alone writes, in rows row0..row0 + t·w of sequence b: the q columns
-        // of its group's heads, the k and v columns of its kv head.
+        // Columns this task alone writes, in the t rows of sequence b: the q columns of its
+        // group's heads (overwritten by the dQ products below), the k and v columns of its kv
+        // head (zeroed here, then accumulated into).
         for r in 0..t {
             for col in [s.k_col(kvh), s.v_col(kvh)] {
                 // SAFETY: `hd` values at column `col` of row r of sequence b: inside `dqkv`
