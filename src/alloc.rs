@@ -26,6 +26,8 @@ static FREE: Mutex<Free> = Mutex::new(Free { blocks: [(0, 0, 0); SLOTS], len: 0 
 pub struct Recycling;
 
 impl Recycling {
+    /// A kept block of exactly `layout`'s size and alignment, removed from the list (so it is
+    /// handed out once).
     fn take(layout: Layout) -> Option<*mut u8> {
         let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
         let n = f.len;
@@ -39,6 +41,11 @@ impl Recycling {
     }
 }
 
+// SAFETY: every block handed out is either fresh from `System` for this layout or a block
+// `System` allocated with exactly this size and alignment, freed by its owner (`dealloc` keeps
+// it) and taken out of the list under the lock, so no block is live twice. Blocks leave the
+// list only to be handed out or to go back to `System` with the layout they were allocated
+// with. Nothing here allocates (the list is a fixed array) or panics.
 unsafe impl GlobalAlloc for Recycling {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if layout.size() >= MIN_BYTES {
@@ -46,21 +53,25 @@ unsafe impl GlobalAlloc for Recycling {
                 return p;
             }
         }
+        // SAFETY: `layout` has a non-zero size (the caller's contract), as `System` needs.
         System.alloc(layout)
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         if layout.size() >= MIN_BYTES {
             if let Some(p) = Self::take(layout) {
+                // SAFETY: `p` is a block of `layout.size()` bytes that nobody else holds.
                 std::ptr::write_bytes(p, 0, layout.size());
                 return p;
             }
         }
+        // SAFETY: as in `alloc`.
         System.alloc_zeroed(layout)
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if layout.size() < MIN_BYTES {
+            // SAFETY: small blocks only ever come from `System`, with this layout.
             return System.dealloc(ptr, layout);
         }
         let evicted = {
@@ -79,6 +90,8 @@ unsafe impl GlobalAlloc for Recycling {
             evicted
         };
         if let Some((s, a, p)) = evicted {
+            // SAFETY: the evicted block came from `System` with size `s` and alignment `a`,
+            // which a valid `Layout` had, and left the list above, so nobody holds it.
             System.dealloc(p as *mut u8, Layout::from_size_align_unchecked(s, a));
         }
     }
@@ -92,6 +105,7 @@ mod tests {
     fn recycles_same_sized_blocks_and_zeroes_on_request() {
         let a = Recycling;
         let l = Layout::from_size_align(MIN_BYTES + 64, 64).unwrap();
+        // SAFETY: each block is used within its layout and freed once, with that layout.
         unsafe {
             let p = a.alloc(l);
             std::ptr::write_bytes(p, 7, l.size());

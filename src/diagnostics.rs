@@ -1,10 +1,9 @@
-//! What a model does with its depth (SPEC §6), measured on validation tokens: the RMS of every
-//! sublayer's output and of the input it reads (the report's Figure 5b), the gradient norm of
-//! every sublayer's weights (Figure 5c, taken during training) and the learned depth-attention
-//! weights α of every consumer over every source (Figure 8).
+//! What a model does with its depth (docs/method.md §6), measured on validation tokens: the RMS
+//! of every sublayer's output and of the input it reads (the report's Figure 5b), the gradient
+//! norm of every sublayer's weights (Figure 5c, taken during training) and the learned
+//! depth-attention weights α of every consumer over every source (Figure 8).
 
 use crate::model::params::Layout;
-use crate::model::residual::mean_rms;
 use crate::model::Model;
 use anyhow::{ensure, Result};
 use serde::{Deserialize, Serialize};
@@ -57,7 +56,7 @@ pub fn diagnose(
         let fwd = model.forward_probed(&ids, chunk.len(), seq)?;
         let rows = ids.len() as f64;
         // Means of per-chunk means, weighted by tokens.
-        let outs = fwd.residual.output_rms().expect("probed forward records output RMS");
+        let outs = fwd.output_rms().expect("a probed forward records output RMS");
         for (acc, v) in out_rms.iter_mut().zip(outs) {
             *acc += v * rows;
         }
@@ -92,6 +91,16 @@ pub fn diagnose(
         alpha,
         sources,
     })
+}
+
+/// Mean over the rows of `v` (`[rows, d]`) of each row's root mean square.
+pub fn mean_rms(v: &[f32], d: usize) -> f64 {
+    let rows = v.len() / d;
+    let total: f64 = v
+        .chunks(d)
+        .map(|r| (r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / d as f64).sqrt())
+        .sum();
+    total / rows.max(1) as f64
 }
 
 /// Names of the depth sources: `emb`, one per completed block, and `partial` when blocks hold

@@ -38,6 +38,16 @@ impl AttnShape {
     fn group(&self) -> usize {
         self.heads / self.kv_heads
     }
+    /// Every query head maps to a kv head inside the packed row: the kernels' raw-pointer views
+    /// rely on it.
+    fn check(&self) {
+        assert!(
+            self.kv_heads > 0 && self.heads.is_multiple_of(self.kv_heads),
+            "{} query heads do not split into groups over {} kv heads",
+            self.heads,
+            self.kv_heads
+        );
+    }
 }
 
 /// Rows per tile: the causal mask lets tile `i` skip every key after its last row, so about
@@ -48,6 +58,7 @@ const TILE: usize = 64;
 /// (zero above the diagonal).
 pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
     let (t, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
+    s.check();
     assert!(
         qkv.len() == s.batch * t * w
             && out.len() == s.batch * t * ow
@@ -65,7 +76,8 @@ pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
             let r1 = (r0 + TILE).min(t);
             let q = Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
             let pt = &mut p[r0 * t..r1 * t];
-            // SAFETY: each task writes its own probs chunk and its own (b, h) block of `out`.
+            // SAFETY: writes rows r0..r1, keys 0..r1 of this task's own `pt`; `q` and `kt` read
+            // inside `qkv` (lengths and head grouping checked above).
             unsafe {
                 // Scores of rows r0..r1 against keys 0..r1.
                 gemm_strided(
@@ -88,6 +100,9 @@ pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
                 simd::scale(&mut row[..=i], 1.0 / z);
                 row[i + 1..].fill(0.0);
             }
+            // SAFETY: writes rows r0..r1 of sequence b, columns h·hd..(h + 1)·hd of `out`
+            // (inside it; length checked above), which no other task touches: tasks are one per
+            // (b, h), and no `&mut` to `out` exists while they run. `v` reads inside `qkv`.
             unsafe {
                 let dst = out_ptr.get().add(b * t * ow + r0 * ow + h * hd);
                 gemm_strided(
@@ -134,10 +149,16 @@ pub fn forward_cached(
 ) {
     let (cap, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
     let kvw = s.kv_heads * hd;
+    s.check();
     assert!(cache_k.len() == s.batch * cap * kvw && cache_v.len() == cache_k.len());
-    for sp in spans {
+    for (i, sp) in spans.iter().enumerate() {
         assert!(sp.slot < s.batch && sp.start + sp.len <= cap, "span {sp:?} outside the cache");
         assert!((sp.row0 + sp.len) * w <= qkv.len() && (sp.row0 + sp.len) * ow <= out.len());
+        // The tasks below write each span's rows of `out` without a lock.
+        assert!(
+            spans[..i].iter().all(|o| o.row0 + o.len <= sp.row0 || sp.row0 + sp.len <= o.row0),
+            "span {sp:?} overlaps the rows of another"
+        );
         for i in 0..sp.len {
             let row = &qkv[(sp.row0 + i) * w..(sp.row0 + i + 1) * w];
             let at = (sp.slot * cap + sp.start + i) * kvw;
@@ -163,8 +184,8 @@ pub fn forward_cached(
         let kt = Strided { ptr: cache_k[kv0..].as_ptr(), rs: 1, cs: kvw as isize };
         let v = Strided { ptr: cache_v[kv0..].as_ptr(), rs: kvw as isize, cs: 1 };
         let mut scores = vec![0.0f32; (r1 - r0) * keys];
-        // SAFETY: the views stay inside the cache and qkv (checked above); each task writes its
-        // own rows and head columns of `out`.
+        // SAFETY: writes this task's own `scores`; `q` reads inside `qkv`, `kt` inside the span's
+        // cache slot (bounds and head grouping checked above).
         unsafe {
             gemm_strided(
                 r1 - r0,
@@ -187,6 +208,9 @@ pub fn forward_cached(
             simd::scale(&mut row[..visible], 1.0 / z);
             row[visible..].fill(0.0);
         }
+        // SAFETY: writes rows sp.row0 + r0..r1, columns h·hd..(h + 1)·hd of `out` (inside it,
+        // checked above), which no other task touches: spans' rows are disjoint (checked) and
+        // tasks are one per (span, head, tile). `v` reads inside the span's cache slot.
         unsafe {
             let dst = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
             gemm_strided(
@@ -210,21 +234,30 @@ pub fn forward_cached(
 /// (after rotary embedding) and `probs`.
 pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: AttnShape) {
     let (t, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
+    s.check();
     assert!(
-        dqkv.len() == qkv.len() && dout.len() == s.batch * t * ow && probs.len() == s.probs_len()
+        qkv.len() == s.batch * t * w
+            && dqkv.len() == qkv.len()
+            && dout.len() == s.batch * t * ow
+            && probs.len() == s.probs_len()
     );
     let scale = 1.0 / (hd as f32).sqrt();
+    // The tasks of one sequence share its rows, each writing its own columns: no task may hold
+    // a `&mut` to a whole row, so every write goes through this pointer, to the task's columns.
     let dptr = SendPtr(dqkv.as_mut_ptr());
     // One task per (batch, kv head): the query heads of a group all add into the same dK, dV.
     (0..s.batch * s.kv_heads).into_par_iter().for_each(|task| {
         let (b, kvh) = (task / s.kv_heads, task % s.kv_heads);
         let row0 = b * t * w;
-        // SAFETY: this task alone writes rows of batch b in the q columns of its heads and in
-        // the k/v columns of its kv head.
+        // Columns this task alone writes, in the t rows of sequence b: the q columns of its
+        // group's heads (overwritten by the dQ products below), the k and v columns of its kv
+        // head (zeroed here, then accumulated into).
         for r in 0..t {
-            let row = unsafe { dptr.slice(row0 + r * w, w) };
-            row[s.k_col(kvh)..s.k_col(kvh) + hd].fill(0.0);
-            row[s.v_col(kvh)..s.v_col(kvh) + hd].fill(0.0);
+            for col in [s.k_col(kvh), s.v_col(kvh)] {
+                // SAFETY: `hd` values at column `col` of row r of sequence b: inside `dqkv`
+                // (length checked above) and written by this task only (see above).
+                unsafe { dptr.slice(row0 + r * w + col, hd) }.fill(0.0);
+            }
         }
         let mut ds = vec![0.0f32; TILE * t];
         let k = Strided { ptr: qkv[row0 + s.k_col(kvh)..].as_ptr(), rs: w as isize, cs: 1 };
@@ -241,6 +274,8 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
                 };
                 let q =
                     Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
+                // SAFETY: writes this task's own `ds` (`rows` ≤ TILE rows of t); `dout_h` and `vt`
+                // read inside `dout` and `qkv` (lengths checked above).
                 unsafe {
                     // dP = dO · Vᵀ for rows r0..r1, keys 0..r1.
                     gemm_strided(
@@ -264,6 +299,10 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
                     }
                     drow[i + 1..r1].fill(0.0);
                 }
+                // SAFETY: the three products write, in rows of sequence b only, the columns of
+                // query head h (one of this task's group) and of kv head kvh: this task's
+                // columns, through `dptr` (no `&mut` to `dqkv` is live while the tasks run).
+                // Every view lies inside its buffer (lengths checked above).
                 unsafe {
                     // dQ = dS · K
                     gemm_strided(

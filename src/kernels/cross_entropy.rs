@@ -23,7 +23,8 @@ pub fn forward_backward(
         for r in range {
             let row = &logits[r * v..(r + 1) * v];
             let e: &mut [f32] = match dptr {
-                // SAFETY: row r of dlogits belongs to this task only.
+                // SAFETY: row r of dlogits (inside it: length checked above) is in this task's
+                // row range only.
                 Some(p) => unsafe { p.slice(r * v, v) },
                 None => {
                     scratch.resize(v, 0.0);

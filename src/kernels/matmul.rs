@@ -34,7 +34,9 @@ pub fn threads() -> Parallelism {
 /// `dst[m,n] = accumulate·dst + alpha · lhs[m,k] · rhs[k,n]` with arbitrary strides.
 ///
 /// # Safety
-/// The views must cover the addressed elements; `dst` must not alias the inputs.
+/// `dst` (m × n with strides `dst_rs`, `dst_cs`), `lhs` (m × k) and `rhs` (k × n) must lie
+/// inside live buffers; `dst` must not overlap the inputs; and while this runs nothing else may
+/// read or write the elements of `dst` it addresses, nor hold a reference covering them.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm_strided(
     m: usize,
@@ -56,12 +58,14 @@ pub unsafe fn gemm_strided(
         if !accumulate {
             for r in 0..m {
                 for c in 0..n {
+                    // SAFETY: element (r, c) of `dst`, inside it and ours (the contract above).
                     *dst.offset(r as isize * dst_rs + c as isize * dst_cs) = 0.0;
                 }
             }
         }
         return;
     }
+    // SAFETY: `gemm` reads and writes exactly these views (the contract above).
     gemm::gemm(
         m, n, k, dst, dst_cs, dst_rs, accumulate, lhs.ptr, lhs.cs, lhs.rs, rhs.ptr, rhs.cs, rhs.rs,
         1.0, alpha, false, false, false, par,
@@ -89,7 +93,9 @@ pub fn matmul(
     );
     let l = if lhs_t { Strided::transposed(lhs, m) } else { Strided::rows(lhs, k) };
     let r = if rhs_t { Strided::transposed(rhs, k) } else { Strided::rows(rhs, n) };
-    // SAFETY: sizes were checked above; `dst` is a distinct &mut borrow.
+    // SAFETY: the views lie inside the operands (sizes checked above, and the transposed views
+    // address the same m·k and k·n elements); `dst` is a `&mut` of its own, so it overlaps no
+    // input and nothing else touches it.
     unsafe { gemm_strided(m, n, k, dst.as_mut_ptr(), n as isize, 1, accumulate, l, r, 1.0, par) }
 }
 
@@ -132,7 +138,9 @@ fn linear_forward_few_rows(
             let wr = &w[j * d_in..(j + width) * d_in];
             for b in (0..rows).step_by(2) {
                 let pair = (rows - b).min(2);
-                // SAFETY: features j..j+width of every row belong to this task only.
+                // SAFETY: features j..j + width of row b + r lie inside `y` (sizes checked
+                // above) and in this task's feature range j0..j1, which no other task writes; the
+                // slice is dropped before the next one is made.
                 let ys = |r: usize| unsafe { y_ptr.slice((b + r) * d_out + j, width) };
                 if width == 4 {
                     let xs = [

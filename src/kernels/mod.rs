@@ -8,7 +8,6 @@
 pub mod attention;
 pub mod cross_entropy;
 pub mod depth;
-pub mod depth_variants;
 pub mod embedding;
 pub mod matmul;
 pub mod rmsnorm;
@@ -71,8 +70,8 @@ where
 /// Buffers at least this long are filled by several threads.
 const PAR_MIN: usize = 1 << 16;
 
-/// A new buffer of `n` values, each chunk of rows written by `fill(first_index, chunk)` on
-/// several threads when large. Every element is written before the buffer is returned.
+/// A new buffer of `n` values, each chunk written by `fill(first_index, chunk)` on several
+/// threads when large. `fill` must write every element of its chunk.
 fn par_build(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync + Send) -> Vec<f32> {
     let mut v: Vec<f32> = Vec::with_capacity(n);
     let spare = &mut v.spare_capacity_mut()[..n];
@@ -81,7 +80,8 @@ fn par_build(n: usize, fill: impl Fn(usize, &mut [MaybeUninit<f32>]) + Sync + Se
     } else {
         spare.par_chunks_mut(PAR_MIN).enumerate().for_each(|(i, c)| fill(i * PAR_MIN, c));
     }
-    // SAFETY: `fill` initialised all n elements (each caller writes its whole chunk).
+    // SAFETY: the capacity is n and `fill` wrote all n elements: its callers below write every
+    // element of their chunk (`zeros` fills it; `copy` and `sum` zip it with inputs of length n).
     unsafe { v.set_len(n) };
     v
 }
@@ -140,11 +140,17 @@ mod tests {
     }
 }
 
-/// A raw pointer that may cross threads: used where parallel tasks write provably disjoint
-/// rows of several buffers at once (the borrow checker cannot split a list of buffers by rows).
+/// A raw pointer that may cross threads, where parallel tasks write provably disjoint parts of
+/// a buffer that the borrow checker cannot split: rows of several buffers at once, or columns
+/// of rows that several tasks share (attention's backward). The rule every user keeps: a task
+/// makes a `&mut` (or writes) only to elements it alone touches while the tasks run, and no
+/// `&` or `&mut` to the whole buffer is used meanwhile.
 #[derive(Clone, Copy)]
 pub(crate) struct SendPtr(pub *mut f32);
+// SAFETY: the wrapper is only an address; every access through it is `unsafe` (`slice`, or a
+// raw write through `get`) and its caller promises the disjointness above.
 unsafe impl Send for SendPtr {}
+// SAFETY: as for `Send`: sharing the address between tasks grants no access by itself.
 unsafe impl Sync for SendPtr {}
 
 impl SendPtr {
@@ -152,8 +158,11 @@ impl SendPtr {
     pub fn get(self) -> *mut f32 {
         self.0
     }
+    /// `len` values from `start`, as a `&mut` slice.
+    ///
     /// # Safety
-    /// `start..start+len` must lie in the buffer and no other task may touch it concurrently.
+    /// `start..start + len` must lie in the buffer, and no other task may read or write any of
+    /// it (nor hold a reference covering it) while the slice lives.
     pub unsafe fn slice<'a>(self, start: usize, len: usize) -> &'a mut [f32] {
         std::slice::from_raw_parts_mut(self.0.add(start), len)
     }

@@ -24,7 +24,8 @@ pub fn add_assign_rstd(x: &mut [f32], y: Option<&[f32]>, rstd: &mut [f32], d: us
             if let Some(y) = y {
                 super::simd::axpy(row, 1.0, &y[t * d..(t + 1) * d]);
             }
-            // SAFETY: entry t of `rstd` belongs to this task only.
+            // SAFETY: entry t of `rstd` (inside it: length checked above) goes with row t of
+            // `x`, which is this task's alone.
             unsafe { rp.slice(t, 1)[0] = 1.0 / (dot(row, row) / d as f32 + eps).sqrt() };
         }
     });
@@ -47,8 +48,8 @@ pub fn forward(y: &mut [f32], rstd_out: &mut [f32], x: &[f32], g: &[f32], d: usi
 
 /// Backward: `dx` is overwritten, `dg` accumulates.
 /// With `u = g ⊙ dy`: `dx = r·u − (r³/d)·⟨u, x⟩·x`.
-/// `x_dot`, when given, receives each row's `⟨dx, x⟩`, taken while the rows are in cache (the
-/// depth attention's backward needs it for the norm's input).
+/// `dx_dot_x`, when given, receives each row's `⟨dx, x⟩`, taken while the rows are in cache:
+/// when the norm's input is a sublayer's input `h`, that is the depth attention's `dh_dot_h`.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     dx: &mut [f32],
@@ -58,10 +59,11 @@ pub fn backward(
     g: &[f32],
     rstd: &[f32],
     d: usize,
-    x_dot: Option<&mut [f32]>,
+    dx_dot_x: Option<&mut [f32]>,
 ) {
     let rows = rstd.len();
-    let dot_ptr = x_dot.map(|v| {
+    assert!(dx.len() == rows * d && x.len() == rows * d && dy.len() == rows * d);
+    let dot_ptr = dx_dot_x.map(|v| {
         assert_eq!(v.len(), rows);
         super::SendPtr(v.as_mut_ptr())
     });
@@ -79,7 +81,8 @@ pub fn backward(
                 dxrow[j] = r * g[j] * dyr[j] - c * xr[j];
             }
             if let Some(p) = dot_ptr {
-                // SAFETY: entry `row` belongs to this task only.
+                // SAFETY: entry `row` (inside the buffer: its length is `rows`, checked above)
+                // goes with row `row` of `dx`, which is this task's alone.
                 unsafe { p.slice(row, 1)[0] = dot(dxrow, xr) };
             }
         }
@@ -153,8 +156,8 @@ mod tests {
         };
         let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
         forward(&mut y, &mut r, &x, &g, d, eps);
-        let (mut dx, mut dg, mut x_dot) = (vec![0.0; rows * d], vec![0.0; d], vec![0.0; rows]);
-        backward(&mut dx, &mut dg, &dy, &x, &g, &r, d, Some(&mut x_dot));
+        let (mut dx, mut dg, mut dx_dot_x) = (vec![0.0; rows * d], vec![0.0; d], vec![0.0; rows]);
+        backward(&mut dx, &mut dg, &dy, &x, &g, &r, d, Some(&mut dx_dot_x));
         fd_check(&x, &dx, |xp| loss(xp, &g), "rmsnorm dx");
         fd_check(&g, &dg, |gp| loss(&x, gp), "rmsnorm dg");
         let want: Vec<f32> = dx
@@ -162,6 +165,6 @@ mod tests {
             .zip(x.chunks(d))
             .map(|(a, b)| a.iter().zip(b).map(|(p, q)| p * q).sum())
             .collect();
-        assert_close(&x_dot, &want, 1e-5, "rmsnorm <dx, x>");
+        assert_close(&dx_dot_x, &want, 1e-5, "rmsnorm dx_dot_x");
     }
 }

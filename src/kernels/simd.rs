@@ -13,10 +13,12 @@ macro_rules! multiversion {
         pub fn $name($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
+                // Unsafe only because of `target_feature`: `$imp` itself is safe code.
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn fast($($arg: $ty),*) $(-> $ret)? { $imp($($arg),*) }
                 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-                    // SAFETY: the features were just detected.
+                    // SAFETY: the processor has AVX2 and FMA (just detected), `fast`'s only
+                    // requirement.
                     return unsafe { fast($($arg),*) };
                 }
             }
@@ -131,7 +133,8 @@ pub fn dot4(xs: &[&[f32]], w: &[f32], out: &mut [[f32; 4]]) {
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            // SAFETY: features detected; sizes checked.
+            // SAFETY: AVX2 and FMA were just detected; the assert above gives `dot4_avx2`'s
+            // sizes (every row of `xs` n long, `w` at least 4n).
             unsafe {
                 if xs.len() == 2 {
                     out[..2].copy_from_slice(&dot4_avx2([xs[0], xs[1]], w, n));
@@ -163,7 +166,8 @@ pub fn scores(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            // SAFETY: features detected; sizes checked.
+            // SAFETY: AVX2 and FMA were just detected; the assert above gives `scores_avx2`'s
+            // sizes (`out` R·c long, `src` reaching (c − 1)·stride + n).
             unsafe {
                 if r == 2 {
                     scores_avx2([ws[0], ws[1]], out, src, stride, c);
@@ -252,6 +256,9 @@ unsafe fn scores_group_avx2<const R: usize, const K: usize>(
 }
 
 /// Sum of the eight lanes.
+///
+/// # Safety
+/// The processor must support AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn hsum_avx(v: std::arch::x86_64::__m256) -> f32 {
@@ -279,7 +286,9 @@ pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], strid
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
-            // SAFETY: features detected; sizes checked.
+            // SAFETY: AVX2 and FMA were just detected; the assert above gives `mixes_avx2`'s
+            // sizes (each output n long and a distinct `&mut`, `e` R·c long, `src` reaching
+            // (c − 1)·stride + n).
             unsafe {
                 if let [a, b] = outs {
                     mixes_avx2(

@@ -6,7 +6,7 @@ use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-/// Which residual connection the model uses (SPEC §2–4).
+/// Which residual connection the model uses (docs/method.md §2–4).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum ResidualKind {
@@ -18,11 +18,11 @@ pub enum ResidualKind {
     Block,
 }
 
-/// Where the depth attention's logits come from (SPEC §5; `static` is the method).
+/// Where the depth attention's logits come from (docs/method.md §5; `static` is the method).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum DepthQuery {
-    /// A learned pseudo-query per consumer, independent of the input (SPEC §3).
+    /// A learned pseudo-query per consumer, independent of the input (docs/method.md §3).
     #[default]
     Static,
     /// `q = W · rmsnorm(x)` with a learned `d × d` matrix `W` per consumer, where `x` is the sum
@@ -35,7 +35,7 @@ pub enum DepthQuery {
     Dense,
 }
 
-/// How the depth attention turns logits into weights (SPEC §5; `softmax` is the method).
+/// How the depth attention turns logits into weights (docs/method.md §5; `softmax` is the method).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum DepthGate {
@@ -80,8 +80,8 @@ pub struct Config {
     /// Number of blocks for `residual = block` (must divide `2 * num_hidden_layers`); ignored
     /// otherwise.
     pub num_blocks: usize,
-    /// Ablations of the depth attention (SPEC §5), for `full` and `block`; the defaults are the
-    /// method. RMS-normalise the keys (with a learned gain).
+    /// Ablations of the depth attention (docs/method.md §5), for `full` and `block`; the
+    /// defaults are the method. RMS-normalise the keys (with a learned gain).
     #[serde(default = "default_true")]
     pub attn_res_key_norm: bool,
     #[serde(default)]

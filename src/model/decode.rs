@@ -8,8 +8,8 @@
 //! mixes positions, so a token's **depth cache** (the embedding and the completed block sums,
 //! or every sublayer output for `full`, plus the running partial sum) is built while that token
 //! passes through the layers and read by all later sublayers, with the two-phase computation of
-//! SPEC §7 (phase 1 once per block for all of its sublayers, phase 2 per sublayer). Unlike the
-//! key/value cache it is not kept once the token's logits exist.
+//! docs/method.md §7 (phase 1 once per block for all of its sublayers, phase 2 per sublayer).
+//! Unlike the key/value cache it is not kept once the token's logits exist.
 
 use super::config::Config;
 use super::residual::ResidualForward;

@@ -17,7 +17,7 @@ pub enum Init {
     Normal,
     /// All ones: RMSNorm gains and depth key-norm gains.
     One,
-    /// All zeros: the AttnRes pseudo-queries (SPEC §3: mandatory).
+    /// All zeros: the AttnRes pseudo-queries (docs/method.md §3: mandatory).
     Zero,
 }
 
@@ -30,9 +30,9 @@ pub struct ParamSpec {
 }
 
 /// The depth-attention parameters of one consumer: pseudo-query `[1, d]` and key gain `[d]`.
-/// Under the ablations of SPEC §5 the query is a `[d, d]` matrix (input-dependent query) or one
-/// value per source `[1, sources]` (scalar and dense mixing), and there is no gain without key
-/// norm.
+/// Under the ablations of docs/method.md §5 the query is a `[d, d]` matrix (input-dependent
+/// query) or one value per source `[1, sources]` (scalar and dense mixing), and there is no
+/// gain without key norm.
 #[derive(Clone, Debug)]
 pub struct DepthParams {
     pub query: Range<usize>,

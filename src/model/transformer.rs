@@ -4,6 +4,7 @@
 use super::config::Config;
 use super::params::{LayerParams, Layout};
 use super::residual::{ResidualBackward, ResidualForward};
+use crate::diagnostics::mean_rms;
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear_backward, linear_forward};
 use crate::kernels::rope::{self, Positions, RopeTable};
@@ -52,6 +53,8 @@ pub struct Forward {
     xn_final: Vec<f32>,
     /// `[batch·seq, vocab]`.
     pub logits: Vec<f32>,
+    /// Probed passes only: mean per-token RMS of each sublayer's raw output.
+    output_rms: Option<Vec<f64>>,
 }
 
 impl Forward {
@@ -67,6 +70,11 @@ impl Forward {
     /// The vector fed to the final norm (`[rows, d]`).
     pub fn final_input(&self) -> &[f32] {
         &self.h_final
+    }
+
+    /// Mean over tokens of each sublayer output's RMS, in sublayer order (probed passes only).
+    pub fn output_rms(&self) -> Option<&[f64]> {
+        self.output_rms.as_deref()
     }
 }
 
@@ -210,7 +218,7 @@ impl Model {
     }
 
     /// [`Self::forward`] that also records each sublayer output's RMS
-    /// (`fwd.residual.output_rms()`), for diagnostics.
+    /// ([`Forward::output_rms`]), for diagnostics.
     pub fn forward_probed(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
         self.forward_inner(ids, batch, seq, true)
     }
@@ -226,9 +234,12 @@ impl Model {
         let mut e = zeros(n * d);
         phase("fwd embed", || embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d));
         let mut res = ResidualForward::new(c, e, true);
-        if probe {
-            res.record_output_rms();
-        }
+        let mut output_rms = probe.then(Vec::new);
+        let mut record = |out: &[f32]| {
+            if let Some(rms) = output_rms.as_mut() {
+                rms.push(mean_rms(out, d));
+            }
+        };
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
         for (i, lp) in self.layout.layers.iter().enumerate() {
             // Attention sublayer 2i.
@@ -238,12 +249,14 @@ impl Model {
             phase("fwd attention", || attention::forward(&mut o, &mut probs, &qkv, sh));
             let mut out = zeros(n * d);
             phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d));
+            record(&out);
             phase("fwd residual", || res.push_output(2 * i, out));
             attn.push(AttnSaved { h, rstd, xn, qkv, probs, o });
 
             // MLP sublayer 2i+1.
             let h = phase("fwd residual", || res.input(2 * i + 1, p, &self.layout));
             let (saved, out) = self.mlp_sublayer(lp, h);
+            record(&out);
             phase("fwd residual", || res.push_output(2 * i + 1, out));
             mlp.push(saved);
         }
@@ -260,6 +273,7 @@ impl Model {
             rstd_final,
             xn_final,
             logits,
+            output_rms,
         })
     }
 
@@ -318,10 +332,11 @@ impl Model {
             );
         });
         drop(dlogits);
-        // ⟨dh, h⟩ per token for the depth attention's backward, taken inside each norm's backward.
-        let rows_dot = || if c.block_size().is_some() { zeros(n) } else { Vec::new() };
+        // `dh_dot_h` (⟨dh, h⟩ per token) for the depth attention's backward, taken inside each
+        // norm's backward.
+        let per_token = || if c.block_size().is_some() { zeros(n) } else { Vec::new() };
         let mut dh = zeros(n * d);
-        let mut dh_dot = rows_dot();
+        let mut dh_dot_h = per_token();
         rmsnorm::backward(
             &mut dh,
             &mut g[lay.final_norm.clone()],
@@ -330,10 +345,10 @@ impl Model {
             &p[lay.final_norm.clone()],
             &fwd.rstd_final,
             d,
-            non_empty(&mut dh_dot),
+            non_empty(&mut dh_dot_h),
         );
         let mut res = phase("bwd residual", || {
-            ResidualBackward::new(&fwd.residual, dh, dh_dot, p, &mut g, lay)
+            ResidualBackward::new(&fwd.residual, dh, dh_dot_h, p, &mut g, lay)
         });
 
         // Scratch buffers reused across layers.
@@ -372,7 +387,7 @@ impl Model {
                     false,
                 );
             });
-            let (mut dh, mut dh_dot) = (zeros(n * d), rows_dot());
+            let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token());
             phase("bwd rmsnorm", || {
                 rmsnorm::backward(
                     &mut dh,
@@ -382,11 +397,11 @@ impl Model {
                     &p[lp.post_norm.clone()],
                     &s.rstd,
                     d,
-                    non_empty(&mut dh_dot),
+                    non_empty(&mut dh_dot_h),
                 )
             });
             phase("bwd residual", || {
-                res.input_grad(2 * i + 1, dh, dh_dot, &fwd.residual, p, &mut g, lay)
+                res.input_grad(2 * i + 1, dh, dh_dot_h, &fwd.residual, p, &mut g, lay)
             });
 
             // Attention sublayer 2i.
@@ -430,7 +445,7 @@ impl Model {
                     false,
                 );
             });
-            let (mut dh, mut dh_dot) = (zeros(n * d), rows_dot());
+            let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token());
             phase("bwd rmsnorm", || {
                 rmsnorm::backward(
                     &mut dh,
@@ -440,11 +455,11 @@ impl Model {
                     &p[lp.input_norm.clone()],
                     &s.rstd,
                     d,
-                    non_empty(&mut dh_dot),
+                    non_empty(&mut dh_dot_h),
                 )
             });
             phase("bwd residual", || {
-                res.input_grad(2 * i, dh, dh_dot, &fwd.residual, p, &mut g, lay)
+                res.input_grad(2 * i, dh, dh_dot_h, &fwd.residual, p, &mut g, lay)
             });
         }
         let de = phase("bwd residual", || res.embedding_grad(&fwd.residual, p, &mut g, lay));

@@ -1,5 +1,6 @@
-//! The depth attention with the ablation options of SPEC §5, in the plain one-pass form: one
-//! consumer, `K` sources, per token.
+//! The depth attention with the ablation options of docs/method.md §5, in the plain one-pass
+//! form: one consumer, `K` sources, per token. This is the ablations' production path (their
+//! per-token queries, gates, heads and windows fall outside the two-phase form).
 //!
 //! ```text
 //! logit_{i,g} = r_i · ⟨w_g, v_{i,g}⟩     (r_i = 1/rms(v_i) with key norm, else 1; g = head)
@@ -10,10 +11,10 @@
 //!
 //! `w` is the effective query (`q ⊙ γ`), the same for every token or one per token (the
 //! input-dependent query); heads split the channels into `H` equal groups, each with its own
-//! softmax. With one head, key norm, softmax and a static query this is exactly
-//! [`super::depth::forward`] (tested), which the model runs in its faster two-phase form.
+//! softmax. With one head, key norm, softmax and a static query this is exactly the method
+//! (tested against the reference form), which the model runs in its faster two-phase form.
 
-use super::{dot, par_reduce_rows, SendPtr};
+use crate::kernels::{dot, par_reduce_rows, SendPtr};
 
 /// How logits become weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -66,9 +67,11 @@ pub fn forward(
     );
     let (hp, ap, lp) =
         (SendPtr(h.as_mut_ptr()), SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
+    // Tasks over disjoint row ranges (nothing to reduce).
     par_reduce_rows(rows, k * d, 0, |range, _| {
         for t in range {
-            // SAFETY: row t of h, alpha and logits belongs to this task only.
+            // SAFETY: row t of h, alpha and logits (inside them: `rows` is h's, the others'
+            // lengths are checked above) is in this task's row range only.
             let (hrow, a, l) = unsafe {
                 (hp.slice(t * d, d), ap.slice(t * k * nh, k * nh), lp.slice(t * k * nh, k * nh))
             };
@@ -138,6 +141,12 @@ pub fn backward(
     let rows = dh.len() / d;
     let hd = d / nh;
     assert!(dsources.len() == k && dsources.iter().all(|s| s.len() == rows * d));
+    let query_len = match query {
+        Query::Static(_) => d,
+        Query::PerToken(_) => rows * d,
+        Query::Scalar(_) => k,
+    };
+    assert_eq!(dquery.len(), query_len, "query gradient of the query's shape");
     let dptrs: Vec<SendPtr> = dsources.iter_mut().map(|s| SendPtr(s.as_mut_ptr())).collect();
     let qptr = SendPtr(dquery.as_mut_ptr());
     // Static and scalar query gradients are summed over tokens; per-token ones written by row.
@@ -163,9 +172,11 @@ pub fn backward(
             for g in 0..nh {
                 match o.gate {
                     Gate::Softmax => {
-                        let mean: f32 = (0..k).map(|i| a[i * nh + g] * da[i * nh + g]).sum();
-                        (0..k)
-                            .for_each(|i| ds[i * nh + g] = a[i * nh + g] * (da[i * nh + g] - mean));
+                        // ⟨dh, h⟩ of this head's channels.
+                        let dh_dot_h: f32 = (0..k).map(|i| a[i * nh + g] * da[i * nh + g]).sum();
+                        (0..k).for_each(|i| {
+                            ds[i * nh + g] = a[i * nh + g] * (da[i * nh + g] - dh_dot_h)
+                        });
                     }
                     Gate::Sigmoid => (0..k).for_each(|i| {
                         let s = a[i * nh + g];
@@ -174,14 +185,16 @@ pub fn backward(
                     Gate::Identity => (0..k).for_each(|i| ds[i * nh + g] = da[i * nh + g]),
                 }
             }
-            // SAFETY: row t of a per-token query gradient belongs to this task only.
+            // SAFETY: row t of a per-token query gradient (inside it: length checked above) is in
+            // this task's row range only.
             let mut dq_row = match query {
                 Query::PerToken(_) => Some(unsafe { qptr.slice(t * d, d) }),
                 _ => None,
             };
             for i in 0..k {
                 let v = &sources[i][t * d..(t + 1) * d];
-                // SAFETY: row t of every source gradient belongs to this task only.
+                // SAFETY: row t of source i's gradient (inside it: lengths checked above; the
+                // gradients are distinct `&mut` buffers) is in this task's row range only.
                 let dv = unsafe { dptrs[i].slice(t * d, d) };
                 let r = if o.key_norm { rstds[i][t] } else { 1.0 };
                 // Value path.
@@ -227,7 +240,7 @@ pub fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{depth, rmsnorm};
+    use crate::kernels::depth::reference::{self, rstd_of};
     use crate::testutil::{assert_close, fd_check, rand_vec};
 
     const EPS: f32 = 1e-6;
@@ -243,14 +256,8 @@ mod tests {
     fn case(rows: usize, d: usize, k: usize, qlen: usize) -> Case {
         let srcs: Vec<Vec<f32>> =
             (0..k).map(|i| rand_vec(rows * d, 700 + i as u64, 1.0 + i as f32)).collect();
-        let rs = srcs.iter().map(|s| rstd(s, d)).collect();
+        let rs = srcs.iter().map(|s| rstd_of(s, d, EPS)).collect();
         Case { srcs, rs, q: rand_vec(qlen, 777, 0.8), rows, d }
-    }
-
-    fn rstd(v: &[f32], d: usize) -> Vec<f32> {
-        let mut r = vec![0.0; v.len() / d];
-        rmsnorm::rstd(&mut r, v, d, EPS);
-        r
     }
 
     fn query<'a>(kind: &str, q: &'a [f32]) -> Query<'a> {
@@ -271,7 +278,7 @@ mod tests {
     ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
         let rows = srcs[0].len() / d;
         let k = srcs.len();
-        let rs: Vec<Vec<f32>> = srcs.iter().map(|s| rstd(s, d)).collect();
+        let rs: Vec<Vec<f32>> = srcs.iter().map(|s| rstd_of(s, d, EPS)).collect();
         let (mut h, mut a, mut l) =
             (vec![0.0; rows * d], vec![0.0; rows * k * o.heads], vec![0.0; rows * k * o.heads]);
         let sv: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
@@ -289,7 +296,7 @@ mod tests {
             (vec![0.0; c.rows * c.d], vec![0.0; c.rows * 4], vec![0.0; c.rows * 4]);
         let sv: Vec<&[f32]> = c.srcs.iter().map(|s| s.as_slice()).collect();
         let rv: Vec<&[f32]> = c.rs.iter().map(|s| s.as_slice()).collect();
-        depth::forward(&mut h1, &mut a1, &mut l1, &sv, &rv, &c.q, &vec![1.0; c.d], c.d);
+        reference::forward(&mut h1, &mut a1, &mut l1, &sv, &rv, &c.q, &vec![1.0; c.d], c.d);
         assert_close(&h, &h1, 1e-6, "h");
         assert_close(&a, &a1, 1e-6, "alpha");
     }

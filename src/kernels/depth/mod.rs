@@ -1,5 +1,5 @@
-//! The depth-attention op of Attention Residuals (SPEC §3): per token, a softmax over sources
-//! with a static pseudo-query `q` and RMS-normalised keys with gain `γ`; values stay raw.
+//! The depth attention of Attention Residuals (docs/method.md §3): per token, a softmax over
+//! sources with a static pseudo-query `q` and RMS-normalised keys with gain `γ`; values stay raw.
 //!
 //! ```text
 //! logit_i = r_i · ⟨q ⊙ γ, v_i⟩        r_i = 1/sqrt(mean(v_i²) + eps)   (no 1/sqrt(d))
@@ -7,116 +7,25 @@
 //! h       = Σ_i α_i · v_i
 //! ```
 //!
-//! Each source's `r_i` is computed once per token by the caller (`rmsnorm::rstd`) and shared by
-//! every consumer that reads the source. All statistics are f32.
+//! Each source's `r_i` (its `rstd`) is computed once per token by the caller (`rmsnorm::rstd`)
+//! and shared by every consumer that reads the source. All statistics are f32.
 //!
-//! [`forward`] and [`backward`] are the plain one-pass form for one consumer. The model runs the
-//! two-phase form of SPEC §7 ([`phase1`], [`phase2`]) and takes the backward per source
-//! ([`backward_one`], [`backward_source`]); the tests hold both equal to the one-pass form.
+//! This module is what the model runs: the two-phase forward of docs/method.md §7 ([`phase1`],
+//! [`phase2`]) and the backward taken per source ([`backward_partial`], [`backward_source`]).
+//! [`ablation`] is the one-pass form with the options of §5, which the ablations run in
+//! production. `reference` (test builds only) is the plain one-pass form of the method that the
+//! tests hold these fast paths equal to.
+
+pub mod ablation;
+#[cfg(test)]
+pub mod reference;
 
 use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
 use std::mem::MaybeUninit;
 
-/// Forward over `K = sources.len()` sources of shape `[rows, d]`: writes `h[rows, d]` and, per
-/// token, the weights `alpha[rows, K]` and `logits[rows, K]` that backward needs.
-#[allow(clippy::too_many_arguments)]
-pub fn forward(
-    h: &mut [f32],
-    alpha: &mut [f32],
-    logits: &mut [f32],
-    sources: &[&[f32]],
-    rstds: &[&[f32]],
-    q: &[f32],
-    gamma: &[f32],
-    d: usize,
-) {
-    let k = sources.len();
-    let rows = h.len() / d;
-    assert!(k > 0 && rstds.len() == k && alpha.len() == rows * k && logits.len() == rows * k);
-    let w: Vec<f32> = q.iter().zip(gamma).map(|(a, b)| a * b).collect();
-    let (aptr, lptr) = (SendPtr(alpha.as_mut_ptr()), SendPtr(logits.as_mut_ptr()));
-    par_rows_mut(h, d, |r0, chunk| {
-        let n = chunk.len() / d;
-        // SAFETY: rows r0..r0+n of alpha/logits belong to this task only.
-        let (al, lg) = unsafe { (aptr.slice(r0 * k, n * k), lptr.slice(r0 * k, n * k)) };
-        for i in 0..n {
-            let t = r0 + i;
-            let (a, l) = (&mut al[i * k..(i + 1) * k], &mut lg[i * k..(i + 1) * k]);
-            let mut m = f32::NEG_INFINITY;
-            for s in 0..k {
-                l[s] = rstds[s][t] * dot(&w, &sources[s][t * d..(t + 1) * d]);
-                m = m.max(l[s]);
-            }
-            let mut z = 0.0f32;
-            for s in 0..k {
-                a[s] = (l[s] - m).exp();
-                z += a[s];
-            }
-            a.iter_mut().for_each(|x| *x /= z);
-            let hrow = &mut chunk[i * d..(i + 1) * d];
-            hrow.iter_mut().for_each(|x| *x = 0.0);
-            for s in 0..k {
-                super::axpy(hrow, a[s], &sources[s][t * d..(t + 1) * d]);
-            }
-        }
-    });
-}
-
-/// Backward: accumulates into each source's gradient (`dsources[i]`, `[rows, d]`) and into
-/// `dq`, `dgamma`, given `dh` and what forward saved.
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
-    dsources: &mut [&mut [f32]],
-    dq: &mut [f32],
-    dgamma: &mut [f32],
-    dh: &[f32],
-    sources: &[&[f32]],
-    rstds: &[&[f32]],
-    alpha: &[f32],
-    logits: &[f32],
-    q: &[f32],
-    gamma: &[f32],
-    d: usize,
-) {
-    let k = sources.len();
-    let rows = dh.len() / d;
-    assert!(dsources.len() == k && dsources.iter().all(|s| s.len() == rows * d));
-    let w: Vec<f32> = q.iter().zip(gamma).map(|(a, b)| a * b).collect();
-    let dptrs: Vec<SendPtr> = dsources.iter_mut().map(|s| SendPtr(s.as_mut_ptr())).collect();
-    // One pass per token: source gradients are written in place (disjoint rows per task) and
-    // the gradient of the effective query w = q ⊙ γ is reduced across tasks.
-    let dw = par_reduce_rows(rows, k * d, d, |range, dw| {
-        let mut da = vec![0.0f32; k];
-        for t in range {
-            let a = &alpha[t * k..(t + 1) * k];
-            let l = &logits[t * k..(t + 1) * k];
-            let g = &dh[t * d..(t + 1) * d];
-            let mut mean = 0.0f32;
-            for s in 0..k {
-                da[s] = dot(g, &sources[s][t * d..(t + 1) * d]);
-                mean += a[s] * da[s];
-            }
-            for s in 0..k {
-                let v = &sources[s][t * d..(t + 1) * d];
-                let r = rstds[s][t];
-                let dl = a[s] * (da[s] - mean);
-                // SAFETY: row t of every source gradient is touched by this task only.
-                let dv = unsafe { dptrs[s].slice(t * d, d) };
-                // value path + key path: d(r⟨w,v⟩)/dv = r·w − (r²·logit/d)·v
-                let c = dl * r * r * l[s] / d as f32;
-                simd::depth_source_grad(dv, dw, g, &w, v, a[s], dl * r, c);
-            }
-        }
-    });
-    for j in 0..d {
-        dq[j] += dw[j] * gamma[j];
-        dgamma[j] += dw[j] * q[j];
-    }
-}
-
-/// What phase 1 produced for the `S` consumers of one block (SPEC §7), per consumer and token:
-/// the logits over the `C` completed sources, their maximum `m1`, the sum
-/// `l1 = Σ e^(logit − m1)` and the mix `o1 = Σ e^(logit − m1) · v / l1`. (SPEC §7 keeps `o1`
+/// What phase 1 produced for the `S` consumers of one block (docs/method.md §7), per consumer
+/// and token: the logits over the `C` completed sources, their maximum `m1`, the sum
+/// `l1 = Σ e^(logit − m1)` and the mix `o1 = Σ e^(logit − m1) · v / l1`. (§7 keeps `o1`
 /// unnormalised; dividing the weights by `l1` before mixing is the same sum and spares the
 /// block's first consumer, which reads no partial sum, a pass over its input.)
 ///
@@ -210,14 +119,16 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
             // Source i of token t lies at (i·rows + t)·d: a stride of rows·d.
             let first = &sources[t * d..];
             // Consumers two at a time, so that each source load serves both.
-            for k0 in (0..s).step_by(2) {
-                let pair = (s - k0).min(2);
+            for j0 in (0..s).step_by(2) {
+                let pair = (s - j0).min(2);
                 let e = &mut e[..pair * c];
-                let w = |k: usize| &ws[k * d..(k + 1) * d];
-                simd::scores(e, &[w(k0), w(k0 + pair - 1)][..pair], first, rows * d);
+                let w = |j: usize| &ws[j * d..(j + 1) * d];
+                simd::scores(e, &[w(j0), w(j0 + pair - 1)][..pair], first, rows * d);
                 for (r, e) in e.chunks_mut(c).enumerate() {
-                    let row = (k0 + r) * rows + t;
-                    // SAFETY: row t of every consumer's outputs belongs to this task only.
+                    let row = (j0 + r) * rows + t;
+                    // SAFETY: entry `row` of m1, l1 and its `c` logits lie inside the buffers
+                    // (resized to S·rows·C and S·rows above) and belong to token t, which is this
+                    // task's alone.
                     let (lg, m1, l1) = unsafe {
                         (ptrs[0].slice(row * c, c), ptrs[1].slice(row, 1), ptrs[2].slice(row, 1))
                     };
@@ -237,11 +148,12 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
                     m1[0] = m;
                     l1[0] = z;
                 }
-                // SAFETY: row t of each consumer's o1 lies in its reserved capacity and belongs
-                // to this task only; `mixes` writes it in full.
+                // SAFETY: row t of each consumer's o1 lies in its reserved capacity (rows·d) and
+                // belongs to this task only; `mixes` writes it in full. Nothing reads the spare
+                // capacity meanwhile (the lengths are set after every task ended).
                 let mut outs: [&mut [MaybeUninit<f32>]; 2] = [0, 1].map(|r| match r < pair {
                     true => unsafe {
-                        std::slice::from_raw_parts_mut(o1s[k0 + r].get().add(t * d).cast(), d)
+                        std::slice::from_raw_parts_mut(o1s[j0 + r].get().add(t * d).cast(), d)
                     },
                     false => &mut [],
                 });
@@ -257,13 +169,14 @@ pub fn phase1(out: &mut Phase1, sources: &[f32], rstds: &[f32], ws: &[f32], rows
         (0..tasks).into_par_iter().for_each(run);
     }
     for o in out.o1.iter_mut() {
-        // SAFETY: every row of every consumer's o1 was written above.
+        // SAFETY: the capacity is rows·d (reserved above) and every row of every consumer's o1
+        // was written by `mixes` (a panic in a task would have ended this function first).
         unsafe { o.set_len(rows * d) };
     }
 }
 
 /// Phase 2 for consumer `j` of the block that `p1` scored: merges the optional partial-sum
-/// source `(p, rstd_p)` into the phase-1 statistics by online softmax. Returns the input
+/// source (its values and per-token 1/rms) into the phase-1 statistics by online softmax. Returns the input
 /// `h[rows, d]` (made in place of the consumer's `o1`, which it takes). With `weights =
 /// (alpha, logits)`, also writes per token the weights `alpha[rows, K]` and logits
 /// `logits[rows, K]` over all `K = C (+1)` sources (completed first, partial last), which
@@ -296,7 +209,8 @@ pub fn phase2(
     par_rows_mut(&mut h, d, |r0, chunk| {
         for (i, hrow) in chunk.chunks_mut(d).enumerate() {
             let t = r0 + i;
-            // SAFETY: row t of alpha/logits belongs to this task only.
+            // SAFETY: row t of alpha and logits (inside them: lengths checked above) goes with
+            // row t of `h`, which is this task's alone.
             let mut out = ptrs.map(|(a, l)| unsafe { (a.slice(t * k, k), l.slice(t * k, k)) });
             let (mut m, mut z) = (m1[t], l1[t]);
             if let Some((pv, pr)) = partial {
@@ -315,8 +229,8 @@ pub fn phase2(
             }
             if let Some((a, l)) = out {
                 l[..c].copy_from_slice(&l1_logits[t * c..(t + 1) * c]);
-                for j in 0..c {
-                    a[j] = simd::exp(l[j] - m) / z;
+                for (a, l) in a[..c].iter_mut().zip(&l[..c]) {
+                    *a = simd::exp(l - m) / z;
                 }
             }
         }
@@ -329,32 +243,20 @@ pub struct ConsumerGrad<'a> {
     /// Gradient of the consumer's input `h`, `[rows, d]`.
     pub dh: &'a [f32],
     /// Per token `⟨dh, h⟩ = Σ_i α_i ⟨dh, v_i⟩`, the softmax-normalisation term.
-    pub mean: &'a [f32],
+    pub dh_dot_h: &'a [f32],
     pub alpha: &'a [f32],
     pub logits: &'a [f32],
-    /// Sources this consumer read (`K`; the completed ones come first).
-    pub k: usize,
+    /// Sources this consumer read (`K`; the completed ones come first): the row length of
+    /// `alpha` and `logits`.
+    pub n_sources: usize,
     /// Effective query `q ⊙ γ`.
     pub w: &'a [f32],
 }
 
-/// Per token `⟨dh, h⟩` (the model takes it from the norm's backward instead, while the rows
-/// are in cache).
-pub fn grad_mean(dh: &[f32], h: &[f32], d: usize) -> Vec<f32> {
-    let mut m = super::zeros(dh.len() / d);
-    par_rows_mut(&mut m, 1, |r0, out| {
-        for (i, o) in out.iter_mut().enumerate() {
-            let t = r0 + i;
-            *o = dot(&dh[t * d..(t + 1) * d], &h[t * d..(t + 1) * d]);
-        }
-    });
-    m
-}
-
-/// Backward into the source at index `src` of one consumer (used for the partial sum, which
-/// only its own consumer reads): accumulates into `dv` and the effective-query gradient `dw`.
+/// Backward into the source at index `src` of one consumer: the partial sum, which only its
+/// own consumer reads. Accumulates into `dv` and the effective-query gradient `dw`.
 #[allow(clippy::too_many_arguments)]
-pub fn backward_one(
+pub fn backward_partial(
     dv: &mut [f32],
     dw: &mut [f32],
     g: &ConsumerGrad,
@@ -364,14 +266,16 @@ pub fn backward_one(
     d: usize,
 ) {
     let rows = rstd.len();
-    let k = g.k;
+    let k = g.n_sources;
+    assert_eq!(dv.len(), rows * d, "one gradient row per token");
     let dptr = SendPtr(dv.as_mut_ptr());
     let part = par_reduce_rows(rows, d, d, |range, acc| {
         for t in range {
             let (a, l, r) = (g.alpha[t * k + src], g.logits[t * k + src], rstd[t]);
             let (vrow, dh) = (&v[t * d..(t + 1) * d], &g.dh[t * d..(t + 1) * d]);
-            let dl = a * (dot(dh, vrow) - g.mean[t]);
-            // SAFETY: row t of dv belongs to this task only.
+            let dl = a * (dot(dh, vrow) - g.dh_dot_h[t]);
+            // SAFETY: row t of dv (inside it: length checked above) is in this task's row range
+            // only.
             let dvrow = unsafe { dptr.slice(t * d, d) };
             simd::depth_source_grad(
                 dvrow,
@@ -411,26 +315,28 @@ pub fn backward_source(
             acc.fill(0.0);
             let mut coef = 0.0f32;
             for (j, g) in consumers.iter().enumerate() {
-                let (a, l) = (g.alpha[t * g.k + col], g.logits[t * g.k + col]);
+                let (a, l) = (g.alpha[t * g.n_sources + col], g.logits[t * g.n_sources + col]);
                 let dh = &g.dh[t * d..(t + 1) * d];
-                let dl = a * (dot(dh, vrow) - g.mean[t]);
+                let dl = a * (dot(dh, vrow) - g.dh_dot_h[t]);
                 simd::axpy2(&mut acc, a, dh, dl * r, g.w);
                 simd::axpy(&mut dw[j * d..(j + 1) * d], dl * r, vrow);
                 coef += dl * l;
             }
             // value path + key path: dv = Σ_c (α·dh + dl·r·w) − (r²/d)·Σ_c dl·logit · v
             let c = coef * r * r / d as f32;
-            // SAFETY: row t of dv lies in its capacity, belongs to this task only and is
-            // written in full here (its length is set once every row is).
+            // SAFETY: row t of dv lies in its capacity (rows·d), is in this task's row range only
+            // and is written in full here: `acc` and `vrow` both hold d values (its length is
+            // set once every row is).
             unsafe {
                 let out = dptr.get().add(t * d);
-                for (k, (x, y)) in acc.iter().zip(vrow).enumerate() {
-                    out.add(k).write(x - c * y);
+                for (i, (x, y)) in acc.iter().zip(vrow).enumerate() {
+                    out.add(i).write(x - c * y);
                 }
             }
         }
     });
-    // SAFETY: every row was written above.
+    // SAFETY: the capacity is rows·d and every row was written above (a panic in a task would
+    // have ended this function first).
     unsafe { dv.set_len(rows * d) };
     for (j, dw) in dws.iter_mut().enumerate() {
         dw.iter_mut().zip(&part[j * d..(j + 1) * d]).for_each(|(a, b)| *a += b);
@@ -440,71 +346,11 @@ pub fn backward_source(
 
 #[cfg(test)]
 mod tests {
+    use super::reference::{self, rstd_of};
     use super::*;
-    use crate::kernels::rmsnorm;
-    use crate::testutil::{assert_close, fd_check, rand_vec};
+    use crate::testutil::{assert_close, rand_vec};
 
     const EPS: f32 = 1e-6;
-
-    fn run(
-        srcs: &[Vec<f32>],
-        q: &[f32],
-        g: &[f32],
-        d: usize,
-    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<Vec<f32>>) {
-        let rows = srcs[0].len() / d;
-        let rs: Vec<Vec<f32>> = srcs
-            .iter()
-            .map(|s| {
-                let mut r = vec![0.0; rows];
-                rmsnorm::rstd(&mut r, s, d, EPS);
-                r
-            })
-            .collect();
-        let k = srcs.len();
-        let (mut h, mut a, mut l) = (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
-        let sv: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
-        let rv: Vec<&[f32]> = rs.iter().map(|s| s.as_slice()).collect();
-        forward(&mut h, &mut a, &mut l, &sv, &rv, q, g, d);
-        (h, a, l, rs)
-    }
-
-    #[test]
-    fn forward_matches_definition() {
-        let (rows, d, k) = (6, 10, 4);
-        let srcs: Vec<Vec<f32>> =
-            (0..k).map(|s| rand_vec(rows * d, 40 + s as u64, 1.0 + s as f32)).collect();
-        let (q, g) = (rand_vec(d, 50, 1.0), rand_vec(d, 51, 2.0));
-        let (h, a, _, _) = run(&srcs, &q, &g, d);
-        for t in 0..rows {
-            let logit: Vec<f64> = srcs
-                .iter()
-                .map(|v| {
-                    let v = &v[t * d..(t + 1) * d];
-                    let ms = v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / d as f64;
-                    let r = 1.0 / (ms + EPS as f64).sqrt();
-                    (0..d).map(|j| q[j] as f64 * g[j] as f64 * v[j] as f64 * r).sum()
-                })
-                .collect();
-            let z: f64 = logit.iter().map(|x| x.exp()).sum();
-            let want_a: Vec<f32> = logit.iter().map(|x| (x.exp() / z) as f32).collect();
-            assert_close(&a[t * k..(t + 1) * k], &want_a, 1e-5, "alpha");
-            let want_h: Vec<f32> =
-                (0..d).map(|j| (0..k).map(|s| want_a[s] * srcs[s][t * d + j]).sum()).collect();
-            assert_close(&h[t * d..(t + 1) * d], &want_h, 1e-5, "h");
-        }
-    }
-
-    #[test]
-    fn zero_query_gives_uniform_average() {
-        let (rows, d, k) = (3, 8, 5);
-        let srcs: Vec<Vec<f32>> = (0..k).map(|s| rand_vec(rows * d, 60 + s as u64, 1.0)).collect();
-        let (h, a, _, _) = run(&srcs, &vec![0.0; d], &vec![1.0; d], d);
-        assert!(a.iter().all(|x| (x - 0.2).abs() < 1e-7));
-        let avg: Vec<f32> =
-            (0..rows * d).map(|i| srcs.iter().map(|s| s[i]).sum::<f32>() / k as f32).collect();
-        assert_close(&h, &avg, 1e-6, "uniform average");
-    }
 
     /// A block of `s` consumers over `c` completed sources; consumer j > 0 also reads its own
     /// partial sum, as in Block AttnRes.
@@ -517,20 +363,14 @@ mod tests {
         gs: Vec<Vec<f32>>,
     }
 
-    fn rstd_of(v: &[f32], d: usize) -> Vec<f32> {
-        let mut r = vec![0.0; v.len() / d];
-        rmsnorm::rstd(&mut r, v, d, EPS);
-        r
-    }
-
     fn case(rows: usize, d: usize, c: usize, s: usize) -> Case {
         let srcs: Vec<Vec<f32>> =
             (0..c).map(|i| rand_vec(rows * d, 100 + i as u64, 1.0 + i as f32)).collect();
         let partials: Vec<Vec<f32>> =
             (0..s).map(|j| rand_vec(rows * d, 200 + j as u64, 2.0)).collect();
         Case {
-            rs: srcs.iter().map(|v| rstd_of(v, d)).collect(),
-            prs: partials.iter().map(|v| rstd_of(v, d)).collect(),
+            rs: srcs.iter().map(|v| rstd_of(v, d, EPS)).collect(),
+            prs: partials.iter().map(|v| rstd_of(v, d, EPS)).collect(),
             srcs,
             partials,
             qs: (0..s).map(|j| rand_vec(d, 300 + j as u64, 1.0)).collect(),
@@ -576,7 +416,7 @@ mod tests {
             let h = phase2(Some((&mut a, &mut l)), &mut p1, j, partial, &ws[j], d);
             let (mut h1, mut a1, mut l1) =
                 (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
-            forward(&mut h1, &mut a1, &mut l1, &v, &r, &cs.qs[j], &cs.gs[j], d);
+            reference::forward(&mut h1, &mut a1, &mut l1, &v, &r, &cs.qs[j], &cs.gs[j], d);
             assert_close(&h, &h1, 1e-5, "two-phase h");
             assert_close(&a, &a1, 1e-6, "two-phase alpha");
             assert_close(&l, &l1, 1e-6, "two-phase logits");
@@ -609,12 +449,12 @@ mod tests {
             let k = v.len();
             let (mut h, mut a, mut l) =
                 (vec![0.0; rows * d], vec![0.0; rows * k], vec![0.0; rows * k]);
-            forward(&mut h, &mut a, &mut l, &v, &r, &cs.qs[j], &cs.gs[j], d);
+            reference::forward(&mut h, &mut a, &mut l, &v, &r, &cs.qs[j], &cs.gs[j], d);
             let mut ds: Vec<&mut [f32]> = want_src.iter_mut().map(|x| x.as_mut_slice()).collect();
             if j > 0 {
                 ds.push(want_part[j].as_mut_slice());
             }
-            backward(
+            reference::backward(
                 &mut ds,
                 &mut want_dq[j],
                 &mut want_dg[j],
@@ -632,21 +472,22 @@ mod tests {
         // Per source: partials one by one, each completed source once for all its consumers.
         let ws: Vec<Vec<f32>> =
             (0..s).map(|j| cs.qs[j].iter().zip(&cs.gs[j]).map(|(a, b)| a * b).collect()).collect();
-        let means: Vec<Vec<f32>> = (0..s).map(|j| grad_mean(&dhs[j], &saved[j].0, d)).collect();
+        let dh_dot_h: Vec<Vec<f32>> =
+            (0..s).map(|j| reference::dh_dot_h(&dhs[j], &saved[j].0, d)).collect();
         let grads: Vec<ConsumerGrad> = (0..s)
             .map(|j| ConsumerGrad {
                 dh: &dhs[j],
-                mean: &means[j],
+                dh_dot_h: &dh_dot_h[j],
                 alpha: &saved[j].1,
                 logits: &saved[j].2,
-                k: saved[j].3,
+                n_sources: saved[j].3,
                 w: &ws[j],
             })
             .collect();
         let mut got_part = vec![vec![0.0f32; rows * d]; s];
         let mut dws = vec![vec![0.0f32; d]; s];
         for j in 1..s {
-            backward_one(
+            backward_partial(
                 &mut got_part[j],
                 &mut dws[j],
                 &grads[j],
@@ -674,40 +515,5 @@ mod tests {
             assert_close(&dq, &want_dq[j], 1e-4, "dq");
             assert_close(&dg, &want_dg[j], 1e-4, "dgamma");
         }
-    }
-
-    #[test]
-    fn backward_matches_finite_differences() {
-        let (rows, d, k) = (4, 6, 3);
-        let srcs: Vec<Vec<f32>> = (0..k).map(|s| rand_vec(rows * d, 70 + s as u64, 1.0)).collect();
-        let (q, g) = (rand_vec(d, 80, 1.0), rand_vec(d, 81, 1.0));
-        let dh = rand_vec(rows * d, 82, 1.0);
-        let loss = |srcs: &[Vec<f32>], q: &[f32], g: &[f32]| -> f64 {
-            let (h, ..) = run(srcs, q, g, d);
-            h.iter().zip(&dh).map(|(a, b)| (a * b) as f64).sum()
-        };
-        let (_, a, l, rs) = run(&srcs, &q, &g, d);
-        let mut ds: Vec<Vec<f32>> = vec![vec![0.0; rows * d]; k];
-        let (mut dq, mut dg) = (vec![0.0; d], vec![0.0; d]);
-        {
-            let mut dsv: Vec<&mut [f32]> = ds.iter_mut().map(|s| s.as_mut_slice()).collect();
-            let sv: Vec<&[f32]> = srcs.iter().map(|s| s.as_slice()).collect();
-            let rv: Vec<&[f32]> = rs.iter().map(|s| s.as_slice()).collect();
-            backward(&mut dsv, &mut dq, &mut dg, &dh, &sv, &rv, &a, &l, &q, &g, d);
-        }
-        for s in 0..k {
-            fd_check(
-                &srcs[s],
-                &ds[s],
-                |x| {
-                    let mut p = srcs.clone();
-                    p[s] = x.to_vec();
-                    loss(&p, &q, &g)
-                },
-                &format!("depth dsource{s}"),
-            );
-        }
-        fd_check(&q, &dq, |x| loss(&srcs, x, &g), "depth dq");
-        fd_check(&g, &dg, |x| loss(&srcs, &q, x), "depth dgamma");
     }
 }
