@@ -1,4 +1,5 @@
-"""An independent PyTorch implementation of the attnres model, written from SPEC.md.
+"""An independent PyTorch implementation of the attnres model, written from the method's
+definition (docs/method.md).
 
 It reads and writes the same checkpoint format (config.json + model.safetensors with Hugging
 Face names) and is used to generate the test fixtures and as the PyTorch side of the benchmark.
@@ -95,7 +96,7 @@ def mlp(P, p, x):
 
 
 def depth_attention(sources, q, gain, eps):
-    """SPEC §3: softmax over sources of <q, RMSNorm_gain(v_i)>, applied to the raw sources."""
+    """docs/method.md §3: softmax over sources of <q, RMSNorm_gain(v_i)>, applied to the raw sources."""
     V = torch.stack(sources)  # [K, B, T, d]
     logits = torch.einsum("d,kbtd->kbt", q.reshape(-1), rmsnorm(V, gain, eps))
     alpha = logits.softmax(0)

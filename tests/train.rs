@@ -2,6 +2,9 @@
 //! gives the same per-step losses as an uninterrupted one; evaluation; and clear errors on bad
 //! input without damaging an existing run.
 
+mod common;
+
+use common::ok;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -13,14 +16,7 @@ struct Env {
 impl Env {
     fn new() -> Env {
         let tmp = tempfile::tempdir().unwrap();
-        // A small corpus: the first plays of the embedded one (many documents, fast to tokenize).
-        let corpus = attnres::train::data::Corpus::embedded();
-        let text = corpus.documents[..12]
-            .iter()
-            .map(|d| d.chars().take(12_000).collect::<String>())
-            .collect::<Vec<_>>()
-            .join("\n\n\n");
-        std::fs::write(tmp.path().join("corpus.txt"), text).unwrap();
+        common::write_small_corpus(&tmp.path().join("corpus.txt"), 12_000);
         Env { tmp }
     }
 
@@ -72,12 +68,6 @@ impl Env {
         }
         v
     }
-}
-
-fn ok(o: &Output) -> String {
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "command failed: {err}");
-    err
 }
 
 fn fails(o: &Output, needle: &str) {

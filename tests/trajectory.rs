@@ -6,18 +6,13 @@
 //! (learning rate, loss, gradient norm before clipping) and in the final weights.
 //! Regenerate with `python scripts/make_trajectory.py`.
 
+mod common;
+
 use attnres::model::checkpoint::{self, f32_values};
 use attnres::train::optim::{lr_at, OptimConfig, Optimizer};
+use common::id_rows as rows;
 use safetensors::SafeTensors;
 use std::path::Path;
-
-fn rows(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
-        .collect()
-}
 
 fn check(name: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/trajectory").join(name);

@@ -75,3 +75,12 @@ pub fn ok(o: &std::process::Output) -> String {
 pub fn max_abs(v: &[f32]) -> f32 {
     v.iter().fold(0f32, |a, x| a.max(x.abs()))
 }
+
+/// A JSON array of rows of token ids (a fixture's `input_ids` or `targets`), flattened.
+pub fn id_rows(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
+        .collect()
+}
