@@ -1,7 +1,7 @@
 """Generates the training-trajectory fixtures (tests/fixtures/trajectory/): a few optimiser
 steps of a tiny model, computed in float64 by the PyTorch reference model (reference.py) with
 an optimiser, learning-rate schedule and gradient clipping written here from the project's
-documented semantics (docs/training.md if present, and the doc comments of src/train/optim.rs):
+documented semantics (the doc comments of src/train/optim.rs and src/train/run.rs):
 
 - schedule: linear warmup `lr·(step+1)/warmup` for the first `warmup_steps` steps (0-based),
   then cosine decay to `min_lr_ratio·lr` at `total` steps;

@@ -40,7 +40,7 @@ fn compare_trains_reports_and_resumes() {
     let data = tmp.path().join("corpus.txt");
     common::write_small_corpus(&data, 8_000);
     let cache = tmp.path().join("cache");
-    // Twelve steps per run, a checkpoint every two: room to kill a run in its middle.
+    // Eight steps per run, a checkpoint every two: room to kill a run in its middle.
     let args = |out: &Path, seeds: &str| -> Vec<String> {
         let mut v: Vec<String> = ["compare", "--quick", "--seeds", seeds, "--no-progress", "--out"]
             .iter()
@@ -54,7 +54,7 @@ fn compare_trains_reports_and_resumes() {
             "seq_len=32",
             "micro_batch=4",
             "batch_tokens=256",
-            "max_tokens=3072",
+            "max_tokens=2048",
             "eval_every=4",
             "eval_tokens=256",
             "checkpoint_every=2",
@@ -126,9 +126,8 @@ fn compare_trains_reports_and_resumes() {
     let runs: Vec<PathBuf> = names.iter().map(|v| out_b.join(format!("runs/{v}-seed0"))).collect();
     let mut child = command(&cache, &argv_b).stderr(Stdio::null()).spawn().unwrap();
     let t = Instant::now();
-    let in_flight = |r: &PathBuf| {
-        checkpoint_step(r).is_some_and(|s| s < 12) && !r.join("summary.json").exists()
-    };
+    let in_flight =
+        |r: &PathBuf| checkpoint_step(r).is_some_and(|s| s < 8) && !r.join("summary.json").exists();
     while !runs.iter().any(in_flight) && t.elapsed() < Duration::from_secs(120) {
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -139,20 +138,20 @@ fn compare_trains_reports_and_resumes() {
          longer runs",
     );
     let at = checkpoint_step(&runs[cut]).unwrap();
-    assert!(at > 0 && at < 12);
+    assert!(at > 0 && at < 8);
     let before = std::fs::read_to_string(runs[cut].join("metrics.jsonl")).unwrap();
-    assert!(before.lines().count() < 12, "the interrupted run had not finished");
+    assert!(before.lines().count() < 8, "the interrupted run had not finished");
     let log = ok(attnres(&cache, &argv_b));
     assert_eq!(log.matches("finished earlier, reused").count(), cut, "{log}");
-    assert!(log.contains(&format!("resuming at step {at}/12")), "{log}");
-    // The resumed run trained steps `at + 1 ..= 12` itself.
+    assert!(log.contains(&format!("resuming at step {at}/8")), "{log}");
+    // The resumed run trained steps `at + 1 ..= 8` itself.
     let steps: Vec<u64> = std::fs::read_to_string(runs[cut].join("metrics.jsonl"))
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap()["step"].as_u64().unwrap())
         .collect();
-    assert_eq!(steps, (1..=12).collect::<Vec<u64>>());
-    assert_eq!(read(&runs[cut].join("summary.json"))["steps"], 12);
+    assert_eq!(steps, (1..=8).collect::<Vec<u64>>());
+    assert_eq!(read(&runs[cut].join("summary.json"))["steps"], 8);
     for (v, run) in names.iter().zip(&runs) {
         assert_eq!(
             std::fs::read(run.join("model.safetensors")).unwrap(),
