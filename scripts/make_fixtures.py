@@ -7,6 +7,7 @@ checks that a `standard` checkpoint loads unchanged in transformers' LlamaForCau
 Each fixture directory holds a checkpoint (config.json + model.safetensors) with *non-zero*
 pseudo-queries and non-trivial gains, batch.json (input_ids, targets) and expected.safetensors
 (logits, loss and grad.<name> for every parameter), computed in float64 from the f32 weights.
+The training-trajectory fixtures (tests/fixtures/trajectory/) come from make_trajectory.py.
 """
 import argparse
 import json

@@ -328,7 +328,7 @@ mod tests {
         (0..n)
             .map(|i| {
                 let u = ((i * 7919 + t * 104_729) % 201) as f32 / 100.0 - 1.0;
-                u * 0.01 * (1.0 + t as f32) * if (i + t) % 3 == 0 { -1.0 } else { 1.0 }
+                u * 0.01 * (1.0 + t as f32) * if (i + t).is_multiple_of(3) { -1.0 } else { 1.0 }
             })
             .collect()
     }

@@ -261,5 +261,5 @@ pub fn rms(x: &[f64]) -> f64 {
 /// How many sources consumer `l` of an AttnRes model with `block` sublayers per block reads
 /// (`l = L`: the output aggregation): the embedding, the completed blocks, the partial sum.
 pub fn sources_read(l: usize, block: usize) -> usize {
-    1 + l / block + usize::from(l % block != 0)
+    1 + l / block + usize::from(!l.is_multiple_of(block))
 }
