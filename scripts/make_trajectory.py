@@ -83,24 +83,11 @@ def newton_schulz(g):
     return x.T if g.shape[0] > g.shape[1] else x
 
 
-def make_params(cfg, gen):
-    """Init-like weights (std 0.2 matrices, gains near 1) with non-zero pseudo-queries."""
-    P = {}
-    for name, shape in ref.param_shapes(cfg):
-        if name.endswith("norm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        elif "res_proj" in name:
-            t = 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        else:
-            t = 0.2 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        P[name] = t.to(torch.float32).to(torch.float64)  # the f32 values the Rust side reads
-    return P
-
-
 def run(name, residual, num_blocks, optimizer, grad_clip, gen):
     cfg = dict(BASE, residual=residual, num_blocks=num_blocks)
     o = dict(OPTIM, optimizer=optimizer, grad_clip=grad_clip)
-    P = make_params(cfg, gen)
+    # Gains near 1, std-0.2 matrices and non-zero pseudo-queries.
+    P = ref.random_params(cfg, gen, gain_std=0.1, query_std=0.3, weight_std=0.2)
     d = os.path.join(OUT, name)
     ref.save(d, cfg, P)
     batches = [(torch.randint(0, cfg["vocab_size"], (B, T), generator=gen),

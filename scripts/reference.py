@@ -53,6 +53,21 @@ def param_shapes(cfg):
     return out
 
 
+def random_params(cfg, gen, gain_std, query_std, weight_std):
+    """Random float64 parameters holding f32 values (the ones the Rust side reads): gains
+    1 + N(0, gain_std²), pseudo-queries N(0, query_std²), everything else N(0, weight_std²)."""
+    P = {}
+    for name, shape in param_shapes(cfg):
+        if name.endswith("norm.weight"):
+            t = 1.0 + gain_std * torch.randn(shape, generator=gen, dtype=torch.float64)
+        elif "res_proj" in name:
+            t = query_std * torch.randn(shape, generator=gen, dtype=torch.float64)
+        else:
+            t = weight_std * torch.randn(shape, generator=gen, dtype=torch.float64)
+        P[name] = t.to(torch.float32).to(torch.float64)
+    return P
+
+
 def rmsnorm(x, g, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
 

@@ -42,14 +42,8 @@ fn compare_trains_reports_and_resumes() {
     let cache = tmp.path().join("cache");
     // Eight steps per run, a checkpoint every two: room to kill a run in its middle.
     let args = |out: &Path, seeds: &str| -> Vec<String> {
-        let mut v: Vec<String> = ["compare", "--quick", "--seeds", seeds, "--no-progress", "--out"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        v.push(out.to_string_lossy().into());
-        v.push("--data".into());
-        v.push(data.to_string_lossy().into());
-        for s in [
+        let head = ["compare", "--quick", "--seeds", seeds, "--no-progress"];
+        let sets = [
             "vocab_size=300",
             "seq_len=32",
             "micro_batch=4",
@@ -59,11 +53,8 @@ fn compare_trains_reports_and_resumes() {
             "eval_tokens=256",
             "checkpoint_every=2",
             "warmup_steps=1",
-        ] {
-            v.push("--set".into());
-            v.push(s.into());
-        }
-        v
+        ];
+        common::run_args(&head, out, &data, &sets)
     };
     let out = tmp.path().join("report");
     let args_a = args(&out, "2");

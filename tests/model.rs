@@ -15,27 +15,26 @@ fn loss_of(m: &Model) -> f64 {
     m.loss(&f, &TARGETS).unwrap() as f64
 }
 
-/// The loss of the float64 reference forward pass at the config's eps.
-fn reference_loss(r: &Ref) -> f64 {
-    let eps = r.m.config.rms_norm_eps;
-    reference::loss(&reference::forward(r, &IDS, 2, 3, &|_| eps).logits, &TARGETS)
+/// `(f(h) − f(−h)) / 2h`, where `f(δ)` is the loss with one coordinate moved by `δ`.
+fn central(h: f64, mut f: impl FnMut(f64) -> f64) -> f64 {
+    (f(h) - f(-h)) / (2.0 * h)
 }
 
 /// Central differences of the float64 reference loss in every parameter. With step 1e-5 the
 /// truncation error is O(h²) ~ 1e-10 and the rounding error ~ 1e-16·loss/h ~ 1e-11, so even a
 /// coordinate whose gradient is 1e-6 is known to ~1e-4 of itself.
-fn reference_gradient(m: &Model) -> Vec<f64> {
+/// `norm_eps` as in `reference::forward`.
+fn reference_gradient(m: &Model, norm_eps: &dyn Fn(usize) -> f64) -> Vec<f64> {
     let mut r = Ref::new(m);
-    let h = 1e-5;
     (0..r.params.len())
         .map(|i| {
             let orig = r.params[i];
-            r.params[i] = orig + h;
-            let up = reference_loss(&r);
-            r.params[i] = orig - h;
-            let down = reference_loss(&r);
+            let g = central(1e-5, |d| {
+                r.params[i] = orig + d;
+                reference::loss(&reference::forward(&r, &IDS, 2, 3, norm_eps).logits, &TARGETS)
+            });
             r.params[i] = orig;
-            (up - down) / (2.0 * h)
+            g
         })
         .collect()
 }
@@ -56,7 +55,7 @@ fn check_gradients(cfg: Config) {
     let want: Vec<f32> = r.logits.concat().iter().map(|v| *v as f32).collect();
     assert_close(&f.logits, &want, 1e-5, "logits against the reference");
     let (_, grads) = m.backward(&f, &TARGETS).unwrap();
-    let fd = reference_gradient(&m);
+    let fd = reference_gradient(&m, &|_| m.config.rms_norm_eps);
     let floor = 1e-7 * fd.iter().fold(0f64, |a, g| a.max(g.abs()));
     for spec in &m.layout.specs {
         let (g, w) = (&grads[spec.range.clone()], &fd[spec.range.clone()]);
@@ -101,12 +100,11 @@ fn check_gradients_f32(cfg: Config) {
         for j in [0, n / 3, n / 2, 2 * n / 3, n - 1] {
             let i = spec.range.start + j;
             let orig = m.params[i];
-            m.params[i] = orig + h;
-            let up = loss_of(&m);
-            m.params[i] = orig - h;
-            let down = loss_of(&m);
+            let fd = central(h as f64, |d| {
+                m.params[i] = orig + d as f32;
+                loss_of(&m)
+            });
             m.params[i] = orig;
-            let fd = (up - down) / (2.0 * h as f64);
             assert!(
                 (fd - grads[i] as f64).abs() <= 2e-2 * scale + floor,
                 "{}[{j}]: backward {} vs finite difference {fd} (tensor scale {scale:.3e})",
@@ -271,20 +269,7 @@ fn zero_init_equivalence_at_the_real_eps() {
         assert!((loss as f64 - want_loss).abs() < 1e-5 * want_loss, "{what}: loss {loss}");
 
         // Every gradient the two models share, against central differences of the reference.
-        let mut r = Ref::new(&std);
-        let h = 1e-5;
-        let fd: Vec<f64> = (0..r.params.len())
-            .map(|i| {
-                let orig = r.params[i];
-                let mut at = |v: f64| {
-                    r.params[i] = v;
-                    reference::loss(&reference::forward(&r, &IDS, 2, 3, &scaled).logits, &TARGETS)
-                };
-                let d = (at(orig + h) - at(orig - h)) / (2.0 * h);
-                r.params[i] = orig;
-                d
-            })
-            .collect();
+        let fd = reference_gradient(&std, &scaled);
         let floor = 1e-7 * fd.iter().fold(0f64, |a, g| a.max(g.abs()));
         for s in &std.layout.specs {
             let t = m.layout.spec(&s.name).unwrap();

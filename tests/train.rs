@@ -45,14 +45,7 @@ impl Env {
 
     /// Training arguments for a short run into `out`.
     fn train_args(&self, out: &str) -> Vec<String> {
-        let mut v: Vec<String> = ["train", "--preset", "tiny", "--no-progress", "--out"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        v.push(self.path(out).to_string_lossy().into_owned());
-        v.push("--data".into());
-        v.push(self.path("corpus.txt").to_string_lossy().into_owned());
-        for s in [
+        let sets = [
             "vocab_size=400",
             "seq_len=64",
             "micro_batch=4",
@@ -62,11 +55,9 @@ impl Env {
             "eval_tokens=512",
             "checkpoint_every=3",
             "warmup_steps=3",
-        ] {
-            v.push("--set".into());
-            v.push(s.into());
-        }
-        v
+        ];
+        let head = ["train", "--preset", "tiny", "--no-progress"];
+        common::run_args(&head, &self.path(out), &self.path("corpus.txt"), &sets)
     }
 }
 

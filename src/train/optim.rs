@@ -359,17 +359,32 @@ mod tests {
 
     const LRS: [f64; 4] = [0.01, 0.02, 0.005, 0.015];
 
+    /// A fresh optimiser of `kind` on a small model, and the parameters before and after it
+    /// takes `steps` updates with [`gradient`] and [`LRS`].
+    fn updated(kind: OptimizerKind, residual: ResidualKind, steps: usize) -> Run {
+        let c = small_model(residual);
+        let layout = Layout::new(&c);
+        let config = cfg(kind);
+        let mut opt = Optimizer::new(config.clone(), &layout);
+        let before = layout.init(&c, 1);
+        let mut after = before.clone();
+        for (t, lr) in LRS[..steps].iter().enumerate() {
+            opt.update(&mut after, &gradient(before.len(), t), *lr);
+        }
+        Run { layout, config, before, after }
+    }
+
+    struct Run {
+        layout: Layout,
+        config: OptimConfig,
+        before: Vec<f32>,
+        after: Vec<f32>,
+    }
+
     #[test]
     fn adamw_matches_a_textbook_reference_under_varying_gradients() {
-        let c = small_model(ResidualKind::Block);
-        let lay = Layout::new(&c);
-        let oc = cfg(OptimizerKind::Adamw);
-        let mut opt = Optimizer::new(oc.clone(), &lay);
-        let mut p = lay.init(&c, 1);
-        let p0 = p.clone();
-        for (t, lr) in LRS.iter().enumerate() {
-            opt.update(&mut p, &gradient(p0.len(), t), *lr);
-        }
+        let Run { layout: lay, config: oc, before: p0, after: p } =
+            updated(OptimizerKind::Adamw, ResidualKind::Block, LRS.len());
         // β1 and β2 swapped: what a constant gradient could not tell apart.
         let swapped = OptimConfig { beta1: oc.beta2, beta2: oc.beta1, ..oc.clone() };
         let mut apart = 0f64;
@@ -484,16 +499,9 @@ mod tests {
     /// `p ← p·(1 − lr·wd) − lr·scale·O` on the hidden matrices; AdamW on everything else.
     #[test]
     fn muon_matches_an_independent_reference() {
-        let c = small_model(ResidualKind::Full);
-        let lay = Layout::new(&c);
-        let oc = cfg(OptimizerKind::Muon);
-        let mut opt = Optimizer::new(oc.clone(), &lay);
-        let mut p = lay.init(&c, 2);
-        let p0 = p.clone();
+        let Run { layout: lay, config: oc, before: p0, after: p } =
+            updated(OptimizerKind::Muon, ResidualKind::Full, 3);
         let lrs = &LRS[..3];
-        for (t, lr) in lrs.iter().enumerate() {
-            opt.update(&mut p, &gradient(p0.len(), t), *lr);
-        }
         let mut checked = 0;
         for s in &lay.specs {
             let r = s.range.clone();

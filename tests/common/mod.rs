@@ -84,3 +84,17 @@ pub fn id_rows(v: &serde_json::Value) -> Vec<u32> {
         .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
         .collect()
 }
+
+/// Command-line arguments: `head`, then `--out out --data data`, then `--set s` for each setting.
+pub fn run_args(head: &[&str], out: &Path, data: &Path, sets: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = head.iter().map(|s| s.to_string()).collect();
+    for (flag, p) in [("--out", out), ("--data", data)] {
+        v.push(flag.into());
+        v.push(p.to_string_lossy().into_owned());
+    }
+    for s in sets {
+        v.push("--set".into());
+        v.push(s.to_string());
+    }
+    v
+}
