@@ -7,6 +7,7 @@ checks that a `standard` checkpoint loads unchanged in transformers' LlamaForCau
 Each fixture directory holds a checkpoint (config.json + model.safetensors) with *non-zero*
 pseudo-queries and non-trivial gains, batch.json (input_ids, targets) and expected.safetensors
 (logits, loss and grad.<name> for every parameter), computed in float64 from the f32 weights.
+The training-trajectory fixtures (tests/fixtures/trajectory/) come from make_trajectory.py.
 """
 import argparse
 import json
@@ -40,22 +41,9 @@ CASES = {
 }
 
 
-def make_params(cfg, gen):
-    P = {}
-    for name, shape in ref.param_shapes(cfg):
-        if name.endswith("norm.weight"):
-            t = 1.0 + 0.2 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        elif "res_proj" in name:
-            t = 0.5 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        else:
-            t = 0.2 * torch.randn(shape, generator=gen, dtype=torch.float64)
-        P[name] = t.to(torch.float32).to(torch.float64)  # the f32 values the Rust side reads
-    return P
-
-
 def write_fixture(name, residual, num_blocks, tie, gen):
     cfg = dict(BASE, residual=residual, num_blocks=num_blocks, tie_word_embeddings=tie)
-    P = make_params(cfg, gen)
+    P = ref.random_params(cfg, gen, gain_std=0.2, query_std=0.5, weight_std=0.2)
     B, T = 2, 7
     ids = torch.randint(0, cfg["vocab_size"], (B, T), generator=gen)
     targets = torch.randint(0, cfg["vocab_size"], (B, T), generator=gen)

@@ -1,4 +1,5 @@
-"""An independent PyTorch implementation of the attnres model, written from SPEC.md.
+"""An independent PyTorch implementation of the attnres model, written from the method's
+definition (docs/method.md).
 
 It reads and writes the same checkpoint format (config.json + model.safetensors with Hugging
 Face names) and is used to generate the test fixtures and as the PyTorch side of the benchmark.
@@ -52,6 +53,21 @@ def param_shapes(cfg):
     return out
 
 
+def random_params(cfg, gen, gain_std, query_std, weight_std):
+    """Random float64 parameters holding f32 values (the ones the Rust side reads): gains
+    1 + N(0, gain_std²), pseudo-queries N(0, query_std²), everything else N(0, weight_std²)."""
+    P = {}
+    for name, shape in param_shapes(cfg):
+        if name.endswith("norm.weight"):
+            t = 1.0 + gain_std * torch.randn(shape, generator=gen, dtype=torch.float64)
+        elif "res_proj" in name:
+            t = query_std * torch.randn(shape, generator=gen, dtype=torch.float64)
+        else:
+            t = weight_std * torch.randn(shape, generator=gen, dtype=torch.float64)
+        P[name] = t.to(torch.float32).to(torch.float64)
+    return P
+
+
 def rmsnorm(x, g, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
 
@@ -95,7 +111,7 @@ def mlp(P, p, x):
 
 
 def depth_attention(sources, q, gain, eps):
-    """SPEC §3: softmax over sources of <q, RMSNorm_gain(v_i)>, applied to the raw sources."""
+    """docs/method.md §3: softmax over sources of <q, RMSNorm_gain(v_i)>, applied to the raw sources."""
     V = torch.stack(sources)  # [K, B, T, d]
     logits = torch.einsum("d,kbtd->kbt", q.reshape(-1), rmsnorm(V, gain, eps))
     alpha = logits.softmax(0)

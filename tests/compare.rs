@@ -1,25 +1,33 @@
 //! `attnres compare` end to end on a few-step budget: every run trains, the report and its
-//! summary agree with the runs, a second invocation reuses finished runs and resumes an
-//! interrupted one, and a directory holding other settings is refused.
+//! summary agree with the runs, a comparison killed in the middle of a run reuses the finished
+//! runs and resumes the interrupted one to the same weights as an uninterrupted comparison,
+//! and a directory holding other settings is refused.
+
+mod common;
 
 use serde_json::Value;
-use std::path::Path;
-use std::process::{Command, Output};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn command(cache: &Path, args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_attnres"));
+    c.args(args).env("ATTNRES_CACHE", cache).arg("--threads").arg("2");
+    c
+}
 
 fn attnres(cache: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_attnres"))
-        .args(args)
-        .env("ATTNRES_CACHE", cache)
-        .arg("--threads")
-        .arg("2")
-        .output()
-        .unwrap()
+    command(cache, args).output().unwrap()
 }
 
 fn ok(o: Output) -> String {
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "command failed: {err}");
-    err
+    common::ok(&o)
+}
+
+/// The step of a run's latest resumable checkpoint, if it has one.
+fn checkpoint_step(run: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(run.join("ckpt/train_state.json")).ok()?;
+    serde_json::from_str::<Value>(&text).ok()?["step"].as_u64()
 }
 
 fn read(p: &Path) -> Value {
@@ -29,38 +37,28 @@ fn read(p: &Path) -> Value {
 #[test]
 fn compare_trains_reports_and_resumes() {
     let tmp = tempfile::tempdir().unwrap();
-    let corpus = attnres::train::data::Corpus::embedded();
-    let text = corpus.documents[..12]
-        .iter()
-        .map(|d| d.chars().take(8_000).collect::<String>())
-        .collect::<Vec<_>>()
-        .join("\n\n\n");
     let data = tmp.path().join("corpus.txt");
-    std::fs::write(&data, text).unwrap();
-    let out = tmp.path().join("report");
+    common::write_small_corpus(&data, 8_000);
     let cache = tmp.path().join("cache");
-    let mut args: Vec<String> = ["compare", "--quick", "--seeds", "2", "--no-progress", "--out"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.push(out.to_string_lossy().into());
-    args.push("--data".into());
-    args.push(data.to_string_lossy().into());
-    for s in [
-        "vocab_size=300",
-        "seq_len=32",
-        "micro_batch=4",
-        "batch_tokens=256",
-        "max_tokens=1024",
-        "eval_every=2",
-        "eval_tokens=256",
-        "checkpoint_every=2",
-        "warmup_steps=1",
-    ] {
-        args.push("--set".into());
-        args.push(s.into());
-    }
-    let argv: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+    // Eight steps per run, a checkpoint every two: room to kill a run in its middle.
+    let args = |out: &Path, seeds: &str| -> Vec<String> {
+        let head = ["compare", "--quick", "--seeds", seeds, "--no-progress"];
+        let sets = [
+            "vocab_size=300",
+            "seq_len=32",
+            "micro_batch=4",
+            "batch_tokens=256",
+            "max_tokens=2048",
+            "eval_every=4",
+            "eval_tokens=256",
+            "checkpoint_every=2",
+            "warmup_steps=1",
+        ];
+        common::run_args(&head, out, &data, &sets)
+    };
+    let out = tmp.path().join("report");
+    let args_a = args(&out, "2");
+    let argv: Vec<&str> = args_a.iter().map(|s| s.as_str()).collect();
     ok(attnres(&cache, &argv));
 
     for f in [
@@ -108,19 +106,50 @@ fn compare_trains_reports_and_resumes() {
     let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     assert_eq!(first["sublayer_grad_norms"].as_array().unwrap().len(), 8);
 
-    // Interrupt one run (as if killed before it finished), then run the same command again.
-    let run = out.join("runs/full-seed1");
-    let weights = std::fs::read(run.join("model.safetensors")).unwrap();
-    std::fs::remove_file(run.join("summary.json")).unwrap();
-    let log = ok(attnres(&cache, &argv));
-    assert_eq!(log.matches("finished earlier, reused").count(), 5, "{log}");
-    assert!(log.contains("resuming at step 4/4"), "{log}");
-    assert_eq!(
-        std::fs::read(run.join("model.safetensors")).unwrap(),
-        weights,
-        "the resumed run is the same run"
+    // A second comparison (seed 0 only) killed while one of its runs is between two
+    // checkpoints, then run again: the finished runs are reused, the interrupted one resumes
+    // from its checkpoint and trains its remaining steps, and every run ends with the weights
+    // of the uninterrupted comparison above.
+    let out_b = tmp.path().join("interrupted");
+    let args_b = args(&out_b, "1");
+    let argv_b: Vec<&str> = args_b.iter().map(|s| s.as_str()).collect();
+    let names = ["standard", "block", "full"];
+    let runs: Vec<PathBuf> = names.iter().map(|v| out_b.join(format!("runs/{v}-seed0"))).collect();
+    let mut child = command(&cache, &argv_b).stderr(Stdio::null()).spawn().unwrap();
+    let t = Instant::now();
+    let in_flight =
+        |r: &PathBuf| checkpoint_step(r).is_some_and(|s| s < 8) && !r.join("summary.json").exists();
+    while !runs.iter().any(in_flight) && t.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let cut = runs.iter().position(in_flight).expect(
+        "no run was caught between checkpoints: the comparison finished first; the test needs \
+         longer runs",
     );
-    assert!(run.join("summary.json").exists());
+    let at = checkpoint_step(&runs[cut]).unwrap();
+    assert!(at > 0 && at < 8);
+    let before = std::fs::read_to_string(runs[cut].join("metrics.jsonl")).unwrap();
+    assert!(before.lines().count() < 8, "the interrupted run had not finished");
+    let log = ok(attnres(&cache, &argv_b));
+    assert_eq!(log.matches("finished earlier, reused").count(), cut, "{log}");
+    assert!(log.contains(&format!("resuming at step {at}/8")), "{log}");
+    // The resumed run trained steps `at + 1 ..= 8` itself.
+    let steps: Vec<u64> = std::fs::read_to_string(runs[cut].join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<u64>>());
+    assert_eq!(read(&runs[cut].join("summary.json"))["steps"], 8);
+    for (v, run) in names.iter().zip(&runs) {
+        assert_eq!(
+            std::fs::read(run.join("model.safetensors")).unwrap(),
+            std::fs::read(out.join(format!("runs/{v}-seed0/model.safetensors"))).unwrap(),
+            "{v}: the interrupted comparison ends with other weights"
+        );
+    }
 
     // Other settings in the same directory are refused before anything is touched.
     let mut other = argv.clone();

@@ -2,17 +2,12 @@
 //! implementation (scripts/reference.py, float64) for standard, full and two block layouts,
 //! all with non-zero pseudo-queries. Regenerate with `python scripts/make_fixtures.py`.
 
+mod common;
+
 use attnres::model::checkpoint::{self, f32_values};
+use common::id_rows as ids;
 use safetensors::SafeTensors;
 use std::path::Path;
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
-        .collect()
-}
 
 fn check(name: &str) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);

@@ -2,6 +2,9 @@
 //! gives the same per-step losses as an uninterrupted one; evaluation; and clear errors on bad
 //! input without damaging an existing run.
 
+mod common;
+
+use common::ok;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -13,14 +16,7 @@ struct Env {
 impl Env {
     fn new() -> Env {
         let tmp = tempfile::tempdir().unwrap();
-        // A small corpus: the first plays of the embedded one (many documents, fast to tokenize).
-        let corpus = attnres::train::data::Corpus::embedded();
-        let text = corpus.documents[..12]
-            .iter()
-            .map(|d| d.chars().take(12_000).collect::<String>())
-            .collect::<Vec<_>>()
-            .join("\n\n\n");
-        std::fs::write(tmp.path().join("corpus.txt"), text).unwrap();
+        common::write_small_corpus(&tmp.path().join("corpus.txt"), 12_000);
         Env { tmp }
     }
 
@@ -49,14 +45,7 @@ impl Env {
 
     /// Training arguments for a short run into `out`.
     fn train_args(&self, out: &str) -> Vec<String> {
-        let mut v: Vec<String> = ["train", "--preset", "tiny", "--no-progress", "--out"]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-        v.push(self.path(out).to_string_lossy().into_owned());
-        v.push("--data".into());
-        v.push(self.path("corpus.txt").to_string_lossy().into_owned());
-        for s in [
+        let sets = [
             "vocab_size=400",
             "seq_len=64",
             "micro_batch=4",
@@ -66,18 +55,10 @@ impl Env {
             "eval_tokens=512",
             "checkpoint_every=3",
             "warmup_steps=3",
-        ] {
-            v.push("--set".into());
-            v.push(s.into());
-        }
-        v
+        ];
+        let head = ["train", "--preset", "tiny", "--no-progress"];
+        common::run_args(&head, &self.path(out), &self.path("corpus.txt"), &sets)
     }
-}
-
-fn ok(o: &Output) -> String {
-    let err = String::from_utf8_lossy(&o.stderr).into_owned();
-    assert!(o.status.success(), "command failed: {err}");
-    err
 }
 
 fn fails(o: &Output, needle: &str) {

@@ -306,60 +306,245 @@ mod tests {
         assert!((lr_at(&c, 99, 100) - 0.001).abs() < 1e-12);
     }
 
-    #[test]
-    fn adamw_matches_the_textbook_update() {
-        let c = Config {
-            residual: ResidualKind::Block,
+    fn small_model(residual: ResidualKind) -> Config {
+        Config {
+            residual,
             num_blocks: 2,
             vocab_size: 10,
             hidden_size: 8,
             head_dim: 4,
             num_attention_heads: 2,
             num_key_value_heads: 2,
-            intermediate_size: 8,
+            intermediate_size: 12,
             num_hidden_layers: 1,
+            tie_word_embeddings: false,
             ..Config::default()
-        };
-        let lay = Layout::new(&c);
-        let mut opt = Optimizer::new(cfg(OptimizerKind::Adamw), &lay);
-        let mut p = lay.init(&c, 1);
-        let p0 = p.clone();
-        let g: Vec<f32> = (0..p.len()).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
-        opt.update(&mut p, &g, 0.01);
-        opt.update(&mut p, &g, 0.01);
+        }
+    }
+
+    /// A gradient that changes size and sign from step to step (so that β1 and β2 leave
+    /// different marks), deterministic in `(i, t)`.
+    fn gradient(n: usize, t: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let u = ((i * 7919 + t * 104_729) % 201) as f32 / 100.0 - 1.0;
+                u * 0.01 * (1.0 + t as f32) * if (i + t).is_multiple_of(3) { -1.0 } else { 1.0 }
+            })
+            .collect()
+    }
+
+    /// Decayed tensors as the module documents them: the hidden matrices and an untied LM
+    /// head; never the embedding, gains or pseudo-queries.
+    fn decayed(name: &str) -> bool {
+        name.contains(".self_attn.") || name.contains(".mlp.") || name == "lm_head.weight"
+    }
+
+    /// Textbook AdamW in f64 (Loshchilov & Hutter, with the decay scaled by the learning rate
+    /// as the module documents): `m ← β1 m + (1−β1) g`, `v ← β2 v + (1−β2) g²`,
+    /// `p ← p − lr·(m/(1−β1^t) / (sqrt(v/(1−β2^t)) + eps) + wd·p)`.
+    struct AdamRef {
+        m: f64,
+        v: f64,
+    }
+
+    impl AdamRef {
+        fn step(&mut self, c: &OptimConfig, p: f64, g: f64, lr: f64, t: i32, wd: f64) -> f64 {
+            self.m = c.beta1 * self.m + (1.0 - c.beta1) * g;
+            self.v = c.beta2 * self.v + (1.0 - c.beta2) * g * g;
+            let (m_hat, v_hat) =
+                (self.m / (1.0 - c.beta1.powi(t)), self.v / (1.0 - c.beta2.powi(t)));
+            p - lr * (m_hat / (v_hat.sqrt() + c.adam_eps) + wd * p)
+        }
+    }
+
+    const LRS: [f64; 4] = [0.01, 0.02, 0.005, 0.015];
+
+    /// A fresh optimiser of `kind` on a small model, and the parameters before and after it
+    /// takes `steps` updates with [`gradient`] and [`LRS`].
+    fn updated(kind: OptimizerKind, residual: ResidualKind, steps: usize) -> Run {
+        let c = small_model(residual);
+        let layout = Layout::new(&c);
+        let config = cfg(kind);
+        let mut opt = Optimizer::new(config.clone(), &layout);
+        let before = layout.init(&c, 1);
+        let mut after = before.clone();
+        for (t, lr) in LRS[..steps].iter().enumerate() {
+            opt.update(&mut after, &gradient(before.len(), t), *lr);
+        }
+        Run { layout, config, before, after }
+    }
+
+    struct Run {
+        layout: Layout,
+        config: OptimConfig,
+        before: Vec<f32>,
+        after: Vec<f32>,
+    }
+
+    #[test]
+    fn adamw_matches_a_textbook_reference_under_varying_gradients() {
+        let Run { layout: lay, config: oc, before: p0, after: p } =
+            updated(OptimizerKind::Adamw, ResidualKind::Block, LRS.len());
+        // β1 and β2 swapped: what a constant gradient could not tell apart.
+        let swapped = OptimConfig { beta1: oc.beta2, beta2: oc.beta1, ..oc.clone() };
+        let mut apart = 0f64;
         for s in &lay.specs {
-            let decay = s.init == Init::Normal && s.name != "model.embed_tokens.weight";
+            let wd = if decayed(&s.name) { oc.weight_decay } else { 0.0 };
             for i in s.range.clone() {
-                // Two steps with the same gradient: m̂ = g and v̂ = g² each time.
-                let gi = g[i] as f64;
-                let step = gi / (gi.abs() + 1e-8);
-                let mut want = p0[i] as f64;
-                for _ in 0..2 {
-                    want -= 0.01 * (step + if decay { 0.1 * want } else { 0.0 });
+                let (mut a, mut b) = (AdamRef { m: 0.0, v: 0.0 }, AdamRef { m: 0.0, v: 0.0 });
+                let (mut want, mut other) = (p0[i] as f64, p0[i] as f64);
+                for (t, lr) in LRS.iter().enumerate() {
+                    let g = gradient(p.len(), t)[i] as f64;
+                    want = a.step(&oc, want, g, *lr, t as i32 + 1, wd);
+                    other = b.step(&swapped, other, g, *lr, t as i32 + 1, wd);
                 }
-                assert!((p[i] as f64 - want).abs() < 1e-6, "{} [{i}]: {} vs {want}", s.name, p[i]);
+                apart = apart.max((want - other).abs());
+                // f32 storage of p, m and v: ~1e-7 relative per step.
+                assert!(
+                    (p[i] as f64 - want).abs() < 1e-6 * (1.0 + want.abs()),
+                    "{} [{i}]: {} vs {want}",
+                    s.name,
+                    p[i]
+                );
             }
         }
+        assert!(apart > 1e-3, "the gradients must tell β1 from β2 ({apart})");
+    }
+
+    /// Five quintic Newton–Schulz iterations in f64, written from the published recipe:
+    /// `X ← a X + (b A + c A²) X` with `A = X Xᵀ`, on the wide orientation, after dividing by
+    /// the Frobenius norm (+1e-7).
+    fn newton_schulz_ref(g: &[f32], rows: usize, cols: usize) -> Vec<f64> {
+        let tall = rows > cols;
+        let (r, k) = if tall { (cols, rows) } else { (rows, cols) };
+        let at = |i: usize, j: usize| (if tall { g[j * cols + i] } else { g[i * cols + j] }) as f64;
+        let mut x: Vec<f64> = (0..r * k).map(|e| at(e / k, e % k)).collect();
+        let norm = x.iter().map(|v| v * v).sum::<f64>().sqrt() + 1e-7;
+        x.iter_mut().for_each(|v| *v /= norm);
+        let mul = |a: &[f64], b: &[f64], n: usize, m: usize, p: usize, bt: bool| -> Vec<f64> {
+            // [n, m] x [m, p] (or x [p, m]ᵀ when bt)
+            (0..n * p)
+                .map(|e| {
+                    let (i, j) = (e / p, e % p);
+                    (0..m)
+                        .map(|l| a[i * m + l] * if bt { b[j * m + l] } else { b[l * p + j] })
+                        .sum()
+                })
+                .collect()
+        };
+        for _ in 0..5 {
+            let a = mul(&x, &x, r, k, r, true);
+            let a2 = mul(&a, &a, r, r, r, false);
+            let poly: Vec<f64> =
+                a.iter().zip(&a2).map(|(a, a2)| -4.7750 * a + 2.0315 * a2).collect();
+            let px = mul(&poly, &x, r, r, k, false);
+            x.iter_mut().zip(&px).for_each(|(x, p)| *x = 3.4445 * *x + p);
+        }
+        (0..rows * cols)
+            .map(|e| {
+                let (i, j) = (e / cols, e % cols);
+                if tall {
+                    x[j * rows + i]
+                } else {
+                    x[i * cols + j]
+                }
+            })
+            .collect()
     }
 
     #[test]
     fn newton_schulz_orthogonalises() {
-        for (rows, cols) in [(8, 32), (32, 8)] {
-            let g: Vec<f32> =
-                (0..rows * cols).map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5).collect();
+        for (rows, cols) in [(8, 32), (32, 8), (16, 24), (24, 16)] {
+            // Pseudo-random entries (a splitmix hash): a full-rank, well-spread spectrum.
+            let g: Vec<f32> = (0..(rows * cols) as u64)
+                .map(|i| {
+                    let mut x = (i + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    x = (x ^ (x >> 31)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                    (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+                })
+                .collect();
             let o = newton_schulz(&g, rows, cols);
-            // Singular values end up near 1 (the quintic lands them in roughly [0.7, 1.2]).
-            let (r, k) = (rows.min(cols), rows.max(cols));
-            let mut gram = vec![0.0f32; r * r];
-            if rows <= cols {
-                matmul(&mut gram, &o, false, &o, true, r, k, r, false, threads());
-            } else {
-                matmul(&mut gram, &o, true, &o, false, r, k, r, false, threads());
+            let want = newton_schulz_ref(&g, rows, cols);
+            for (i, (a, w)) in o.iter().zip(&want).enumerate() {
+                assert!((*a as f64 - w).abs() < 1e-4, "{rows}x{cols} [{i}]: {a} vs {w}");
             }
-            for i in 0..r {
-                assert!((0.4..1.5).contains(&gram[i * r + i]), "diag {}", gram[i * r + i]);
+            // The whole Gram matrix on the short side (O·Oᵀ wide, Oᵀ·O tall) is near I, but
+            // only as near as the quintic goes: its coefficients trade convergence for speed
+            // and leave the singular values spread around 1 (about [0.7, 1.2]), so entries,
+            // off-diagonals included, deviate from I's by up to ~0.4 (0.39 seen on these
+            // shapes); the elementwise comparison above is the precise check.
+            let (r, k) = (rows.min(cols), rows.max(cols));
+            let el =
+                |a: usize, b: usize| if rows <= cols { o[a * cols + b] } else { o[b * cols + a] };
+            for a in 0..r {
+                for b in 0..r {
+                    let dot: f64 = (0..k).map(|l| el(a, l) as f64 * el(b, l) as f64).sum();
+                    let want = if a == b { 1.0 } else { 0.0 };
+                    assert!((dot - want).abs() < 0.45, "{rows}x{cols}: gram[{a}][{b}] = {dot}");
+                }
+            }
+            // For contrast, the input's own normalised Gram matrix is far from I.
+            let gn = (g.iter().map(|v| (*v as f64).powi(2)).sum::<f64>()).sqrt();
+            let ge = |a: usize, b: usize| {
+                (if rows <= cols { g[a * cols + b] } else { g[b * cols + a] }) as f64 / gn
+            };
+            let g00: f64 = (0..k).map(|l| ge(0, l) * ge(0, l)).sum();
+            assert!(g00 < 0.5, "{rows}x{cols}: input gram[0][0] {g00}");
+        }
+    }
+
+    /// Muon's whole update against an independent reference over three steps with varying
+    /// gradients and learning rates: Nesterov momentum (`B ← μB + G`, direction `G + μB`),
+    /// Newton–Schulz, scaling by `0.2·sqrt(max(rows, cols))` and decoupled weight decay
+    /// `p ← p·(1 − lr·wd) − lr·scale·O` on the hidden matrices; AdamW on everything else.
+    #[test]
+    fn muon_matches_an_independent_reference() {
+        let Run { layout: lay, config: oc, before: p0, after: p } =
+            updated(OptimizerKind::Muon, ResidualKind::Full, 3);
+        let lrs = &LRS[..3];
+        let mut checked = 0;
+        for s in &lay.specs {
+            let r = s.range.clone();
+            let muon =
+                (s.name.contains(".self_attn.") || s.name.contains(".mlp.")) && s.shape.len() == 2;
+            let mut want: Vec<f64> = p0[r.clone()].iter().map(|v| *v as f64).collect();
+            if muon {
+                let (rows, cols) = (s.shape[0], s.shape[1]);
+                let mut buf = vec![0f64; r.len()];
+                for (t, lr) in lrs.iter().enumerate() {
+                    let g = &gradient(p.len(), t)[r.clone()];
+                    let mut dir = vec![0f32; r.len()];
+                    for i in 0..r.len() {
+                        buf[i] = oc.muon_momentum * buf[i] + g[i] as f64;
+                        dir[i] = (g[i] as f64 + oc.muon_momentum * buf[i]) as f32;
+                    }
+                    let o = newton_schulz_ref(&dir, rows, cols);
+                    let scale = 0.2 * (rows.max(cols) as f64).sqrt();
+                    for (w, o) in want.iter_mut().zip(&o) {
+                        *w = *w * (1.0 - lr * oc.weight_decay) - lr * scale * o;
+                    }
+                }
+                checked += 1;
+            } else {
+                let wd = if decayed(&s.name) { oc.weight_decay } else { 0.0 };
+                for (j, w) in want.iter_mut().enumerate() {
+                    let mut a = AdamRef { m: 0.0, v: 0.0 };
+                    for (t, lr) in lrs.iter().enumerate() {
+                        let g = gradient(p.len(), t)[r.start + j] as f64;
+                        *w = a.step(&oc, *w, g, *lr, t as i32 + 1, wd);
+                    }
+                }
+            }
+            for (j, (a, w)) in p[r].iter().zip(&want).enumerate() {
+                // Newton–Schulz in f32 against f64: ~1e-5 of an entry of O, times lr·scale.
+                assert!(
+                    (*a as f64 - w).abs() < 2e-6 * (1.0 + w.abs()),
+                    "{}[{j}]: {a} vs {w}",
+                    s.name
+                );
             }
         }
+        assert_eq!(checked, 7, "q, k, v, o, gate, up, down");
     }
 
     #[test]

@@ -1,9 +1,13 @@
-//! Small models shared by the integration tests.
+//! Helpers shared by the integration tests: small models, deterministic noise, a small corpus
+//! and the float64 reference forward pass. Each test binary uses only some of them.
+#![allow(dead_code)]
+
+pub mod reference;
 
 use attnres::model::{Config, Model, ResidualKind};
+use std::path::Path;
 
 /// A two-layer model small enough for finite differences.
-#[allow(dead_code)]
 pub fn tiny(residual: ResidualKind, num_blocks: usize) -> Config {
     Config {
         vocab_size: 11,
@@ -37,4 +41,60 @@ pub fn perturbed(cfg: Config) -> Model {
         *p += 0.3 * noise(i, 1);
     }
     m
+}
+
+/// Copies every parameter the two models share by name.
+pub fn copy_shared(from: &Model, to: &mut Model) {
+    for s in &to.layout.specs.clone() {
+        if let Some(f) = from.layout.spec(&s.name) {
+            to.params[s.range.clone()].copy_from_slice(&from.params[f.range.clone()]);
+        }
+    }
+}
+
+/// Writes a small training corpus to `path`: the first `chars` characters of each of the first
+/// twelve plays of the embedded corpus (many documents, fast to tokenize).
+pub fn write_small_corpus(path: &Path, chars: usize) {
+    let corpus = attnres::train::data::Corpus::embedded();
+    let text = corpus.documents[..12]
+        .iter()
+        .map(|d| d.chars().take(chars).collect::<String>())
+        .collect::<Vec<_>>()
+        .join("\n\n\n");
+    std::fs::write(path, text).unwrap();
+}
+
+/// The stderr of a command that must have succeeded.
+pub fn ok(o: &std::process::Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "command failed: {err}");
+    err
+}
+
+/// Largest absolute value (0 for an empty slice).
+pub fn max_abs(v: &[f32]) -> f32 {
+    v.iter().fold(0f32, |a, x| a.max(x.abs()))
+}
+
+/// A JSON array of rows of token ids (a fixture's `input_ids` or `targets`), flattened.
+pub fn id_rows(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32))
+        .collect()
+}
+
+/// Command-line arguments: `head`, then `--out out --data data`, then `--set s` for each setting.
+pub fn run_args(head: &[&str], out: &Path, data: &Path, sets: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = head.iter().map(|s| s.to_string()).collect();
+    for (flag, p) in [("--out", out), ("--data", data)] {
+        v.push(flag.into());
+        v.push(p.to_string_lossy().into_owned());
+    }
+    for s in sets {
+        v.push("--set".into());
+        v.push(s.to_string());
+    }
+    v
 }
