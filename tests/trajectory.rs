@@ -1,15 +1,16 @@
 //! Training trajectories against the PyTorch reference (scripts/make_trajectory.py, float64):
 //! eight optimiser steps of a tiny model, AdamW (Block AttnRes) and Muon (Full AttnRes), each
 //! with warmup, cosine decay and gradient clipping active on some steps, run here through the
-//! library's public pieces — `Model::forward`/`backward`, `Optimizer::clip`, `lr_at` and
-//! `Optimizer::update` in the order a training step uses them — and compared step by step
-//! (learning rate, loss, gradient norm before clipping) and in the final weights.
+//! training loop's own step (`train::run::optimizer_step`, at the learning rate of `lr_at`) and
+//! compared step by step (learning rate, loss, gradient norm before clipping) and in the final
+//! weights.
 //! Regenerate with `python scripts/make_trajectory.py`.
 
 mod common;
 
 use attnres::model::checkpoint::{self, f32_values};
 use attnres::train::optim::{lr_at, OptimConfig, Optimizer};
+use attnres::train::run::optimizer_step;
 use common::id_rows as rows;
 use safetensors::SafeTensors;
 use std::path::Path;
@@ -35,17 +36,14 @@ fn check(name: &str) {
         let b = batch["input_ids"].as_array().unwrap().len();
         let lr = lr_at(&config, step, total);
         assert!((lr - want_lr[step] as f64).abs() < 1e-6 * lr, "{name} step {step}: lr {lr}");
-        let fwd = model.forward(&ids, b, ids.len() / b).unwrap();
-        let (loss, mut grads) = model.backward(&fwd, &targets).unwrap();
+        let done = optimizer_step(&mut model, &mut opt, &[(ids, targets)], b, lr, step).unwrap();
         // Losses: f32 forward against float64, after `step` updates that each carry their f32
         // rounding forward; seen: at most 1.3e-7 relative.
-        let wl = want_loss[step];
+        let (loss, wl) = (done.train_loss, want_loss[step] as f64);
         assert!((loss - wl).abs() < 2e-6 * wl, "{name} step {step}: loss {loss} vs {wl}");
-        let norm = opt.clip(&mut grads);
-        let wn = want_norm[step] as f64;
+        let (norm, wn) = (done.grad_norm, want_norm[step] as f64);
         assert!((norm - wn).abs() < 1e-4 * wn, "{name} step {step}: grad norm {norm} vs {wn}");
         clipped += usize::from(norm > config.grad_clip);
-        opt.update(&mut model.params, &grads, lr);
     }
     assert!(clipped > 0 && clipped < total, "{name}: clipping should act on some steps only");
     // Final weights: the reference's trajectory in float64 and ours in f32 differ by rounding

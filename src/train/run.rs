@@ -71,11 +71,15 @@ struct Position {
 }
 
 /// What one optimiser step produced.
-struct StepOutcome {
-    lr: f64,
-    train_loss: f64,
-    grad_norm: f64,
-    sublayer_grad_norms: Vec<f64>,
+pub struct StepOutcome {
+    /// The learning rate of the step.
+    pub lr: f64,
+    /// The mean loss over the step's micro-batches.
+    pub train_loss: f64,
+    /// The global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// The gradient norm of each sublayer's own weights, before clipping.
+    pub sublayer_grad_norms: Vec<f64>,
 }
 
 impl StepOutcome {
@@ -274,39 +278,24 @@ impl Trainer {
         let tc = &self.run.train;
         let t_step = Instant::now();
         let lr = lr_at(&tc.optim, self.at.step, self.total);
-        let accum = tc.accumulation();
-        let mut grads = kernels::zeros(self.model.params.len());
-        let mut loss_sum = 0.0f64;
-        for _ in 0..accum {
-            let (ids, targets) = next_batch(
-                &self.tokens,
-                &mut self.order,
-                &mut self.at.windows_seen,
-                tc.micro_batch,
-            );
-            let fwd = self.model.forward(&ids, tc.micro_batch, tc.seq_len)?;
-            let (loss, g) = self.model.backward(&fwd, &targets)?;
-            ensure!(
-                loss.is_finite(),
-                "the training loss became {loss} at step {}; lower the learning rate",
-                self.at.step
-            );
-            loss_sum += loss as f64;
-            kernels::add_assign(&mut grads, &g);
-        }
-        if accum > 1 {
-            let s = 1.0 / accum as f32;
-            grads.iter_mut().for_each(|g| *g *= s);
-        }
-        let sublayer_grad_norms =
-            crate::diagnostics::sublayer_grad_norms(&self.model.layout, &grads);
-        let grad_norm = self.opt.clip(&mut grads);
-        self.opt.update(&mut self.model.params, &grads, lr);
+        let micro_batches: Vec<_> = (0..tc.accumulation())
+            .map(|_| {
+                next_batch(&self.tokens, &mut self.order, &mut self.at.windows_seen, tc.micro_batch)
+            })
+            .collect();
+        let done = optimizer_step(
+            &mut self.model,
+            &mut self.opt,
+            &micro_batches,
+            tc.micro_batch,
+            lr,
+            self.at.step,
+        )?;
         self.at.train_seconds += t_step.elapsed().as_secs_f64();
         self.at.step += 1;
         self.at.tokens_seen += tc.batch_tokens as u64;
         self.throughput.tokens += tc.batch_tokens as u64;
-        Ok(StepOutcome { lr, train_loss: loss_sum / accum as f64, grad_norm, sublayer_grad_norms })
+        Ok(done)
     }
 
     fn evaluation_due(&self) -> bool {
@@ -462,6 +451,41 @@ fn fresh_model(
 }
 
 /// The next `micro_batch` training windows: inputs and their next-token targets.
+/// One optimiser step as training takes it: forward and backward over each micro-batch (`rows`
+/// sequences of token ids, and their targets), the mean gradient, clipping, then the update at
+/// learning rate `lr`. `step` (from 0) names the step in the error for a non-finite loss.
+pub fn optimizer_step(
+    model: &mut Model,
+    opt: &mut Optimizer,
+    micro_batches: &[(Vec<u32>, Vec<u32>)],
+    rows: usize,
+    lr: f64,
+    step: usize,
+) -> Result<StepOutcome> {
+    ensure!(!micro_batches.is_empty(), "a step needs at least one micro-batch");
+    let mut grads = kernels::zeros(model.params.len());
+    let mut loss_sum = 0.0f64;
+    for (ids, targets) in micro_batches {
+        let fwd = model.forward(ids, rows, ids.len() / rows)?;
+        let (loss, g) = model.backward(&fwd, targets)?;
+        ensure!(
+            loss.is_finite(),
+            "the training loss became {loss} at step {step}; lower the learning rate"
+        );
+        loss_sum += loss as f64;
+        kernels::add_assign(&mut grads, &g);
+    }
+    let accum = micro_batches.len();
+    if accum > 1 {
+        let s = 1.0 / accum as f32;
+        grads.iter_mut().for_each(|g| *g *= s);
+    }
+    let sublayer_grad_norms = crate::diagnostics::sublayer_grad_norms(&model.layout, &grads);
+    let grad_norm = opt.clip(&mut grads);
+    opt.update(&mut model.params, &grads, lr);
+    Ok(StepOutcome { lr, train_loss: loss_sum / accum as f64, grad_norm, sublayer_grad_norms })
+}
+
 fn next_batch(
     tokens: &Tokens,
     order: &mut WindowOrder,
