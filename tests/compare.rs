@@ -80,6 +80,24 @@ fn compare_trains_reports_and_resumes() {
         rows.iter().map(|r| r["name"].as_str().unwrap()).collect::<Vec<_>>(),
         ["standard", "block", "full"]
     );
+    // Every run records the code that made it, and the report lists it once.
+    let head = std::process::Command::new("git")
+        .args(["rev-parse", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    for v in ["standard", "block", "full"] {
+        let run = read(&out.join(format!("runs/{v}-seed0/summary.json")));
+        let version = &run["code_version"];
+        assert_eq!(version["package"], env!("CARGO_PKG_VERSION"), "{v}");
+        if let Some(head) = &head {
+            assert_eq!(version["commit"].as_str(), Some(head.as_str()), "{v}");
+        }
+        assert_eq!(run["trained_by"], serde_json::json!([version]), "{v}");
+    }
+    assert_eq!(summary["code_versions"].as_array().map(|a| a.len()), Some(1));
     // The table is the runs' own numbers: mean and paired difference over the two seeds.
     let loss = |v: &str, s: usize| {
         read(&out.join(format!("runs/{v}-seed{s}/summary.json")))["val_loss"].as_f64().unwrap()
