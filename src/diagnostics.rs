@@ -3,6 +3,7 @@
 //! norm of every sublayer's weights (Figure 5c, taken during training) and the learned
 //! depth-attention weights α of every consumer over every source (Figure 8).
 
+use crate::kernels::rmsnorm::mean_rms;
 use crate::model::params::Layout;
 use crate::model::Model;
 use anyhow::{ensure, Result};
@@ -91,16 +92,6 @@ pub fn diagnose(
         alpha,
         sources,
     })
-}
-
-/// Mean over the rows of `v` (`[rows, d]`) of each row's root mean square.
-pub fn mean_rms(v: &[f32], d: usize) -> f64 {
-    let rows = v.len() / d;
-    let total: f64 = v
-        .chunks(d)
-        .map(|r| (r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / d as f64).sqrt())
-        .sum();
-    total / rows.max(1) as f64
 }
 
 /// Names of the depth sources: `emb`, one per completed block, and `partial` when blocks hold

@@ -99,6 +99,16 @@ pub fn backward(
     dg.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
 }
 
+/// Mean over the rows of `v` (`[rows, d]`) of each row's root mean square.
+pub fn mean_rms(v: &[f32], d: usize) -> f64 {
+    let rows = v.len() / d;
+    let total: f64 = v
+        .chunks(d)
+        .map(|r| (r.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / d as f64).sqrt())
+        .sum();
+    total / rows.max(1) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,9 +4,9 @@
 use super::config::Config;
 use super::params::{LayerParams, Layout};
 use super::residual::{ResidualBackward, ResidualForward};
-use crate::diagnostics::mean_rms;
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear_backward, linear_forward};
+use crate::kernels::rmsnorm::mean_rms;
 use crate::kernels::rope::{self, Positions, RopeTable};
 use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
 use crate::profile::phase;
