@@ -5,13 +5,16 @@
 //! - `--data FILE.txt` (any extension but `.jsonl`): documents are separated by two or more blank
 //!   lines.
 //! - `--data FILE.jsonl`: one JSON object per line with a string field `text`; each is a document.
-//! - `--data DIR`: every non-hidden file below it, in name order, read as above.
+//! - `--data DIR`: every non-hidden file below it, in name order, read as above. Symbolic links
+//!   are followed, but every file and directory is read once: a link back to a directory above
+//!   it (a loop) or a second link to the same file adds nothing.
 //!
 //! Validation takes whole documents: every 10th document (indices 9, 19, ...) when there are at
 //! least 10, the last document when there are 2 to 9, and the last tenth of the lines of the only
 //! document otherwise.
 
 use anyhow::{bail, ensure, Context, Result};
+use std::collections::HashSet;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -44,7 +47,7 @@ impl Corpus {
         ensure!(path.exists(), "--data {}: no such file or directory", path.display());
         let mut files = Vec::new();
         if path.is_dir() {
-            collect_files(path, &mut files)?;
+            collect_files(path, &mut files, &mut HashSet::new())?;
             ensure!(!files.is_empty(), "--data {}: the directory holds no files", path.display());
         } else {
             files.push(path.to_path_buf());
@@ -99,11 +102,19 @@ pub fn split_documents(text: &str) -> Vec<String> {
         .collect()
 }
 
-fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+/// The files below `dir` in name order, each once: `seen` holds the canonical paths of the
+/// directories and files met so far, so links that lead back to them are skipped.
+fn collect_files(dir: &Path, out: &mut Vec<PathBuf>, seen: &mut HashSet<PathBuf>) -> Result<()> {
+    let canonical =
+        std::fs::canonicalize(dir).with_context(|| format!("cannot resolve {}", dir.display()))?;
+    if !seen.insert(canonical) {
+        return Ok(());
+    }
     let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read directory {}", dir.display()))?
         .map(|e| e.map(|e| e.path()))
-        .collect::<std::io::Result<_>>()?;
+        .collect::<std::io::Result<_>>()
+        .with_context(|| format!("cannot read directory {}", dir.display()))?;
     entries.sort();
     for p in entries {
         let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
@@ -111,9 +122,13 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
             continue;
         }
         if p.is_dir() {
-            collect_files(&p, out)?;
+            collect_files(&p, out, seen)?;
         } else if p.is_file() {
-            out.push(p);
+            let canonical = std::fs::canonicalize(&p)
+                .with_context(|| format!("cannot resolve {}", p.display()))?;
+            if seen.insert(canonical) {
+                out.push(p);
+            }
         }
     }
     Ok(())
@@ -203,6 +218,22 @@ mod tests {
             .unwrap()
             .to_string()
             .contains("no such file"));
+    }
+
+    /// A link back to a directory above it is followed once, not until the system gives up,
+    /// and a second link to a file already read adds nothing.
+    #[cfg(unix)]
+    #[test]
+    fn symlink_loops_and_repeated_files_are_read_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let sub = tmp.path().join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        std::fs::write(sub.join("a.txt"), "alpha").unwrap();
+        std::fs::write(tmp.path().join("b.txt"), "beta").unwrap();
+        std::os::unix::fs::symlink(tmp.path(), sub.join("loop")).unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("b.txt"), sub.join("c.txt")).unwrap();
+        let c = Corpus::from_path(tmp.path()).unwrap();
+        assert_eq!(c.documents, vec!["beta", "alpha"]);
     }
 
     #[test]
