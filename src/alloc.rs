@@ -3,8 +3,10 @@
 //! Every training step allocates the same large activation buffers (megabytes each) and frees
 //! them again. The system allocator hands such blocks back to the kernel, so each step pays
 //! for fresh page faults and TLB shootdowns — about a tenth of a step on the benchmark model.
-//! [`Recycling`] keeps up to [`SLOTS`] freed blocks of at least [`MIN_BYTES`] and returns one
-//! of exactly the same size and alignment on the next request. Small allocations go straight
+//! [`Recycling`] keeps up to [`SLOTS`] freed blocks of at least [`MIN_BYTES`], together at most
+//! [`MAX_PARKED_BYTES`], and returns one of exactly the same size and alignment on the next
+//! request. When a freed block would exceed either bound, the oldest kept blocks go back to the
+//! system first; a block larger than the byte bound itself is never kept. Small allocations go straight
 //! to the system allocator. The binary installs it with `#[global_allocator]`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -14,14 +16,62 @@ use std::sync::Mutex;
 pub const MIN_BYTES: usize = 1 << 20;
 /// Freed blocks kept at most; beyond that the oldest is released.
 pub const SLOTS: usize = 512;
+/// Bytes of freed blocks kept at most (2 GiB): memory the process holds without using it. A
+/// fixed bound, so that it needs no query of the system from inside the allocator; it is well
+/// above what one training step of the presets frees and reuses.
+pub const MAX_PARKED_BYTES: usize = 2 << 30;
 
 struct Free {
     /// `(size, align, address)`; a fixed array, since the allocator itself must not allocate.
     blocks: [(usize, usize, usize); SLOTS],
     len: usize,
+    /// Sum of the sizes of the kept blocks.
+    bytes: usize,
 }
 
-static FREE: Mutex<Free> = Mutex::new(Free { blocks: [(0, 0, 0); SLOTS], len: 0 });
+static FREE: Mutex<Free> = Mutex::new(Free::new());
+
+impl Free {
+    const fn new() -> Free {
+        Free { blocks: [(0, 0, 0); SLOTS], len: 0, bytes: 0 }
+    }
+
+    /// Removes and returns the address of the newest kept block of exactly this size and
+    /// alignment.
+    fn take(&mut self, size: usize, align: usize) -> Option<usize> {
+        let n = self.len;
+        let i = self.blocks[..n].iter().rposition(|&(s, a, _)| s == size && a == align)?;
+        let (_, _, addr) = self.blocks[i];
+        self.blocks.copy_within(i + 1..n, i);
+        self.len -= 1;
+        self.bytes -= size;
+        Some(addr)
+    }
+
+    /// Keeps a freed block, first handing the oldest kept blocks to `release` until it fits
+    /// within `SLOTS` blocks and `max_bytes` bytes; a block larger than `max_bytes` goes to
+    /// `release` itself.
+    fn park(
+        &mut self,
+        block: (usize, usize, usize),
+        max_bytes: usize,
+        mut release: impl FnMut((usize, usize, usize)),
+    ) {
+        if block.0 > max_bytes {
+            return release(block);
+        }
+        while self.len == SLOTS || self.bytes + block.0 > max_bytes {
+            let oldest = self.blocks[0];
+            self.blocks.copy_within(1..self.len, 0);
+            self.len -= 1;
+            self.bytes -= oldest.0;
+            release(oldest);
+        }
+        self.blocks[self.len] = block;
+        self.len += 1;
+        self.bytes += block.0;
+    }
+}
 
 pub struct Recycling;
 
@@ -30,14 +80,7 @@ impl Recycling {
     /// handed out once).
     fn take(layout: Layout) -> Option<*mut u8> {
         let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
-        let n = f.len;
-        let i = f.blocks[..n]
-            .iter()
-            .rposition(|&(s, a, _)| s == layout.size() && a == layout.align())?;
-        let (_, _, addr) = f.blocks[i];
-        f.blocks.copy_within(i + 1..n, i);
-        f.len -= 1;
-        Some(addr as *mut u8)
+        f.take(layout.size(), layout.align()).map(|addr| addr as *mut u8)
     }
 }
 
@@ -74,26 +117,14 @@ unsafe impl GlobalAlloc for Recycling {
             // SAFETY: small blocks only ever come from `System`, with this layout.
             return System.dealloc(ptr, layout);
         }
-        let evicted = {
-            let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
-            let evicted = if f.len == SLOTS {
-                let oldest = f.blocks[0];
-                f.blocks.copy_within(1..SLOTS, 0);
-                f.len -= 1;
-                Some(oldest)
-            } else {
-                None
-            };
-            let n = f.len;
-            f.blocks[n] = (layout.size(), layout.align(), ptr as usize);
-            f.len += 1;
-            evicted
-        };
-        if let Some((s, a, p)) = evicted {
-            // SAFETY: the evicted block came from `System` with size `s` and alignment `a`,
-            // which a valid `Layout` had, and left the list above, so nobody holds it.
+        let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
+        f.park((layout.size(), layout.align(), ptr as usize), MAX_PARKED_BYTES, |(s, a, p)| {
+            // SAFETY: a released block came from `System` with size `s` and alignment `a`,
+            // which a valid `Layout` had, and is in no list (it just left it, or is the block
+            // being freed), so nobody holds it. `System` never calls back into this allocator,
+            // so releasing under the lock cannot deadlock.
             System.dealloc(p as *mut u8, Layout::from_size_align_unchecked(s, a));
-        }
+        });
     }
 }
 
@@ -119,5 +150,33 @@ mod tests {
             assert_ne!(r, p, "a different size is not served from the cache");
             a.dealloc(r, other);
         }
+    }
+
+    /// The kept blocks stay within the byte bound: the oldest go first, and a block larger
+    /// than the bound is not kept at all.
+    #[test]
+    fn parked_bytes_are_bounded() {
+        let mut f = Free::new();
+        let mut released = Vec::new();
+        let mb = MIN_BYTES;
+        for (i, size) in [3 * mb, 4 * mb, 2 * mb].into_iter().enumerate() {
+            f.park((size, 64, i), 8 * mb, |b| released.push(b));
+        }
+        // 3 + 4 + 2 > 8: the oldest (3 MB) went back.
+        assert_eq!(released, vec![(3 * mb, 64, 0)]);
+        assert_eq!((f.len, f.bytes), (2, 6 * mb));
+        f.park((9 * mb, 64, 9), 8 * mb, |b| released.push(b));
+        assert_eq!(released.last(), Some(&(9 * mb, 64, 9)), "too large to keep");
+        assert_eq!(f.take(4 * mb, 64), Some(1));
+        assert_eq!((f.len, f.bytes), (1, 2 * mb));
+        f.park((8 * mb, 64, 8), 8 * mb, |b| released.push(b));
+        assert_eq!(released.last(), Some(&(2 * mb, 64, 2)));
+        assert_eq!((f.len, f.bytes), (1, 8 * mb));
+        // The slot bound still holds.
+        let mut g = Free::new();
+        for i in 0..SLOTS + 3 {
+            g.park((mb, 64, i), usize::MAX, |b| released.push(b));
+        }
+        assert_eq!((g.len, g.bytes, g.blocks[0].2), (SLOTS, SLOTS * mb, 3));
     }
 }
