@@ -4,7 +4,7 @@
 use crate::model::Model;
 use crate::train::tokenizer::Bpe;
 use crate::train::validation::windowed_loss;
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 
 /// How well a model predicts a text.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -39,9 +39,71 @@ pub fn measure(
     ensure!(seq > 0 && seq <= context, "--seq must lie in 1..={context}");
     let (nats, tokens) = windowed_loss(model, &ids, seq.min(ids.len() - 1), 8, 0)?;
     let loss = nats / tokens as f64;
-    // Every token but the first is predicted: count the bytes those tokens decode to.
-    let first = bpe.decode(&ids[..1])?.len();
-    let bytes = (text.len() - first).max(1);
+    // Every token but the first is predicted: count the bytes those tokens stand for. The
+    // first token can end inside a UTF-8 character, so its bytes are counted from its entry in
+    // the vocabulary, not from its decoded text (a partial character decodes to U+FFFD).
+    let first = token_bytes(bpe, ids[0])?;
+    let bytes = text.len().saturating_sub(first).max(1);
     let bits_per_byte = nats / std::f64::consts::LN_2 / bytes as f64;
     Ok(Measurement { loss, perplexity: loss.exp(), bits_per_byte, tokens, bytes })
+}
+
+/// The number of bytes of text that token `id` stands for. In a byte-level vocabulary every
+/// character of a token's entry is one byte; an added token (end-of-text) is its own text.
+fn token_bytes(bpe: &Bpe, id: u32) -> Result<usize> {
+    let json: serde_json::Value =
+        serde_json::from_str(&bpe.to_json()?).context("cannot read the tokenizer's vocabulary")?;
+    let added = json["added_tokens"].as_array().into_iter().flatten();
+    if let Some(t) = added.into_iter().find(|t| t["id"].as_u64() == Some(id as u64)) {
+        return Ok(t["content"].as_str().map_or(0, str::len));
+    }
+    let vocab = json["model"]["vocab"]
+        .as_object()
+        .context("the tokenizer has no vocabulary (model.vocab)")?;
+    let token = vocab
+        .iter()
+        .find(|(_, v)| v.as_u64() == Some(id as u64))
+        .map(|(k, _)| k)
+        .with_context(|| format!("token id {id} is not in the tokenizer's vocabulary"))?;
+    Ok(token.chars().count())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Config, Model};
+
+    /// Texts that start inside a character the tokenizer has no merge for: the first token is
+    /// one byte of it, so the predicted text is every byte but one.
+    #[test]
+    fn bytes_of_short_non_ascii_texts() {
+        let docs: Vec<String> = (0..20).map(|i| format!("the cat sat on mat {i}\n")).collect();
+        let bpe = Bpe::train(&docs, 300).unwrap();
+        let c = Config {
+            vocab_size: bpe.vocab_size(),
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 1,
+            num_blocks: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            max_position_embeddings: 16,
+            ..Config::default()
+        };
+        let model = Model::init(c, 1).unwrap();
+        for text in ["é", "éa", "日本", "€", "ü ü", "\u{1F600}"] {
+            let ids = bpe.encode(text).unwrap();
+            // Every byte of a character the tokenizer has not seen is its own token.
+            assert_eq!(ids.len(), text.len(), "{text:?}");
+            let m = measure(&model, &bpe, text, "t", None).unwrap();
+            assert_eq!(m.bytes, text.len() - 1, "{text:?}");
+            assert_eq!(m.tokens, text.len() - 1, "{text:?}");
+        }
+        let m = measure(&model, &bpe, "the cat", "t", None).unwrap();
+        assert_eq!(
+            m.bytes,
+            "the cat".len() - bpe.decode(&bpe.encode("the").unwrap()[..1]).unwrap().len()
+        );
+    }
 }
