@@ -155,6 +155,8 @@ pub enum StopReason {
 pub struct Generation {
     pub tokens: Vec<u32>,
     pub stop: StopReason,
+    /// The model's vocabulary size, which the tokens were sampled from.
+    pub vocab_size: usize,
 }
 
 /// Time spent, for throughput figures.
@@ -215,7 +217,7 @@ pub fn generate(
 
     let mut out: Vec<Generation> = prompts
         .iter()
-        .map(|_| Generation { tokens: Vec::new(), stop: StopReason::MaxTokens })
+        .map(|_| Generation { tokens: Vec::new(), stop: StopReason::MaxTokens, vocab_size: vocab })
         .collect();
     // Slots still generating, in the order of the rows of `logits`.
     let mut active: Vec<usize> = (0..prompts.len()).collect();
@@ -273,16 +275,48 @@ pub struct TextStream<'a> {
     tokens: Vec<u32>,
     /// Bytes of the decoded text already handed out.
     shown: usize,
+    /// The first token the tokenizer has no text for: nothing after it is handed out, and
+    /// [`TextStream::finish`] is an error naming it.
+    unknown: Option<u32>,
+}
+
+/// Refuses a model whose vocabulary is larger than its tokenizer's: the ids beyond the
+/// tokenizer have no text, and decoding would drop them without a word.
+pub fn check_tokenizer(model_vocab_size: usize, bpe: &Bpe) -> Result<()> {
+    ensure!(
+        model_vocab_size <= bpe.vocab_size(),
+        "the model's vocabulary has {model_vocab_size} tokens but its tokenizer only {}: ids from {} on have no text",
+        bpe.vocab_size(),
+        bpe.vocab_size()
+    );
+    Ok(())
+}
+
+/// The text of sampled ids; an id the tokenizer does not have is an error naming both sizes.
+fn decode_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Result<String> {
+    if let Some(&t) = ids.iter().find(|&&t| t as usize >= bpe.vocab_size()) {
+        let model = model_vocab_size.map_or(String::new(), |m| format!(" of {m}"));
+        bail!(
+            "the model sampled token id {t}{model}, but its tokenizer has only {} tokens: model and tokenizer do not belong together",
+            bpe.vocab_size()
+        );
+    }
+    bpe.decode(ids)
 }
 
 impl<'a> TextStream<'a> {
     pub fn new(bpe: &'a Bpe) -> TextStream<'a> {
-        TextStream { bpe, tokens: Vec::new(), shown: 0 }
+        TextStream { bpe, tokens: Vec::new(), shown: 0, unknown: None }
     }
 
     /// Adds a token (the end-of-text token is skipped); returns the new text it completes.
+    /// After a token the tokenizer does not have, nothing more is returned (see `finish`).
     pub fn push(&mut self, token: u32) -> Option<String> {
-        if token == self.bpe.eot {
+        if token == self.bpe.eot || self.unknown.is_some() {
+            return None;
+        }
+        if token as usize >= self.bpe.vocab_size() {
+            self.unknown = Some(token);
             return None;
         }
         self.tokens.push(token);
@@ -296,7 +330,11 @@ impl<'a> TextStream<'a> {
     }
 
     /// The text not handed out yet, partial characters included.
+    /// An error if a token had no text.
     pub fn finish(self) -> Result<String> {
+        if let Some(t) = self.unknown {
+            decode_sampled(self.bpe, &[t], None)?;
+        }
         let text = self.bpe.decode(&self.tokens)?;
         Ok(text.get(self.shown..).unwrap_or("").to_string())
     }
@@ -306,7 +344,7 @@ impl Generation {
     /// The continuation as text, without the end-of-text token.
     pub fn text(&self, bpe: &Bpe) -> Result<String> {
         let body: Vec<u32> = self.tokens.iter().copied().filter(|&x| x != bpe.eot).collect();
-        bpe.decode(&body)
+        decode_sampled(bpe, &body, Some(self.vocab_size))
     }
 }
 
@@ -331,6 +369,44 @@ mod tests {
 
     fn sampler(temperature: f32, top_k: Option<usize>, top_p: Option<f32>) -> Sampler {
         Sampler::new(Sampling { temperature, top_k, top_p }, 7, 0).unwrap()
+    }
+
+    /// Ids beyond the tokenizer (a model with a larger vocabulary) are errors naming both
+    /// sizes, never text that silently lacks them.
+    #[test]
+    fn ids_beyond_the_tokenizer_are_refused() {
+        let docs: Vec<String> = (0..20).map(|i| format!("a small text {i}\n")).collect();
+        let bpe = Bpe::train(&docs, 270).unwrap();
+        let n = bpe.vocab_size();
+        let ok = bpe.encode("a small").unwrap();
+        check_tokenizer(n, &bpe).unwrap();
+        let e = check_tokenizer(n + 5, &bpe).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{} tokens", n + 5)) && e.contains(&format!("only {n}")),
+            "{e}"
+        );
+
+        let mut tokens = ok.clone();
+        tokens.push(n as u32 + 2);
+        let g =
+            Generation { tokens: tokens.clone(), stop: StopReason::MaxTokens, vocab_size: n + 5 };
+        let e = g.text(&bpe).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("id {} of {}", n + 2, n + 5))
+                && e.contains(&format!("only {n} tokens")),
+            "{e}"
+        );
+        let g = Generation { tokens: ok.clone(), stop: StopReason::MaxTokens, vocab_size: n + 5 };
+        assert_eq!(g.text(&bpe).unwrap(), "a small");
+
+        let mut stream = TextStream::new(&bpe);
+        let shown: String = tokens.iter().chain(&ok).filter_map(|&t| stream.push(t)).collect();
+        assert_eq!(shown, "a small", "nothing after the unknown id");
+        let e = stream.finish().unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("id {}", n + 2)) && e.contains(&format!("only {n} tokens")),
+            "{e}"
+        );
     }
 
     #[test]
