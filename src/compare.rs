@@ -10,6 +10,7 @@
 use crate::fs::write_atomic;
 use crate::suite::{Plan, PLAN};
 use crate::train::config::RunConfig;
+use crate::train::data::Corpus;
 use crate::train::progress::{new_progress_bar, SharedBar};
 use crate::train::run::{self, TrainOptions};
 use crate::version::CodeVersion;
@@ -82,6 +83,33 @@ fn other_version(dir: &Path) -> Option<String> {
     }
 }
 
+/// Refuses a report directory whose `compare.json` asks for other settings (more seeds are
+/// allowed), unless none of its runs has started: such a plan is simply replaced.
+fn check_existing_plan(out: &Path, plan: &Plan) -> Result<()> {
+    if !out.join(PLAN).exists() {
+        return Ok(());
+    }
+    let runs = out.join("runs");
+    let started = match std::fs::read_dir(&runs) {
+        Ok(mut entries) => entries.next().is_some(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", runs.display())),
+    };
+    if !started {
+        return Ok(());
+    }
+    let old = Plan::load(out)?;
+    let same = Plan { seeds: plan.seeds, ..old.clone() } == *plan;
+    ensure!(
+        same,
+        "{} holds a comparison with other settings (suite {:?}, variants {:?}); use another --out, or delete it",
+        out.display(),
+        old.suite,
+        old.variants.iter().map(|v| &v.name).collect::<Vec<_>>()
+    );
+    Ok(())
+}
+
 fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
     match (a, b) {
         (Value::Object(x), Value::Object(y)) => {
@@ -110,17 +138,7 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
     ensure!(!plan.variants.is_empty(), "nothing to compare");
     let out = &opts.out;
     let plan_path = out.join(PLAN);
-    if plan_path.exists() {
-        let old = Plan::load(out)?;
-        let same = Plan { seeds: plan.seeds, ..old.clone() } == *plan;
-        ensure!(
-            same,
-            "{} holds a comparison with other settings (suite {:?}, variants {:?}); use another --out, or delete it",
-            out.display(),
-            old.suite,
-            old.variants.iter().map(|v| &v.name).collect::<Vec<_>>()
-        );
-    }
+    check_existing_plan(out, plan)?;
     // Everything is validated before anything is trained.
     let mut jobs = Vec::new();
     for seed in 0..plan.seeds {
@@ -132,6 +150,10 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
             let st = status(&dir, &cfg)?;
             jobs.push((v.name.clone(), seed, cfg, dir, st));
         }
+    }
+    // The data too, so that a mistyped --data leaves nothing behind.
+    if let Some(data) = &plan.data {
+        Corpus::from_path(data)?;
     }
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     write_atomic(&plan_path, serde_json::to_string_pretty(plan)?.as_bytes())?;
@@ -221,6 +243,29 @@ mod tests {
         let e = status(&tmp, &want).unwrap_err().to_string();
         assert!(e.contains("train.lr"), "{e}");
         std::fs::remove_dir_all(&tmp).unwrap();
+    }
+
+    /// A plan none of whose runs has started is replaced by another; once a run has started,
+    /// other settings are refused.
+    #[test]
+    fn a_plan_without_runs_is_replaced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let base = crate::suite::base(true).unwrap();
+        let variants = crate::suite::suite("residuals", &base).unwrap();
+        let old = Plan {
+            suite: "residuals".into(),
+            base,
+            variants,
+            seeds: 1,
+            data: Some("mistyped.txt".into()),
+        };
+        std::fs::write(tmp.path().join(PLAN), serde_json::to_string(&old).unwrap()).unwrap();
+        let new = Plan { data: Some("corpus.txt".into()), ..old.clone() };
+        check_existing_plan(tmp.path(), &new).unwrap();
+        std::fs::create_dir_all(tmp.path().join("runs/standard-seed0")).unwrap();
+        let e = check_existing_plan(tmp.path(), &new).unwrap_err().to_string();
+        assert!(e.contains("other settings"), "{e}");
+        check_existing_plan(tmp.path(), &Plan { seeds: 3, ..old }).unwrap();
     }
 
     /// A reused run names the version that made it when it is not this one.

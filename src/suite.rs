@@ -7,7 +7,7 @@ use crate::model::params::Layout;
 use crate::model::Config;
 use crate::presets;
 use crate::train::config::RunConfig;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -66,7 +66,33 @@ impl Plan {
         let text = std::fs::read_to_string(&path).with_context(|| {
             format!("cannot read {} (is {} a report directory?)", path.display(), out.display())
         })?;
-        serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))
+        ensure!(!text.trim().is_empty(), "{} is empty", path.display());
+        let plan: Plan = serde_json::from_str(&text)
+            .with_context(|| format!("{} is corrupt", path.display()))?;
+        plan.check().with_context(|| format!("{} is corrupt", path.display()))?;
+        Ok(plan)
+    }
+
+    /// What the report relies on: at least one variant and one seed, unique variant names, and
+    /// baselines that are variants of the plan.
+    fn check(&self) -> Result<()> {
+        ensure!(!self.variants.is_empty(), "it lists no variants");
+        ensure!(self.seeds > 0, "it asks for no seeds");
+        for (i, v) in self.variants.iter().enumerate() {
+            ensure!(
+                !self.variants[..i].iter().any(|w| w.name == v.name),
+                "variant {:?} is listed twice",
+                v.name
+            );
+            if let Some(b) = &v.baseline {
+                ensure!(
+                    self.variants.iter().any(|w| &w.name == b),
+                    "variant {:?} is compared with {b:?}, which is not a variant of the plan",
+                    v.name
+                );
+            }
+        }
+        Ok(())
     }
 }
 
@@ -228,5 +254,41 @@ mod tests {
         assert_eq!(names.first(), Some(&"standard"));
         assert!(names.last().unwrap().starts_with("full"), "{names:?}");
         assert_eq!(vs.len(), 2 + (base.model.sublayers() as f64).log2() as usize);
+    }
+
+    /// An empty, truncated or inconsistent plan is an error naming the file, never a panic.
+    #[test]
+    fn malformed_plans_are_errors_naming_the_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join(PLAN);
+        let base = base(true).unwrap();
+        let good = Plan {
+            suite: "residuals".into(),
+            variants: suite("residuals", &base).unwrap(),
+            base,
+            seeds: 1,
+            data: None,
+        };
+        let good_text = serde_json::to_string(&good).unwrap();
+        let mut no_variants = serde_json::to_value(&good).unwrap();
+        no_variants["variants"] = serde_json::json!([]);
+        let mut no_seeds = serde_json::to_value(&good).unwrap();
+        no_seeds["seeds"] = serde_json::json!(0);
+        let mut bad_baseline = serde_json::to_value(&good).unwrap();
+        bad_baseline["variants"][1]["baseline"] = serde_json::json!("nope");
+        for (text, says) in [
+            (String::new(), "is empty"),
+            ("{}".to_string(), "is corrupt"),
+            (good_text[..good_text.len() / 2].to_string(), "is corrupt"),
+            (no_variants.to_string(), "no variants"),
+            (no_seeds.to_string(), "no seeds"),
+            (bad_baseline.to_string(), "not a variant"),
+        ] {
+            std::fs::write(&path, &text).unwrap();
+            let e = format!("{:#}", Plan::load(tmp.path()).unwrap_err());
+            assert!(e.contains(&path.display().to_string()) && e.contains(says), "{e}");
+        }
+        std::fs::write(&path, good_text).unwrap();
+        assert_eq!(Plan::load(tmp.path()).unwrap(), good);
     }
 }
