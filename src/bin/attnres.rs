@@ -251,11 +251,43 @@ struct GenerateArgs {
 }
 
 fn main() {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                e.exit(); // --help and --version: printed on stdout, exit 0
+            }
+            eprintln!("error: {}", usage_error(&e));
+            std::process::exit(1);
+        }
+    };
     if let Err(e) = run(cli) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// An argument error as one line (docs/development.md, "Errors and exit codes"): clap's first
+/// line without its `error: ` prefix, and where to read more.
+fn usage_error(e: &clap::Error) -> String {
+    if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        return "no command given: one of init, forward, train, eval, generate, bench, compare, \
+                report (see attnres --help)"
+            .into();
+    }
+    // The message runs to the first blank line or the usage block; a list of missing
+    // arguments continues on indented lines.
+    let text = e.to_string();
+    let message: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .skip_while(|l| l.is_empty())
+        .take_while(|l| !l.is_empty() && !l.starts_with("Usage:"))
+        .collect();
+    let message = message.join(" ");
+    let message = message.strip_prefix("error: ").unwrap_or(&message);
+    format!("{message} (see attnres --help)")
 }
 
 fn run(cli: Cli) -> Result<()> {
