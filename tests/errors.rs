@@ -61,6 +61,17 @@ fn report_with_a_broken_plan_names_the_file() {
     report(dir);
     write("[]");
     report(dir);
+    // Well-formed, but nothing to report on.
+    let base = attnres::suite::base(true).unwrap();
+    let empty = attnres::suite::Plan {
+        suite: "residuals".into(),
+        base,
+        variants: vec![],
+        seeds: 1,
+        data: None,
+    };
+    write(&serde_json::to_string(&empty).unwrap());
+    report(dir);
     std::fs::remove_file(&plan).unwrap();
     report(dir);
 }
