@@ -260,9 +260,8 @@ fn main() {
 
 fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
-        ensure!(n > 0, "--threads must be positive");
         rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
+            .num_threads(attnres::kernels::check_threads(n)?)
             .build_global()
             .context("cannot start the thread pool")?;
     }
