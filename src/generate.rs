@@ -206,6 +206,9 @@ pub fn generate(
         .map(|i| Sampler::new(opts.sampling, opts.seed, i as u64))
         .collect::<Result<Vec<_>>>()?;
     let mut cache = KvCache::new(&model.config, prompts.len(), ctx)?;
+    // Room for what the longest sequence will hold (at most the context), not for the context.
+    let longest = history.iter().map(Vec::len).max().unwrap_or(0);
+    cache.reserve(longest.saturating_add(opts.max_tokens - 1))?;
     let mut timing = Timing::default();
 
     let t0 = std::time::Instant::now();

@@ -292,9 +292,8 @@ fn usage_error(e: &clap::Error) -> String {
 
 fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
-        ensure!(n > 0, "--threads must be positive");
         rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
+            .num_threads(attnres::kernels::check_threads(n)?)
             .build_global()
             .context("cannot start the thread pool")?;
     }

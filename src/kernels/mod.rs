@@ -18,6 +18,23 @@ pub mod swiglu;
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
+/// The most worker threads `--threads` accepts: 1024, or 8 per core on machines with more than
+/// 128 cores.
+pub fn max_threads() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.saturating_mul(8).max(1024)
+}
+
+/// Checks a requested number of worker threads: at least 1, at most [`max_threads`].
+pub fn check_threads(n: usize) -> anyhow::Result<usize> {
+    let max = max_threads();
+    anyhow::ensure!(
+        (1..=max).contains(&n),
+        "--threads must lie in 1..={max} (8 per core, at least 1024), got {n}"
+    );
+    Ok(n)
+}
+
 /// Rows handled per parallel task for row-wise kernels: big enough to amortise task overhead.
 pub(crate) fn rows_per_task(rows: usize, cols: usize) -> usize {
     let target_elems = 16 * 1024;
@@ -124,6 +141,8 @@ pub fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
 
 #[cfg(test)]
 mod tests {
+    use super::{check_threads, max_threads};
+
     #[test]
     fn parallel_builders_match_serial_code() {
         for n in [0, 5, super::PAR_MIN - 1, 3 * super::PAR_MIN + 17] {
@@ -136,6 +155,17 @@ mod tests {
             let mut c = a.clone();
             super::add_assign(&mut c, &b);
             assert_eq!(c, want);
+        }
+    }
+
+    #[test]
+    fn thread_counts_are_bounded() {
+        assert!(max_threads() >= 1024);
+        assert_eq!(check_threads(1).unwrap(), 1);
+        assert_eq!(check_threads(1024).unwrap(), 1024);
+        for n in [0, max_threads() + 1, 100_000_000, usize::MAX] {
+            let e = check_threads(n).unwrap_err().to_string();
+            assert!(e.starts_with("--threads must lie in 1..="), "{e}");
         }
     }
 }

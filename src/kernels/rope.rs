@@ -3,9 +3,17 @@
 
 use super::par_rows_mut;
 
-/// Cos/sin tables `[max_pos, head_dim/2]`.
+/// Positions below this many have their cos/sin precomputed; later ones are computed when
+/// used (with the same arithmetic, so the values are identical). This keeps the table small
+/// however long the context is.
+pub const TABLE_POSITIONS: usize = 8192;
+
+/// Cos/sin tables `[min(max_pos, TABLE_POSITIONS), head_dim/2]` and the inverse frequencies.
 pub struct RopeTable {
     pub half: usize,
+    /// Positions the tables hold.
+    pub len: usize,
+    pub inv: Vec<f32>,
     pub cos: Vec<f32>,
     pub sin: Vec<f32>,
 }
@@ -13,18 +21,39 @@ pub struct RopeTable {
 impl RopeTable {
     pub fn new(head_dim: usize, max_pos: usize, theta: f64) -> Self {
         let half = head_dim / 2;
-        let mut cos = vec![0.0; max_pos * half];
-        let mut sin = vec![0.0; max_pos * half];
-        for i in 0..half {
-            // Computed as Hugging Face does: inverse frequency in f32, angle in f32.
-            let inv = (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32;
-            for p in 0..max_pos {
-                let ang = p as f32 * inv;
+        let len = max_pos.min(TABLE_POSITIONS);
+        // Computed as Hugging Face does: inverse frequency in f32, angle in f32.
+        let inv: Vec<f32> = (0..half)
+            .map(|i| (1.0 / theta.powf((2 * i) as f64 / head_dim as f64)) as f32)
+            .collect();
+        let mut cos = vec![0.0; len * half];
+        let mut sin = vec![0.0; len * half];
+        for (i, &f) in inv.iter().enumerate() {
+            for p in 0..len {
+                let ang = p as f32 * f;
                 cos[p * half + i] = ang.cos();
                 sin[p * half + i] = ang.sin();
             }
         }
-        RopeTable { half, cos, sin }
+        RopeTable { half, len, inv, cos, sin }
+    }
+
+    /// Cos and sin at `pos`: from the tables, or computed into `buf` (`2 * half` long) past them.
+    fn at<'a>(&'a self, pos: usize, buf: &'a mut [f32]) -> (&'a [f32], &'a [f32]) {
+        let half = self.half;
+        if pos < self.len {
+            return (
+                &self.cos[pos * half..(pos + 1) * half],
+                &self.sin[pos * half..(pos + 1) * half],
+            );
+        }
+        let (c, s) = buf.split_at_mut(half);
+        for ((c, s), &f) in c.iter_mut().zip(s.iter_mut()).zip(&self.inv) {
+            let ang = pos as f32 * f;
+            *c = ang.cos();
+            *s = ang.sin();
+        }
+        (c, s)
     }
 }
 
@@ -61,12 +90,9 @@ pub fn apply(
     let hd = 2 * half;
     let sign = if inverse { -1.0 } else { 1.0 };
     par_rows_mut(x, width, |r0, chunk| {
+        let mut buf = vec![0.0; 2 * half];
         for (i, row) in chunk.chunks_mut(width).enumerate() {
-            let pos = positions.of(r0 + i);
-            let (c, s) = (
-                &table.cos[pos * half..(pos + 1) * half],
-                &table.sin[pos * half..(pos + 1) * half],
-            );
+            let (c, s) = table.at(positions.of(r0 + i), &mut buf);
             for h in 0..n_heads {
                 let head = &mut row[col0 + h * hd..col0 + (h + 1) * hd];
                 let (a, b) = head.split_at_mut(half);
@@ -106,6 +132,30 @@ mod tests {
             }
         }
         assert_close(&y, &want, 1e-5, "rope");
+    }
+
+    #[test]
+    fn positions_past_the_table_match_a_full_table() {
+        // A context far longer than the table costs no memory and rotates as a full table would.
+        let long = RopeTable::new(8, 1 << 40, 10000.0);
+        assert_eq!(long.cos.len(), TABLE_POSITIONS * 4);
+        let (hd, rows) = (8, 3);
+        let pos = [TABLE_POSITIONS - 1, TABLE_POSITIONS, TABLE_POSITIONS + 5000];
+        let x = rand_vec(rows * hd, 4, 1.0);
+        let mut y = x.clone();
+        apply(&mut y, hd, 0, 1, Positions::Explicit(&pos), &long, false);
+        let full = RopeTable::new(hd, TABLE_POSITIONS + 5001, 10000.0);
+        let mut z = x.clone();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in 0..TABLE_POSITIONS + 5001 {
+            for &f in &full.inv {
+                cos.push((p as f32 * f).cos());
+                sin.push((p as f32 * f).sin());
+            }
+        }
+        let full = RopeTable { len: TABLE_POSITIONS + 5001, cos, sin, ..full };
+        apply(&mut z, hd, 0, 1, Positions::Explicit(&pos), &full, false);
+        assert_eq!(y, z);
     }
 
     #[test]

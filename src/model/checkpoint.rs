@@ -2,7 +2,7 @@
 //! `num_blocks`) and `model.safetensors` (Hugging Face tensor names, f32). Files are written to
 //! a temporary name and renamed, so a crash never leaves a half-written file under the real name.
 
-use super::config::Config;
+use super::config::{format_bytes, Config};
 use super::params::Layout;
 use super::transformer::Model;
 use crate::fs::write_atomic;
@@ -14,6 +14,8 @@ use std::path::Path;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
+/// The largest safetensors header accepted (the `safetensors` crate's own limit: 100 MB).
+const MAX_HEADER: u64 = 100_000_000 + 8;
 
 /// Serialises named f32 tensors in safetensors format.
 pub fn safetensors_bytes(
@@ -60,6 +62,19 @@ pub fn load(dir: &Path) -> Result<Model> {
         fs::read_to_string(&cpath).with_context(|| format!("cannot read {}", cpath.display()))?;
     let config = Config::from_json(&text).with_context(|| format!("in {}", cpath.display()))?;
     let wpath = dir.join(WEIGHTS_FILE);
+    // The file holds the parameters (f32) and a header; one far larger than the config implies
+    // is refused before it is read.
+    let size =
+        fs::metadata(&wpath).with_context(|| format!("cannot read {}", wpath.display()))?.len();
+    let expected = 4 * Layout::new(&config).total as u64;
+    ensure!(
+        size <= expected + MAX_HEADER,
+        "{} holds {}, but the config implies {} of parameters (plus a header of at most {})",
+        wpath.display(),
+        format_bytes(size as u128),
+        format_bytes(expected as u128),
+        format_bytes(MAX_HEADER as u128)
+    );
     let bytes = fs::read(&wpath).with_context(|| format!("cannot read {}", wpath.display()))?;
     let params = params_from_safetensors(&config, &bytes)
         .with_context(|| format!("in {}", wpath.display()))?;
@@ -82,7 +97,7 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
     if !extra.is_empty() {
         bail!("unexpected tensor(s) for residual = {:?}: {}", config.residual, extra.join(", "));
     }
-    let mut params = vec![0.0f32; layout.total];
+    // Every shape is checked against the config before the parameter buffer exists.
     for s in &layout.specs {
         let t = st.tensor(&s.name)?;
         ensure!(
@@ -92,6 +107,10 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
             t.shape(),
             s.shape
         );
+    }
+    let mut params = vec![0.0f32; layout.total];
+    for s in &layout.specs {
+        let t = st.tensor(&s.name)?;
         let vals = f32_values(&s.name, &t)?;
         if let Some(i) = vals.iter().position(|x| !x.is_finite()) {
             bail!("tensor {:?} holds a non-finite value at index {i}", s.name);

@@ -217,6 +217,8 @@ impl Config {
             "config: vocab_size {} is too large",
             self.vocab_size
         );
+        // Sizes first: everything below (and every buffer the model makes) multiplies them.
+        self.check_size(memory_limit())?;
         ensure!(
             self.num_attention_heads.is_multiple_of(self.num_key_value_heads),
             "config: num_key_value_heads ({}) must divide num_attention_heads ({})",
@@ -288,6 +290,73 @@ impl Config {
                 "config: attn_res_gate does not apply to attn_res_query = dense (its weights are used as they are)"
             );
         }
+        Ok(())
+    }
+
+    /// The number of parameters the config implies (what [`super::params::Layout`] lays out),
+    /// computed with overflow checks; `None` when it does not fit in 128 bits.
+    pub fn param_count(&self) -> Option<u128> {
+        let n = |x: usize| x as u128;
+        let (d, f, hd) = (n(self.hidden_size), n(self.intermediate_size), n(self.head_dim));
+        let qd = n(self.num_attention_heads).checked_mul(hd)?;
+        let kvd = n(self.num_key_value_heads).checked_mul(hd)?;
+        let sublayers = n(self.num_hidden_layers).checked_mul(2)?;
+        let depth = match self.residual {
+            ResidualKind::Standard => 0,
+            _ => {
+                let sources = match self.residual {
+                    ResidualKind::Full => sublayers + 1,
+                    _ => {
+                        let blocks = n(self.num_blocks.max(1));
+                        1 + blocks + (sublayers / blocks > 1) as u128
+                    }
+                };
+                let query = match self.attn_res_query {
+                    DepthQuery::Static => d,
+                    DepthQuery::Input => d.checked_mul(d)?,
+                    DepthQuery::Scalar | DepthQuery::Dense => sources,
+                };
+                let keys_read =
+                    !matches!(self.attn_res_query, DepthQuery::Scalar | DepthQuery::Dense);
+                query + if self.attn_res_key_norm && keys_read { d } else { 0 }
+            }
+        };
+        let embed = n(self.vocab_size).checked_mul(d)?;
+        let attn = qd.checked_add(kvd.checked_mul(2)?)?.checked_add(qd)?.checked_mul(d)?;
+        let mlp = f.checked_mul(d)?.checked_mul(3)?;
+        let layer =
+            attn.checked_add(mlp)?.checked_add(2 * d)?.checked_add(depth.checked_mul(2)?)?;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        n(self.num_hidden_layers)
+            .checked_mul(layer)?
+            .checked_add(embed)?
+            .checked_add(head)?
+            .checked_add(depth + d)
+    }
+
+    /// Bounds the model's size before anything is allocated: the parameters (f32) must fit in
+    /// `limit` bytes. Every other size the model multiplies out of the config (the q/k/v width,
+    /// a token's depth sources, a layer's matrices) is a factor of this count, so it fits too.
+    pub fn check_size(&self, limit: u64) -> Result<()> {
+        let Some(params) = self.param_count() else {
+            bail!(
+                "config: the parameter count overflows (vocab_size = {}, hidden_size = {},                  intermediate_size = {}, num_hidden_layers = {}, heads {} x head_dim {})",
+                self.vocab_size,
+                self.hidden_size,
+                self.intermediate_size,
+                self.num_hidden_layers,
+                self.num_attention_heads,
+                self.head_dim
+            )
+        };
+        let bytes = params.saturating_mul(4);
+        ensure!(
+            bytes <= limit as u128,
+            "config: the model needs {} of parameters ({params} f32 values); at most {} (the \
+             machine's memory) is allowed",
+            format_bytes(bytes),
+            format_bytes(limit as u128)
+        );
         Ok(())
     }
 
@@ -456,8 +525,60 @@ pub(crate) fn same_kind(d: &Value, v: &Value) -> std::result::Result<(), &'stati
     }
 }
 
+/// The divisors of `n` in increasing order (found up to its square root, so large counts stay
+/// quick).
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+    let (mut small, mut large) = (Vec::new(), Vec::new());
+    let mut d = 1;
+    while d <= n / d {
+        if n.is_multiple_of(d) {
+            small.push(d);
+            if d != n / d {
+                large.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    small.extend(large.into_iter().rev());
+    small
+}
+
+/// Used when `/proc/meminfo` cannot be read: 64 GiB.
+pub const FALLBACK_MEMORY_LIMIT: u64 = 64 << 30;
+
+/// The most memory one model, cache or batch may take: the machine's total memory
+/// (`MemTotal` of `/proc/meminfo`), or [`FALLBACK_MEMORY_LIMIT`] where that is not available.
+pub fn memory_limit() -> u64 {
+    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|t| mem_total(&t))
+            .unwrap_or(FALLBACK_MEMORY_LIMIT)
+    })
+}
+
+/// `MemTotal` in bytes from the text of `/proc/meminfo`.
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let mut words = line["MemTotal:".len()..].split_whitespace();
+    let kib: u64 = words.next()?.parse().ok()?;
+    (words.next() == Some("kB")).then(|| kib.checked_mul(1024)).flatten().filter(|&b| b > 0)
+}
+
+/// A byte count for people: `14.7 TB`, `512.0 MB`, `12 bytes` (decimal units).
+pub fn format_bytes(bytes: u128) -> String {
+    let units = ["KB", "MB", "GB", "TB", "PB", "EB"];
+    if bytes < 1000 {
+        return format!("{bytes} bytes");
+    }
+    let mut x = bytes as f64 / 1000.0;
+    let mut unit = 0;
+    while x >= 1000.0 && unit + 1 < units.len() {
+        x /= 1000.0;
+        unit += 1;
+    }
+    format!("{x:.1} {}", units[unit])
 }
 
 impl Config {
@@ -510,6 +631,21 @@ mod tests {
             .contains("missing key"));
         let ok = c.with_overrides(&["residual=full".into(), "num_blocks=3".into()]).unwrap();
         assert_eq!(ok.block_size(), Some(1));
+    }
+
+    #[test]
+    fn memory_and_divisor_helpers() {
+        assert_eq!(mem_total("MemTotal:       16318480 kB\nMemFree: 1 kB\n"), Some(16710123520));
+        assert_eq!(mem_total("MemFree: 1 kB\n"), None);
+        assert_eq!(mem_total("MemTotal: lots kB\n"), None);
+        assert!(memory_limit() > 0);
+        assert_eq!(format_bytes(999), "999 bytes");
+        assert_eq!(format_bytes(14_700_000_000_000), "14.7 TB");
+        assert_eq!(divisors(12), [1, 2, 3, 4, 6, 12]);
+        assert_eq!(divisors(16), [1, 2, 4, 8, 16]);
+        assert_eq!(divisors(1), [1]);
+        // Large counts are factored by trial division up to the square root only.
+        assert_eq!(divisors(2 * 1_000_000_007), [1, 2, 1_000_000_007, 2_000_000_014]);
     }
 
     #[test]

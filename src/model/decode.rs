@@ -11,7 +11,7 @@
 //! docs/method.md §7 (phase 1 once per block for all of its sublayers, phase 2 per sublayer).
 //! Unlike the key/value cache it is not kept once the token's logits exist.
 
-use super::config::Config;
+use super::config::{format_bytes, memory_limit, Config};
 use super::residual::ResidualForward;
 use super::transformer::Model;
 use crate::kernels::attention::{self, AttnShape, Span};
@@ -23,11 +23,17 @@ use anyhow::{bail, ensure, Result};
 use std::sync::Arc;
 
 /// Keys and values of every layer for `slots` sequences of up to `capacity` tokens (a cache
-/// serves one model).
+/// serves one model). The buffers hold room for as many positions per slot as the tokens need
+/// (or as [`KvCache::reserve`] asked for), growing when a call needs more, never beyond
+/// `capacity`.
 pub struct KvCache {
     slots: usize,
     capacity: usize,
-    /// Per layer: `[slots, capacity, KV·hd]`, keys after the rotary embedding.
+    /// Positions per slot the buffers have room for (`<= capacity`).
+    room: usize,
+    /// Values per token per layer: `KV·hd`.
+    width: usize,
+    /// Per layer: `[slots, room, KV·hd]`, keys after the rotary embedding.
     k: Vec<Vec<f32>>,
     v: Vec<Vec<f32>>,
     /// Tokens held per slot.
@@ -37,7 +43,8 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// An empty cache; `capacity` may not exceed the model's `max_position_embeddings`.
+    /// An empty cache (nothing allocated yet); `capacity` may not exceed the model's
+    /// `max_position_embeddings`.
     pub fn new(config: &Config, slots: usize, capacity: usize) -> Result<KvCache> {
         ensure!(slots > 0, "a cache needs at least one slot");
         ensure!(
@@ -45,16 +52,53 @@ impl KvCache {
             "cache capacity {capacity} must lie in 1..={} (max_position_embeddings)",
             config.max_position_embeddings
         );
-        let size = slots * capacity * config.num_key_value_heads * config.head_dim;
         let layers = config.num_hidden_layers;
         Ok(KvCache {
             slots,
             capacity,
-            k: (0..layers).map(|_| zeros(size)).collect(),
-            v: (0..layers).map(|_| zeros(size)).collect(),
+            room: 0,
+            width: config.num_key_value_heads * config.head_dim,
+            k: vec![Vec::new(); layers],
+            v: vec![Vec::new(); layers],
             len: vec![0; slots],
             queries: None,
         })
+    }
+
+    /// Makes room for `positions` tokens per slot (at most the capacity), keeping what the
+    /// slots hold. An error, before anything is allocated, when the cache would need more than
+    /// the memory limit ([`memory_limit`]).
+    pub fn reserve(&mut self, positions: usize) -> Result<()> {
+        let room = positions.min(self.capacity);
+        if room <= self.room {
+            return Ok(());
+        }
+        let layers = self.k.len();
+        let bytes = [self.slots, room, self.width, layers, 2, 4]
+            .iter()
+            .try_fold(1u128, |a, &b| a.checked_mul(b as u128));
+        let limit = memory_limit();
+        match bytes {
+            Some(b) if b <= limit as u128 => {}
+            _ => bail!(
+                "the key/value cache for {} sequence(s) of {room} tokens needs {}; at most {} \
+                 (the machine's memory) is allowed",
+                self.slots,
+                bytes.map_or("more than 2^128 bytes".into(), format_bytes),
+                format_bytes(limit as u128)
+            ),
+        }
+        let (old, w, slots, len) = (self.room, self.width, self.slots, &self.len);
+        let grow = |buf: &mut Vec<f32>| {
+            let mut new = zeros(slots * room * w);
+            for (slot, &n) in len.iter().enumerate() {
+                new[slot * room * w..][..n * w].copy_from_slice(&buf[slot * old * w..][..n * w]);
+            }
+            *buf = new;
+        };
+        self.k.iter_mut().chain(self.v.iter_mut()).for_each(grow);
+        self.room = room;
+        Ok(())
     }
 
     pub fn slots(&self) -> usize {
@@ -63,6 +107,11 @@ impl KvCache {
 
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Positions per slot the buffers have room for now (grows with the tokens held).
+    pub fn room(&self) -> usize {
+        self.room
     }
 
     /// Tokens cached in `slot`.
@@ -100,6 +149,20 @@ impl CacheFootprint {
             }
         };
         CacheFootprint { kv, depth }
+    }
+
+    /// Bytes one decoding call over `rows` new tokens holds at its peak, roughly: per token the
+    /// depth cache, the embedding and the widest activations (q/k/v, gate/up, attention output),
+    /// and the logits it returns. `None` on overflow.
+    pub fn working(&self, c: &Config, rows: usize, all_logits: bool) -> Option<u128> {
+        let n = |x: usize| x as u128;
+        let per_token = n(self.depth)
+            + n(c.qkv_width())
+            + 2 * n(c.intermediate_size)
+            + n(c.num_attention_heads * c.head_dim)
+            + 2 * n(c.hidden_size);
+        let logits = if all_logits { n(rows) } else { 1 }.checked_mul(n(c.vocab_size))?;
+        n(rows).checked_mul(per_token)?.checked_add(logits)?.checked_mul(4)
     }
 }
 
@@ -156,6 +219,19 @@ impl Model {
             rows += ids.len();
         }
         ensure!(rows > 0, "nothing to decode");
+        let working = CacheFootprint::of(c).working(c, rows, all_logits);
+        ensure!(
+            working.is_some_and(|b| b <= memory_limit() as u128),
+            "running {rows} new token(s) at once needs {}; at most {} (the machine's memory) is \
+             allowed: feed the prompt in parts",
+            working.map_or("more than 2^128 bytes".into(), format_bytes),
+            format_bytes(memory_limit() as u128)
+        );
+        let needed = spans.iter().map(|s| s.start + s.len).max().unwrap_or(0);
+        if needed > cache.room {
+            // Double the room (amortised growth), at least to what this call needs.
+            cache.reserve(needed.max(cache.room.saturating_mul(2)))?;
+        }
         let ids: Vec<u32> = chunks.iter().flat_map(|(_, ids)| ids.iter().copied()).collect();
         let positions: Vec<usize> = spans.iter().flat_map(|s| s.start..s.start + s.len).collect();
 
@@ -163,7 +239,7 @@ impl Model {
         let lay = &self.layout;
         let sh = AttnShape {
             batch: cache.slots,
-            seq: cache.capacity,
+            seq: cache.room,
             heads: c.num_attention_heads,
             kv_heads: c.num_key_value_heads,
             head_dim: c.head_dim,
