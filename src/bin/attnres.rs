@@ -267,12 +267,13 @@ fn main() {
     }
 }
 
-/// Whether the error is a write into a pipe whose reader has closed it.
+/// Whether the error is a write to stdout, a pipe whose reader has closed it.
 fn closed_pipe(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| {
+    let broken = |c: &(dyn std::error::Error + 'static)| {
         c.downcast_ref::<std::io::Error>()
             .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
-    })
+    };
+    e.chain().any(|c| c.to_string() == STDOUT) && e.chain().any(broken)
 }
 
 /// Writes a result (text, numbers, JSON, a table) to stdout and flushes it. A stdout that is
