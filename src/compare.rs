@@ -11,7 +11,7 @@ use crate::fs::write_atomic;
 use crate::suite::{Plan, PLAN};
 use crate::train::config::RunConfig;
 use crate::train::data::Corpus;
-use crate::train::progress::{new_progress_bar, SharedBar};
+use crate::train::progress::{log, new_progress_bar, SharedBar};
 use crate::train::run::{self, TrainOptions};
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
@@ -173,7 +173,7 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
             );
             match &bar {
                 Some(b) => b.println(line),
-                None => eprintln!("{line}"),
+                None => log(&line),
             }
         } else {
             let train_opts = TrainOptions {
@@ -190,7 +190,7 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
                 }),
             };
             if bar.is_none() {
-                eprintln!("{label}");
+                log(&label);
             }
             run::train((st == Status::Fresh).then_some(cfg), &train_opts)
                 .with_context(|| format!("run {}", dir.display()))?;
@@ -204,7 +204,7 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
         b.finish_and_clear();
     }
     let page = crate::report::write(out)?;
-    eprintln!("report: {}", page.display());
+    log(&format!("report: {}", page.display()));
     Ok(())
 }
 

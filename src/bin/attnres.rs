@@ -6,6 +6,7 @@ use attnres::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
 use attnres::model::{checkpoint, Config, Model};
 use attnres::train::checkpoint::load_with_tokenizer;
 use attnres::train::config::RunConfig;
+use attnres::train::progress::log;
 use attnres::train::run::{self, TrainOptions};
 use attnres::{bench, compare, eval, forward, presets, suite};
 use clap::{Args, Parser, Subcommand};
@@ -250,6 +251,11 @@ struct GenerateArgs {
     slide: bool,
 }
 
+/// The exit status when stdout is a pipe whose reader has gone (EPIPE): what a shell reports
+/// for a Unix tool that SIGPIPE ended (128 + 13). Nothing is printed (docs/development.md,
+/// "Errors and exit codes").
+const CLOSED_PIPE_EXIT: i32 = 141;
+
 fn main() {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -258,12 +264,15 @@ fn main() {
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 e.exit(); // --help and --version: printed on stdout, exit 0
             }
-            eprintln!("error: {}", usage_error(&e));
+            log(&format!("error: {}", usage_error(&e)));
             std::process::exit(1);
         }
     };
     if let Err(e) = run(cli) {
-        eprintln!("error: {e:#}");
+        if closed_pipe(&e) {
+            std::process::exit(CLOSED_PIPE_EXIT);
+        }
+        log(&format!("error: {e:#}"));
         std::process::exit(1);
     }
 }
@@ -290,6 +299,24 @@ fn usage_error(e: &clap::Error) -> String {
     format!("{message} (see attnres --help)")
 }
 
+/// Whether the error is a write to stdout, a pipe whose reader has closed it.
+fn closed_pipe(e: &anyhow::Error) -> bool {
+    let broken = |c: &(dyn std::error::Error + 'static)| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    };
+    e.chain().any(|c| c.to_string() == STDOUT) && e.chain().any(broken)
+}
+
+/// Writes a result (text, numbers, JSON, a table) to stdout and flushes it. A stdout that is
+/// closed or full is an error: the result did not arrive.
+fn output(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes()).and_then(|()| out.flush()).context(STDOUT)
+}
+
+const STDOUT: &str = "cannot write to standard output";
+
 fn run(cli: Cli) -> Result<()> {
     if let Some(n) = cli.threads {
         rayon::ThreadPoolBuilder::new()
@@ -307,7 +334,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Compare(a) => compare_cmd(a),
         Command::Report(a) => {
             let page = attnres::report::write(&a.dir)?;
-            eprintln!("report: {}", page.display());
+            log(&format!("report: {}", page.display()));
             Ok(())
         }
     }
@@ -368,6 +395,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
     };
     let (model, bpe) = load_with_tokenizer(&a.model)?;
+    generate::check_tokenizer(model.config.vocab_size, &bpe)?;
     let prompts = texts.iter().map(|t| bpe.encode(t)).collect::<Result<Vec<_>>>()?;
     let opts = GenerateOptions {
         max_tokens: a.max_tokens as usize,
@@ -378,30 +406,37 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     };
     // --prompt streams text; --prompt-file (even with one line) prints JSON lines.
     let single = a.prompt.is_some();
-    let mut out = std::io::stdout().lock();
     let mut stream = TextStream::new(&bpe);
     if single {
-        write!(out, "{}", texts[0])?;
-        out.flush()?;
+        output(&texts[0])?;
     }
+    // The first failed write of the stream; the text after it is not written.
+    let mut failed: Option<std::io::Error> = None;
     let (gens, timing) = generate::generate(&model, &prompts, &opts, |_, tok| {
-        if !single {
+        if !single || failed.is_some() {
             return;
         }
         if let Some(text) = stream.push(tok) {
-            let _ = write!(out, "{text}");
-            let _ = out.flush();
+            let mut out = std::io::stdout().lock();
+            if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                failed = Some(e);
+            }
         }
     })?;
+    if let Some(e) = failed {
+        return Err(anyhow::Error::new(e).context(STDOUT));
+    }
     if single {
-        writeln!(out, "{}", stream.finish()?)?;
+        output(&format!("{}\n", stream.finish()?))?;
     } else {
+        let mut lines = String::new();
         for (t, g) in texts.iter().zip(&gens) {
             let line = serde_json::json!({"prompt": t, "completion": g.text(&bpe)?, "new_tokens": g.tokens.len(), "stop": g.stop});
-            writeln!(out, "{line}")?;
+            lines.push_str(&format!("{line}\n"));
         }
+        output(&lines)?;
     }
-    eprintln!("{}", timing.summary());
+    log(&timing.summary());
     Ok(())
 }
 
@@ -410,21 +445,20 @@ fn eval_cmd(a: EvalArgs) -> Result<()> {
     let text = attnres::fs::read_utf8(&a.text)?;
     let m = eval::measure(&model, &bpe, &text, &a.text.display().to_string(), a.seq)?;
     if a.json {
-        println!(
-            "{}",
+        output(&format!(
+            "{}\n",
             serde_json::json!({"loss": m.loss, "perplexity": m.perplexity, "bits_per_byte": m.bits_per_byte, "tokens": m.tokens, "bytes": m.bytes})
-        );
+        ))
     } else {
-        println!(
-            "{}: {} tokens, loss {:.4} nats/token, perplexity {:.2}, {:.4} bits/byte",
+        output(&format!(
+            "{}: {} tokens, loss {:.4} nats/token, perplexity {:.2}, {:.4} bits/byte\n",
             a.text.display(),
             m.tokens,
             m.loss,
             m.perplexity,
             m.bits_per_byte
-        );
+        ))
     }
-    Ok(())
 }
 
 fn init(a: InitArgs) -> Result<()> {
@@ -438,12 +472,12 @@ fn init(a: InitArgs) -> Result<()> {
     );
     let model = Model::init(config, a.seed)?;
     checkpoint::save(&model, &a.out)?;
-    eprintln!(
+    log(&format!(
         "wrote {} ({} parameters, residual = {})",
         a.out.display(),
         model.params.len(),
         model.config.residual_label()
-    );
+    ));
     Ok(())
 }
 
@@ -452,7 +486,7 @@ fn forward_cmd(a: ForwardArgs) -> Result<()> {
     let batch = forward::BatchFile::read(&a.batch)?;
     let output = forward::run(&model, &batch)?;
     if let Some(loss) = output.loss {
-        eprintln!("loss {loss:.6}");
+        log(&format!("loss {loss:.6}"));
     }
     forward::write_output(&a.out, &output.safetensors)
 }
@@ -471,7 +505,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         a.seq,
         base.max_position_embeddings
     );
-    eprintln!(
+    log(&format!(
         "bench: {} layers, hidden {}, {} heads, batch {} x seq {}, {} threads",
         base.num_hidden_layers,
         base.hidden_size,
@@ -479,15 +513,13 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         a.batch,
         a.seq,
         rayon::current_num_threads()
-    );
+    ));
     let report =
-        bench::run(&configs, a.batch, a.seq, a.warmup, a.steps, |line| eprintln!("  {line}"))?;
+        bench::run(&configs, a.batch, a.seq, a.warmup, a.steps, |line| log(&format!("  {line}")))?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
+        return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     }
-    print!("{}", report.table());
-    Ok(())
+    output(&report.table())
 }
 
 fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
@@ -506,7 +538,7 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         "--prompt-tokens + --new-tokens = {total} exceeds max_position_embeddings = {}",
         base.max_position_embeddings
     );
-    eprintln!(
+    log(&format!(
         "bench --generate: {} layers, hidden {}, {} heads, prompt {} + {} new tokens, batches {:?}, {} threads",
         base.num_hidden_layers,
         base.hidden_size,
@@ -515,7 +547,7 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         a.new_tokens,
         a.batches,
         rayon::current_num_threads()
-    );
+    ));
     let report = bench::run_generate(
         configs,
         a.prompt_tokens,
@@ -523,12 +555,10 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         &a.batches,
         a.warmup,
         a.steps,
-        |line| eprintln!("  {line}"),
+        |line| log(&format!("  {line}")),
     )?;
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
-        return Ok(());
+        return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     }
-    print!("{}", report.table());
-    Ok(())
+    output(&report.table())
 }

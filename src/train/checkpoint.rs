@@ -102,6 +102,9 @@ pub(super) fn checkpoint_dir(out: &Path) -> Result<PathBuf> {
 }
 
 /// Writes a checkpoint of the run into `ckpt/` (swapped in whole) and the latest model beside it.
+/// If writing or swapping fails (a full or read-only disk), `.ckpt.tmp/` is removed, so the disk
+/// is not left full and `--resume` continues from the previous checkpoint (`ckpt/`, or
+/// `.ckpt.old/` if the swap stopped half way); the error names the path that failed.
 pub(super) fn save(
     out: &Path,
     model: &Model,
@@ -110,31 +113,47 @@ pub(super) fn save(
     st: &TrainState,
 ) -> Result<()> {
     let tmp = out.join(".ckpt.tmp");
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp)?;
-    }
-    checkpoint::save(model, &tmp)?;
-    let tok = bpe.to_json()?;
-    write_atomic(&tmp.join("tokenizer.json"), tok.as_bytes())?;
-    let meta = std::collections::HashMap::from([("step".to_string(), opt.step.to_string())]);
-    let n = opt.m.len();
-    let tensors: Vec<(String, Vec<usize>, &[f32])> = vec![
-        ("adam.m".into(), vec![n], &opt.m),
-        ("adam.v".into(), vec![n], &opt.v),
-        ("muon.momentum".into(), vec![n], &opt.momentum),
-    ];
-    write_atomic(&tmp.join("optimizer.safetensors"), &safetensors_bytes(&tensors, Some(meta))?)?;
-    write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
     let (cur, old) = (out.join(CKPT), out.join(".ckpt.old"));
-    if old.exists() {
-        std::fs::remove_dir_all(&old)?;
+    let remove_dir = |d: &Path| {
+        std::fs::remove_dir_all(d).with_context(|| format!("cannot remove {}", d.display()))
+    };
+    let rename = |from: &Path, to: &Path| {
+        std::fs::rename(from, to)
+            .with_context(|| format!("cannot rename {} to {}", from.display(), to.display()))
+    };
+    let tok = bpe.to_json()?;
+    let write_and_swap = || -> Result<()> {
+        if tmp.exists() {
+            remove_dir(&tmp)?;
+        }
+        checkpoint::save(model, &tmp)?;
+        write_atomic(&tmp.join("tokenizer.json"), tok.as_bytes())?;
+        let meta = std::collections::HashMap::from([("step".to_string(), opt.step.to_string())]);
+        let n = opt.m.len();
+        let tensors: Vec<(String, Vec<usize>, &[f32])> = vec![
+            ("adam.m".into(), vec![n], &opt.m),
+            ("adam.v".into(), vec![n], &opt.v),
+            ("muon.momentum".into(), vec![n], &opt.momentum),
+        ];
+        let optimizer = safetensors_bytes(&tensors, Some(meta))?;
+        write_atomic(&tmp.join("optimizer.safetensors"), &optimizer)?;
+        write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
+        // Without `ckpt/`, `.ckpt.old/` is the last complete checkpoint: kept until the new
+        // one is in place.
+        if cur.exists() {
+            if old.exists() {
+                remove_dir(&old)?;
+            }
+            rename(&cur, &old)?;
+        }
+        rename(&tmp, &cur)
+    };
+    if let Err(e) = write_and_swap() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e.context(format!("cannot save the checkpoint {}", cur.display())));
     }
-    if cur.exists() {
-        std::fs::rename(&cur, &old)?;
-    }
-    std::fs::rename(&tmp, &cur)?;
     if old.exists() {
-        std::fs::remove_dir_all(&old)?;
+        remove_dir(&old)?;
     }
     // The latest model, loadable as a plain checkpoint directory.
     checkpoint::save(model, out)?;

@@ -1,5 +1,15 @@
 //! Where a run's messages go: a terminal progress bar (the run's own, or one shared by the runs
-//! of a comparison) or plain log lines on stderr.
+//! of a comparison) or plain log lines on stderr. Neither ever stops a run: a log line that
+//! cannot be written (stderr closed or full) is dropped, and the bar (drawn only when stderr is
+//! a terminal) ignores failed draws.
+
+use std::io::Write;
+
+/// Writes one log line to stderr. A stderr that is closed or full is ignored: logging never
+/// stops the work it reports on.
+pub fn log(line: &str) {
+    let _ = std::io::stderr().lock().write_all(format!("{line}\n").as_bytes());
+}
 
 /// A progress bar over several runs: this run's steps start at `offset`, and its messages are
 /// prefixed with `label`.
@@ -62,7 +72,7 @@ impl Progress {
     pub(super) fn say(&self, line: String) {
         match &self.bar {
             Some(b) => b.bar.println(format!("{}{line}", b.prefix())),
-            None => eprintln!("{line}"),
+            None => log(&line),
         }
     }
 
@@ -80,7 +90,7 @@ impl Progress {
             b.bar.set_position(b.offset + step as u64);
             b.bar.set_message(format!("{}loss {train_loss:.3} | {tps:.0} tok/s", b.prefix()));
         } else if !evaluated {
-            eprintln!("step {step}/{total}: train loss {train_loss:.4}, {tps:.0} tokens/s");
+            log(&format!("step {step}/{total}: train loss {train_loss:.4}, {tps:.0} tokens/s"));
         }
     }
 

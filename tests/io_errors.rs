@@ -1,0 +1,297 @@
+//! Closed pipes and full disks through the binary, with real child processes: log lines never
+//! stop the work (stderr closed, or a reader that stops reading); a result that cannot be
+//! written to stdout is an error (`/dev/full`), or a quiet exit 141 when the reader has gone;
+//! a checkpoint that does not fit on the disk leaves no temporary directory behind, and the
+//! run resumes from the previous checkpoint (docs/development.md, "Errors and exit codes").
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+/// The exit status of a command whose stdout reader has gone.
+const CLOSED_PIPE_EXIT: i32 = 141;
+
+struct Env {
+    tmp: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Env {
+        let tmp = tempfile::tempdir().unwrap();
+        common::write_small_corpus(&tmp.path().join("corpus.txt"), 6_000);
+        Env { tmp }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+
+    fn cmd(&self, args: &[String]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_attnres"));
+        c.args(args).env("ATTNRES_CACHE", self.path("cache")).arg("--threads").arg("2");
+        c.stdin(Stdio::null());
+        c
+    }
+
+    /// A short training run into `out`: `steps` steps of 512 tokens, a checkpoint every 2.
+    fn train_args(&self, out: &Path, steps: usize) -> Vec<String> {
+        let max_tokens = format!("max_tokens={}", 512 * steps);
+        let sets = [
+            "vocab_size=300",
+            "seq_len=64",
+            "micro_batch=4",
+            "batch_tokens=512",
+            max_tokens.as_str(),
+            "eval_every=2",
+            "eval_tokens=256",
+            "checkpoint_every=2",
+            "warmup_steps=1",
+        ];
+        let head = ["train", "--preset", "tiny", "--no-progress"];
+        common::run_args(&head, out, &self.path("corpus.txt"), &sets)
+    }
+}
+
+fn args(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+/// Runs with stdout on `/dev/full` (every write fails with "no space left").
+fn stdout_full(mut c: Command) -> Output {
+    c.stdout(std::fs::File::create("/dev/full").unwrap()).stderr(Stdio::piped());
+    c.output().unwrap()
+}
+
+/// Runs with stdout a pipe whose reader is closed before the command writes anything.
+fn stdout_closed(mut c: Command) -> Output {
+    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    drop(child.stdout.take());
+    child.wait_with_output().unwrap()
+}
+
+/// Runs with stderr a pipe whose reader is closed before the command writes anything.
+fn stderr_closed(mut c: Command) -> Output {
+    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    drop(child.stderr.take());
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A result written to `/dev/full`: exit 1, and after the log lines one `error:` line that
+/// names stdout.
+fn fails_on_full_stdout(o: &Output, what: &str) {
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{what}: {err}");
+    let last = err.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with("error: cannot write to standard output") && last.contains("space"),
+        "{what}: {err}"
+    );
+    assert_eq!(err.lines().filter(|l| l.starts_with("error")).count(), 1, "{what}: {err}");
+    assert!(!err.contains("panicked"), "{what}: {err}");
+}
+
+/// A result written into a closed pipe: a quiet exit 141.
+fn quiet_on_closed_stdout(o: &Output, what: &str) {
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(CLOSED_PIPE_EXIT), "{what}: {err}");
+    assert!(!err.contains("error") && !err.contains("panicked"), "{what}: {err}");
+}
+
+#[test]
+fn results_on_a_closed_or_full_stdout_and_logs_on_a_closed_stderr() {
+    let env = Env::new();
+    let run = env.path("run");
+    // Training logs every step to stderr; with stderr closed from the start it still finishes.
+    let o = stderr_closed(env.cmd(&env.train_args(&run, 4)));
+    assert!(o.status.success(), "training with a closed stderr: {:?}", o.status);
+    assert!(run.join("ckpt/train_state.json").exists() && run.join("summary.json").exists());
+
+    let m = run.to_str().unwrap();
+    let corpus = env.path("corpus.txt");
+    let c = corpus.to_str().unwrap();
+    let prompts = env.path("prompts.txt");
+    std::fs::write(&prompts, "To be\nThe king\n").unwrap();
+    let p = prompts.to_str().unwrap();
+    let commands = [
+        ("eval", args(&["eval", "--model", m, "--text", c])),
+        ("eval --json", args(&["eval", "--model", m, "--text", c, "--json"])),
+        (
+            "generate --prompt",
+            args(&["generate", "--model", m, "--prompt", "The", "--max-tokens", "40"]),
+        ),
+        (
+            "generate --prompt-file",
+            args(&["generate", "--model", m, "--prompt-file", p, "--max-tokens", "40"]),
+        ),
+    ];
+    for (what, a) in &commands {
+        // Results on a closed stderr: the result arrives, the log lines are dropped.
+        let o = stderr_closed(env.cmd(a));
+        assert!(o.status.success(), "{what} with a closed stderr: {:?}", o.status);
+        assert!(!o.stdout.is_empty(), "{what}: no result");
+        fails_on_full_stdout(&stdout_full(env.cmd(a)), what);
+        quiet_on_closed_stdout(&stdout_closed(env.cmd(a)), what);
+    }
+    // A stream cut off part way: the reader takes the first bytes of the text and goes while
+    // thousands of tokens are still to come.
+    let a = args(&["generate", "--model", m, "--prompt", "The", "--max-tokens", "3000", "--slide"]);
+    let mut child = env.cmd(&a).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    let mut first = [0u8; 3];
+    std::io::Read::read_exact(child.stdout.as_mut().unwrap(), &mut first).unwrap();
+    assert_eq!(&first, b"The");
+    drop(child.stdout.take());
+    quiet_on_closed_stdout(&child.wait_with_output().unwrap(), "generate cut off");
+}
+
+#[test]
+fn training_outlives_a_reader_that_stops_after_two_lines() {
+    // `attnres train ... 2>&1 | head -2`
+    let env = Env::new();
+    let run = env.path("run");
+    let (reader, writer) = std::io::pipe().unwrap();
+    let mut c = env.cmd(&env.train_args(&run, 6));
+    c.stdout(writer.try_clone().unwrap()).stderr(writer);
+    let mut child = c.spawn().unwrap();
+    drop(c);
+    let mut lines = BufReader::new(reader);
+    for _ in 0..2 {
+        let mut line = String::new();
+        lines.read_line(&mut line).unwrap();
+        assert!(!line.is_empty());
+    }
+    drop(lines);
+    let status = child.wait().unwrap();
+    assert!(status.success(), "training after its reader left: {status:?}");
+    assert!(run.join("summary.json").exists());
+}
+
+#[test]
+fn bench_results_on_a_closed_or_full_stdout() {
+    let env = Env::new();
+    let base = ["bench", "--preset", "tiny", "--batch", "1", "--seq", "16", "--steps", "1"];
+    for (what, extra) in [("bench table", &[][..]), ("bench --json", &["--json"][..])] {
+        let a = args(&[&base[..], extra].concat());
+        let o = stderr_closed(env.cmd(&a));
+        assert!(o.status.success() && !o.stdout.is_empty(), "{what} with a closed stderr");
+        fails_on_full_stdout(&stdout_full(env.cmd(&a)), what);
+        quiet_on_closed_stdout(&stdout_closed(env.cmd(&a)), what);
+    }
+}
+
+/// A tmpfs mounted for one test and unmounted when dropped.
+struct Tmpfs {
+    dir: PathBuf,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `bytes` at `dir`, or says why not (not root, no mount in a container).
+    fn mount(dir: &Path, bytes: u64) -> Result<Tmpfs, String> {
+        std::fs::create_dir_all(dir).unwrap();
+        let o = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={bytes}"), "tmpfs"])
+            .arg(dir)
+            .output()
+            .map_err(|e| format!("cannot run mount: {e}"))?;
+        if !o.status.success() {
+            return Err(format!("mount -t tmpfs failed: {}", text(&o.stderr).trim()));
+        }
+        Ok(Tmpfs { dir: dir.to_path_buf() })
+    }
+
+    fn remount(&self, opts: &str) {
+        let o = Command::new("mount").args(["-o", opts]).arg(&self.dir).output().unwrap();
+        assert!(o.status.success(), "mount -o {opts}: {}", text(&o.stderr));
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.dir).status();
+    }
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            let m = e.metadata().unwrap();
+            if m.is_dir() {
+                dir_bytes(&e.path())
+            } else {
+                m.len()
+            }
+        })
+        .sum()
+}
+
+/// Temporary files and directories a failed write could leave behind.
+fn leftovers(dir: &Path) -> Vec<String> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp"))
+        .collect()
+}
+
+#[test]
+fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes() {
+    let env = Env::new();
+    // The size of a checkpoint (ckpt/) and of the latest model beside it, from a run on the
+    // ordinary disk.
+    let reference = env.path("reference");
+    common::ok(&env.cmd(&env.train_args(&reference, 2)).output().unwrap());
+    let ckpt = dir_bytes(&reference.join("ckpt"));
+    let run_bytes = dir_bytes(&reference);
+
+    // A disk with room for the run after its first checkpoint and half of a second checkpoint.
+    let mnt = env.path("mnt");
+    let size = (run_bytes + ckpt / 2).div_ceil(4096) * 4096 + 64 * 4096;
+    let disk = match Tmpfs::mount(&mnt, size) {
+        Ok(d) => d,
+        Err(why) => {
+            println!("skipped: the test needs a small tmpfs ({why})");
+            return;
+        }
+    };
+    let run = mnt.join("run");
+    let o = env.cmd(&env.train_args(&run, 6)).output().unwrap();
+    let err = text(&o.stderr);
+    let last = err.lines().last().unwrap_or("");
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        last.starts_with("error: ") && last.contains(&run.join("ckpt").display().to_string()),
+        "the error names the checkpoint: {last}"
+    );
+    assert!(last.contains("space"), "{last}");
+    assert_eq!(leftovers(&run), Vec::<String>::new(), "temporary files left on the full disk");
+    assert!(run.join("ckpt/train_state.json").exists(), "the previous checkpoint is kept");
+
+    // With room again, the run resumes from its last checkpoint and finishes.
+    disk.remount(&format!("remount,size={}", size * 4));
+    let o = env
+        .cmd(&args(&["train", "--resume", "--no-progress", "--out", run.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    let log = common::ok(&o);
+    assert!(log.contains("resum"), "{log}");
+    assert!(run.join("summary.json").exists());
+
+    // A read-only disk: the write fails naming the file, and leaves nothing.
+    disk.remount("remount,ro");
+    let o = env
+        .cmd(&args(&["init", "--preset", "tiny", "--force", "--out", run.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(&run.join("model.safetensors").display().to_string()), "{err}");
+    assert!(err.contains("Read-only"), "{err}");
+    assert_eq!(leftovers(&run), Vec::<String>::new());
+}
