@@ -9,7 +9,7 @@
 
 use crate::fs::write_atomic;
 use crate::suite::{Plan, PLAN};
-use crate::train::config::RunConfig;
+use crate::train::config::{first_difference, lookup, RunConfig};
 use crate::train::progress::{new_progress_bar, SharedBar};
 use crate::train::run::{self, TrainOptions};
 use crate::version::CodeVersion;
@@ -80,28 +80,6 @@ fn other_version(dir: &Path) -> Option<String> {
             Some(format!("a version of attnres that did not record itself (this is {current})"))
         }
     }
-}
-
-fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) => {
-            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
-            keys.into_iter().find_map(|k| {
-                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
-                first_difference(
-                    x.get(k).unwrap_or(&Value::Null),
-                    y.get(k).unwrap_or(&Value::Null),
-                    &p,
-                )
-            })
-        }
-        _ if a == b => None,
-        _ => Some(path.to_string()),
-    }
-}
-
-fn lookup(v: &Value, path: &str) -> Value {
-    path.split('.').fold(v.clone(), |v, k| v.get(k).cloned().unwrap_or(Value::Null))
 }
 
 /// Trains every run of the plan that is not finished yet, then writes the report.
