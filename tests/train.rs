@@ -480,15 +480,28 @@ fn one_run_has_one_writer() {
     let mut first = env.cmd(&strs(&args)).stderr(Stdio::null()).spawn().unwrap();
     wait_for_steps(&env.path("w"), 1);
     let pid = first.id().to_string();
-    let mut overwrite = args.clone();
+    let mut overwrite = env.train_args("w");
     overwrite.push("--overwrite".into());
-    for second in [overwrite, env.resume_args("w")] {
-        let o = env.run(&strs(&second));
-        fails(&o, &format!("{} is in use by process {pid}", env.path("w").display()));
-    }
-    assert!(first.try_wait().unwrap().is_none(), "the first run is still training");
+    // Each second writer gets 60 seconds (a refused one ends at once).
+    let outputs: Vec<Output> = [overwrite, env.resume_args("w")]
+        .iter()
+        .map(|second| {
+            let mut c = env.cmd(&strs(second)).stderr(Stdio::piped()).spawn().unwrap();
+            let t = Instant::now();
+            while c.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            c.wait_with_output().unwrap()
+        })
+        .collect();
+    let still_training = first.try_wait().unwrap().is_none();
     first.kill().unwrap();
     first.wait().unwrap();
+    for o in &outputs {
+        fails(o, &format!("{} is in use by process {pid}", env.path("w").display()));
+    }
+    assert!(still_training, "the first run was still training");
     let lock = attnres::train::checkpoint::lock(&env.path("w")).unwrap();
     drop(lock);
 }
