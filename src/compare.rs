@@ -9,7 +9,7 @@
 
 use crate::fs::write_atomic;
 use crate::suite::{Plan, PLAN};
-use crate::train::config::RunConfig;
+use crate::train::config::{first_difference, lookup, RunConfig};
 use crate::train::data::Corpus;
 use crate::train::progress::{log, new_progress_bar, SharedBar};
 use crate::train::run::{self, TrainOptions};
@@ -108,28 +108,6 @@ fn check_existing_plan(out: &Path, plan: &Plan) -> Result<()> {
         old.variants.iter().map(|v| &v.name).collect::<Vec<_>>()
     );
     Ok(())
-}
-
-fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) => {
-            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
-            keys.into_iter().find_map(|k| {
-                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
-                first_difference(
-                    x.get(k).unwrap_or(&Value::Null),
-                    y.get(k).unwrap_or(&Value::Null),
-                    &p,
-                )
-            })
-        }
-        _ if a == b => None,
-        _ => Some(path.to_string()),
-    }
-}
-
-fn lookup(v: &Value, path: &str) -> Value {
-    path.split('.').fold(v.clone(), |v, k| v.get(k).cloned().unwrap_or(Value::Null))
 }
 
 /// Trains every run of the plan that is not finished yet, then writes the report.

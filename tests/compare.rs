@@ -125,7 +125,7 @@ fn compare_trains_reports_and_resumes() {
     assert_eq!(first["sublayer_grad_norms"].as_array().unwrap().len(), 8);
 
     // A second comparison (seed 0 only) killed while one of its runs is between two
-    // checkpoints, then run again: the finished runs are reused, the interrupted one resumes
+    // checkpoints after its first (every run also checkpoints step 0), then run again: the finished runs are reused, the interrupted one resumes
     // from its checkpoint and trains its remaining steps, and every run ends with the weights
     // of the uninterrupted comparison above.
     let out_b = tmp.path().join("interrupted");
@@ -135,8 +135,9 @@ fn compare_trains_reports_and_resumes() {
     let runs: Vec<PathBuf> = names.iter().map(|v| out_b.join(format!("runs/{v}-seed0"))).collect();
     let mut child = command(&cache, &argv_b).stderr(Stdio::null()).spawn().unwrap();
     let t = Instant::now();
-    let in_flight =
-        |r: &PathBuf| checkpoint_step(r).is_some_and(|s| s < 8) && !r.join("summary.json").exists();
+    let in_flight = |r: &PathBuf| {
+        checkpoint_step(r).is_some_and(|s| s > 0 && s < 8) && !r.join("summary.json").exists()
+    };
     while !runs.iter().any(in_flight) && t.elapsed() < Duration::from_secs(120) {
         std::thread::sleep(Duration::from_millis(2));
     }

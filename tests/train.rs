@@ -45,20 +45,45 @@ impl Env {
 
     /// Training arguments for a short run into `out`.
     fn train_args(&self, out: &str) -> Vec<String> {
-        let sets = [
-            "vocab_size=400",
-            "seq_len=64",
-            "micro_batch=4",
-            "batch_tokens=512",
-            "max_tokens=30720",
-            "eval_every=5",
-            "eval_tokens=512",
-            "checkpoint_every=3",
-            "warmup_steps=3",
-        ];
         let head = ["train", "--preset", "tiny", "--no-progress"];
-        common::run_args(&head, &self.path(out), &self.path("corpus.txt"), &sets)
+        common::run_args(&head, &self.path(out), &self.path("corpus.txt"), &SETS)
     }
+}
+
+/// The settings of the short runs, laid over the `tiny` preset.
+const SETS: [&str; 9] = [
+    "vocab_size=400",
+    "seq_len=64",
+    "micro_batch=4",
+    "batch_tokens=512",
+    "max_tokens=30720",
+    "eval_every=5",
+    "eval_tokens=512",
+    "checkpoint_every=3",
+    "warmup_steps=3",
+];
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(|s| s.as_str()).collect()
+}
+
+/// Waits until `run` has at least `n` metric lines (or two minutes have passed).
+fn wait_for_steps(run: &Path, n: usize) {
+    let t = Instant::now();
+    while std::fs::read_to_string(run.join("metrics.jsonl")).map(|s| s.lines().count()).unwrap_or(0)
+        < n
+        && t.elapsed() < Duration::from_secs(120)
+    {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// A failure after the run was announced: the last line of stderr is the error.
+fn fails_in_training(o: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    let last = err.lines().last().unwrap_or("");
+    assert_eq!(o.status.code(), Some(1), "expected a clean failure, got: {err}");
+    assert!(last.starts_with("error: ") && last.contains(needle), "expected {needle:?} in {err:?}");
 }
 
 fn fails(o: &Output, needle: &str) {
@@ -159,7 +184,7 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
 
 #[test]
 fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
-    let env = Env::new();
+    let env = &Env::new();
     let args = env.train_args("r");
     let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     let with = |extra: &[&str]| -> Vec<String> {
@@ -237,7 +262,15 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
     ok(&run(with(&[])));
     let before = std::fs::read(env.path("r/model.safetensors")).unwrap();
     fails(&run(with(&[])), "already holds a training run");
-    fails(&run(with(&["--resume", "--set", "lr=1"])), "drop --config/--preset/--set");
+    fails(&run(with(&["--resume", "--set", "lr=1"])), "other settings (train.lr");
+    // The command that started the run, plus --resume, continues it (here: nothing left to do).
+    ok(&run(with(&["--resume"])));
+    assert_eq!(std::fs::read(env.path("r/model.safetensors")).unwrap(), before);
+    saved_state_is_checked_like_user_input(env, "r");
+    // The token cache is found by content: another cache location holds the same data.
+    let o = env.cmd(&strs(&env.resume_args("r"))).env("ATTNRES_CACHE", env.path("cache2")).output();
+    ok(&o.unwrap());
+    assert!(env.path("cache2").read_dir().unwrap().count() > 0);
     // A corrupt checkpoint is reported, and nothing is changed.
     let opt = env.path("r/ckpt/optimizer.safetensors");
     let bytes = std::fs::read(&opt).unwrap();
@@ -278,7 +311,7 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
         ]),
         "cannot read",
     );
-    generation_from_a_trained_run(&env, "r");
+    generation_from_a_trained_run(env, "r");
 }
 
 /// `attnres generate` on a trained run: streaming output equals the batch output, a seed fixes
@@ -357,4 +390,195 @@ fn generation_from_a_trained_run(env: &Env, run: &str) {
         &env.run(&["generate", "--model", env.path("nothing").to_str().unwrap(), "--prompt", "x"]),
         "is not a directory",
     );
+}
+
+/// A checkpoint's `train_state.json` is read like user input: invalid, ill-typed and unknown
+/// settings are errors naming the file and the key, and nothing is changed.
+fn saved_state_is_checked_like_user_input(env: &Env, run: &str) {
+    let path = env.path(run).join("ckpt/train_state.json");
+    let good = std::fs::read_to_string(&path).unwrap();
+    let before = std::fs::read(env.path(run).join("model.safetensors")).unwrap();
+    let cases: [(&str, serde_json::Value, &str); 8] = [
+        ("/run/train/seq_len", 0.into(), "seq_len must be positive"),
+        ("/run/train/micro_batch", 0.into(), "micro_batch must be positive"),
+        ("/run/train/eval_every", 0.into(), "eval_every must be positive"),
+        ("/run/train/lr", (-1.0).into(), "lr must be a finite non-negative number"),
+        ("/run/train/warmup", 3.into(), "unknown training key \"warmup\""),
+        ("/run/model/hidden_sise", 3.into(), "unknown config key \"hidden_sise\""),
+        ("/run/model/num_blocks", 3.into(), "num_blocks = 3"),
+        ("/stepp", 3.into(), "unknown field `stepp`"),
+    ];
+    for (pointer, value, needle) in cases {
+        let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
+        let (parent, key) = pointer.rsplit_once('/').unwrap();
+        v.pointer_mut(if parent.is_empty() { "" } else { parent })
+            .unwrap()
+            .as_object_mut()
+            .unwrap()
+            .insert(key.to_string(), value);
+        std::fs::write(&path, v.to_string()).unwrap();
+        let o = env.run(&strs(&env.resume_args(run)));
+        fails(&o, needle);
+        fails(&o, "train_state.json");
+    }
+    std::fs::write(&path, good).unwrap();
+    assert_eq!(std::fs::read(env.path(run).join("model.safetensors")).unwrap(), before);
+}
+
+/// A run killed before its first regular checkpoint (`checkpoint_every` beyond the run's
+/// steps) resumes; a directory without any checkpoint can be started again with --overwrite;
+/// and an --overwrite killed early never leaves the old model beside the new metrics.
+#[test]
+fn no_run_is_lost_before_its_first_checkpoint() {
+    let env = Env::new();
+    let mut args = env.train_args("k");
+    args.extend(["--set".to_string(), "checkpoint_every=1000".to_string()]);
+    let mut child = env.cmd(&strs(&args)).stderr(Stdio::null()).spawn().unwrap();
+    wait_for_steps(&env.path("k"), 2);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let n = losses(&env.path("k")).len();
+    assert!((2..60).contains(&n), "killed after {n} steps");
+    let log = ok(&env.run(&strs(&env.resume_args("k"))));
+    assert!(log.contains("resuming at step 0/60"), "{log}");
+    assert_eq!(losses(&env.path("k")).len(), 60);
+    let old_model = std::fs::read(env.path("k/model.safetensors")).unwrap();
+
+    // --overwrite, killed as soon as the new run logs a step: the model beside the new metrics
+    // is the new run's.
+    let mut again = args.clone();
+    again.extend(["--overwrite", "--set", "seed=5"].map(String::from));
+    let old_metrics = std::fs::read_to_string(env.path("k/metrics.jsonl")).unwrap();
+    let mut child = env.cmd(&strs(&again)).stderr(Stdio::null()).spawn().unwrap();
+    let t = Instant::now();
+    let new_metrics = || {
+        std::fs::read_to_string(env.path("k/metrics.jsonl"))
+            .is_ok_and(|m| !m.is_empty() && m != old_metrics)
+    };
+    while !new_metrics() && t.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(new_metrics());
+    let model = std::fs::read(env.path("k/model.safetensors")).unwrap();
+    assert!(model != old_model, "the old model is left beside the new run's metrics");
+
+    // A directory holding no checkpoint at all (a run stopped before it saved anything).
+    for d in ["ckpt", ".ckpt.old"] {
+        let _ = std::fs::remove_dir_all(env.path("k").join(d));
+    }
+    fails(&env.run(&strs(&env.resume_args("k"))), "start it again with --overwrite");
+    ok(&env.run(&strs(&[args.clone(), vec!["--overwrite".into()]].concat())));
+    assert_eq!(losses(&env.path("k")).len(), 60);
+}
+
+/// A second training process on a run directory in use is refused, naming the directory and
+/// the process holding it; the lock goes with the process.
+#[test]
+fn one_run_has_one_writer() {
+    let env = Env::new();
+    let mut args = env.train_args("w");
+    args.extend(["--set".to_string(), "max_tokens=3072000".to_string()]);
+    let mut first = env.cmd(&strs(&args)).stderr(Stdio::null()).spawn().unwrap();
+    wait_for_steps(&env.path("w"), 1);
+    let pid = first.id().to_string();
+    let mut overwrite = env.train_args("w");
+    overwrite.push("--overwrite".into());
+    // Each second writer gets 60 seconds (a refused one ends at once).
+    let outputs: Vec<Output> = [overwrite, env.resume_args("w")]
+        .iter()
+        .map(|second| {
+            let mut c = env.cmd(&strs(second)).stderr(Stdio::piped()).spawn().unwrap();
+            let t = Instant::now();
+            while c.try_wait().unwrap().is_none() && t.elapsed() < Duration::from_secs(60) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = c.kill();
+            c.wait_with_output().unwrap()
+        })
+        .collect();
+    let still_training = first.try_wait().unwrap().is_none();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    for o in &outputs {
+        fails(o, &format!("{} is in use by process {pid}", env.path("w").display()));
+    }
+    assert!(still_training, "the first run was still training");
+    let lock = attnres::train::checkpoint::lock(&env.path("w")).unwrap();
+    drop(lock);
+}
+
+/// `--resume` with the settings the run was started with continues it; other settings are
+/// refused, naming the first difference; a run without a checkpoint starts again from step 0.
+#[test]
+fn resume_accepts_the_command_that_started_the_run() {
+    use attnres::train::run::{train, TrainOptions};
+    let env = Env::new();
+    // In-process runs use this cache (the other tests pass theirs to each process).
+    std::env::set_var("ATTNRES_CACHE", env.path("cache"));
+    let cfg = attnres::presets::run_config("tiny")
+        .unwrap()
+        .with_overrides(&SETS.map(String::from))
+        .unwrap()
+        .with_overrides(&["max_tokens=5120".to_string()])
+        .unwrap();
+    let opts = |resume: bool| TrainOptions {
+        out: env.path("s"),
+        data: Some(env.path("corpus.txt")),
+        tokenizer: None,
+        resume,
+        overwrite: false,
+        progress: false,
+        shared_bar: None,
+    };
+    train(Some(cfg.clone()), &opts(false)).unwrap();
+    let want = losses(&env.path("s"));
+    train(Some(cfg.clone()), &opts(true)).unwrap();
+    let other = cfg.with_overrides(&["lr=0.5".to_string()]).unwrap();
+    let e = format!("{:#}", train(Some(other), &opts(true)).unwrap_err());
+    assert!(e.contains("other settings (train.lr: 0.01 there, 0.5 asked)"), "{e}");
+    // No checkpoint: the same command with --resume starts the run again from step 0.
+    for d in ["ckpt", ".ckpt.old"] {
+        let _ = std::fs::remove_dir_all(env.path("s").join(d));
+    }
+    train(Some(cfg.clone()), &opts(true)).unwrap();
+    assert_eq!(losses(&env.path("s")), want);
+}
+
+/// A non-finite loss, gradient norm or weight is an error naming the step, what became
+/// non-finite and the suspect setting; the run keeps its last good (step 0) checkpoint.
+#[test]
+fn non_finite_values_are_errors_naming_the_step_and_the_setting() {
+    let env = Env::new();
+    let cases = [
+        ("adam_eps=0", "the weights became non-finite in the update of step 1", "adam_eps = 0"),
+        ("rope_theta=1e-300", "the training loss became NaN at step 1", "model settings"),
+        ("initializer_range=1e30", "the gradient norm became NaN at step 1", "model settings"),
+    ];
+    for (i, (set, what, advice)) in cases.into_iter().enumerate() {
+        let out = format!("n{i}");
+        let mut args = env.train_args(&out);
+        args.extend(["--set".to_string(), set.to_string()]);
+        let o = env.run(&strs(&args));
+        fails_in_training(&o, what);
+        fails_in_training(&o, advice);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!err.contains("learning rate") && !err.contains("lower lr"), "{err}");
+        assert!(!env.path(&out).join("summary.json").exists());
+        let state = std::fs::read_to_string(env.path(&out).join("ckpt/train_state.json")).unwrap();
+        let state: serde_json::Value = serde_json::from_str(&state).unwrap();
+        assert_eq!(state["step"], 0, "{set}");
+    }
+}
+
+/// Checkpoints come every `checkpoint_every` steps, at the end, and after at most
+/// `CHECKPOINT_SECONDS` whatever `checkpoint_every` is.
+#[test]
+fn checkpoints_are_due_after_bounded_work() {
+    use attnres::train::run::{checkpoint_due, CHECKPOINT_SECONDS};
+    assert!(checkpoint_due(50, 60, 50, 0.0));
+    assert!(checkpoint_due(60, 60, 1000, 0.0));
+    assert!(!checkpoint_due(7, 60, 1000, CHECKPOINT_SECONDS - 1.0));
+    assert!(checkpoint_due(7, 60, 1000, CHECKPOINT_SECONDS));
 }

@@ -348,11 +348,10 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
 }
 
 fn train_cmd(a: TrainArgs) -> Result<()> {
-    let run = if a.resume {
-        ensure!(
-            a.sets.is_empty() && a.config.is_none() && a.preset.is_none(),
-            "--resume continues with the run's own settings; drop --config/--preset/--set"
-        );
+    // With --resume and no settings, the run continues with its own; settings given with
+    // --resume must equal the run's (the training loop names the first difference).
+    let settings_given = !a.sets.is_empty() || a.config.is_some() || a.preset.is_some();
+    let run = if a.resume && !settings_given {
         None
     } else {
         let base = match &a.config {

@@ -19,9 +19,12 @@ use std::path::{Path, PathBuf};
 
 const CKPT: &str = "ckpt";
 pub(super) const METRICS: &str = "metrics.jsonl";
+/// The lock file a training process holds for as long as it writes the run directory.
+pub const LOCK: &str = "train.lock";
 
 /// The resumable state besides model and optimiser moments.
 #[derive(Serialize, Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
 pub(super) struct TrainState {
     pub(super) run: RunConfig,
     /// Optimiser steps completed.
@@ -43,28 +46,114 @@ pub(super) struct TrainState {
     pub(super) code_versions: Vec<CodeVersion>,
 }
 
-/// Whether `out` holds (part of) a training run.
+/// The files of a run, in the order [`clear`] removes them: the resumable state first, so
+/// that a removal cut short never leaves a checkpoint beside missing files.
+const RUN_FILES: [&str; 9] = [
+    CKPT,
+    ".ckpt.old",
+    ".ckpt.tmp",
+    METRICS,
+    "summary.json",
+    "diagnostics.json",
+    "model.safetensors",
+    "config.json",
+    "tokenizer.json",
+];
+
+/// Whether `out` holds (part of) a training run, or a model that a run would replace.
 pub(super) fn holds_run(out: &Path) -> bool {
-    out.join(CKPT).exists() || out.join(".ckpt.old").exists() || out.join(METRICS).exists()
+    RUN_FILES.iter().filter(|f| **f != ".ckpt.tmp").any(|f| out.join(f).exists())
 }
 
-/// The state saved beside a checkpoint's model.
+/// Takes the run directory's lock (`train.lock`, which then holds this process's id) for as
+/// long as the returned file is open; the operating system releases it when the process ends,
+/// however it ends. A directory locked by another process is refused, naming the holder.
+pub fn lock(out: &Path) -> Result<std::fs::File> {
+    use std::io::{Seek, Write};
+    let path = out.join(LOCK);
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    match f.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = match holder.trim() {
+                "" => "another process".to_string(),
+                pid => format!("process {pid}"),
+            };
+            bail!(
+                "{} is in use by {holder}, which holds {}; wait for it to finish or stop it",
+                out.display(),
+                path.display()
+            );
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("cannot lock {}", path.display()))
+        }
+    }
+    f.set_len(0)?;
+    f.rewind()?;
+    f.write_all(format!("{}\n", std::process::id()).as_bytes())
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(f)
+}
+
+/// The state saved beside a checkpoint's model, checked like user input: unknown keys,
+/// ill-typed and invalid settings are errors naming the file and the key.
 pub(super) fn read_state(dir: &Path) -> Result<TrainState> {
-    serde_json::from_str(
-        &std::fs::read_to_string(dir.join("train_state.json"))
-            .context("cannot read the checkpoint's train_state.json")?,
-    )
-    .context("the checkpoint's train_state.json is corrupt")
+    let path = dir.join("train_state.json");
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read the checkpoint's {}", path.display()))?;
+    let mut v: Value = serde_json::from_str(&text)
+        .with_context(|| format!("the checkpoint's {} is corrupt", path.display()))?;
+    let run = v
+        .get("run")
+        .with_context(|| format!("{}: the run settings (run) are missing", path.display()))?;
+    let run = RunConfig::from_saved(run).with_context(|| format!("{}", path.display()))?;
+    v["run"] = serde_json::to_value(&run)?;
+    let st: TrainState =
+        serde_json::from_value(v).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    ensure!(
+        st.tokens_seen == st.step as u64 * run.train.batch_tokens as u64,
+        "{}: tokens_seen = {} does not match step = {} batches of {} tokens",
+        path.display(),
+        st.tokens_seen,
+        st.step,
+        run.train.batch_tokens
+    );
+    let windows = st.step as u64 * (run.train.batch_tokens / run.train.seq_len) as u64;
+    ensure!(
+        st.windows_seen == windows,
+        "{}: windows_seen = {} does not match step = {} (expected {windows})",
+        path.display(),
+        st.windows_seen,
+        st.step
+    );
+    for (k, x) in [("elapsed_seconds", st.elapsed_seconds), ("train_seconds", st.train_seconds)] {
+        ensure!(
+            x.is_finite() && x >= 0.0,
+            "{}: {k} must be a finite non-negative number, got {x}",
+            path.display()
+        );
+    }
+    Ok(st)
 }
 
-/// Removes every file of an earlier run (for `--overwrite`).
+/// Removes every file of an earlier run (for `--overwrite`, and before a run without a
+/// checkpoint starts again), the resumable state first. Nothing of the new run exists yet.
 pub(super) fn clear(out: &Path) -> Result<()> {
-    for p in [CKPT, ".ckpt.old", ".ckpt.tmp", METRICS, "summary.json", "diagnostics.json"] {
+    for p in RUN_FILES {
         let p = out.join(p);
         if p.is_dir() {
-            std::fs::remove_dir_all(&p)?;
+            std::fs::remove_dir_all(&p)
+                .with_context(|| format!("cannot remove {}", p.display()))?;
         } else if p.exists() {
-            std::fs::remove_file(&p)?;
+            std::fs::remove_file(&p).with_context(|| format!("cannot remove {}", p.display()))?;
         }
     }
     Ok(())
@@ -98,7 +187,10 @@ pub(super) fn checkpoint_dir(out: &Path) -> Result<PathBuf> {
             return Ok(d);
         }
     }
-    bail!("{} holds no checkpoint to resume (no {}/train_state.json)", out.display(), CKPT)
+    bail!(
+        "{} holds no checkpoint to resume (no {CKPT}/train_state.json): nothing of it was saved; start it again with --overwrite",
+        out.display()
+    )
 }
 
 /// Writes a checkpoint of the run into `ckpt/` (swapped in whole) and the latest model beside it.

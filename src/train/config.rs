@@ -113,6 +113,7 @@ impl TrainConfig {
 
 /// A full run description: the model and the training settings.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(deny_unknown_fields)]
 pub struct RunConfig {
     pub model: Config,
     pub train: TrainConfig,
@@ -142,6 +143,43 @@ impl RunConfig {
         let train = overlay_train(&TrainConfig::default(), table("train")?)
             .with_context(|| format!("in {origin} [train]"))?;
         Ok(RunConfig { model, train })
+    }
+
+    /// Reads settings saved by an earlier run (the `run` of a checkpoint's `train_state.json`)
+    /// exactly as user input: unknown keys, ill-typed and invalid values are errors naming the
+    /// key; keys added since the run was saved take their built-in defaults.
+    pub fn from_saved(saved: &Value) -> Result<RunConfig> {
+        let Value::Object(doc) = saved else { bail!("run settings must be an object") };
+        for k in doc.keys() {
+            ensure!(
+                k == "model" || k == "train",
+                "unknown run key {k:?} (expected model and train)"
+            );
+        }
+        let table = |name: &str| -> Result<Map<String, Value>> {
+            match doc.get(name) {
+                Some(Value::Object(m)) => Ok(m.clone()),
+                Some(_) => bail!("run.{name} must be an object"),
+                None => bail!("run.{name} is missing"),
+            }
+        };
+        let model = Config::default().with_values(table("model")?).context("run.model")?;
+        let train = overlay_train(&TrainConfig::default(), table("train")?).context("run.train")?;
+        train.validate(&model).context("run.train")?;
+        Ok(RunConfig { model, train })
+    }
+
+    /// The first setting in which `self` and `other` differ, with both values, ignoring
+    /// `vocab_size` (which follows the tokenizer, not the request).
+    pub fn first_difference(&self, other: &RunConfig) -> Result<Option<(String, Value, Value)>> {
+        let (mut a, mut b) = (serde_json::to_value(self)?, serde_json::to_value(other)?);
+        for v in [&mut a, &mut b] {
+            v["model"]["vocab_size"] = Value::Null;
+        }
+        Ok(first_difference(&a, &b, "").map(|k| {
+            let (x, y) = (lookup(&a, &k), lookup(&b, &k));
+            (k, x, y)
+        }))
     }
 
     /// Applies `key=value` overrides; each key must name a model or a training setting.
@@ -188,4 +226,28 @@ fn overlay_train(base: &TrainConfig, values: Map<String, Value>) -> Result<Train
         map.insert(k, v);
     }
     serde_json::from_value(Value::Object(map)).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// The dotted path of the first key (in sorted order) at which two JSON values differ.
+pub fn first_difference(a: &Value, b: &Value, path: &str) -> Option<String> {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            keys.into_iter().find_map(|k| {
+                let p = if path.is_empty() { k.clone() } else { format!("{path}.{k}") };
+                first_difference(
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                    &p,
+                )
+            })
+        }
+        _ if a == b => None,
+        _ => Some(path.to_string()),
+    }
+}
+
+/// The value at a dotted path (null where there is none).
+pub fn lookup(v: &Value, path: &str) -> Value {
+    path.split('.').fold(v.clone(), |v, k| v.get(k).cloned().unwrap_or(Value::Null))
 }

@@ -16,7 +16,7 @@ use crate::fs::write_atomic;
 use crate::kernels;
 use crate::model::{checkpoint, Model};
 use crate::version::CodeVersion;
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 use std::fs::File;
 use std::io::Write;
@@ -39,9 +39,24 @@ pub struct TrainOptions {
     pub shared_bar: Option<SharedBar>,
 }
 
+/// The longest a run trains without writing a checkpoint, in seconds (besides the step under
+/// way): a kill never costs more than this, whatever `checkpoint_every` is.
+pub const CHECKPOINT_SECONDS: f64 = 60.0;
+
+/// Whether a checkpoint is due after `step` of `total` steps: every `every` steps, at the end,
+/// and whenever [`CHECKPOINT_SECONDS`] have passed since the last one.
+pub fn checkpoint_due(step: usize, total: usize, every: usize, since_last: f64) -> bool {
+    step.is_multiple_of(every) || step == total || since_last >= CHECKPOINT_SECONDS
+}
+
 /// Trains (or resumes) a run; returns the final validation loss.
 pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
     let mut trainer = Trainer::start(run, opts)?;
+    if trainer.at.step == 0 {
+        // A run is resumable from its first moment: a kill before the first regular checkpoint
+        // resumes at step 0 instead of leaving a directory that can only be overwritten.
+        trainer.checkpoint()?;
+    }
     while trainer.at.step < trainer.total {
         let outcome = trainer.step()?;
         let mut record = outcome.record(&trainer.at);
@@ -116,6 +131,10 @@ struct Trainer {
     total: usize,
     at: Position,
     metrics: File,
+    /// The run directory's lock, held until the trainer is dropped.
+    _lock: File,
+    /// When the last checkpoint was written.
+    last_checkpoint: Instant,
     progress: Progress,
     started: Instant,
     throughput: Throughput,
@@ -130,21 +149,40 @@ struct Resume {
 
 impl Resume {
     /// The checkpoint to resume with `--resume`; without it, none, and an earlier run in the
-    /// directory is refused unless `--overwrite` was given.
-    fn find(settings_given: bool, opts: &TrainOptions, has_run: bool) -> Result<Option<Resume>> {
+    /// directory is refused unless `--overwrite` was given. Settings given with `--resume` must
+    /// equal the run's own; a run without a checkpoint then starts again from step 0 (none: a
+    /// note for the log says so).
+    fn find(
+        settings: Option<&RunConfig>,
+        opts: &TrainOptions,
+        has_run: bool,
+    ) -> Result<(Option<Resume>, Option<String>)> {
         let out = &opts.out;
         if !opts.resume {
             ensure!(!has_run || opts.overwrite, "{} already holds a training run; pass --resume to continue it or --overwrite to start over", out.display());
-            return Ok(None);
+            return Ok((None, None));
         }
-        ensure!(
-            !settings_given,
-            "--resume continues the run in {} with its own settings; drop --config/--preset/--set",
-            out.display()
-        );
-        let dir = run_dir::checkpoint_dir(out)?;
+        let dir = match (run_dir::checkpoint_dir(out), settings) {
+            (Ok(dir), _) => dir,
+            (Err(_), Some(_)) => {
+                let note = format!(
+                    "{} holds no checkpoint (the run stopped before it saved one): starting it again from step 0",
+                    out.display()
+                );
+                return Ok((None, Some(note)));
+            }
+            (Err(e), None) => return Err(e),
+        };
         let state = run_dir::read_state(&dir)?;
-        Ok(Some(Resume { dir, state }))
+        if let Some(want) = settings {
+            if let Some((key, have, asked)) = state.run.first_difference(want)? {
+                bail!(
+                    "{} was trained with other settings ({key}: {have} there, {asked} asked); resume it with its own settings (drop --preset/--config/--set), or start over with --overwrite",
+                    out.display()
+                );
+            }
+        }
+        Ok((Some(Resume { dir, state }), None))
     }
 }
 
@@ -153,8 +191,6 @@ impl Position {
     /// checkpoint dropped), or the start of a new run in a new directory.
     fn restore(resume: Option<&Resume>, opt: &mut Optimizer, out: &Path) -> Result<Position> {
         let Some(r) = resume else {
-            std::fs::create_dir_all(out)
-                .with_context(|| format!("cannot create {}", out.display()))?;
             return Ok(Position {
                 step: 0,
                 tokens_seen: 0,
@@ -187,8 +223,16 @@ impl Trainer {
     /// model and optimiser, and announces the run.
     fn start(run: Option<RunConfig>, opts: &TrainOptions) -> Result<Trainer> {
         let out = &opts.out;
+        ensure!(
+            !opts.resume || out.is_dir(),
+            "{} holds no checkpoint to resume (there is no such directory)",
+            out.display()
+        );
+        std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+        // One writer per run directory, from before anything is read until the process ends.
+        let lock = run_dir::lock(out)?;
         let has_run = run_dir::holds_run(out);
-        let resume = Resume::find(run.is_some(), opts, has_run)?;
+        let (resume, restart_note) = Resume::find(run.as_ref(), opts, has_run)?;
 
         // Data: as given, else the resumed run's own, else the embedded corpus.
         let data = opts.data.clone().or_else(|| resume.as_ref().and_then(|r| r.state.data.clone()));
@@ -203,12 +247,9 @@ impl Trainer {
         };
         let tc = &run.train;
         let (tokens, reused) = Tokens::load_or_build(&split, &bpe)?;
-        let data_key = content_key(&[tokens.path.to_string_lossy().as_bytes()]);
+        let data_key = tokens.key();
         if let Some(r) = &resume {
-            ensure!(
-                r.state.data_key == data_key,
-                "the training data (or tokenizer) differs from the run being resumed"
-            );
+            check_data_key(&r.state.data_key, &tokens)?;
         }
         ensure!(
             tokens.val_len() >= 2,
@@ -216,7 +257,8 @@ impl Trainer {
         );
         let order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
         if resume.is_none() && has_run {
-            // --overwrite: everything checked, now clear the old run.
+            // --overwrite, or a run without a checkpoint started again: everything is checked;
+            // clear the old run before the new one writes anything.
             run_dir::clear(out)?;
         }
 
@@ -226,6 +268,9 @@ impl Trainer {
         let total = tc.steps();
         let progress =
             Progress::new(opts.shared_bar.as_ref(), opts.progress, total as u64, at.step as u64);
+        if let Some(note) = restart_note {
+            progress.say(note);
+        }
         let (code_versions, other_version) = code_versions(resume.as_ref());
         if let Some(v) = other_version {
             progress.say(format!(
@@ -265,6 +310,8 @@ impl Trainer {
             total,
             at,
             metrics,
+            _lock: lock,
+            last_checkpoint: Instant::now(),
             progress,
             started: Instant::now(),
             throughput: Throughput { tokens: 0, since: Instant::now() },
@@ -303,7 +350,12 @@ impl Trainer {
     }
 
     fn checkpoint_due(&self) -> bool {
-        self.at.step.is_multiple_of(self.run.train.checkpoint_every) || self.at.step == self.total
+        checkpoint_due(
+            self.at.step,
+            self.total,
+            self.run.train.checkpoint_every,
+            self.last_checkpoint.elapsed().as_secs_f64(),
+        )
     }
 
     /// Validation loss and bits per byte, into the step's record and the log.
@@ -344,7 +396,7 @@ impl Trainer {
         self.at.earlier_seconds + self.started.elapsed().as_secs_f64()
     }
 
-    fn checkpoint(&self) -> Result<()> {
+    fn checkpoint(&mut self) -> Result<()> {
         let state = TrainState {
             run: self.run.clone(),
             step: self.at.step,
@@ -356,7 +408,9 @@ impl Trainer {
             data: self.data.clone(),
             code_versions: self.code_versions.clone(),
         };
-        run_dir::save(&self.out, &self.model, &self.bpe, &self.opt, &state)
+        run_dir::save(&self.out, &self.model, &self.bpe, &self.opt, &state)?;
+        self.last_checkpoint = Instant::now();
+        Ok(())
     }
 
     /// Final validation, diagnostics and `summary.json`; returns the final validation loss.
@@ -420,6 +474,25 @@ fn code_versions(resume: Option<&Resume>) -> (Vec<CodeVersion>, Option<String>) 
     (versions, other)
 }
 
+/// Refuses to resume on other data than the run's. Keys written before they were taken from
+/// the content named the token cache's path: those match only at that same path.
+fn check_data_key(saved: &str, tokens: &Tokens) -> Result<()> {
+    if saved == tokens.key() {
+        return Ok(());
+    }
+    let by_path = content_key(&[tokens.path.to_string_lossy().as_bytes()]);
+    if saved == by_path {
+        return Ok(());
+    }
+    if !saved.starts_with("tokens-") {
+        bail!(
+            "the run being resumed identified its data by the path of its token cache file (an older attnres) and the cache is now {}; resume with the token cache it was trained with (ATTNRES_CACHE), or check that the training data (or tokenizer) is the same",
+            tokens.path.display()
+        );
+    }
+    bail!("the training data (or tokenizer) differs from the run being resumed")
+}
+
 /// Settings, tokenizer and model of the checkpoint being resumed.
 fn resumed_model(r: &Resume) -> Result<(RunConfig, Bpe, Model)> {
     let bpe = Bpe::load(&r.dir.join("tokenizer.json"))?;
@@ -465,12 +538,15 @@ pub fn optimizer_step(
     ensure!(!micro_batches.is_empty(), "a step needs at least one micro-batch");
     let mut grads = kernels::zeros(model.params.len());
     let mut loss_sum = 0.0f64;
+    // Steps are numbered from 1 in errors, as in metrics.jsonl.
+    let n = step + 1;
     for (ids, targets) in micro_batches {
         let fwd = model.forward(ids, rows, ids.len() / rows)?;
         let (loss, g) = model.backward(&fwd, targets)?;
         ensure!(
             loss.is_finite(),
-            "the training loss became {loss} at step {step}; lower the learning rate"
+            "the training loss became {loss} at step {n}; {}",
+            non_finite_advice(&opt.config, step, false)
         );
         loss_sum += loss as f64;
         kernels::add_assign(&mut grads, &g);
@@ -482,8 +558,51 @@ pub fn optimizer_step(
     }
     let sublayer_grad_norms = crate::diagnostics::sublayer_grad_norms(&model.layout, &grads);
     let grad_norm = opt.clip(&mut grads);
+    if !grad_norm.is_finite() {
+        bail!(
+            "the gradient norm became {grad_norm} at step {n} (first in {}); {}",
+            first_non_finite(&model.layout, &grads).unwrap_or("?"),
+            non_finite_advice(&opt.config, step, false)
+        );
+    }
     opt.update(&mut model.params, &grads, lr);
+    if let Some(name) = first_non_finite(&model.layout, &model.params) {
+        bail!(
+            "the weights became non-finite in the update of step {n} (first in {name}); {}",
+            non_finite_advice(&opt.config, step, true)
+        );
+    }
     Ok(StepOutcome { lr, train_loss: loss_sum / accum as f64, grad_norm, sublayer_grad_norms })
+}
+
+/// The name of the first tensor of `layout` holding a non-finite value of `values`.
+fn first_non_finite<'a>(
+    layout: &'a crate::model::params::Layout,
+    values: &[f32],
+) -> Option<&'a str> {
+    layout
+        .specs
+        .iter()
+        .find(|s| values[s.range.clone()].iter().any(|x| !x.is_finite()))
+        .map(|s| s.name.as_str())
+}
+
+/// What to change when a value of step `step` (from 0) became non-finite; `updated`: it
+/// appeared in the update itself rather than in the forward or backward pass.
+fn non_finite_advice(o: &super::optim::OptimConfig, step: usize, updated: bool) -> String {
+    if step == 0 && !updated {
+        // No update has happened yet: the settings of the model itself overflow.
+        "the untrained model already overflows: check the model settings (rope_theta, initializer_range, rms_norm_eps, hidden_size)".to_string()
+    } else if o.adam_eps == 0.0 {
+        "adam_eps = 0 divides by zero wherever a gradient is zero: set adam_eps > 0 (e.g. 1e-8)"
+            .to_string()
+    } else {
+        format!(
+            "training diverged: lower lr (now {}){}",
+            o.lr,
+            if o.grad_clip == 0.0 { " or enable grad_clip" } else { "" }
+        )
+    }
 }
 
 fn next_batch(

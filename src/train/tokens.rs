@@ -53,6 +53,12 @@ pub struct Tokens {
 }
 
 impl Tokens {
+    /// The content key of these tokens (the cache file's name without extension: a hash of the
+    /// corpus split and the tokenizer), the same wherever the cache lives.
+    pub fn key(&self) -> String {
+        self.path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+    }
+
     /// Maps the cached tokens of `split` under `bpe`, tokenizing and writing the cache first if
     /// it is missing. Returns whether the cache was reused.
     pub fn load_or_build(split: &Split, bpe: &Bpe) -> Result<(Tokens, bool)> {
