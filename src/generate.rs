@@ -275,9 +275,9 @@ pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
 /// that decodes to a trailing replacement character is held back until the character is whole.
 pub struct TextStream<'a> {
     bpe: &'a Bpe,
-    tokens: Vec<u32>,
-    /// Bytes of the decoded text already handed out.
-    shown: usize,
+    /// Tokens not handed out yet: those since the last complete character. Only these are
+    /// decoded for each new token, so streaming costs the same per token however long the text.
+    pending: Vec<u32>,
     /// The first token the tokenizer has no text for: nothing after it is handed out, and
     /// [`TextStream::finish`] is an error naming it.
     unknown: Option<u32>,
@@ -309,11 +309,13 @@ fn decode_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Re
 
 impl<'a> TextStream<'a> {
     pub fn new(bpe: &'a Bpe) -> TextStream<'a> {
-        TextStream { bpe, tokens: Vec::new(), shown: 0, unknown: None }
+        TextStream { bpe, pending: Vec::new(), unknown: None }
     }
 
     /// Adds a token (the end-of-text token is skipped); returns the new text it completes.
     /// After a token the tokenizer does not have, nothing more is returned (see `finish`).
+    /// Byte-level tokens decode to their bytes, so the text of a run of tokens that ends on a
+    /// character boundary is final: what follows never changes it.
     pub fn push(&mut self, token: u32) -> Option<String> {
         if token == self.bpe.eot || self.unknown.is_some() {
             return None;
@@ -322,14 +324,13 @@ impl<'a> TextStream<'a> {
             self.unknown = Some(token);
             return None;
         }
-        self.tokens.push(token);
-        let text = self.bpe.decode(&self.tokens).ok()?;
-        if text.ends_with('\u{FFFD}') || text.len() <= self.shown {
-            return None;
+        self.pending.push(token);
+        let text = self.bpe.decode(&self.pending).ok()?;
+        if text.ends_with('\u{FFFD}') {
+            return None; // a character still incomplete
         }
-        let new = text[self.shown..].to_string();
-        self.shown = text.len();
-        Some(new)
+        self.pending.clear();
+        (!text.is_empty()).then_some(text)
     }
 
     /// The text not handed out yet, partial characters included.
@@ -338,8 +339,7 @@ impl<'a> TextStream<'a> {
         if let Some(t) = self.unknown {
             decode_sampled(self.bpe, &[t], None)?;
         }
-        let text = self.bpe.decode(&self.tokens)?;
-        Ok(text.get(self.shown..).unwrap_or("").to_string())
+        self.bpe.decode(&self.pending)
     }
 }
 
@@ -410,6 +410,27 @@ mod tests {
             e.contains(&format!("id {}", n + 2)) && e.contains(&format!("only {n} tokens")),
             "{e}"
         );
+    }
+
+    /// Streamed pieces add up to the decoded whole, multi-byte characters split across tokens
+    /// included, and each push decodes only the tokens since the last complete character.
+    #[test]
+    fn streamed_text_equals_the_decoded_whole() {
+        let text = "héllo wörld, 日本語 😀 naïve café — ünïcödé again and again ";
+        let bpe = Bpe::train(&[text.repeat(20)], 300).unwrap();
+        let long = text.repeat(40);
+        let ids = bpe.encode(&long).unwrap();
+        let mut stream = TextStream::new(&bpe);
+        let mut shown = String::new();
+        let mut longest_pending = 0;
+        for &t in &ids {
+            shown.extend(stream.push(t));
+            longest_pending = longest_pending.max(stream.pending.len());
+        }
+        shown.push_str(&stream.finish().unwrap());
+        assert_eq!(shown, bpe.decode(&ids).unwrap());
+        assert_eq!(shown, long);
+        assert!(longest_pending <= 4, "pending grew to {longest_pending} tokens");
     }
 
     #[test]
