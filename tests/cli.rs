@@ -17,6 +17,13 @@ fn ok(args: &[&str]) -> String {
 }
 
 /// Runs a command that must fail with exit code 1 and a one-line `error:` naming `needle`.
+/// `attnres forward` on checkpoint `ck` and batch file `batch` fails, naming `needle`.
+fn forward_fails(ck: &Path, batch: &Path, out: &Path, needle: &str) {
+    let path = |p: &Path| p.to_str().unwrap().to_string();
+    let (ck, batch, out) = (path(ck), path(batch), path(out));
+    fails(&["forward", "--model", &ck, "--batch", &batch, "--out", &out], needle);
+}
+
 fn fails(args: &[&str], needle: &str) {
     let o = attnres(args);
     let err = String::from_utf8_lossy(&o.stderr);
@@ -155,20 +162,7 @@ fn malformed_checkpoints_fail_with_the_problem_named() {
     let batch = tmp.path().join("b.json");
     std::fs::write(&batch, r#"{"input_ids": [[1, 2]]}"#).unwrap();
     let out = tmp.path().join("o.safetensors");
-    let run = |ck: &Path, needle: &str| {
-        fails(
-            &[
-                "forward",
-                "--model",
-                ck.to_str().unwrap(),
-                "--batch",
-                batch.to_str().unwrap(),
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            needle,
-        )
-    };
+    let run = |ck: &Path, needle: &str| forward_fails(ck, &batch, &out, needle);
     let fresh = |name: &str| {
         let ck = tmp.path().join(name);
         init(&ck, &["residual=full"]);
@@ -256,18 +250,7 @@ fn malformed_batches_fail_with_the_problem_named() {
     let out = tmp.path().join("o.safetensors");
     let case = |json: &str, needle: &str| {
         std::fs::write(&batch, json).unwrap();
-        fails(
-            &[
-                "forward",
-                "--model",
-                ck.to_str().unwrap(),
-                "--batch",
-                batch.to_str().unwrap(),
-                "--out",
-                out.to_str().unwrap(),
-            ],
-            needle,
-        );
+        forward_fails(&ck, &batch, &out, needle);
     };
     case("[1, 2]", "not a valid batch file");
     case(r#"{"input_ids": []}"#, "input_ids is empty");

@@ -213,34 +213,17 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
         "holds no checkpoint",
     );
 
+    // Training on a corpus that cannot be used fails before anything is written.
+    let train_on = |data: &Path| {
+        let (out, data) = (env.path("x"), data.to_str().unwrap().to_string());
+        env.run(&["train", "--preset", "tiny", "--out", out.to_str().unwrap(), "--data", &data])
+    };
     let bad = env.path("bad.txt");
     std::fs::write(&bad, b"Shakespeare \xc3\x28 broken").unwrap();
-    fails(
-        &env.run(&[
-            "train",
-            "--preset",
-            "tiny",
-            "--out",
-            env.path("x").to_str().unwrap(),
-            "--data",
-            bad.to_str().unwrap(),
-        ]),
-        "not valid UTF-8",
-    );
+    fails(&train_on(&bad), "not valid UTF-8");
     let empty = env.path("empty.txt");
     std::fs::write(&empty, "\n\n").unwrap();
-    fails(
-        &env.run(&[
-            "train",
-            "--preset",
-            "tiny",
-            "--out",
-            env.path("x").to_str().unwrap(),
-            "--data",
-            empty.to_str().unwrap(),
-        ]),
-        "empty",
-    );
+    fails(&train_on(&empty), "empty");
     let tiny = env.path("tiny.txt");
     std::fs::write(&tiny, "To be, or not to be.\n\n\nThat is the question.").unwrap();
     fails(
