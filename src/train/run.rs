@@ -130,7 +130,9 @@ struct Trainer {
     opt: Optimizer,
     total: usize,
     at: Position,
-    metrics: File,
+    /// `metrics.jsonl`, opened after the run's first checkpoint: a directory with metrics always
+    /// holds a checkpoint to resume them from.
+    metrics: Option<File>,
     /// The run directory's lock, held until the trainer is dropped.
     _lock: File,
     /// When the last checkpoint was written.
@@ -171,6 +173,11 @@ impl Resume {
                 );
                 return Ok((None, Some(note)));
             }
+            // Nothing of the run was saved, its settings included: only its command can say them.
+            (Err(_), None) if !has_run => bail!(
+                "{} holds no checkpoint: the run stopped before saving one, so its settings are unknown; repeat the command that started it (with or without --resume)",
+                out.display()
+            ),
             (Err(e), None) => return Err(e),
         };
         let state = run_dir::read_state(&dir)?;
@@ -291,11 +298,6 @@ impl Trainer {
             model.params.len(),
             model.config.residual_label(),
         ));
-        let metrics = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(out.join(METRICS))
-            .context("cannot open metrics.jsonl")?;
         Ok(Trainer {
             run,
             out: out.clone(),
@@ -309,7 +311,7 @@ impl Trainer {
             opt,
             total,
             at,
-            metrics,
+            metrics: None,
             _lock: lock,
             last_checkpoint: Instant::now(),
             progress,
@@ -380,11 +382,22 @@ impl Trainer {
         let tps = self.throughput.tokens as f64 / self.throughput.since.elapsed().as_secs_f64();
         record["tokens_per_second"] = json!(tps);
         record["elapsed_seconds"] = json!(self.elapsed_seconds());
+        let path = self.out.join(METRICS);
+        let metrics = match &mut self.metrics {
+            Some(f) => f,
+            None => self.metrics.insert(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .with_context(|| format!("cannot open {}", path.display()))?,
+            ),
+        };
         // One write per line: a run killed mid-record must not leave half a line behind.
-        self.metrics
+        metrics
             .write_all(format!("{record}\n").as_bytes())
-            .context("cannot write metrics.jsonl")?;
-        self.metrics.flush()?;
+            .and_then(|()| metrics.flush())
+            .with_context(|| format!("cannot write {}", path.display()))?;
         self.progress.step(self.at.step, self.total, done.train_loss, tps, evaluated);
         if self.at.step.is_multiple_of(self.run.train.eval_every) {
             self.throughput = Throughput { tokens: 0, since: Instant::now() };
