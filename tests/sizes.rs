@@ -102,8 +102,8 @@ fn a_long_context_costs_nothing_until_used() {
         stop: None,
     };
     let prompts = vec![vec![1, 2, 3, 4, 5, 6], vec![7, 8]];
-    let (a, _) = generate(&long, &prompts, &opts, |_, _| {}).unwrap();
-    let (b, _) = generate(&short, &prompts, &opts, |_, _| {}).unwrap();
+    let (a, _) = generate(&long, &prompts, &opts, |_, _| Ok(())).unwrap();
+    let (b, _) = generate(&short, &prompts, &opts, |_, _| Ok(())).unwrap();
     assert_eq!(
         a.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
         b.iter().map(|g| &g.tokens).collect::<Vec<_>>()

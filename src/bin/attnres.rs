@@ -249,6 +249,9 @@ struct GenerateArgs {
     /// window (the cache is rebuilt from the latest half of the context) instead of refusing.
     #[arg(long)]
     slide: bool,
+    /// Keep generating past the end-of-text token, to --max-tokens (for benchmarks)
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 /// The exit status when stdout is a pipe whose reader has gone (EPIPE): what a shell reports
@@ -401,7 +404,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         sampling,
         seed: a.seed,
         overflow: if a.slide { Overflow::Slide } else { Overflow::Error },
-        stop: Some(bpe.eot),
+        stop: (!a.ignore_eos).then_some(bpe.eot),
     };
     // --prompt streams text; --prompt-file (even with one line) prints JSON lines.
     let single = a.prompt.is_some();
@@ -409,22 +412,17 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     if single {
         output(&texts[0])?;
     }
-    // The first failed write of the stream; the text after it is not written.
-    let mut failed: Option<std::io::Error> = None;
     let (gens, timing) = generate::generate(&model, &prompts, &opts, |_, tok| {
-        if !single || failed.is_some() {
-            return;
+        if !single {
+            return Ok(());
         }
         if let Some(text) = stream.push(tok) {
+            // A reader that has gone ends generation: nobody would read the rest.
             let mut out = std::io::stdout().lock();
-            if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-                failed = Some(e);
-            }
+            out.write_all(text.as_bytes()).and_then(|()| out.flush()).context(STDOUT)?;
         }
+        Ok(())
     })?;
-    if let Some(e) = failed {
-        return Err(anyhow::Error::new(e).context(STDOUT));
-    }
     if single {
         output(&format!("{}\n", stream.finish()?))?;
     } else {
