@@ -359,8 +359,7 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
     } else {
         let base = match &a.config {
             Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .with_context(|| format!("cannot read {}", p.display()))?;
+                let text = attnres::fs::read_utf8(p)?;
                 RunConfig::from_toml(&text, &p.display().to_string())?
             }
             None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,

@@ -107,8 +107,7 @@ pub fn lock(out: &Path) -> Result<std::fs::File> {
 /// ill-typed and invalid settings are errors naming the file and the key.
 pub(super) fn read_state(dir: &Path) -> Result<TrainState> {
     let path = dir.join("train_state.json");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read the checkpoint's {}", path.display()))?;
+    let text = crate::fs::read_utf8(&path)?;
     let mut v: Value = serde_json::from_str(&text)
         .with_context(|| format!("the checkpoint's {} is corrupt", path.display()))?;
     let run = v
@@ -254,7 +253,7 @@ pub(super) fn save(
 
 /// Restores the optimiser's step and moments.
 pub(super) fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = crate::fs::read_bytes(path)?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", path.display()))?;
     let (_, meta) =
