@@ -103,6 +103,25 @@ pub fn lock(out: &Path) -> Result<std::fs::File> {
     Ok(f)
 }
 
+/// Removes the temporary files of writes that a killed process left in the run directory and
+/// its checkpoints (`.NAME.tmp-PID`, see [`write_atomic`]); only the lock's holder calls this,
+/// so no other process is writing them.
+pub(super) fn remove_stale_temporaries(out: &Path) -> Result<()> {
+    for dir in [out.to_path_buf(), out.join(CKPT), out.join(".ckpt.old")] {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') && name.contains(".tmp-") {
+                let p = e.path();
+                std::fs::remove_file(&p)
+                    .with_context(|| format!("cannot remove {}", p.display()))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The state saved beside a checkpoint's model, checked like user input: unknown keys,
 /// ill-typed and invalid settings are errors naming the file and the key.
 pub(super) fn read_state(dir: &Path) -> Result<TrainState> {
