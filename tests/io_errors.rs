@@ -1,8 +1,9 @@
 //! Closed pipes and full disks through the binary, with real child processes: log lines never
 //! stop the work (stderr closed, or a reader that stops reading); a result that cannot be
 //! written to stdout is an error (`/dev/full`), or a quiet exit 141 when the reader has gone;
-//! a checkpoint that does not fit on the disk leaves no temporary directory behind, and the
-//! run resumes from the previous checkpoint (docs/development.md, "Errors and exit codes").
+//! a checkpoint that does not fit on the disk (a small tmpfs where one can be mounted, and
+//! everywhere a file-size limit) leaves no temporary directory behind, and the run resumes from
+//! the previous checkpoint or restarts (docs/development.md, "Errors and exit codes").
 
 mod common;
 
@@ -315,4 +316,57 @@ fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes(
     assert!(err.contains(&run.join("model.safetensors").display().to_string()), "{err}");
     assert!(err.contains("Read-only"), "{err}");
     assert_eq!(leftovers(&run), Vec::<String>::new());
+}
+
+/// A full disk without mounting one (no root, a container): under a file-size limit
+/// (`ulimit -f`, with SIGXFSZ ignored so that the write fails with EFBIG instead of ending the
+/// process) the first checkpoint's model does not fit. The error names the checkpoint, nothing
+/// temporary is left, and the run — which saved nothing — starts again from step 0 when its
+/// command is repeated with `--resume`, ending bit-identical to an undisturbed run.
+#[test]
+fn a_first_checkpoint_over_the_file_size_limit_fails_cleanly_and_the_run_restarts() {
+    let env = Env::new();
+    let reference = env.path("reference");
+    common::ok(&env.cmd(&env.train_args(&reference, 2)).output().unwrap());
+    let model = std::fs::metadata(reference.join("ckpt/model.safetensors")).unwrap().len();
+    let largest_other = ["tokenizer.json", "config.json", "ckpt/train_state.json"]
+        .iter()
+        .map(|f| std::fs::metadata(reference.join(f)).unwrap().len())
+        .max()
+        .unwrap();
+    // The limit in blocks of 512 bytes (dash) or 1024 (bash): below the model either way, above
+    // every file written before it (the token cache is reused from the reference run).
+    let blocks = model / 2048;
+    assert!(blocks * 512 > largest_other, "the model is too small for this test");
+
+    let run = env.path("run");
+    let o = Command::new("sh")
+        .arg("-c")
+        .arg(format!("ulimit -f {blocks} && trap '' XFSZ && exec \"$@\""))
+        .arg("sh")
+        .arg(env!("CARGO_BIN_EXE_attnres"))
+        .args(env.train_args(&run, 2))
+        .env("ATTNRES_CACHE", env.path("cache"))
+        .output()
+        .unwrap();
+    let err = text(&o.stderr);
+    let last = err.lines().last().unwrap_or("");
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        last.starts_with("error: ")
+            && last.contains(&run.join("ckpt").display().to_string())
+            && last.contains("File too large"),
+        "the error names the checkpoint and the cause: {err}"
+    );
+    assert_eq!(leftovers(&run), Vec::<String>::new(), "temporary files left");
+    assert!(!run.join("metrics.jsonl").exists(), "metrics without a checkpoint");
+
+    let mut again = env.train_args(&run, 2);
+    again.push("--resume".into());
+    let log = common::ok(&env.cmd(&again).output().unwrap());
+    assert!(log.contains("starting it again from step 0"), "{log}");
+    assert_eq!(
+        std::fs::read(run.join("model.safetensors")).unwrap(),
+        std::fs::read(reference.join("model.safetensors")).unwrap()
+    );
 }
