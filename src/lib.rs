@@ -14,6 +14,8 @@
 //! - [`suite`]: what a comparison trains: variants, named suites and the plan.
 //! - [`report`]: a comparison's report (statistics, figures, HTML) from its runs.
 //! - [`compare`]: trains a plan's runs, then writes the report.
+//! - [`pipeline`]: pipeline-parallel planning: chunks, the cross-stage cache's transfers and
+//!   the interleaved 1F1B schedule.
 //! - [`eval`], [`forward`], [`generate`], [`bench`]: the other commands of the binary: measuring
 //!   a model on a text, one batch through a model, text generation, and benchmarks.
 
@@ -27,6 +29,7 @@ pub mod fs;
 pub mod generate;
 pub mod kernels;
 pub mod model;
+pub mod pipeline;
 pub mod presets;
 pub mod profile;
 pub mod report;

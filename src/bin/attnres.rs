@@ -50,6 +50,45 @@ enum Command {
     Compare(CompareArgs),
     /// Rebuild the report of a comparison directory from its runs.
     Report(ReportArgs),
+    /// Plan pipeline-parallel training without training: chunks, what crosses each stage
+    /// transition (with and without the cross-stage cache), the schedule and its bubble.
+    Plan(PlanArgs),
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Pipeline stages (ranks in one pipeline).
+    #[arg(long)]
+    pp: usize,
+    /// Virtual stages per rank (interleaved chunks).
+    #[arg(long, default_value_t = 1)]
+    vpp: usize,
+    /// Micro-batches per optimiser step (default: the settings' gradient accumulation).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// on: ranks keep the blocks they received or produced; received: only those received (the
+    /// report's accounting, Eq. 8); off: every transition resends every block (Eq. 7).
+    #[arg(long, default_value = "on")]
+    pp_cache: String,
+    /// Named preset for the model and batch shape.
+    #[arg(long, default_value = presets::DEFAULT_PRESET)]
+    preset: String,
+    /// Override any model or training setting.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Layers, overriding the settings (with --hidden and --block-layers, for shapes no config
+    /// of this machine holds, such as the report's 93 layers in blocks of 12).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Hidden size, overriding the settings.
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Layers per block (Block AttnRes; the last block may be shorter), overriding the settings.
+    #[arg(long)]
+    block_layers: Option<usize>,
+    /// Also print each rank's order of forward and backward passes.
+    #[arg(long)]
+    schedule: bool,
 }
 
 #[derive(Args)]
@@ -340,6 +379,7 @@ fn run(cli: Cli) -> Result<()> {
             log(&format!("report: {}", page.display()));
             Ok(())
         }
+        Command::Plan(a) => plan_cmd(a),
     }
 }
 
@@ -348,6 +388,34 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
     let variants = suite::suite(&a.suite, &base)?;
     let plan = suite::Plan { suite: a.suite.clone(), base, variants, seeds: a.seeds, data: a.data };
     compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
+}
+
+fn plan_cmd(a: PlanArgs) -> Result<()> {
+    use attnres::pipeline::{Cache, Depth, PlanText, Shape};
+    let run = presets::run_config(&a.preset)?.with_overrides(&a.sets)?;
+    let mut depth = Depth::of(&run.model);
+    if let Some(l) = a.layers {
+        ensure!(l > 0, "--layers must be at least 1");
+        depth.sublayers = 2 * l;
+    }
+    if let Some(k) = a.block_layers {
+        ensure!(k > 0, "--block-layers must be at least 1");
+        depth.block = Some(2 * k);
+    }
+    let shape = Shape {
+        stages: a.pp,
+        virtual_stages: a.vpp,
+        micro_batches: a.micro_batches.unwrap_or(run.train.accumulation()),
+    };
+    let text = PlanText {
+        depth: &depth,
+        shape: &shape,
+        cache: Cache::parse(&a.pp_cache)?,
+        hidden_size: a.hidden.unwrap_or(run.model.hidden_size),
+        tokens: run.train.micro_batch * run.train.seq_len,
+        show_schedule: a.schedule,
+    };
+    output(&text.render()?)
 }
 
 fn train_cmd(a: TrainArgs) -> Result<()> {
