@@ -18,6 +18,7 @@
 //!   the interleaved 1F1B schedule.
 //! - [`eval`], [`forward`], [`generate`], [`bench`]: the other commands of the binary: measuring
 //!   a model on a text, one batch through a model, text generation, and benchmarks.
+//! - [`import`]: Llama checkpoints from GGUF files and Hugging Face directories.
 
 pub mod alloc;
 pub mod bench;
@@ -27,6 +28,7 @@ pub mod eval;
 pub mod forward;
 pub mod fs;
 pub mod generate;
+pub mod import;
 pub mod kernels;
 pub mod model;
 pub mod pipeline;

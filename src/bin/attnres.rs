@@ -53,6 +53,23 @@ enum Command {
     /// Plan pipeline-parallel training without training: chunks, what crosses each stage
     /// transition (with and without the cross-stage cache), the schedule and its bubble.
     Plan(PlanArgs),
+    /// Import a Llama checkpoint (a GGUF file or a Hugging Face directory) as a checkpoint with
+    /// its tokenizer, ready for generate and eval.
+    Import(ImportArgs),
+}
+
+#[derive(Args)]
+struct ImportArgs {
+    /// A GGUF file (llama architecture) or a Hugging Face Llama directory (config.json,
+    /// *.safetensors, tokenizer.json).
+    #[arg(long)]
+    from: PathBuf,
+    /// Checkpoint directory to write.
+    #[arg(long)]
+    out: PathBuf,
+    /// Replace a non-empty --out.
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Args)]
@@ -324,7 +341,7 @@ fn main() {
 fn usage_error(e: &clap::Error) -> String {
     if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
         return "no command given: one of init, forward, train, eval, generate, bench, compare, \
-                report (see attnres --help)"
+                report, plan, import (see attnres --help)"
             .into();
     }
     // The message runs to the first blank line or the usage block; a list of missing
@@ -380,6 +397,11 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Plan(a) => plan_cmd(a),
+        Command::Import(a) => {
+            let summary = attnres::import::import(&a.from, &a.out, a.force)?;
+            log(&summary.line(&a.out));
+            Ok(())
+        }
     }
 }
 

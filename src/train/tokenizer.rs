@@ -13,6 +13,16 @@ use tokenizers::{AddedToken, Tokenizer, TokenizerImpl};
 /// Separates documents in the token stream.
 pub const END_OF_TEXT: &str = "<|endoftext|>";
 
+/// The end-of-text token a `tokenizer_config.json` names (`eos_token`, a string or
+/// `{"content": ...}`).
+pub fn eos_token(tokenizer_config: &serde_json::Value) -> Option<&str> {
+    match &tokenizer_config["eos_token"] {
+        serde_json::Value::String(s) => Some(s),
+        serde_json::Value::Object(o) => o.get("content").and_then(serde_json::Value::as_str),
+        _ => None,
+    }
+}
+
 pub struct Bpe {
     inner: Tokenizer,
     /// Id of [`END_OF_TEXT`].
@@ -48,17 +58,36 @@ impl Bpe {
     }
 
     pub fn from_json(json: &str) -> Result<Bpe> {
+        Self::from_json_with_eos(json, None)
+    }
+
+    /// A tokenizer whose end-of-text token is `eos` (an imported model's own, such as `</s>` or
+    /// `<|im_end|>`), or [`END_OF_TEXT`] when `None`.
+    pub fn from_json_with_eos(json: &str, eos: Option<&str>) -> Result<Bpe> {
         let inner: Tokenizer =
             json.parse().map_err(|e| anyhow!("not a valid tokenizer.json: {e}"))?;
-        let eot = inner
-            .token_to_id(END_OF_TEXT)
-            .with_context(|| format!("tokenizer has no {END_OF_TEXT} token"))?;
+        let name = eos.unwrap_or(END_OF_TEXT);
+        let eot =
+            inner.token_to_id(name).with_context(|| format!("tokenizer has no {name} token"))?;
         Ok(Bpe { inner, eot })
     }
 
+    /// Loads `tokenizer.json`. When a `tokenizer_config.json` lies beside it (an imported
+    /// model's, docs/import.md) and names an `eos_token`, that token ends the text.
     pub fn load(path: &Path) -> Result<Bpe> {
         let json = crate::fs::read_utf8(path)?;
-        Self::from_json(&json).with_context(|| format!("in {}", path.display()))
+        let config_path = path.with_file_name("tokenizer_config.json");
+        let config: Option<serde_json::Value> = if config_path.exists() {
+            let text = crate::fs::read_utf8(&config_path)?;
+            Some(
+                serde_json::from_str(&text)
+                    .with_context(|| format!("{} is not valid JSON", config_path.display()))?,
+            )
+        } else {
+            None
+        };
+        let eos = config.as_ref().and_then(eos_token);
+        Self::from_json_with_eos(&json, eos).with_context(|| format!("in {}", path.display()))
     }
 
     pub fn to_json(&self) -> Result<String> {

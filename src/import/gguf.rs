@@ -1,0 +1,579 @@
+//! A reader for GGUF files (llama.cpp's model format), written from the specification
+//! (ggml's `docs/gguf.md`, versions 2 and 3, little-endian) and the block layouts of
+//! `ggml-common.h`. It reads the metadata and the tensor table, checks every length and offset
+//! against the file before using it, and dequantises the tensor types listed in [`GgmlType`].
+
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::BTreeMap;
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    U8(u8),
+    I8(i8),
+    U16(u16),
+    I16(i16),
+    U32(u32),
+    I32(i32),
+    F32(f32),
+    Bool(bool),
+    Str(String),
+    Array(Vec<Value>),
+    U64(u64),
+    I64(i64),
+    F64(f64),
+}
+
+impl Value {
+    /// An integer value of any width, if non-negative.
+    pub fn as_u64(&self) -> Option<u64> {
+        match *self {
+            Value::U8(v) => Some(v as u64),
+            Value::U16(v) => Some(v as u64),
+            Value::U32(v) => Some(v as u64),
+            Value::U64(v) => Some(v),
+            Value::I8(v) => u64::try_from(v).ok(),
+            Value::I16(v) => u64::try_from(v).ok(),
+            Value::I32(v) => u64::try_from(v).ok(),
+            Value::I64(v) => u64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    pub fn as_f64(&self) -> Option<f64> {
+        match *self {
+            Value::F32(v) => Some(v as f64),
+            Value::F64(v) => Some(v),
+            Value::I8(v) => Some(v as f64),
+            Value::I16(v) => Some(v as f64),
+            Value::I32(v) => Some(v as f64),
+            Value::I64(v) => Some(v as f64),
+            _ => self.as_u64().map(|v| v as f64),
+        }
+    }
+
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            Value::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    pub fn as_bool(&self) -> Option<bool> {
+        match *self {
+            Value::Bool(b) => Some(b),
+            _ => None,
+        }
+    }
+
+    pub fn as_array(&self) -> Option<&[Value]> {
+        match self {
+            Value::Array(a) => Some(a),
+            _ => None,
+        }
+    }
+
+    /// The GGUF name of the value's type, for error messages.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::U8(_) => "uint8",
+            Value::I8(_) => "int8",
+            Value::U16(_) => "uint16",
+            Value::I16(_) => "int16",
+            Value::U32(_) => "uint32",
+            Value::I32(_) => "int32",
+            Value::F32(_) => "float32",
+            Value::Bool(_) => "bool",
+            Value::Str(_) => "string",
+            Value::Array(_) => "array",
+            Value::U64(_) => "uint64",
+            Value::I64(_) => "int64",
+            Value::F64(_) => "float64",
+        }
+    }
+}
+
+/// The tensor types this reader dequantises, with their ggml type ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GgmlType {
+    F32,
+    F16,
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    BF16,
+}
+
+/// Names of every ggml type id, so that an unsupported one is named in the error.
+const TYPE_NAMES: &[(u32, &str)] = &[
+    (0, "F32"),
+    (1, "F16"),
+    (2, "Q4_0"),
+    (3, "Q4_1"),
+    (6, "Q5_0"),
+    (7, "Q5_1"),
+    (8, "Q8_0"),
+    (9, "Q8_1"),
+    (10, "Q2_K"),
+    (11, "Q3_K"),
+    (12, "Q4_K"),
+    (13, "Q5_K"),
+    (14, "Q6_K"),
+    (15, "Q8_K"),
+    (16, "IQ2_XXS"),
+    (17, "IQ2_XS"),
+    (18, "IQ3_XXS"),
+    (19, "IQ1_S"),
+    (20, "IQ4_NL"),
+    (21, "IQ3_S"),
+    (22, "IQ2_S"),
+    (23, "IQ4_XS"),
+    (24, "I8"),
+    (25, "I16"),
+    (26, "I32"),
+    (27, "I64"),
+    (28, "F64"),
+    (29, "IQ1_M"),
+    (30, "BF16"),
+    (34, "TQ1_0"),
+    (35, "TQ2_0"),
+    (39, "MXFP4"),
+];
+
+/// The supported types, as the error for another one lists them.
+pub const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Option<GgmlType> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q8_0 => 8,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// Values per block and bytes per block.
+    pub fn block(self) -> (usize, usize) {
+        match self {
+            GgmlType::F32 => (1, 4),
+            GgmlType::F16 | GgmlType::BF16 => (1, 2),
+            GgmlType::Q4_0 => (32, 2 + 16),
+            GgmlType::Q4_1 => (32, 2 + 2 + 16),
+            GgmlType::Q8_0 => (32, 2 + 32),
+        }
+    }
+}
+
+/// The name of a ggml type id: `Q4_K`, or `type 77` for an id no version of ggml has.
+pub fn type_name(id: u32) -> String {
+    TYPE_NAMES
+        .iter()
+        .find(|(i, _)| *i == id)
+        .map_or_else(|| format!("type {id}"), |(_, n)| n.to_string())
+}
+
+/// One entry of the tensor table.
+#[derive(Clone, Debug)]
+pub struct TensorInfo {
+    pub name: String,
+    /// ggml order: `dims[0]` is the innermost (contiguous) dimension, so a PyTorch `[out, in]`
+    /// matrix has `dims = [in, out]`.
+    pub dims: Vec<u64>,
+    /// The ggml type id.
+    pub type_id: u32,
+    /// Offset of the data from the start of the tensor data section.
+    pub offset: u64,
+}
+
+impl TensorInfo {
+    pub fn elements(&self) -> u64 {
+        self.dims.iter().product()
+    }
+
+    /// The shape in PyTorch order (outermost first).
+    pub fn shape(&self) -> Vec<usize> {
+        self.dims.iter().rev().map(|&d| d as usize).collect()
+    }
+}
+
+/// A parsed GGUF file: metadata, tensor table and the bytes of the tensor data section.
+pub struct Gguf<'a> {
+    pub version: u32,
+    pub metadata: BTreeMap<String, Value>,
+    pub tensors: Vec<TensorInfo>,
+    data: &'a [u8],
+}
+
+pub const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+/// Whether `bytes` start with the GGUF magic.
+pub fn has_magic(bytes: &[u8]) -> bool {
+    bytes.starts_with(MAGIC)
+}
+
+struct Cursor<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    /// What is being read, for the truncation error.
+    what: &'static str,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.bytes.len());
+        let Some(end) = end else {
+            bail!(
+                "the file is truncated: it ends at byte {} inside the {} (needed {} more bytes at byte {})",
+                self.bytes.len(),
+                self.what,
+                n,
+                self.pos
+            )
+        };
+        let s = &self.bytes[self.pos..end];
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn remaining(&self) -> usize {
+        self.bytes.len() - self.pos
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N]> {
+        Ok(self.take(N)?.try_into().expect("take returns N bytes"))
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// A count of items that take at least `min_size` bytes each: bounded by what is left of the
+    /// file, so no allocation is sized by a corrupt count.
+    fn count(&mut self, min_size: usize, what: &str) -> Result<usize> {
+        let n = self.u64()?;
+        let fits = n.checked_mul(min_size as u64).is_some_and(|b| b <= self.remaining() as u64);
+        ensure!(
+            fits,
+            "{what} count {n} is impossible: the {} bytes left in the file cannot hold that many (corrupt or truncated file)",
+            self.remaining()
+        );
+        Ok(n as usize)
+    }
+
+    fn string(&mut self) -> Result<String> {
+        let n = self.count(1, "string length")?;
+        let at = self.pos;
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec())
+            .map_err(|_| anyhow::anyhow!("the string at byte {at} is not valid UTF-8"))
+    }
+
+    fn value(&mut self, type_id: u32, depth: usize) -> Result<Value> {
+        Ok(match type_id {
+            0 => Value::U8(self.array::<1>()?[0]),
+            1 => Value::I8(self.array::<1>()?[0] as i8),
+            2 => Value::U16(u16::from_le_bytes(self.array()?)),
+            3 => Value::I16(i16::from_le_bytes(self.array()?)),
+            4 => Value::U32(self.u32()?),
+            5 => Value::I32(i32::from_le_bytes(self.array()?)),
+            6 => Value::F32(f32::from_le_bytes(self.array()?)),
+            7 => {
+                let at = self.pos;
+                match self.array::<1>()?[0] {
+                    0 => Value::Bool(false),
+                    1 => Value::Bool(true),
+                    b => bail!("the bool at byte {at} is {b}, neither 0 nor 1"),
+                }
+            }
+            8 => Value::Str(self.string()?),
+            9 => {
+                ensure!(depth < 8, "metadata arrays nested more than 8 deep");
+                let elem = self.u32()?;
+                let min = match elem {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    8 | 10..=12 => 8,
+                    9 => 12,
+                    t => bail!("unknown metadata value type {t} in an array"),
+                };
+                let n = self.count(min, "array length")?;
+                let mut items = Vec::with_capacity(n);
+                for _ in 0..n {
+                    items.push(self.value(elem, depth + 1)?);
+                }
+                Value::Array(items)
+            }
+            10 => Value::U64(self.u64()?),
+            11 => Value::I64(i64::from_le_bytes(self.array()?)),
+            12 => Value::F64(f64::from_le_bytes(self.array()?)),
+            t => bail!("unknown metadata value type {t}"),
+        })
+    }
+}
+
+impl<'a> Gguf<'a> {
+    /// Parses the header, metadata and tensor table of a GGUF file held in `bytes`, and checks
+    /// that every tensor's data lies inside the file.
+    pub fn parse(bytes: &'a [u8]) -> Result<Gguf<'a>> {
+        ensure!(
+            has_magic(bytes),
+            "not a GGUF file: it starts with {:?}, not the magic \"GGUF\"",
+            String::from_utf8_lossy(&bytes[..bytes.len().min(4)])
+        );
+        let mut c = Cursor { bytes, pos: 4, what: "header" };
+        let version = c.u32()?;
+        if version.swap_bytes() == 2 || version.swap_bytes() == 3 {
+            bail!("big-endian GGUF files are not supported (version field {version:#x})");
+        }
+        ensure!(
+            version == 2 || version == 3,
+            "GGUF version {version} is not supported (versions 2 and 3 are)"
+        );
+        // A tensor-table entry takes at least 8 (name) + 4 + 4 + 8 bytes, a metadata pair at
+        // least 8 + 4 + 1.
+        let n_tensors = c.count(24, "tensor")?;
+        let n_kv = c.count(13, "metadata")?;
+        c.what = "metadata";
+        let mut metadata = BTreeMap::new();
+        for _ in 0..n_kv {
+            let key = c.string()?;
+            let t = c.u32()?;
+            let v = c.value(t, 0).with_context(|| format!("metadata key {key:?}"))?;
+            ensure!(
+                metadata.insert(key.clone(), v).is_none(),
+                "metadata key {key:?} appears twice"
+            );
+        }
+        c.what = "tensor table";
+        let mut tensors = Vec::with_capacity(n_tensors);
+        for _ in 0..n_tensors {
+            let name = c.string()?;
+            let n_dims = c.u32()?;
+            ensure!(
+                (1..=4).contains(&n_dims),
+                "tensor {name:?} has {n_dims} dimensions; GGUF allows 1 to 4"
+            );
+            let mut dims = Vec::new();
+            for _ in 0..n_dims {
+                dims.push(c.u64()?);
+            }
+            let type_id = c.u32()?;
+            let offset = c.u64()?;
+            tensors.push(TensorInfo { name, dims, type_id, offset });
+        }
+        let alignment = match metadata.get("general.alignment") {
+            None => DEFAULT_ALIGNMENT,
+            Some(v) => {
+                let a = v.as_u64().context("general.alignment is not an integer")?;
+                ensure!(
+                    a > 0 && a % 8 == 0 && a <= 1 << 20,
+                    "general.alignment = {a} is not a positive multiple of 8"
+                );
+                a
+            }
+        };
+        let start = (c.pos as u64).div_ceil(alignment) * alignment;
+        ensure!(
+            start <= bytes.len() as u64,
+            "the file is truncated: it ends at byte {} before its tensor data (which starts at byte {start})",
+            bytes.len()
+        );
+        let data = &bytes[start as usize..];
+        let g = Gguf { version, metadata, tensors, data };
+        let mut names = std::collections::HashSet::new();
+        for t in &g.tensors {
+            ensure!(names.insert(t.name.as_str()), "tensor {:?} appears twice", t.name);
+            ensure!(
+                t.offset % alignment == 0,
+                "tensor {:?}: offset {} is not a multiple of the alignment {alignment}",
+                t.name,
+                t.offset
+            );
+            if let Some(ty) = GgmlType::from_id(t.type_id) {
+                // Only tensors of supported types are sized here; others are refused when read.
+                g.byte_range(t, ty)?;
+            }
+        }
+        Ok(g)
+    }
+
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.get(key)
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Where a tensor's bytes lie in the data section; an error if they run past its end.
+    fn byte_range(&self, t: &TensorInfo, ty: GgmlType) -> Result<std::ops::Range<usize>> {
+        let (per_block, block_bytes) = ty.block();
+        let n = t.dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+        let n =
+            n.with_context(|| format!("tensor {:?}: dimensions {:?} overflow", t.name, t.dims))?;
+        ensure!(
+            t.dims[0] % per_block as u64 == 0,
+            "tensor {:?}: its rows of {} values are not a whole number of {}-value blocks of type {}",
+            t.name,
+            t.dims[0],
+            per_block,
+            type_name(t.type_id)
+        );
+        let size = (n / per_block as u64)
+            .checked_mul(block_bytes as u64)
+            .with_context(|| format!("tensor {:?} is too large", t.name))?;
+        let end = t.offset.checked_add(size).filter(|&e| e <= self.data.len() as u64);
+        let Some(end) = end else {
+            bail!(
+                "the file is truncated: tensor {:?} ({} bytes of {}) runs past the end of the file",
+                t.name,
+                size,
+                type_name(t.type_id)
+            )
+        };
+        Ok(t.offset as usize..end as usize)
+    }
+
+    /// A tensor's values as f32 in ggml order (row-major over `dims` reversed).
+    pub fn dequantize(&self, t: &TensorInfo) -> Result<Vec<f32>> {
+        let ty = GgmlType::from_id(t.type_id).with_context(|| {
+            format!(
+                "tensor {:?} has type {}, which import does not support (supported: {SUPPORTED_TYPES})",
+                t.name,
+                type_name(t.type_id)
+            )
+        })?;
+        let range = self.byte_range(t, ty)?;
+        Ok(dequantize(ty, &self.data[range]))
+    }
+}
+
+/// An IEEE half-precision value (binary16) as f32; exact.
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h as u32) & 0x8000) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let frac = (h & 0x3ff) as u32;
+    let bits = match (exp, frac) {
+        (0, 0) => sign,
+        (0, _) => {
+            // Subnormal: normalise the fraction.
+            let shift = frac.leading_zeros() - 21; // bring the top set bit to bit 10
+            let frac = (frac << shift) & 0x3ff;
+            let exp = 127 - 15 + 1 - shift;
+            sign | (exp << 23) | (frac << 13)
+        }
+        (0x1f, _) => sign | 0x7f80_0000 | (frac << 13),
+        _ => sign | ((exp + 127 - 15) << 23) | (frac << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// A bfloat16 value as f32; exact.
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits((h as u32) << 16)
+}
+
+fn half(b: &[u8]) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// Dequantises whole blocks of type `ty` (ggml's `dequantize_row_*`).
+pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
+    let (per_block, block_bytes) = ty.block();
+    let mut out = Vec::with_capacity(bytes.len() / block_bytes * per_block);
+    for b in bytes.chunks_exact(block_bytes) {
+        match ty {
+            GgmlType::F32 => out.push(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            GgmlType::F16 => out.push(half(b)),
+            GgmlType::BF16 => out.push(bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
+            GgmlType::Q8_0 => {
+                let d = half(b);
+                out.extend(b[2..].iter().map(|&q| (q as i8) as f32 * d));
+            }
+            GgmlType::Q4_0 => {
+                let d = half(b);
+                let qs = &b[2..];
+                // Low nibbles are values 0..16 of the block, high nibbles values 16..32.
+                out.extend(qs.iter().map(|&q| ((q & 0x0f) as i32 - 8) as f32 * d));
+                out.extend(qs.iter().map(|&q| ((q >> 4) as i32 - 8) as f32 * d));
+            }
+            GgmlType::Q4_1 => {
+                let (d, m) = (half(b), half(&b[2..]));
+                let qs = &b[4..];
+                out.extend(qs.iter().map(|&q| (q & 0x0f) as f32 * d + m));
+                out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// binary16 from its definition: (-1)^s · 2^(e-15) · (1 + f/1024), subnormals 2^-14 · f/1024.
+    fn f16_reference(h: u16) -> f64 {
+        let s = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+        let e = ((h >> 10) & 0x1f) as i32;
+        let f = (h & 0x3ff) as f64;
+        match e {
+            0 => s * 2f64.powi(-14) * f / 1024.0,
+            31 if f == 0.0 => s * f64::INFINITY,
+            31 => f64::NAN,
+            _ => s * 2f64.powi(e - 15) * (1.0 + f / 1024.0),
+        }
+    }
+
+    #[test]
+    fn every_half_value_converts_exactly() {
+        for h in 0..=u16::MAX {
+            let (got, want) = (f16_to_f32(h) as f64, f16_reference(h));
+            if want.is_nan() {
+                assert!(got.is_nan(), "{h:#x}");
+            } else {
+                assert_eq!(got, want, "{h:#x}");
+                assert_eq!(got.is_sign_negative(), want.is_sign_negative(), "{h:#x}");
+            }
+        }
+        assert_eq!(bf16_to_f32(0x3f80), 1.0);
+        assert_eq!(bf16_to_f32(0xc040), -3.0);
+    }
+
+    #[test]
+    fn type_names_and_sizes() {
+        assert_eq!(type_name(12), "Q4_K");
+        assert_eq!(type_name(77), "type 77");
+        for ty in [
+            GgmlType::F32,
+            GgmlType::F16,
+            GgmlType::Q4_0,
+            GgmlType::Q4_1,
+            GgmlType::Q8_0,
+            GgmlType::BF16,
+        ] {
+            assert_eq!(GgmlType::from_id(ty.id()), Some(ty));
+        }
+    }
+}
