@@ -377,8 +377,14 @@ pub fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
 
 /// `config.json` keys that Llama checkpoints on the Hub carry and that do not change the
 /// computation; dropped on import.
-const HF_DROPPED_KEYS: &[&str] =
-    &["is_llama_config", "transformers.js_config", "torch_dtype", "dtype"];
+const HF_DROPPED_KEYS: &[&str] = &[
+    "is_llama_config",
+    "transformers.js_config",
+    "torch_dtype",
+    "dtype",
+    "_model_name_or_path",
+    "unk_token_id",
+];
 
 const INDEX_FILE: &str = "model.safetensors.index.json";
 
@@ -468,6 +474,9 @@ fn hf_config(text: &str) -> Result<Config> {
     if let Some(a) = map.get("architectures") {
         let ok = a.as_array().is_some_and(|a| a.iter().any(|x| x == "LlamaForCausalLM"));
         ensure!(ok, "architectures = {a}: only LlamaForCausalLM imports");
+    }
+    if let Some(q) = map.get("quantization_config") {
+        bail!("quantization_config = {q}: quantised Hugging Face checkpoints are not supported (f32, f16 and bf16 are)");
     }
     if let Some(v) = map.get("rope_interleaved") {
         ensure!(v == &Json::Bool(false), "rope_interleaved = {v} is not supported");
