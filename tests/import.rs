@@ -95,7 +95,7 @@ fn write_gguf(meta: &[(String, Meta)], tensors: &[RawTensor]) -> Vec<u8> {
         offset += (t.data.len() as u64).div_ceil(32) * 32;
     }
     for t in tensors {
-        while out.len() % 32 != 0 {
+        while !out.len().is_multiple_of(32) {
             out.push(0);
         }
         out.extend(&t.data);
@@ -536,7 +536,8 @@ fn write_hf_dir(dir: &Path) -> BTreeMap<String, Vec<f32>> {
 
     let mut rng = Rng(3);
     let mut expected = BTreeMap::new();
-    let mut shards: Vec<Vec<(String, Vec<usize>, Dtype, Vec<u8>)>> = vec![vec![], vec![]];
+    type Shard = Vec<(String, Vec<usize>, Dtype, Vec<u8>)>;
+    let mut shards: Vec<Shard> = vec![vec![], vec![]];
     for (k, s) in model.layout.specs.iter().enumerate() {
         let vals = &model.params[s.range.clone()];
         let (dtype, bytes, want): (Dtype, Vec<u8>, Vec<f32>) = if k % 2 == 0 {

@@ -387,7 +387,7 @@ impl<'a> Gguf<'a> {
             Some(v) => {
                 let a = v.as_u64().context("general.alignment is not an integer")?;
                 ensure!(
-                    a > 0 && a % 8 == 0 && a <= 1 << 20,
+                    a > 0 && a.is_multiple_of(8) && a <= 1 << 20,
                     "general.alignment = {a} is not a positive multiple of 8"
                 );
                 a
@@ -405,7 +405,7 @@ impl<'a> Gguf<'a> {
         for t in &g.tensors {
             ensure!(names.insert(t.name.as_str()), "tensor {:?} appears twice", t.name);
             ensure!(
-                t.offset % alignment == 0,
+                t.offset.is_multiple_of(alignment),
                 "tensor {:?}: offset {} is not a multiple of the alignment {alignment}",
                 t.name,
                 t.offset
@@ -433,7 +433,7 @@ impl<'a> Gguf<'a> {
         let n =
             n.with_context(|| format!("tensor {:?}: dimensions {:?} overflow", t.name, t.dims))?;
         ensure!(
-            t.dims[0] % per_block as u64 == 0,
+            t.dims[0].is_multiple_of(per_block as u64),
             "tensor {:?}: its rows of {} values are not a whole number of {}-value blocks of type {}",
             t.name,
             t.dims[0],

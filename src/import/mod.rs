@@ -277,7 +277,7 @@ fn gguf_config(g: &Gguf) -> Result<Config> {
     let head_dim = match int("attention.key_length")? {
         Some(k) => k,
         None => {
-            ensure!(hidden % heads == 0, "llama.attention.head_count ({heads}) does not divide llama.embedding_length ({hidden})");
+            ensure!(hidden.is_multiple_of(heads), "llama.attention.head_count ({heads}) does not divide llama.embedding_length ({hidden})");
             hidden / heads
         }
     };

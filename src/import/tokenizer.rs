@@ -29,6 +29,7 @@ const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// How text is cut before byte-level merges, by the `tokenizer.ggml.pre` names llama.cpp gives.
+#[derive(Clone, Copy)]
 enum PreSplit {
     /// GPT-2's split (`'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`),
     /// which Hugging Face's `ByteLevel` pre-tokenizer applies itself.
@@ -40,29 +41,29 @@ enum PreSplit {
     Regex(&'static str),
 }
 
-const PRE_NAMES: &[(&str, fn() -> PreSplit)] = &[
-    ("default", || PreSplit::Gpt2),
-    ("gpt2", || PreSplit::Gpt2),
-    ("gpt-2", || PreSplit::Gpt2),
-    ("mpt", || PreSplit::Gpt2),
-    ("olmo", || PreSplit::Gpt2),
-    ("jais", || PreSplit::Gpt2),
-    ("smollm", || PreSplit::DigitsThenGpt2),
-    ("starcoder", || PreSplit::DigitsThenGpt2),
-    ("refact", || PreSplit::DigitsThenGpt2),
-    ("command-r", || PreSplit::DigitsThenGpt2),
-    ("codeshell", || PreSplit::DigitsThenGpt2),
-    ("exaone", || PreSplit::DigitsThenGpt2),
-    ("minerva-7b", || PreSplit::DigitsThenGpt2),
-    ("llama3", || PreSplit::Regex(LLAMA3_SPLIT)),
-    ("llama-v3", || PreSplit::Regex(LLAMA3_SPLIT)),
-    ("llama-bpe", || PreSplit::Regex(LLAMA3_SPLIT)),
-    ("falcon3", || PreSplit::Regex(LLAMA3_SPLIT)),
-    ("pixtral", || PreSplit::Regex(LLAMA3_SPLIT)),
-    ("dbrx", || PreSplit::Regex(LLAMA3_SPLIT)),
-    ("smaug-bpe", || PreSplit::Regex(LLAMA3_SPLIT)),
-    ("qwen2", || PreSplit::Regex(QWEN2_SPLIT)),
-    ("deepseek-r1-qwen", || PreSplit::Regex(QWEN2_SPLIT)),
+const PRE_NAMES: &[(&str, PreSplit)] = &[
+    ("default", PreSplit::Gpt2),
+    ("gpt2", PreSplit::Gpt2),
+    ("gpt-2", PreSplit::Gpt2),
+    ("mpt", PreSplit::Gpt2),
+    ("olmo", PreSplit::Gpt2),
+    ("jais", PreSplit::Gpt2),
+    ("smollm", PreSplit::DigitsThenGpt2),
+    ("starcoder", PreSplit::DigitsThenGpt2),
+    ("refact", PreSplit::DigitsThenGpt2),
+    ("command-r", PreSplit::DigitsThenGpt2),
+    ("codeshell", PreSplit::DigitsThenGpt2),
+    ("exaone", PreSplit::DigitsThenGpt2),
+    ("minerva-7b", PreSplit::DigitsThenGpt2),
+    ("llama3", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("llama-v3", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("llama-bpe", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("falcon3", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("pixtral", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("dbrx", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("smaug-bpe", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("qwen2", PreSplit::Regex(QWEN2_SPLIT)),
+    ("deepseek-r1-qwen", PreSplit::Regex(QWEN2_SPLIT)),
 ];
 
 /// The rebuilt tokenizer: `tokenizer.json` and `tokenizer_config.json` as JSON values.
@@ -234,7 +235,7 @@ pub fn rebuild(g: &Gguf) -> Result<Rebuilt> {
             None => "default".to_string(),
             Some(v) => v.as_str().context("tokenizer.ggml.pre is not a string")?.to_string(),
         };
-        let split = PRE_NAMES.iter().find(|(name, _)| *name == pre).map(|(_, f)| f());
+        let split = PRE_NAMES.iter().find(|(name, _)| *name == pre).map(|(_, s)| *s);
         let Some(split) = split else {
             let known: Vec<&str> = PRE_NAMES.iter().map(|(n, _)| *n).collect();
             bail!(
