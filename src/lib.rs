@@ -18,10 +18,12 @@
 //!   the interleaved 1F1B schedule.
 //! - [`eval`], [`forward`], [`generate`], [`bench`]: the other commands of the binary: measuring
 //!   a model on a text, one batch through a model, text generation, and benchmarks.
-//! - [`import`]: Llama checkpoints from GGUF files and Hugging Face directories.
+//! - [`import`]: Llama checkpoints from GGUF files and Hugging Face directories; [`chat`]: their
+//!   chat templates.
 
 pub mod alloc;
 pub mod bench;
+pub mod chat;
 pub mod compare;
 pub mod diagnostics;
 pub mod eval;

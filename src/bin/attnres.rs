@@ -280,8 +280,15 @@ struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
     /// Text to continue.
-    #[arg(long, conflicts_with = "prompt_file", required_unless_present = "prompt_file")]
+    #[arg(long, conflicts_with = "prompt_file", required_unless_present_any = ["prompt_file", "chat"])]
     prompt: Option<String>,
+    /// A message to an instruction model: put into the model's chat template (an imported
+    /// model's tokenizer_config.json); the answer ends at its end-of-turn token.
+    #[arg(long, conflicts_with_all = ["prompt", "prompt_file"])]
+    chat: Option<String>,
+    /// With --chat: a system message before it.
+    #[arg(long)]
+    system: Option<String>,
     /// A UTF-8 file with one prompt per line, generated as one batch; prints one JSON object
     /// per prompt ({"prompt", "completion", "new_tokens", "stop"}).
     #[arg(long)]
@@ -471,19 +478,29 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
 
 fn generate_cmd(a: GenerateArgs) -> Result<()> {
     ensure!(a.max_tokens > 0, "--max-tokens must be at least 1, got {}", a.max_tokens);
+    ensure!(a.system.is_none() || a.chat.is_some(), "--system goes with --chat");
     let top_k = match a.top_k {
         Some(k) if k < 1 => bail!("--top-k must be at least 1, got {k}"),
         k => k.map(|k| k as usize),
     };
     let sampling = Sampling { temperature: a.temperature, top_k, top_p: a.top_p };
     sampling.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
-    let texts: Vec<String> = match (&a.prompt, &a.prompt_file) {
-        (Some(p), _) => {
+    let texts: Vec<String> = match (&a.prompt, &a.prompt_file, &a.chat) {
+        (Some(p), ..) => {
             ensure!(!p.is_empty(), "--prompt is empty: give some text to continue");
             vec![p.clone()]
         }
-        (None, Some(f)) => generate::read_prompts(f)?,
-        (None, None) => bail!("give --prompt TEXT or --prompt-file FILE"),
+        (None, Some(f), _) => generate::read_prompts(f)?,
+        (None, None, Some(message)) => {
+            let template = attnres::chat::ChatTemplate::load(&a.model)?;
+            let mut messages = Vec::new();
+            if let Some(s) = &a.system {
+                messages.push(("system", s.as_str()));
+            }
+            messages.push(("user", message.as_str()));
+            vec![template.render(&messages)?]
+        }
+        (None, None, None) => bail!("give --prompt TEXT, --prompt-file FILE or --chat MESSAGE"),
     };
     let (model, bpe) = load_with_tokenizer(&a.model)?;
     generate::check_tokenizer(model.config.vocab_size, &bpe)?;
@@ -495,10 +512,11 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         overflow: if a.slide { Overflow::Slide } else { Overflow::Error },
         stop: (!a.ignore_eos).then_some(bpe.eot),
     };
-    // --prompt streams text; --prompt-file (even with one line) prints JSON lines.
-    let single = a.prompt.is_some();
+    // --prompt streams text; --prompt-file (even with one line) prints JSON lines. --chat
+    // streams the answer alone.
+    let single = a.prompt.is_some() || a.chat.is_some();
     let mut stream = TextStream::new(&bpe);
-    if single {
+    if a.prompt.is_some() {
         output(&texts[0])?;
     }
     let (gens, timing) = generate::generate(&model, &prompts, &opts, |_, tok| {

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Runs scripts/check_import.py (a real GGUF model imported and checked against transformers;
+# docs/import.md) in a Python environment of its own, installed from PyPI on first use and kept
+# under ~/.cache/attnres-import for later runs while scripts/requirements-import.txt is unchanged.
+# Needs python3 with venv and pip, PyPI, and the release build of attnres and of the tokenize
+# example (which `cargo test --release` leaves in target/release).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/attnres-import"
+venv="$cache/venv"
+stamp="$venv/.requirements"
+mkdir -p "$cache"
+if ! cmp -s scripts/requirements-import.txt "$stamp" 2>/dev/null; then
+    echo "import check: installing scripts/requirements-import.txt into $venv (torch from PyPI: a few GB, minutes)"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/requirements-import.txt
+    cp scripts/requirements-import.txt "$stamp"
+fi
+[ -x target/release/attnres ] || cargo build --release --locked --bin attnres
+[ -x target/release/examples/tokenize ] || cargo build --release --locked --example tokenize
+"$venv/bin/python" scripts/check_import.py --cache "$cache/model"
