@@ -117,6 +117,10 @@ mod tests {
         assert_eq!(t.render(&[("user", "x")]).unwrap(), "<s>[INST] x [/INST]");
         let e = t.render(&[("system", "x")]).unwrap_err().to_string();
         assert!(e.contains("no system role"), "{e}");
-        assert!(template("{% if %}").render(&[]).unwrap_err().to_string().contains("chat template"));
+        assert!(template("{% if %}")
+            .render(&[])
+            .unwrap_err()
+            .to_string()
+            .contains("chat template"));
     }
 }

@@ -281,6 +281,10 @@ pub struct TextStream<'a> {
     /// The first token the tokenizer has no text for: nothing after it is handed out, and
     /// [`TextStream::finish`] is an error naming it.
     unknown: Option<u32>,
+    /// The token before `pending` (the last one handed out, or the prompt's last), decoded with
+    /// it so that a decoder that strips the text's leading space (SentencePiece's) strips it
+    /// from that token and not from each new piece.
+    context: Option<u32>,
 }
 
 /// Refuses a model whose vocabulary is larger than its tokenizer's: the ids beyond the
@@ -309,7 +313,24 @@ fn decode_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Re
 
 impl<'a> TextStream<'a> {
     pub fn new(bpe: &'a Bpe) -> TextStream<'a> {
-        TextStream { bpe, pending: Vec::new(), unknown: None }
+        TextStream { bpe, pending: Vec::new(), unknown: None, context: None }
+    }
+
+    /// A stream continuing text whose last token is `token` (the prompt's).
+    pub fn after(mut self, token: Option<u32>) -> TextStream<'a> {
+        self.context = token.filter(|&t| (t as usize) < self.bpe.vocab_size());
+        self
+    }
+
+    /// The text of `pending`, decoded after the context token and without that token's text.
+    fn decode_pending(&self) -> Result<String> {
+        let Some(c) = self.context else { return self.bpe.decode(&self.pending) };
+        let head = self.bpe.decode(&[c])?;
+        let ids: Vec<u32> = std::iter::once(c).chain(self.pending.iter().copied()).collect();
+        match self.bpe.decode(&ids)?.strip_prefix(&head) {
+            Some(rest) => Ok(rest.to_string()),
+            None => self.bpe.decode(&self.pending),
+        }
     }
 
     /// Adds a token (the end-of-text token is skipped); returns the new text it completes.
@@ -325,10 +346,11 @@ impl<'a> TextStream<'a> {
             return None;
         }
         self.pending.push(token);
-        let text = self.bpe.decode(&self.pending).ok()?;
+        let text = self.decode_pending().ok()?;
         if text.ends_with('\u{FFFD}') {
             return None; // a character still incomplete
         }
+        self.context = Some(token);
         self.pending.clear();
         (!text.is_empty()).then_some(text)
     }
@@ -339,7 +361,7 @@ impl<'a> TextStream<'a> {
         if let Some(t) = self.unknown {
             decode_sampled(self.bpe, &[t], None)?;
         }
-        self.bpe.decode(&self.pending)
+        self.decode_pending()
     }
 }
 

@@ -464,6 +464,26 @@ fn a_gguf_of_every_supported_type_imports_exactly() {
     ]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(String::from_utf8_lossy(&o.stdout).starts_with(" the"));
+
+    // --chat puts the message into the model's template (here the message alone) and prints
+    // the answer alone; --system goes with --chat only.
+    let model = out.to_str().unwrap();
+    let chat = |extra: &[&str]| {
+        let mut args =
+            vec!["generate", "--model", model, "--max-tokens", "3", "--temperature", "0"];
+        args.extend(extra);
+        attnres(&args)
+    };
+    let o = chat(&["--chat", " the", "--system", "be brief"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!String::from_utf8_lossy(&o.stdout).starts_with(" the"), "the prompt is not echoed");
+    let o = chat(&["--prompt", "x", "--system", "be brief"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--system goes with --chat"));
+    std::fs::remove_file(out.join("tokenizer_config.json")).unwrap();
+    let o = chat(&["--chat", "hi"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("has no chat template"));
 }
 
 #[test]
@@ -485,6 +505,12 @@ fn a_sentencepiece_gguf_gets_a_byte_fallback_tokenizer() {
         [id("▁the"), id("▁"), id("<0xE2>"), id("<0x82>"), id("<0xAC>")]
     );
     assert_eq!(bpe.decode(&bpe.encode("the €").unwrap()).unwrap(), "the €");
+    // Streamed pieces keep their spaces: the decoder strips one leading space from the text,
+    // not from every piece.
+    let mut stream = attnres::generate::TextStream::new(&bpe).after(Some(id("▁the")));
+    let pieces: String =
+        [id("▁the"), id("▁t"), id("he")].iter().filter_map(|&t| stream.push(t)).collect();
+    assert_eq!(pieces + &stream.finish().unwrap(), " the the");
     let tc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap())
             .unwrap();

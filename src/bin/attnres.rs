@@ -515,7 +515,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     // --prompt streams text; --prompt-file (even with one line) prints JSON lines. --chat
     // streams the answer alone.
     let single = a.prompt.is_some() || a.chat.is_some();
-    let mut stream = TextStream::new(&bpe);
+    let mut stream = TextStream::new(&bpe).after(prompts[0].last().copied());
     if a.prompt.is_some() {
         output(&texts[0])?;
     }
