@@ -20,7 +20,9 @@ Checks, each failing the script (exit 1) on a mismatch:
    and its tokenizer; `attnres import` of that directory gives the logits transformers gives for
    it, and the same token ids.
 5. Greedy generation with the chat template: "What is the capital of France?" is answered with
-   "Paris".
+   "Paris", as transformers answers with its own template and greedy decoding.
+6. A SentencePiece vocabulary: a small random Llama with one (scores, byte fallback, no merges),
+   written here with gguf-py over six tensor types, imported and checked as in 1-3.
 """
 import argparse
 import glob
@@ -191,6 +193,122 @@ def check_logits(fails, model, tok, attnres, model_dir, work, label, also_f64):
     return worst
 
 
+def permute_like_llama_cpp(w, heads):
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotate-half rows to interleaved pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_spm_gguf(path):
+    """A small random Llama with a SentencePiece vocabulary (scores, no merges, byte fallback),
+    written with gguf-py as llama.cpp's converter would, over six tensor types."""
+    import gguf
+
+    corpus = TEXTS + PROMPTS
+    chars = sorted({c for t in corpus for c in t if c.isascii() and c.isprintable() and c != " "})
+    # Every substring of 2 to 5 characters of each word (with its leading "\u2581"), scored at
+    # random: pieces compete, so the order of the merges decides the tokens.
+    rng = np.random.default_rng(0)
+    pieces = ["\u2581"] + chars
+    for word in sorted({w for t in corpus for w in t.split() if w.isascii()}):
+        word = "\u2581" + word
+        pieces += [word[i:j] for i in range(len(word)) for j in range(i + 2, min(i + 6, len(word) + 1))]
+    unique = list(dict.fromkeys(pieces))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + unique
+    scores = [0.0] * 259 + [0.0] * (len(chars) + 1) + list(
+        float(x) for x in rng.uniform(-10.0, -1.0, len(unique) - len(chars) - 1).astype(np.float32))
+    types = [2, 3, 3] + [6] * 256 + [1] * len(unique)
+
+    V, D, L, H, KV, HD, F = len(tokens), 64, 2, 4, 2, 16, 128
+    Q = gguf.GGMLQuantizationType
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("spm test llama")
+    w.add_context_length(128)
+    w.add_embedding_length(D)
+    w.add_block_count(L)
+    w.add_feed_forward_length(F)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_rope_dimension_count(HD)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def add(name, shape, qtype, heads=0, std=0.08):
+        x = (rng.standard_normal(shape) * std).astype(np.float32)
+        if len(shape) == 1:
+            x = 1.0 + x
+        if heads:
+            x = permute_like_llama_cpp(x, heads)
+        if qtype == Q.F32:
+            w.add_tensor(name, x)
+        elif qtype == Q.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", (V, D), Q.F16, std=0.5)
+    add("output_norm.weight", (D,), Q.F32)
+    add("output.weight", (V, D), Q.Q8_0, std=0.3)
+    kinds = [[Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.BF16, Q.F16, Q.Q8_0, Q.Q4_1],
+             [Q.Q4_1, Q.Q8_0, Q.F16, Q.Q4_0, Q.BF16, Q.F32, Q.Q8_0]]
+    for i, k in enumerate(kinds):
+        add(f"blk.{i}.attn_norm.weight", (D,), Q.F32)
+        add(f"blk.{i}.attn_q.weight", (H * HD, D), k[0], heads=H)
+        add(f"blk.{i}.attn_k.weight", (KV * HD, D), k[1], heads=KV)
+        add(f"blk.{i}.attn_v.weight", (KV * HD, D), k[2])
+        add(f"blk.{i}.attn_output.weight", (D, H * HD), k[3])
+        add(f"blk.{i}.ffn_norm.weight", (D,), Q.F32)
+        add(f"blk.{i}.ffn_gate.weight", (F, D), k[4])
+        add(f"blk.{i}.ffn_up.weight", (F, D), k[5])
+        add(f"blk.{i}.ffn_down.weight", (D, F), k[6])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return len(tokens)
+
+
+def spm_checks(args, work, fails):
+    """A SentencePiece GGUF (written here) through the same checks: weights, token ids,
+    logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gdir = os.path.join(work, "spm-gguf")
+    os.makedirs(gdir, exist_ok=True)
+    path = os.path.join(gdir, "spm.gguf")
+    n = write_spm_gguf(path)
+    log(f"  wrote {path}: a SentencePiece vocabulary of {n} tokens")
+    ours = os.path.join(work, "spm")
+    run([args.attnres, "import", "--from", path, "--out", ours, "--force"])
+    tok = AutoTokenizer.from_pretrained(gdir, gguf_file="spm.gguf")
+    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file="spm.gguf", dtype=torch.float32)
+    model.eval()
+    theirs = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    mine = load_file(os.path.join(ours, "model.safetensors"))
+    worst = max(float(np.abs(mine[k].astype(np.float64) - theirs[k]).max()) for k in mine)
+    fails.check(set(mine) == set(theirs) and worst <= WEIGHT_TOL,
+                f"SentencePiece GGUF: {len(mine)} weights (F32, F16, BF16, Q8_0, Q4_0, Q4_1) equal "
+                f"transformers' (max |Δ| = {worst:.1e})")
+    res = our_ids(args.tokenize, ours, TEXTS)
+    bad = 0
+    for text, ids, dec in zip(TEXTS, res["ids"], res["decoded"]):
+        want = tok(text, add_special_tokens=False)["input_ids"]
+        if ids != want or dec != tok.decode(want):
+            bad += 1
+            log(f"    {text!r}:\n      ours   {ids} {dec!r}\n      theirs {want} "
+                f"{tok.decode(want)!r}")
+    fails.check(bad == 0, f"SentencePiece GGUF: token ids and decoded text equal transformers' on "
+                f"{len(TEXTS)} texts ({sum(map(len, res['ids']))} tokens, byte fallback included)")
+    fails.check(res["eot"] == 2, "SentencePiece GGUF: end-of-text is </s>")
+    check_logits(fails, model, tok, args.attnres, ours, work, "SentencePiece GGUF", False)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--attnres", default=os.path.join(ROOT, "target", "release", "attnres"))
@@ -214,9 +332,11 @@ def main():
     if args.keep:
         os.makedirs(args.keep, exist_ok=True)
         checks(args, gguf, args.keep, fails)
+        spm_checks(args, args.keep, fails)
     else:
         with tempfile.TemporaryDirectory(prefix="attnres-import-") as work:
             checks(args, gguf, work, fails)
+            spm_checks(args, work, fails)
     log(f"done in {time.time() - t0:.0f} s")
     if fails.items:
         log(f"{len(fails.items)} check(s) failed")
