@@ -50,9 +50,37 @@ enum Command {
     Compare(CompareArgs),
     /// Rebuild the report of a comparison directory from its runs.
     Report(ReportArgs),
+    /// Serve a model over HTTP with the OpenAI API (completions, chat, streaming), batching
+    /// concurrent requests.
+    Serve(ServeArgs),
     /// Plan pipeline-parallel training without training: chunks, what crosses each stage
     /// transition (with and without the cross-stage cache), the schedule and its bubble.
     Plan(PlanArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// A training run's directory (the model and its tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0: any free port; the log line names it).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Sequences decoded together (key/value cache slots).
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Requests that may wait for a slot; beyond them a request gets 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Prompt tokens prefilled per step, beside the running sequences' next tokens.
+    #[arg(long, default_value_t = 2048)]
+    prefill_tokens: usize,
+    /// The model's name in the API (default: the model directory's name).
+    #[arg(long)]
+    name: Option<String>,
 }
 
 #[derive(Args)]
@@ -323,8 +351,8 @@ fn main() {
 /// line without its `error: ` prefix, and where to read more.
 fn usage_error(e: &clap::Error) -> String {
     if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        return "no command given: one of init, forward, train, eval, generate, bench, compare, \
-                report (see attnres --help)"
+        return "no command given: one of init, forward, train, eval, generate, serve, bench, \
+                compare, report, plan (see attnres --help)"
             .into();
     }
     // The message runs to the first blank line or the usage block; a list of missing
@@ -380,6 +408,17 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Plan(a) => plan_cmd(a),
+        Command::Serve(a) => attnres::serve::run(attnres::serve::ServeOptions {
+            model: a.model,
+            host: a.host,
+            port: a.port,
+            engine: attnres::serve::engine::EngineOptions {
+                max_batch: a.max_batch,
+                max_queue: a.max_queue,
+                prefill_tokens: a.prefill_tokens,
+            },
+            name: a.name,
+        }),
     }
 }
 
