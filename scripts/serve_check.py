@@ -9,6 +9,9 @@ concurrent streaming requests of mixed lengths, each of which must complete with
 be refused with 429, none lost. Exits non-zero on any failure.
 
 With --bench: throughput and latency at concurrency 1, 4, 16 and 64 (a markdown table).
+
+With --browser CHROMIUM: the page at `/` is run in headless Chromium, which must show the
+streamed text and the speed; --screenshot PNG keeps a picture of it.
 """
 
 import argparse
@@ -149,12 +152,34 @@ def bench(client, model, levels, tokens=64):
     print(f"batching gain (tokens/s at {levels[-1]} over 1): {rows[-1][2] / rows[0][2]:.1f}x")
 
 
+def browser(chromium, port, screenshot=None):
+    """The page in a real headless browser: it fills its form from the URL, streams a
+    completion and shows the speed."""
+    url = f"http://127.0.0.1:{port}/?prompt=ROMEO:&max_tokens=60&temperature=0.8&seed=1&autorun=1"
+    flags = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--virtual-time-budget=20000", "--window-size=900,640",
+    ]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert 'data-done="1"' in dom, dom[-2000:]
+    stats = re.search(r'<div id="stats">([^<]*)</div>', dom).group(1)
+    out = re.search(r'<div id="out">(.*?)</div>', dom, re.S).group(1)
+    assert re.match(r"\d+ tokens in [0-9.]+ s", stats), stats
+    assert "ROMEO:" in out and len(re.sub("<[^>]+>", "", out)) > len("ROMEO:"), out
+    print(f"page: headless Chromium streamed a completion ({stats})")
+    if screenshot:
+        subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--attnres", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument("--browser", help="a Chromium binary: also check the page at /")
+    ap.add_argument("--screenshot", help="with --browser: save the page as this PNG")
     a = ap.parse_args()
     flags = ["--max-batch", "64", "--max-queue", "256"] if a.bench else ["--max-batch", "16", "--max-queue", "32"]
     proc, port = start(a.attnres, a.model, flags)
@@ -166,6 +191,8 @@ def main():
         else:
             check(client, model)
             load(client, model)
+            if a.browser:
+                browser(a.browser, port, a.screenshot)
     finally:
         proc.terminate()
         if proc.wait(timeout=60) != 0:
