@@ -352,7 +352,8 @@ fn overload_disconnects_and_shutdown_lose_no_request() {
     let alone = complete(port, &body);
 
     // 24 requests at once on 2 slots and a queue of 2: each is answered whole, or refused with
-    // 429 — none is lost or changed.
+    // 429 — none is lost or changed. At least the two the queue holds are served, however the
+    // arrivals and the engine interleave.
     let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
         let handles: Vec<_> =
             (0..24).map(|_| s.spawn(|| post(port, "/v1/completions", &body))).collect();
@@ -366,7 +367,7 @@ fn overload_disconnects_and_shutdown_lose_no_request() {
             s => panic!("status {s}: {v}"),
         }
     }
-    assert!((4..24).contains(&served), "{served} of 24 served");
+    assert!((2..24).contains(&served), "{served} of 24 served");
     assert_eq!(outcome(port, "rejected") as usize, 24 - served);
 
     // A client that reads the first piece of a long stream and goes: its slot is freed.
