@@ -337,3 +337,72 @@ impl<'g> Trainer<'g> {
         g.agree(done, None)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `f` on every rank of a job of `size` threads; the results in rank order.
+    fn on_ranks<T: Send>(size: usize, f: impl Fn(&Group) -> T + Sync) -> Vec<T> {
+        let f = &f;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comm::threads(size)
+                .into_iter()
+                .map(|c| s.spawn(move || f(&Group::new(&c, Reduce::Exact))))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn outcome(r: &Result<usize>) -> String {
+        match r {
+            Ok(v) => format!("ok {v}"),
+            Err(e) if e.downcast_ref::<Reported>().is_some() => "reported".into(),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn the_first_failing_rank_reports_and_every_rank_stops() {
+        let got = on_ranks(4, |g| {
+            let local = match g.rank() {
+                1 | 3 => Err(anyhow::anyhow!("disk full on {}", g.rank())),
+                r => Ok(r),
+            };
+            let r = g.agree(local, None);
+            (outcome(&r), g.failure_agreed())
+        });
+        let want = ["reported", "rank 1: disk full on 1", "reported", "reported"];
+        assert_eq!(got.iter().map(|g| g.0.as_str()).collect::<Vec<_>>(), want);
+        assert!(got.iter().all(|g| g.1));
+        // Rank 0's own error is printed as it is.
+        let got = on_ranks(2, |g| {
+            outcome(&g.agree(if g.leads() { Err(anyhow::anyhow!("bad")) } else { Ok(1) }, None))
+        });
+        assert_eq!(got, ["bad", "reported"]);
+        // Success everywhere: every rank keeps its own value.
+        let got = on_ranks(3, |g| outcome(&g.agree(Ok(g.rank()), Some((5, 7)))));
+        assert_eq!(got, ["ok 0", "ok 1", "ok 2"]);
+    }
+
+    #[test]
+    fn ranks_whose_weights_differ_stop_with_an_error_naming_the_rank() {
+        let got = on_ranks(3, |g| {
+            let weights = fingerprint(&[1.0, g.rank().min(1) as f32]);
+            (outcome(&g.agree(Ok(0), Some((12, weights)))), g.failure_agreed())
+        });
+        assert!(got[0].0.starts_with("rank 1's weights differ from rank 0's after step 12"));
+        assert_eq!((got[1].0.as_str(), got[2].0.as_str()), ("reported", "reported"));
+        assert!(got.iter().all(|g| g.1));
+    }
+
+    #[test]
+    fn ranks_share_a_step_in_consecutive_runs_and_refuse_an_uneven_split() {
+        let shares = on_ranks(4, |g| g.share(8));
+        assert_eq!(shares, [0..2, 2..4, 4..6, 6..8]);
+        let tc = TrainConfig { batch_tokens: 3 * 8 * 256, ..TrainConfig::default() };
+        assert!(check_share(&tc, 3).is_ok());
+        let e = check_share(&tc, 2).unwrap_err().to_string();
+        assert!(e.contains("a step is 3 micro-batches") && e.contains("2 ranks"), "{e}");
+    }
+}
