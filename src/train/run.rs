@@ -493,6 +493,9 @@ impl<'g> Trainer<'g> {
             &out.join("summary.json"),
             serde_json::to_string_pretty(&summary)?.as_bytes(),
         )?;
+        if let Some(g) = self.group {
+            self.progress.say(g.timing());
+        }
         self.progress.say(format!(
             "done: step {}, validation loss {last_val:.4} ({val_bpb:.4} bits/byte; a unigram model of the training tokens: {unigram:.4} bits/byte); model in {}",
             at.step,

@@ -66,11 +66,21 @@ pub struct Group<'c> {
     pub reduce: Reduce,
     /// Set once the ranks have agreed on a failure (so all of them stop together).
     failure_agreed: Cell<bool>,
+    /// Seconds spent in this session's steps, and in adding gradients over the ranks in them
+    /// (waiting for the slowest rank included).
+    step_seconds: Cell<f64>,
+    reduce_seconds: Cell<f64>,
 }
 
 impl<'c> Group<'c> {
     pub fn new(comm: &'c dyn Comm, reduce: Reduce) -> Group<'c> {
-        Group { comm, reduce, failure_agreed: Cell::new(false) }
+        Group {
+            comm,
+            reduce,
+            failure_agreed: Cell::new(false),
+            step_seconds: Cell::new(0.0),
+            reduce_seconds: Cell::new(0.0),
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -84,6 +94,18 @@ impl<'c> Group<'c> {
     /// Whether this is rank 0, which writes the run directory and prints the run's progress.
     pub fn leads(&self) -> bool {
         self.rank() == 0
+    }
+
+    /// How long this session's steps took on this rank, and how much of it went into adding
+    /// gradients over the ranks (waiting for the others included).
+    pub fn timing(&self) -> String {
+        let (step, reduce) = (self.step_seconds.get(), self.reduce_seconds.get());
+        format!(
+            "this session's steps took {step:.2} s on rank {}, {reduce:.2} s ({:.1}%) of them adding gradients over the ranks (--reduce {})",
+            self.rank(),
+            100.0 * reduce / step.max(1e-9),
+            self.reduce.name()
+        )
     }
 
     /// Whether every rank knows of the failure that ended training here. When it does not (a
@@ -141,18 +163,22 @@ impl<'c> Group<'c> {
         lr: f64,
         step: usize,
     ) -> Result<StepOutcome> {
+        let t_step = Instant::now();
         let n = model.params.len();
         let mut mine = Vec::with_capacity(micro_batches.len());
         let local = backward_each(model, &opt.config, micro_batches, rows, step, |g| mine.push(g));
         let losses = self.agree(local, None)?;
         // Every micro-batch's loss, in the order of one process.
         let losses = self.comm.all_gather_f32(&losses);
+        let t = Instant::now();
         let grads = match self.reduce {
             Reduce::Exact => comm::sum_in_order(self.comm, &mine, n),
             Reduce::Mpi => comm::sum_all_reduce(self.comm, &mine, n),
         };
+        self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
         drop(mine);
         let done = apply_gradients(model, opt, grads, &losses, lr, step);
+        self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
         self.agree(done, None)
     }
 }
