@@ -273,6 +273,9 @@ fn bad_requests_under_mpirun_get_one_error_line() {
     let text = env.path("corpus.txt").to_string_lossy().into_owned();
     let o = env.run(2, &["eval", "--model", "x", "--text", &text].map(String::from));
     fails_with_one_error(&o, "only train runs on several ranks");
+    // Every rank has the same bad argument; rank 0 alone names it.
+    let o = env.run(2, &env.train_args("r", "block", &["--reduce", "fast"]));
+    fails_with_one_error(&o, "invalid value 'fast' for '--reduce");
 }
 
 #[test]

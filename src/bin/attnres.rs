@@ -270,7 +270,10 @@ fn main() {
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 e.exit(); // --help and --version: printed on stdout, exit 0
             }
-            log(&format!("error: {}", usage_error(&e)));
+            // Under mpirun every rank has the same arguments: rank 0 alone says what is wrong.
+            if attnres::comm::launched().is_none_or(|(_, rank)| rank == 0) {
+                log(&format!("error: {}", usage_error(&e)));
+            }
             std::process::exit(1);
         }
     };
