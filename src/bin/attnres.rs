@@ -270,10 +270,12 @@ fn main() {
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 e.exit(); // --help and --version: printed on stdout, exit 0
             }
-            // Under mpirun every rank has the same arguments: rank 0 alone says what is wrong.
-            if attnres::comm::launched().is_none_or(|(_, rank)| rank == 0) {
-                log(&format!("error: {}", usage_error(&e)));
+            // Under mpirun every rank has the same arguments: rank 0 alone says what is wrong
+            // (the others stop quietly, as for any error another rank reports).
+            if attnres::comm::launched().is_some_and(|(_, rank)| rank != 0) {
+                std::process::exit(0);
             }
+            log(&format!("error: {}", usage_error(&e)));
             std::process::exit(1);
         }
     };
@@ -281,10 +283,13 @@ fn main() {
         if closed_pipe(&e) {
             std::process::exit(CLOSED_PIPE_EXIT);
         }
-        // Under mpirun, the rank that failed first prints the error; the others only stop.
-        if e.downcast_ref::<Reported>().is_none() {
-            log(&format!("error: {e:#}"));
+        // Under mpirun, the rank that failed first prints the error and exits with 1; the
+        // others stop quietly with 0: mpirun ends the whole job at the first non-zero exit, which
+        // must not come before the error is printed. mpirun's own exit status is then 1.
+        if e.downcast_ref::<Reported>().is_some() {
+            std::process::exit(0);
         }
+        log(&format!("error: {e:#}"));
         std::process::exit(1);
     }
 }

@@ -4,7 +4,7 @@
 //! the run directory: it sets the run up and hands its state to the others.
 //!
 //! A failure on any rank is agreed on at fixed points ([`Group::agree`]): every rank stops
-//! there with exit status 1, and only the first failing rank prints its error.
+//! there, and only the first failing rank prints its error (and exits with status 1).
 
 use super::{apply_gradients, backward_each, Position, StepOutcome, Throughput, Trainer};
 use super::{Model, Optimizer, Progress, TrainOptions};
@@ -48,7 +48,9 @@ impl Reduce {
     }
 }
 
-/// The error of a rank when another rank reported the failure: nothing more to print.
+/// The error of a rank when another rank reported the failure: nothing more to print, and the
+/// process exits with status 0, leaving the failure's status to the rank that prints it (mpirun
+/// ends the job at the first non-zero exit, which must not cut that rank short).
 #[derive(Debug)]
 pub struct Reported;
 
