@@ -18,8 +18,7 @@ pub struct BatchFile {
 
 impl BatchFile {
     pub fn read(path: &Path) -> Result<BatchFile> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
+        let text = crate::fs::read_utf8(path)?;
         serde_json::from_str(&text)
             .with_context(|| format!("{} is not a valid batch file", path.display()))
     }

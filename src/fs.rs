@@ -22,9 +22,46 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     written
 }
 
-/// Reads a UTF-8 text file; an invalid file is an error naming the first bad byte's offset.
+/// Reads a whole input file of bounded size: a regular file no larger than the machine's memory
+/// (checked before reading), or a pipe (`/dev/stdin`), read up to that size. A device, socket or
+/// directory is refused, so `/dev/zero` given as input is an error, not an endless read.
+pub fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::FileTypeExt;
+    let limit = crate::model::config::memory_limit();
+    let too_large = || {
+        anyhow::anyhow!(
+            "{} is larger than the machine's memory ({})",
+            path.display(),
+            crate::model::config::format_bytes(limit as u128)
+        )
+    };
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let kind = meta.file_type();
+    anyhow::ensure!(!kind.is_dir(), "{} is a directory, not a file", path.display());
+    anyhow::ensure!(
+        kind.is_file() || kind.is_fifo(),
+        "{} is not a regular file or a pipe",
+        path.display()
+    );
+    if kind.is_file() && meta.len() > limit {
+        return Err(too_large());
+    }
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(limit + 1).read_to_end(&mut bytes))
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    if bytes.len() as u64 > limit {
+        return Err(too_large());
+    }
+    Ok(bytes)
+}
+
+/// Reads a UTF-8 text file (as [`read_bytes`]); an invalid file is an error naming the first
+/// bad byte's offset.
 pub fn read_utf8(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = read_bytes(path)?;
     String::from_utf8(bytes).map_err(|e| {
         anyhow::anyhow!(
             "{} is not valid UTF-8 (first invalid byte at offset {})",

@@ -169,13 +169,13 @@ pub struct Timing {
 }
 
 /// Generates a continuation of every prompt, all prompts as one batch (numbered from 1 in
-/// errors). `on_token(i, id)` is
-/// called as soon as prompt `i` gets its next token.
+/// errors). `on_token(i, id)` is called as soon as prompt `i` gets its next token; an error it
+/// returns (the reader of the stream has gone) ends generation with that error.
 pub fn generate(
     model: &Model,
     prompts: &[Vec<u32>],
     opts: &GenerateOptions,
-    mut on_token: impl FnMut(usize, u32),
+    mut on_token: impl FnMut(usize, u32) -> Result<()>,
 ) -> Result<(Vec<Generation>, Timing)> {
     ensure!(!prompts.is_empty(), "no prompts");
     ensure!(opts.max_tokens > 0, "max-tokens must be at least 1");
@@ -229,7 +229,7 @@ pub fn generate(
         let mut next = Vec::with_capacity(active.len());
         for (row, &i) in active.iter().enumerate() {
             let tok = samplers[i].sample(&logits[row * vocab..(row + 1) * vocab]);
-            on_token(i, tok);
+            on_token(i, tok)?;
             out[i].tokens.push(tok);
             if Some(tok) == opts.stop {
                 out[i].stop = StopReason::EndOfText;

@@ -16,6 +16,9 @@
 //! - [`suite`]: what a comparison trains: variants, named suites and the plan.
 //! - [`report`]: a comparison's report (statistics, figures, HTML) from its runs.
 //! - [`compare`]: trains a plan's runs, then writes the report.
+//! - [`pipeline`]: pipeline-parallel planning: chunks, the cross-stage cache's transfers and
+//!   the interleaved 1F1B schedule.
+//! - [`serve`]: the OpenAI-compatible HTTP server and its continuous-batching engine.
 //! - [`eval`], [`forward`], [`generate`], [`bench`]: the other commands of the binary: measuring
 //!   a model on a text, one batch through a model, text generation, and benchmarks.
 
@@ -30,9 +33,11 @@ pub mod fs;
 pub mod generate;
 pub mod kernels;
 pub mod model;
+pub mod pipeline;
 pub mod presets;
 pub mod profile;
 pub mod report;
+pub mod serve;
 pub mod suite;
 pub mod train;
 pub mod version;

@@ -347,3 +347,26 @@ fn generation_benchmark_reports_every_mode_and_batch() {
     );
     fails(&["bench", "--generate", "--preset", "tiny", "--batches", "0"], "--batches");
 }
+
+/// `plan` prints the transfers of the report's example (P = 4, V = 2, one block per chunk:
+/// 28 block transfers without the cache, 22 with it) and refuses shapes it cannot schedule.
+#[test]
+fn plan_prints_the_reports_example_and_refuses_impossible_shapes() {
+    let shape = ["plan", "--pp", "4", "--vpp", "2", "--layers", "8", "--block-layers", "1"];
+    let o = attnres(&[&shape[..], &["--micro-batches", "8", "--schedule"]].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let row = |cache: &str| {
+        let line = out.lines().find(|l| l.trim_start().starts_with(cache)).unwrap();
+        line.split_whitespace().map(str::to_string).collect::<Vec<_>>()
+    };
+    assert_eq!(row("off")[1..4], ["28", "Eq.", "7:"]);
+    assert_eq!(row("received")[1], "22");
+    assert_eq!(row("received")[4], "22.0");
+    assert_eq!(row("on")[1], "18");
+    assert_eq!(out.lines().filter(|l| l.starts_with("  rank ")).count(), 4);
+    fails(&[&shape[..], &["--micro-batches", "6"]].concat(), "multiple of --pp");
+    fails(&["plan", "--pp", "40", "--vpp", "2", "--layers", "8"], "only 16 sublayers");
+    fails(&["plan", "--pp", "0"], "--pp must be at least 1");
+    fails(&["plan", "--pp", "2", "--pp-cache", "sometimes"], "--pp-cache");
+}

@@ -177,8 +177,11 @@ fn greedy_generation_equals_recomputation_for_every_mode() {
         let m = perturbed(config(kind, nb, 40));
         let prompts = vec![tokens(9, 3, 37), tokens(2, 4, 37), tokens(20, 5, 37)];
         let mut streamed = vec![Vec::new(); 3];
-        let (gens, timing) =
-            generate(&m, &prompts, &opts(12, Overflow::Error), |i, t| streamed[i].push(t)).unwrap();
+        let (gens, timing) = generate(&m, &prompts, &opts(12, Overflow::Error), |i, t| {
+            streamed[i].push(t);
+            Ok(())
+        })
+        .unwrap();
         for (i, p) in prompts.iter().enumerate() {
             assert_eq!(gens[i].tokens, greedy_from_scratch(&m, p, 12), "{kind:?}/{nb} prompt {i}");
             assert_eq!(gens[i].tokens, streamed[i]);
@@ -195,11 +198,11 @@ fn sliding_window_generation_equals_its_definition() {
         let m = perturbed(config(kind, nb, 10));
         // One prompt fits, one is longer than the whole context.
         let prompts = vec![tokens(4, 6, 37), tokens(13, 7, 37)];
-        let (gens, _) = generate(&m, &prompts, &opts(25, Overflow::Slide), |_, _| {}).unwrap();
+        let (gens, _) = generate(&m, &prompts, &opts(25, Overflow::Slide), |_, _| Ok(())).unwrap();
         for (i, p) in prompts.iter().enumerate() {
             assert_eq!(gens[i].tokens, greedy_from_scratch(&m, p, 25), "{kind:?}/{nb} prompt {i}");
         }
-        let err = generate(&m, &prompts[..1], &opts(25, Overflow::Error), |_, _| {})
+        let err = generate(&m, &prompts[..1], &opts(25, Overflow::Error), |_, _| Ok(()))
             .unwrap_err()
             .to_string();
         assert!(err.contains("beyond the model's context of 10"), "{err}");
@@ -213,7 +216,7 @@ fn sampling_is_deterministic_for_a_seed_and_stops_at_end_of_text() {
     let mut o = opts(20, Overflow::Error);
     o.sampling = Sampling { temperature: 1.0, top_k: Some(10), top_p: Some(0.95) };
     let run = |o: &GenerateOptions| {
-        generate(&m, &prompts, o, |_, _| {})
+        generate(&m, &prompts, o, |_, _| Ok(()))
             .unwrap()
             .0
             .into_iter()
@@ -227,7 +230,7 @@ fn sampling_is_deterministic_for_a_seed_and_stops_at_end_of_text() {
     // Stopping: make the first sampled token of prompt 0 the end-of-text token.
     o.seed = 0;
     o.stop = Some(a[0][0]);
-    let (gens, _) = generate(&m, &prompts, &o, |_, _| {}).unwrap();
+    let (gens, _) = generate(&m, &prompts, &o, |_, _| Ok(())).unwrap();
     assert_eq!(gens[0].tokens, vec![a[0][0]]);
     assert_eq!(gens[0].stop, StopReason::EndOfText);
 }
@@ -236,7 +239,7 @@ fn sampling_is_deterministic_for_a_seed_and_stops_at_end_of_text() {
 fn bad_requests_get_named_errors() {
     let m = perturbed(config(ResidualKind::Full, 0, 16));
     let err = |prompts: Vec<Vec<u32>>, o: GenerateOptions| {
-        generate(&m, &prompts, &o, |_, _| {}).unwrap_err().to_string()
+        generate(&m, &prompts, &o, |_, _| Ok(())).unwrap_err().to_string()
     };
     assert!(err(vec![vec![1], vec![]], opts(3, Overflow::Error)).contains("prompt 2 is empty"));
     assert!(err(vec![vec![1]], opts(0, Overflow::Error)).contains("max-tokens"));

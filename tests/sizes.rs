@@ -65,6 +65,28 @@ fn the_estimate_names_both_sizes() {
 }
 
 #[test]
+fn training_steps_are_refused_by_their_memory_estimate() {
+    use attnres::train::config::TrainConfig;
+    let model = Config::default();
+    let t = TrainConfig::default();
+    let bytes = |micro_batch| TrainConfig { micro_batch, ..t.clone() }.step_bytes(&model).unwrap();
+    // Six f32 copies of the parameters, plus a part that grows with the tokens of a micro-batch.
+    let params = model.param_count().unwrap() * 24;
+    assert!(bytes(1) > params);
+    assert_eq!(bytes(3) - bytes(2), bytes(2) - bytes(1));
+    assert!(bytes(8) - params > 8 * (bytes(1) - params) - 8, "linear in the tokens");
+    let need = bytes(8) as u64;
+    assert!(t.check_memory(&model, need).is_ok());
+    let e = t.check_memory(&model, need - 1).unwrap_err().to_string();
+    assert!(
+        e.contains("micro_batch = 8 x seq_len = 256") && e.contains("lower micro_batch"),
+        "{e}"
+    );
+    let huge = TrainConfig { micro_batch: 1 << 63, seq_len: 1 << 63, ..t.clone() };
+    assert!(huge.check_memory(&model, u64::MAX).unwrap_err().to_string().contains("overflows"));
+}
+
+#[test]
 fn parameter_count_matches_the_layout() {
     use attnres::model::config::{DepthGate, DepthQuery};
     use attnres::model::params::Layout;
@@ -102,8 +124,8 @@ fn a_long_context_costs_nothing_until_used() {
         stop: None,
     };
     let prompts = vec![vec![1, 2, 3, 4, 5, 6], vec![7, 8]];
-    let (a, _) = generate(&long, &prompts, &opts, |_, _| {}).unwrap();
-    let (b, _) = generate(&short, &prompts, &opts, |_, _| {}).unwrap();
+    let (a, _) = generate(&long, &prompts, &opts, |_, _| Ok(())).unwrap();
+    let (b, _) = generate(&short, &prompts, &opts, |_, _| Ok(())).unwrap();
     assert_eq!(
         a.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
         b.iter().map(|g| &g.tokens).collect::<Vec<_>>()
@@ -195,6 +217,19 @@ fn the_cli_refuses_bad_sizes_and_thread_counts() {
     for (args, want) in [
         (vec!["init", "--out", out, "--set", "hidden_size=4000000000"], "the model needs"),
         (vec!["init", "--out", out, "--set", "num_hidden_layers=1000000000000"], "the model needs"),
+        (
+            vec![
+                "train",
+                "--out",
+                out,
+                "--set",
+                "micro_batch=1000",
+                "--set",
+                "batch_tokens=256000",
+            ],
+            "a training step needs about",
+        ),
+        (vec!["train", "--out", out, "--set", "micro_batch=72057594037927936"], "overflows"),
         (vec!["--threads", "0", "init", "--out", out], "--threads must lie in 1..="),
         (vec!["--threads", "100000000", "init", "--out", out], "--threads must lie in 1..="),
     ] {

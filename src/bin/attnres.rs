@@ -52,6 +52,73 @@ enum Command {
     Compare(CompareArgs),
     /// Rebuild the report of a comparison directory from its runs.
     Report(ReportArgs),
+    /// Serve a model over HTTP with the OpenAI API (completions, chat, streaming), batching
+    /// concurrent requests.
+    Serve(ServeArgs),
+    /// Plan pipeline-parallel training without training: chunks, what crosses each stage
+    /// transition (with and without the cross-stage cache), the schedule and its bubble.
+    Plan(PlanArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// A training run's directory (the model and its tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0: any free port; the log line names it).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Sequences decoded together (key/value cache slots).
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Requests that may wait for a slot; beyond them a request gets 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Prompt tokens prefilled per step, beside the running sequences' next tokens.
+    #[arg(long, default_value_t = 2048)]
+    prefill_tokens: usize,
+    /// The model's name in the API (default: the model directory's name).
+    #[arg(long)]
+    name: Option<String>,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    /// Pipeline stages (ranks in one pipeline).
+    #[arg(long)]
+    pp: usize,
+    /// Virtual stages per rank (interleaved chunks).
+    #[arg(long, default_value_t = 1)]
+    vpp: usize,
+    /// Micro-batches per optimiser step (default: the settings' gradient accumulation).
+    #[arg(long)]
+    micro_batches: Option<usize>,
+    /// on: ranks keep the blocks they received or produced; received: only those received (the
+    /// report's accounting, Eq. 8); off: every transition resends every block (Eq. 7).
+    #[arg(long, default_value = "on")]
+    pp_cache: String,
+    /// Named preset for the model and batch shape.
+    #[arg(long, default_value = presets::DEFAULT_PRESET)]
+    preset: String,
+    /// Override any model or training setting.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Layers, overriding the settings (with --hidden and --block-layers, for shapes no config
+    /// of this machine holds, such as the report's 93 layers in blocks of 12).
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Hidden size, overriding the settings.
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Layers per block (Block AttnRes; the last block may be shorter), overriding the settings.
+    #[arg(long)]
+    block_layers: Option<usize>,
+    /// Also print each rank's order of forward and backward passes.
+    #[arg(long)]
+    schedule: bool,
 }
 
 #[derive(Args)]
@@ -255,6 +322,9 @@ struct GenerateArgs {
     /// window (the cache is rebuilt from the latest half of the context) instead of refusing.
     #[arg(long)]
     slide: bool,
+    /// Keep generating past the end-of-text token, to --max-tokens (for benchmarks)
+    #[arg(long)]
+    ignore_eos: bool,
 }
 
 /// The exit status when stdout is a pipe whose reader has gone (EPIPE): what a shell reports
@@ -298,8 +368,8 @@ fn main() {
 /// line without its `error: ` prefix, and where to read more.
 fn usage_error(e: &clap::Error) -> String {
     if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        return "no command given: one of init, forward, train, eval, generate, bench, compare, \
-                report (see attnres --help)"
+        return "no command given: one of init, forward, train, eval, generate, serve, bench, \
+                compare, report, plan (see attnres --help)"
             .into();
     }
     // The message runs to the first blank line or the usage block; a list of missing
@@ -360,6 +430,18 @@ fn run(cli: Cli) -> Result<()> {
             log(&format!("report: {}", page.display()));
             Ok(())
         }
+        Command::Plan(a) => plan_cmd(a),
+        Command::Serve(a) => attnres::serve::run(attnres::serve::ServeOptions {
+            model: a.model,
+            host: a.host,
+            port: a.port,
+            engine: attnres::serve::engine::EngineOptions {
+                max_batch: a.max_batch,
+                max_queue: a.max_queue,
+                prefill_tokens: a.prefill_tokens,
+            },
+            name: a.name,
+        }),
     }
 }
 
@@ -368,6 +450,34 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
     let variants = suite::suite(&a.suite, &base)?;
     let plan = suite::Plan { suite: a.suite.clone(), base, variants, seeds: a.seeds, data: a.data };
     compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
+}
+
+fn plan_cmd(a: PlanArgs) -> Result<()> {
+    use attnres::pipeline::{Cache, Depth, PlanText, Shape};
+    let run = presets::run_config(&a.preset)?.with_overrides(&a.sets)?;
+    let mut depth = Depth::of(&run.model);
+    if let Some(l) = a.layers {
+        ensure!(l > 0, "--layers must be at least 1");
+        depth.sublayers = 2 * l;
+    }
+    if let Some(k) = a.block_layers {
+        ensure!(k > 0, "--block-layers must be at least 1");
+        depth.block = Some(2 * k);
+    }
+    let shape = Shape {
+        stages: a.pp,
+        virtual_stages: a.vpp,
+        micro_batches: a.micro_batches.unwrap_or(run.train.accumulation()),
+    };
+    let text = PlanText {
+        depth: &depth,
+        shape: &shape,
+        cache: Cache::parse(&a.pp_cache)?,
+        hidden_size: a.hidden.unwrap_or(run.model.hidden_size),
+        tokens: run.train.micro_batch * run.train.seq_len,
+        show_schedule: a.schedule,
+    };
+    output(&text.render()?)
 }
 
 /// The ranks of an MPI job this process is one of (none when it runs alone). Only `train` runs
@@ -420,8 +530,7 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
     } else {
         let base = match &a.config {
             Some(p) => {
-                let text = std::fs::read_to_string(p)
-                    .with_context(|| format!("cannot read {}", p.display()))?;
+                let text = attnres::fs::read_utf8(p)?;
                 RunConfig::from_toml(&text, &p.display().to_string())?
             }
             None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,
@@ -494,7 +603,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         sampling,
         seed: a.seed,
         overflow: if a.slide { Overflow::Slide } else { Overflow::Error },
-        stop: Some(bpe.eot),
+        stop: (!a.ignore_eos).then_some(bpe.eot),
     };
     // --prompt streams text; --prompt-file (even with one line) prints JSON lines.
     let single = a.prompt.is_some();
@@ -502,22 +611,17 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     if single {
         output(&texts[0])?;
     }
-    // The first failed write of the stream; the text after it is not written.
-    let mut failed: Option<std::io::Error> = None;
     let (gens, timing) = generate::generate(&model, &prompts, &opts, |_, tok| {
-        if !single || failed.is_some() {
-            return;
+        if !single {
+            return Ok(());
         }
         if let Some(text) = stream.push(tok) {
+            // A reader that has gone ends generation: nobody would read the rest.
             let mut out = std::io::stdout().lock();
-            if let Err(e) = out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
-                failed = Some(e);
-            }
+            out.write_all(text.as_bytes()).and_then(|()| out.flush()).context(STDOUT)?;
         }
+        Ok(())
     })?;
-    if let Some(e) = failed {
-        return Err(anyhow::Error::new(e).context(STDOUT));
-    }
     if single {
         output(&format!("{}\n", stream.finish()?))?;
     } else {

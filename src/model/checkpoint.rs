@@ -58,8 +58,7 @@ pub fn save(model: &Model, dir: &Path) -> Result<()> {
 pub fn load(dir: &Path) -> Result<Model> {
     ensure!(dir.is_dir(), "checkpoint {} is not a directory", dir.display());
     let cpath = dir.join(CONFIG_FILE);
-    let text =
-        fs::read_to_string(&cpath).with_context(|| format!("cannot read {}", cpath.display()))?;
+    let text = crate::fs::read_utf8(&cpath)?;
     let config = Config::from_json(&text).with_context(|| format!("in {}", cpath.display()))?;
     let wpath = dir.join(WEIGHTS_FILE);
     // The file holds the parameters (f32) and a header; one far larger than the config implies
@@ -75,7 +74,7 @@ pub fn load(dir: &Path) -> Result<Model> {
         format_bytes(expected as u128),
         format_bytes(MAX_HEADER as u128)
     );
-    let bytes = fs::read(&wpath).with_context(|| format!("cannot read {}", wpath.display()))?;
+    let bytes = crate::fs::read_bytes(&wpath)?;
     let params = params_from_safetensors(&config, &bytes)
         .with_context(|| format!("in {}", wpath.display()))?;
     Model::new(config, params)

@@ -340,7 +340,8 @@ impl Config {
     pub fn check_size(&self, limit: u64) -> Result<()> {
         let Some(params) = self.param_count() else {
             bail!(
-                "config: the parameter count overflows (vocab_size = {}, hidden_size = {},                  intermediate_size = {}, num_hidden_layers = {}, heads {} x head_dim {})",
+                "config: the parameter count overflows (vocab_size = {}, hidden_size = {}, \
+                 intermediate_size = {}, num_hidden_layers = {}, heads {} x head_dim {})",
                 self.vocab_size,
                 self.hidden_size,
                 self.intermediate_size,

@@ -103,12 +103,30 @@ pub fn lock(out: &Path) -> Result<std::fs::File> {
     Ok(f)
 }
 
+/// Removes the temporary files of writes that a killed process left in the run directory and
+/// its checkpoints (`.NAME.tmp-PID`, see [`write_atomic`]); only the lock's holder calls this,
+/// so no other process is writing them.
+pub(super) fn remove_stale_temporaries(out: &Path) -> Result<()> {
+    for dir in [out.to_path_buf(), out.join(CKPT), out.join(".ckpt.old")] {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with('.') && name.contains(".tmp-") {
+                let p = e.path();
+                std::fs::remove_file(&p)
+                    .with_context(|| format!("cannot remove {}", p.display()))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The state saved beside a checkpoint's model, checked like user input: unknown keys,
 /// ill-typed and invalid settings are errors naming the file and the key.
 pub(super) fn read_state(dir: &Path) -> Result<TrainState> {
     let path = dir.join("train_state.json");
-    let text = std::fs::read_to_string(&path)
-        .with_context(|| format!("cannot read the checkpoint's {}", path.display()))?;
+    let text = crate::fs::read_utf8(&path)?;
     let mut v: Value = serde_json::from_str(&text)
         .with_context(|| format!("the checkpoint's {} is corrupt", path.display()))?;
     let run = v
@@ -254,7 +272,7 @@ pub(super) fn save(
 
 /// Restores the optimiser's step and moments.
 pub(super) fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let bytes = crate::fs::read_bytes(path)?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", path.display()))?;
     let (_, meta) =

@@ -134,17 +134,8 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>, seen: &mut HashSet<PathBuf>
     Ok(())
 }
 
-/// Reads one file as UTF-8, naming the byte offset of the first invalid sequence.
-fn read_utf8(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    String::from_utf8(bytes).map_err(|e| {
-        let at = e.utf8_error().valid_up_to();
-        anyhow::anyhow!("{} is not valid UTF-8 (first invalid byte at offset {at})", path.display())
-    })
-}
-
 fn read_documents(path: &Path) -> Result<Vec<String>> {
-    let text = read_utf8(path)?;
+    let text = crate::fs::read_utf8(path)?;
     if path.extension().and_then(|e| e.to_str()) != Some("jsonl") {
         return Ok(split_documents(&text));
     }

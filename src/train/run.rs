@@ -258,6 +258,7 @@ impl<'g> Trainer<'g> {
         std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
         // One writer per run directory, from before anything is read until the process ends.
         let lock = run_dir::lock(out)?;
+        run_dir::remove_stale_temporaries(out)?;
         let has_run = run_dir::holds_run(out);
         let (resume, restart_note) = Resume::find(run.as_ref(), opts, has_run)?;
 

@@ -57,8 +57,7 @@ impl Bpe {
     }
 
     pub fn load(path: &Path) -> Result<Bpe> {
-        let json = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read {}", path.display()))?;
+        let json = crate::fs::read_utf8(path)?;
         Self::from_json(&json).with_context(|| format!("in {}", path.display()))
     }
 
