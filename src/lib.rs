@@ -5,6 +5,8 @@
 //! - [`profile`], [`alloc`], [`fs`]: phase timers, the binary's allocator (which recycles large
 //!   buffers between steps), and files written atomically.
 //! - [`kernels`]: forward and backward of every operation, on contiguous f32 slices.
+//! - [`comm`]: communication between the ranks of a distributed run (MPI, or threads in tests)
+//!   and the gradient sums over them.
 //! - [`model`]: configuration, parameters, the residual connection (standard / full / block),
 //!   the transformer, decoding with a key/value cache, and checkpoints.
 //! - [`diagnostics`]: what a model does with its depth (RMS per sublayer, depth-attention
@@ -22,6 +24,7 @@
 
 pub mod alloc;
 pub mod bench;
+pub mod comm;
 pub mod compare;
 pub mod diagnostics;
 pub mod eval;
