@@ -8,40 +8,16 @@
 
 mod common;
 
+use common::RunEnv;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
-struct Env {
-    tmp: tempfile::TempDir,
-}
-
-impl Env {
-    fn new() -> Env {
-        let tmp = tempfile::tempdir().unwrap();
-        common::write_small_corpus(&tmp.path().join("corpus.txt"), 12_000);
-        Env { tmp }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.tmp.path().join(name)
-    }
-
-    fn cmd<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_attnres"));
-        c.args(args).env("ATTNRES_CACHE", self.path("cache")).args(["--threads", "1"]);
-        c
-    }
-
-    fn run<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> Output {
-        self.cmd(args).output().unwrap()
-    }
-
-    /// The command of a short run into `out`, checkpointing after every step.
-    fn train_args(&self, out: &Path) -> Vec<String> {
-        let head = ["train", "--preset", "tiny", "--no-progress"];
-        common::run_args(&head, out, &self.path("corpus.txt"), &SETS)
-    }
+/// The command of a short run into `out`, checkpointing after every step.
+fn train_args(env: &RunEnv, out: &Path) -> Vec<String> {
+    let head = ["train", "--preset", "tiny", "--no-progress"];
+    common::run_args(&head, out, &env.path("corpus.txt"), &SETS)
 }
 
 /// The settings of the short runs, laid over the `tiny` preset: 90 steps.
@@ -139,9 +115,9 @@ const DAMAGES: [&str; 5] =
 
 #[test]
 fn damaged_checkpoints_are_refused_naming_the_file() {
-    let env = Env::new();
+    let env = &RunEnv::new(12_000, 1);
     let run = env.path("run");
-    let mut args = env.train_args(&run);
+    let mut args = train_args(env, &run);
     args.extend(["--set".into(), "max_tokens=3072".into()]);
     common::ok(&env.run(&args));
     let copy = env.path("copy");
@@ -190,9 +166,9 @@ fn damaged_checkpoints_are_refused_naming_the_file() {
 
 #[test]
 fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
-    let env = Env::new();
+    let env = &RunEnv::new(12_000, 1);
     let run = env.path("run");
-    let mut args = env.train_args(&run);
+    let mut args = train_args(env, &run);
     args.extend(["--set".into(), "max_tokens=1024".into()]);
     common::ok(&env.run(&args));
     let m = run.to_str().unwrap().to_string();
@@ -319,7 +295,7 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
 }
 
 /// Spawns the run's command, quiet.
-fn spawn(env: &Env, args: &[String]) -> Child {
+fn spawn(env: &RunEnv, args: &[String]) -> Child {
     env.cmd(args).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap()
 }
 
@@ -335,12 +311,12 @@ fn steps_logged(run: &Path) -> usize {
 
 #[test]
 fn kills_at_random_moments_and_second_writers_never_lose_or_change_a_run() {
-    let env = Env::new();
+    let env = &RunEnv::new(12_000, 1);
     let reference = env.path("reference");
-    common::ok(&env.run(&env.train_args(&reference)));
+    common::ok(&env.run(&train_args(env, &reference)));
 
     let run = env.path("run");
-    let start = env.train_args(&run);
+    let start = train_args(env, &run);
     // After the first kill: the same command with --resume, as people do.
     let mut resume = start.clone();
     resume.push("--resume".into());
@@ -348,7 +324,7 @@ fn kills_at_random_moments_and_second_writers_never_lose_or_change_a_run() {
     let (mut kills, mut in_checkpoint, mut refused) = (0, 0, 0);
     const KILLS: usize = 45;
     for round in 0..KILLS {
-        let mut child = spawn(&env, if round == 0 { &start } else { &resume });
+        let mut child = spawn(env, if round == 0 { &start } else { &resume });
         let pid = child.id();
         let t = Instant::now();
         match round % 3 {
@@ -394,22 +370,8 @@ fn kills_at_random_moments_and_second_writers_never_lose_or_change_a_run() {
     let log = common::ok(&env.run(&resume));
     assert!(log.contains("done: step 90"), "{log}");
     assert_eq!(
-        std::fs::read_to_string(run.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                (v["step"].clone(), v["train_loss"].clone(), v["val_loss"].clone())
-            })
-            .collect::<Vec<_>>(),
-        std::fs::read_to_string(reference.join("metrics.jsonl"))
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                (v["step"].clone(), v["train_loss"].clone(), v["val_loss"].clone())
-            })
-            .collect::<Vec<_>>(),
+        common::losses(&run),
+        common::losses(&reference),
         "the killed run's losses differ from the uninterrupted run's"
     );
     for f in ["model.safetensors", "ckpt/optimizer.safetensors"] {

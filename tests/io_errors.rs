@@ -7,6 +7,8 @@
 
 mod common;
 
+use common::RunEnv;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -14,45 +16,22 @@ use std::process::{Command, Output, Stdio};
 /// The exit status of a command whose stdout reader has gone.
 const CLOSED_PIPE_EXIT: i32 = 141;
 
-struct Env {
-    tmp: tempfile::TempDir,
-}
-
-impl Env {
-    fn new() -> Env {
-        let tmp = tempfile::tempdir().unwrap();
-        common::write_small_corpus(&tmp.path().join("corpus.txt"), 6_000);
-        Env { tmp }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.tmp.path().join(name)
-    }
-
-    fn cmd(&self, args: &[String]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_attnres"));
-        c.args(args).env("ATTNRES_CACHE", self.path("cache")).arg("--threads").arg("2");
-        c.stdin(Stdio::null());
-        c
-    }
-
-    /// A short training run into `out`: `steps` steps of 512 tokens, a checkpoint every 2.
-    fn train_args(&self, out: &Path, steps: usize) -> Vec<String> {
-        let max_tokens = format!("max_tokens={}", 512 * steps);
-        let sets = [
-            "vocab_size=300",
-            "seq_len=64",
-            "micro_batch=4",
-            "batch_tokens=512",
-            max_tokens.as_str(),
-            "eval_every=2",
-            "eval_tokens=256",
-            "checkpoint_every=2",
-            "warmup_steps=1",
-        ];
-        let head = ["train", "--preset", "tiny", "--no-progress"];
-        common::run_args(&head, out, &self.path("corpus.txt"), &sets)
-    }
+/// A short training run into `out`: `steps` steps of 512 tokens, a checkpoint every 2.
+fn train_args(env: &RunEnv, out: &Path, steps: usize) -> Vec<String> {
+    let max_tokens = format!("max_tokens={}", 512 * steps);
+    let sets = [
+        "vocab_size=300",
+        "seq_len=64",
+        "micro_batch=4",
+        "batch_tokens=512",
+        max_tokens.as_str(),
+        "eval_every=2",
+        "eval_tokens=256",
+        "checkpoint_every=2",
+        "warmup_steps=1",
+    ];
+    let head = ["train", "--preset", "tiny", "--no-progress"];
+    common::run_args(&head, out, &env.path("corpus.txt"), &sets)
 }
 
 fn args(a: &[&str]) -> Vec<String> {
@@ -106,10 +85,10 @@ fn quiet_on_closed_stdout(o: &Output, what: &str) {
 
 #[test]
 fn results_on_a_closed_or_full_stdout_and_logs_on_a_closed_stderr() {
-    let env = Env::new();
+    let env = &RunEnv::new(6_000, 2);
     let run = env.path("run");
     // Training logs every step to stderr; with stderr closed from the start it still finishes.
-    let o = stderr_closed(env.cmd(&env.train_args(&run, 4)));
+    let o = stderr_closed(env.cmd(&train_args(env, &run, 4)));
     assert!(o.status.success(), "training with a closed stderr: {:?}", o.status);
     assert!(run.join("ckpt/train_state.json").exists() && run.join("summary.json").exists());
 
@@ -174,10 +153,10 @@ fn results_on_a_closed_or_full_stdout_and_logs_on_a_closed_stderr() {
 #[test]
 fn training_outlives_a_reader_that_stops_after_two_lines() {
     // `attnres train ... 2>&1 | head -2`
-    let env = Env::new();
+    let env = &RunEnv::new(6_000, 2);
     let run = env.path("run");
     let (reader, writer) = std::io::pipe().unwrap();
-    let mut c = env.cmd(&env.train_args(&run, 6));
+    let mut c = env.cmd(&train_args(env, &run, 6));
     c.stdout(writer.try_clone().unwrap()).stderr(writer);
     let mut child = c.spawn().unwrap();
     drop(c);
@@ -195,7 +174,7 @@ fn training_outlives_a_reader_that_stops_after_two_lines() {
 
 #[test]
 fn bench_results_on_a_closed_or_full_stdout() {
-    let env = Env::new();
+    let env = &RunEnv::new(6_000, 2);
     let base = ["bench", "--preset", "tiny", "--batch", "1", "--seq", "16", "--steps", "1"];
     for (what, extra) in [("bench table", &[][..]), ("bench --json", &["--json"][..])] {
         let a = args(&[&base[..], extra].concat());
@@ -264,11 +243,11 @@ fn leftovers(dir: &Path) -> Vec<String> {
 
 #[test]
 fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes() {
-    let env = Env::new();
+    let env = &RunEnv::new(6_000, 2);
     // The size of a checkpoint (ckpt/) and of the latest model beside it, from a run on the
     // ordinary disk.
     let reference = env.path("reference");
-    common::ok(&env.cmd(&env.train_args(&reference, 2)).output().unwrap());
+    common::ok(&env.cmd(&train_args(env, &reference, 2)).output().unwrap());
     let ckpt = dir_bytes(&reference.join("ckpt"));
     let run_bytes = dir_bytes(&reference);
 
@@ -283,7 +262,7 @@ fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes(
         }
     };
     let run = mnt.join("run");
-    let o = env.cmd(&env.train_args(&run, 6)).output().unwrap();
+    let o = env.cmd(&train_args(env, &run, 6)).output().unwrap();
     let err = text(&o.stderr);
     let last = err.lines().last().unwrap_or("");
     assert_eq!(o.status.code(), Some(1), "{err}");
@@ -325,9 +304,9 @@ fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes(
 /// command is repeated with `--resume`, ending bit-identical to an undisturbed run.
 #[test]
 fn a_first_checkpoint_over_the_file_size_limit_fails_cleanly_and_the_run_restarts() {
-    let env = Env::new();
+    let env = &RunEnv::new(6_000, 2);
     let reference = env.path("reference");
-    common::ok(&env.cmd(&env.train_args(&reference, 2)).output().unwrap());
+    common::ok(&env.cmd(&train_args(env, &reference, 2)).output().unwrap());
     let model = std::fs::metadata(reference.join("ckpt/model.safetensors")).unwrap().len();
     let largest_other = ["tokenizer.json", "config.json", "ckpt/train_state.json"]
         .iter()
@@ -345,7 +324,7 @@ fn a_first_checkpoint_over_the_file_size_limit_fails_cleanly_and_the_run_restart
         .arg(format!("ulimit -f {blocks} && trap '' XFSZ && exec \"$@\""))
         .arg("sh")
         .arg(env!("CARGO_BIN_EXE_attnres"))
-        .args(env.train_args(&run, 2))
+        .args(train_args(env, &run, 2))
         .env("ATTNRES_CACHE", env.path("cache"))
         .output()
         .unwrap();
@@ -361,7 +340,7 @@ fn a_first_checkpoint_over_the_file_size_limit_fails_cleanly_and_the_run_restart
     assert_eq!(leftovers(&run), Vec::<String>::new(), "temporary files left");
     assert!(!run.join("metrics.jsonl").exists(), "metrics without a checkpoint");
 
-    let mut again = env.train_args(&run, 2);
+    let mut again = train_args(env, &run, 2);
     again.push("--resume".into());
     let log = common::ok(&env.cmd(&again).output().unwrap());
     assert!(log.contains("starting it again from step 0"), "{log}");

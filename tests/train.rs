@@ -4,50 +4,26 @@
 
 mod common;
 
-use common::ok;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use common::RunEnv;
+
+use common::{losses, ok};
+use std::path::Path;
+use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-struct Env {
-    tmp: tempfile::TempDir,
+/// Arguments that resume the run in `out` (which remembers its own --data).
+fn resume_args(env: &RunEnv, out: &str) -> Vec<String> {
+    let o = env.path(out);
+    ["train", "--resume", "--no-progress", "--out", o.to_str().unwrap()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }
 
-impl Env {
-    fn new() -> Env {
-        let tmp = tempfile::tempdir().unwrap();
-        common::write_small_corpus(&tmp.path().join("corpus.txt"), 12_000);
-        Env { tmp }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.tmp.path().join(name)
-    }
-
-    fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_attnres"));
-        c.args(args).env("ATTNRES_CACHE", self.path("cache")).arg("--threads").arg("2");
-        c
-    }
-
-    fn run(&self, args: &[&str]) -> Output {
-        self.cmd(args).output().unwrap()
-    }
-
-    /// Arguments that resume the run in `out` (which remembers its own --data).
-    fn resume_args(&self, out: &str) -> Vec<String> {
-        let o = self.path(out);
-        ["train", "--resume", "--no-progress", "--out", o.to_str().unwrap()]
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
-    }
-
-    /// Training arguments for a short run into `out`.
-    fn train_args(&self, out: &str) -> Vec<String> {
-        let head = ["train", "--preset", "tiny", "--no-progress"];
-        common::run_args(&head, &self.path(out), &self.path("corpus.txt"), &SETS)
-    }
+/// Training arguments for a short run into `out`.
+fn train_args(env: &RunEnv, out: &str) -> Vec<String> {
+    let head = ["train", "--preset", "tiny", "--no-progress"];
+    common::run_args(&head, &env.path(out), &env.path("corpus.txt"), &SETS)
 }
 
 /// The settings of the short runs, laid over the `tiny` preset.
@@ -92,22 +68,10 @@ fn fails(o: &Output, needle: &str) {
     assert!(err.starts_with("error: ") && err.contains(needle), "expected {needle:?} in {err:?}");
 }
 
-/// `(step, train_loss, val_loss)` of every metrics line.
-fn losses(run: &Path) -> Vec<(u64, f64, Option<f64>)> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["step"].as_u64().unwrap(), v["train_loss"].as_f64().unwrap(), v["val_loss"].as_f64())
-        })
-        .collect()
-}
-
 #[test]
 fn killed_and_resumed_run_matches_an_uninterrupted_one() {
-    let env = Env::new();
-    let args = env.train_args("a");
+    let env = &RunEnv::new(12_000, 2);
+    let args = train_args(env, "a");
     let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     ok(&env.run(&a));
     let want = losses(&env.path("a"));
@@ -115,9 +79,9 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
     assert!(want.last().unwrap().1 < want[0].1 - 0.5, "training lowers the loss: {want:?}");
 
     // Kill a second run at two different moments, resuming each time.
-    let args = env.train_args("b");
+    let args = train_args(env, "b");
     let b: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
-    let resume_args = env.resume_args("b");
+    let resume_args = resume_args(env, "b");
     let resume: Vec<&str> = resume_args.iter().map(|s| s.as_str()).collect();
     for min_lines in [4, 23] {
         let mut child = if min_lines == 4 { env.cmd(&b) } else { env.cmd(&resume) };
@@ -184,8 +148,8 @@ fn killed_and_resumed_run_matches_an_uninterrupted_one() {
 
 #[test]
 fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
-    let env = &Env::new();
-    let args = env.train_args("r");
+    let env = &RunEnv::new(12_000, 2);
+    let args = train_args(env, "r");
     let a: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
     let with = |extra: &[&str]| -> Vec<String> {
         a.iter().map(|s| s.to_string()).chain(extra.iter().map(|s| s.to_string())).collect()
@@ -251,14 +215,15 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
     assert_eq!(std::fs::read(env.path("r/model.safetensors")).unwrap(), before);
     saved_state_is_checked_like_user_input(env, "r");
     // The token cache is found by content: another cache location holds the same data.
-    let o = env.cmd(&strs(&env.resume_args("r"))).env("ATTNRES_CACHE", env.path("cache2")).output();
+    let o =
+        env.cmd(&strs(&resume_args(env, "r"))).env("ATTNRES_CACHE", env.path("cache2")).output();
     ok(&o.unwrap());
     assert!(env.path("cache2").read_dir().unwrap().count() > 0);
     // A corrupt checkpoint is reported, and nothing is changed.
     let opt = env.path("r/ckpt/optimizer.safetensors");
     let bytes = std::fs::read(&opt).unwrap();
     std::fs::write(&opt, &bytes[..bytes.len() / 3]).unwrap();
-    fails(&run(env.resume_args("r")), "optimizer.safetensors is corrupt");
+    fails(&run(resume_args(env, "r")), "optimizer.safetensors is corrupt");
     assert_eq!(std::fs::read(env.path("r/model.safetensors")).unwrap(), before);
     // Resuming on other data is refused.
     std::fs::write(&opt, &bytes).unwrap();
@@ -299,7 +264,7 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
 
 /// `attnres generate` on a trained run: streaming output equals the batch output, a seed fixes
 /// sampled text, and bad requests get named errors.
-fn generation_from_a_trained_run(env: &Env, run: &str) {
+fn generation_from_a_trained_run(env: &RunEnv, run: &str) {
     let model = env.path(run);
     let m = model.to_str().unwrap();
     let gen = |extra: &[&str]| {
@@ -377,7 +342,7 @@ fn generation_from_a_trained_run(env: &Env, run: &str) {
 
 /// A checkpoint's `train_state.json` is read like user input: invalid, ill-typed and unknown
 /// settings are errors naming the file and the key, and nothing is changed.
-fn saved_state_is_checked_like_user_input(env: &Env, run: &str) {
+fn saved_state_is_checked_like_user_input(env: &RunEnv, run: &str) {
     let path = env.path(run).join("ckpt/train_state.json");
     let good = std::fs::read_to_string(&path).unwrap();
     let before = std::fs::read(env.path(run).join("model.safetensors")).unwrap();
@@ -400,7 +365,7 @@ fn saved_state_is_checked_like_user_input(env: &Env, run: &str) {
             .unwrap()
             .insert(key.to_string(), value);
         std::fs::write(&path, v.to_string()).unwrap();
-        let o = env.run(&strs(&env.resume_args(run)));
+        let o = env.run(&strs(&resume_args(env, run)));
         fails(&o, needle);
         fails(&o, "train_state.json");
     }
@@ -413,8 +378,8 @@ fn saved_state_is_checked_like_user_input(env: &Env, run: &str) {
 /// and an --overwrite killed early never leaves the old model beside the new metrics.
 #[test]
 fn no_run_is_lost_before_its_first_checkpoint() {
-    let env = Env::new();
-    let mut args = env.train_args("k");
+    let env = &RunEnv::new(12_000, 2);
+    let mut args = train_args(env, "k");
     args.extend(["--set".to_string(), "checkpoint_every=1000".to_string()]);
     let mut child = env.cmd(&strs(&args)).stderr(Stdio::null()).spawn().unwrap();
     wait_for_steps(&env.path("k"), 2);
@@ -422,7 +387,7 @@ fn no_run_is_lost_before_its_first_checkpoint() {
     child.wait().unwrap();
     let n = losses(&env.path("k")).len();
     assert!((2..60).contains(&n), "killed after {n} steps");
-    let log = ok(&env.run(&strs(&env.resume_args("k"))));
+    let log = ok(&env.run(&strs(&resume_args(env, "k"))));
     assert!(log.contains("resuming at step 0/60"), "{log}");
     assert_eq!(losses(&env.path("k")).len(), 60);
     let old_model = std::fs::read(env.path("k/model.safetensors")).unwrap();
@@ -451,7 +416,7 @@ fn no_run_is_lost_before_its_first_checkpoint() {
     for d in ["ckpt", ".ckpt.old"] {
         let _ = std::fs::remove_dir_all(env.path("k").join(d));
     }
-    fails(&env.run(&strs(&env.resume_args("k"))), "start it again with --overwrite");
+    fails(&env.run(&strs(&resume_args(env, "k"))), "start it again with --overwrite");
     ok(&env.run(&strs(&[args.clone(), vec!["--overwrite".into()]].concat())));
     assert_eq!(losses(&env.path("k")).len(), 60);
 }
@@ -460,16 +425,16 @@ fn no_run_is_lost_before_its_first_checkpoint() {
 /// the process holding it; the lock goes with the process.
 #[test]
 fn one_run_has_one_writer() {
-    let env = Env::new();
-    let mut args = env.train_args("w");
+    let env = &RunEnv::new(12_000, 2);
+    let mut args = train_args(env, "w");
     args.extend(["--set".to_string(), "max_tokens=3072000".to_string()]);
     let mut first = env.cmd(&strs(&args)).stderr(Stdio::null()).spawn().unwrap();
     wait_for_steps(&env.path("w"), 1);
     let pid = first.id().to_string();
-    let mut overwrite = env.train_args("w");
+    let mut overwrite = train_args(env, "w");
     overwrite.push("--overwrite".into());
     // Each second writer gets 60 seconds (a refused one ends at once).
-    let outputs: Vec<Output> = [overwrite, env.resume_args("w")]
+    let outputs: Vec<Output> = [overwrite, resume_args(env, "w")]
         .iter()
         .map(|second| {
             let mut c = env.cmd(&strs(second)).stderr(Stdio::piped()).spawn().unwrap();
@@ -497,7 +462,7 @@ fn one_run_has_one_writer() {
 #[test]
 fn resume_accepts_the_command_that_started_the_run() {
     use attnres::train::run::{train, TrainOptions};
-    let env = Env::new();
+    let env = &RunEnv::new(12_000, 2);
     // In-process runs use this cache (the other tests pass theirs to each process).
     std::env::set_var("ATTNRES_CACHE", env.path("cache"));
     let cfg = attnres::presets::run_config("tiny")
@@ -533,7 +498,7 @@ fn resume_accepts_the_command_that_started_the_run() {
 /// non-finite and the suspect setting; the run keeps its last good (step 0) checkpoint.
 #[test]
 fn non_finite_values_are_errors_naming_the_step_and_the_setting() {
-    let env = Env::new();
+    let env = &RunEnv::new(12_000, 2);
     let cases = [
         ("adam_eps=0", "the weights became non-finite in the update of step 1", "adam_eps = 0"),
         ("rope_theta=1e-300", "the training loss became NaN at step 1", "model settings"),
@@ -541,7 +506,7 @@ fn non_finite_values_are_errors_naming_the_step_and_the_setting() {
     ];
     for (i, (set, what, advice)) in cases.into_iter().enumerate() {
         let out = format!("n{i}");
-        let mut args = env.train_args(&out);
+        let mut args = train_args(env, &out);
         args.extend(["--set".to_string(), set.to_string()]);
         let o = env.run(&strs(&args));
         fails_in_training(&o, what);

@@ -7,6 +7,7 @@ use attnres::model::{checkpoint, Config, Model};
 use attnres::train::checkpoint::load_with_tokenizer;
 use attnres::train::config::RunConfig;
 use attnres::train::progress::log;
+use attnres::train::run::parallel::{Reduce, Reported};
 use attnres::train::run::{self, TrainOptions};
 use attnres::{bench, compare, eval, forward, presets, suite};
 use clap::{Args, Parser, Subcommand};
@@ -23,7 +24,8 @@ static ALLOC: attnres::alloc::Recycling = attnres::alloc::Recycling;
     about = "Train, evaluate, inspect and serve transformer language models with Attention Residuals"
 )]
 struct Cli {
-    /// Worker threads (default: all cores).
+    /// Worker threads (default: all cores; under mpirun, the cores shared among the ranks on
+    /// each machine).
     #[arg(long, global = true)]
     threads: Option<usize>,
     #[command(subcommand)]
@@ -50,6 +52,9 @@ enum Command {
     Compare(CompareArgs),
     /// Rebuild the report of a comparison directory from its runs.
     Report(ReportArgs),
+    /// Serve a model over HTTP with the OpenAI API (completions, chat, streaming), batching
+    /// concurrent requests.
+    Serve(ServeArgs),
     /// Plan pipeline-parallel training without training: chunks, what crosses each stage
     /// transition (with and without the cross-stage cache), the schedule and its bubble.
     Plan(PlanArgs),
@@ -70,6 +75,31 @@ struct ImportArgs {
     /// Replace a non-empty --out.
     #[arg(long)]
     force: bool,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// A training run's directory (the model and its tokenizer.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port (0: any free port; the log line names it).
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Sequences decoded together (key/value cache slots).
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Requests that may wait for a slot; beyond them a request gets 429.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Prompt tokens prefilled per step, beside the running sequences' next tokens.
+    #[arg(long, default_value_t = 2048)]
+    prefill_tokens: usize,
+    /// The model's name in the API (default: the model directory's name).
+    #[arg(long)]
+    name: Option<String>,
 }
 
 #[derive(Args)]
@@ -172,6 +202,10 @@ struct TrainArgs {
     /// Plain log lines instead of a progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Under mpirun: how the ranks add their gradients. exact: in the order one process adds
+    /// them (bit-identical to training alone); mpi: MPI's all-reduce (docs/distributed.md).
+    #[arg(long, default_value = "exact", value_parser = ["exact", "mpi"])]
+    reduce: String,
 }
 
 #[derive(Args)]
@@ -330,6 +364,11 @@ fn main() {
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
                 e.exit(); // --help and --version: printed on stdout, exit 0
             }
+            // Under mpirun every rank has the same arguments: rank 0 alone says what is wrong
+            // (the others stop quietly, as for any error another rank reports).
+            if attnres::comm::launched().is_some_and(|(_, rank)| rank != 0) {
+                std::process::exit(0);
+            }
             log(&format!("error: {}", usage_error(&e)));
             std::process::exit(1);
         }
@@ -337,6 +376,12 @@ fn main() {
     if let Err(e) = run(cli) {
         if closed_pipe(&e) {
             std::process::exit(CLOSED_PIPE_EXIT);
+        }
+        // Under mpirun, the rank that failed first prints the error and exits with 1; the
+        // others stop quietly with 0: mpirun ends the whole job at the first non-zero exit, which
+        // must not come before the error is printed. mpirun's own exit status is then 1.
+        if e.downcast_ref::<Reported>().is_some() {
+            std::process::exit(0);
         }
         log(&format!("error: {e:#}"));
         std::process::exit(1);
@@ -347,8 +392,8 @@ fn main() {
 /// line without its `error: ` prefix, and where to read more.
 fn usage_error(e: &clap::Error) -> String {
     if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
-        return "no command given: one of init, forward, train, eval, generate, bench, compare, \
-                report, plan, import (see attnres --help)"
+        return "no command given: one of init, forward, train, eval, generate, serve, bench, \
+                compare, report, plan, import (see attnres --help)"
             .into();
     }
     // The message runs to the first blank line or the usage block; a list of missing
@@ -384,16 +429,22 @@ fn output(text: &str) -> Result<()> {
 const STDOUT: &str = "cannot write to standard output";
 
 fn run(cli: Cli) -> Result<()> {
-    if let Some(n) = cli.threads {
+    let ranks = ranks(&cli.command)?;
+    let threads = match (cli.threads, &ranks) {
+        (Some(n), _) => Some(attnres::kernels::check_threads(n)?),
+        (None, Some(r)) => Some(default_threads(r)),
+        (None, None) => None,
+    };
+    if let Some(n) = threads {
         rayon::ThreadPoolBuilder::new()
-            .num_threads(attnres::kernels::check_threads(n)?)
+            .num_threads(n)
             .build_global()
             .context("cannot start the thread pool")?;
     }
     match cli.command {
         Command::Init(a) => init(a),
         Command::Forward(a) => forward_cmd(a),
-        Command::Train(a) => train_cmd(a),
+        Command::Train(a) => train_cmd(a, ranks.as_ref()),
         Command::Eval(a) => eval_cmd(a),
         Command::Generate(a) => generate_cmd(a),
         Command::Bench(a) => bench_cmd(a),
@@ -409,6 +460,17 @@ fn run(cli: Cli) -> Result<()> {
             log(&summary.line(&a.out));
             Ok(())
         }
+        Command::Serve(a) => attnres::serve::run(attnres::serve::ServeOptions {
+            model: a.model,
+            host: a.host,
+            port: a.port,
+            engine: attnres::serve::engine::EngineOptions {
+                max_batch: a.max_batch,
+                max_queue: a.max_queue,
+                prefill_tokens: a.prefill_tokens,
+            },
+            name: a.name,
+        }),
     }
 }
 
@@ -447,7 +509,48 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
     output(&text.render()?)
 }
 
-fn train_cmd(a: TrainArgs) -> Result<()> {
+/// The ranks of an MPI job this process is one of (none when it runs alone). Only `train` runs
+/// on several ranks; without the `mpi` feature no command does.
+#[cfg(feature = "mpi")]
+type Ranks = attnres::comm::mpi::Mpi;
+#[cfg(not(feature = "mpi"))]
+type Ranks = std::convert::Infallible;
+
+#[cfg(feature = "mpi")]
+fn ranks(command: &Command) -> Result<Option<Ranks>> {
+    let Some((size, rank)) = attnres::comm::launched() else { return Ok(None) };
+    if !matches!(command, Command::Train(_)) {
+        // Every rank would do the same work: say so once.
+        ensure!(rank != 0, "only train runs on several ranks; start this command without mpirun ({size} ranks here)");
+        return Err(Reported.into());
+    }
+    Ok(Some(Ranks::init()?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn ranks(_: &Command) -> Result<Option<Ranks>> {
+    let Some((size, rank)) = attnres::comm::launched() else { return Ok(None) };
+    ensure!(
+        rank != 0,
+        "this attnres was built without MPI, so the {size} ranks of mpirun would each train alone: build it with `cargo build --release --features mpi` (docs/distributed.md)"
+    );
+    Err(Reported.into())
+}
+
+/// Worker threads per rank when --threads is not given: the machine's cores shared among the
+/// ranks running on it.
+#[cfg(feature = "mpi")]
+fn default_threads(r: &Ranks) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / r.local_size().max(1)).max(1)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn default_threads(r: &Ranks) -> usize {
+    match *r {}
+}
+
+fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
     // With --resume and no settings, the run continues with its own; settings given with
     // --resume must equal the run's (the training loop names the first difference).
     let settings_given = !a.sets.is_empty() || a.config.is_some() || a.preset.is_some();
@@ -472,8 +575,37 @@ fn train_cmd(a: TrainArgs) -> Result<()> {
         progress: !a.no_progress,
         shared_bar: None,
     };
-    run::train(run, &opts)?;
-    Ok(())
+    let reduce = Reduce::parse(&a.reduce)?;
+    match ranks {
+        None => run::train(run, &opts).map(drop),
+        Some(r) => train_ranks(run, &opts, r, reduce),
+    }
+}
+
+/// Trains as one rank of an MPI job.
+#[cfg(feature = "mpi")]
+fn train_ranks(
+    run: Option<RunConfig>,
+    opts: &TrainOptions,
+    r: &Ranks,
+    reduce: Reduce,
+) -> Result<()> {
+    let group = attnres::train::run::parallel::Group::new(r, reduce);
+    let done = run::train_on(run, opts, Some(&group));
+    if let Err(e) = &done {
+        if !group.failure_agreed() {
+            // The other ranks do not know of this failure and may be waiting for this rank:
+            // end the whole job.
+            log(&format!("error: {e:#}"));
+            r.abort(1);
+        }
+    }
+    done.map(drop)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn train_ranks(_: Option<RunConfig>, _: &TrainOptions, r: &Ranks, _: Reduce) -> Result<()> {
+    match *r {}
 }
 
 fn generate_cmd(a: GenerateArgs) -> Result<()> {

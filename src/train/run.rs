@@ -3,6 +3,9 @@
 //!
 //! Settings live in [`super::config`], the run directory's files in [`super::checkpoint`],
 //! progress output in [`super::progress`] and the loss measurements in [`super::validation`].
+//! Training over several ranks is in [`parallel`].
+
+pub mod parallel;
 
 use super::checkpoint::{self as run_dir, TrainState, METRICS};
 use super::config::RunConfig;
@@ -17,6 +20,7 @@ use crate::kernels;
 use crate::model::{checkpoint, Model};
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
+use parallel::Group;
 use serde_json::{json, Value};
 use std::fs::File;
 use std::io::Write;
@@ -51,25 +55,38 @@ pub fn checkpoint_due(step: usize, total: usize, every: usize, since_last: f64) 
 
 /// Trains (or resumes) a run; returns the final validation loss.
 pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
-    let mut trainer = Trainer::start(run, opts)?;
+    train_on(run, opts, None)
+}
+
+/// Trains (or resumes) a run in one process, or as one rank of `group` (every rank calls this
+/// with the same arguments; rank 0 alone reads and writes the run directory). Returns the
+/// final validation loss (NaN on the other ranks).
+pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Group>) -> Result<f64> {
+    let mut trainer = match group {
+        None => Trainer::start(run, opts, 1)?,
+        Some(g) => Trainer::start_group(run, opts, g)?,
+    };
     if trainer.at.step == 0 {
         // A run is resumable from its first moment: a kill before the first regular checkpoint
         // resumes at step 0 instead of leaving a directory that can only be overwritten.
-        trainer.checkpoint()?;
+        trainer.lead(|t| t.checkpoint())?;
     }
     while trainer.at.step < trainer.total {
         let outcome = trainer.step()?;
-        let mut record = outcome.record(&trainer.at);
-        let evaluated = trainer.evaluation_due();
-        if evaluated {
-            trainer.evaluate(&outcome, &mut record)?;
-        }
-        trainer.log(&outcome, record, evaluated)?;
-        if trainer.checkpoint_due() {
-            trainer.checkpoint()?;
-        }
+        trainer.lead(|t| {
+            let mut record = outcome.record(&t.at);
+            let evaluated = t.evaluation_due();
+            if evaluated {
+                t.evaluate(&outcome, &mut record)?;
+            }
+            t.log(&outcome, record, evaluated)?;
+            if t.checkpoint_due() {
+                t.checkpoint()?;
+            }
+            Ok(())
+        })?;
     }
-    trainer.finish()
+    trainer.lead_finish()
 }
 
 /// How far a run has got; saved in every checkpoint.
@@ -114,7 +131,7 @@ struct Throughput {
 }
 
 /// A run in progress: settings, data, model, optimiser and where it writes.
-struct Trainer {
+struct Trainer<'g> {
     run: RunConfig,
     out: PathBuf,
     /// `--data` of the run (none: the embedded corpus).
@@ -133,8 +150,11 @@ struct Trainer {
     /// `metrics.jsonl`, opened after the run's first checkpoint: a directory with metrics always
     /// holds a checkpoint to resume them from.
     metrics: Option<File>,
-    /// The run directory's lock, held until the trainer is dropped.
-    _lock: File,
+    /// The run directory's lock, held until the trainer is dropped (none on ranks other than
+    /// 0, which do not write the run directory).
+    _lock: Option<File>,
+    /// The ranks this one trains with (none: training alone).
+    group: Option<&'g Group<'g>>,
     /// When the last checkpoint was written.
     last_checkpoint: Instant,
     progress: Progress,
@@ -225,10 +245,10 @@ impl Position {
     }
 }
 
-impl Trainer {
+impl<'g> Trainer<'g> {
     /// Checks the request against the run directory, loads or builds settings, tokenizer, data,
-    /// model and optimiser, and announces the run.
-    fn start(run: Option<RunConfig>, opts: &TrainOptions) -> Result<Trainer> {
+    /// model and optimiser, and announces the run, which `ranks` ranks will train.
+    fn start(run: Option<RunConfig>, opts: &TrainOptions, ranks: usize) -> Result<Trainer<'g>> {
         let out = &opts.out;
         ensure!(
             !opts.resume || out.is_dir(),
@@ -254,6 +274,7 @@ impl Trainer {
             None => fresh_model(run, opts, &split)?,
         };
         let tc = &run.train;
+        parallel::check_share(tc, ranks)?;
         let (tokens, reused) = Tokens::load_or_build(&split, &bpe)?;
         let data_key = tokens.key();
         if let Some(r) = &resume {
@@ -313,7 +334,8 @@ impl Trainer {
             total,
             at,
             metrics: None,
-            _lock: lock,
+            _lock: Some(lock),
+            group: None,
             last_checkpoint: Instant::now(),
             progress,
             started: Instant::now(),
@@ -322,25 +344,31 @@ impl Trainer {
         })
     }
 
-    /// One optimiser step: forward and backward over `accumulation` micro-batches, gradient
-    /// clipping, the update.
+    /// One optimiser step: forward and backward over `accumulation` micro-batches (on several
+    /// ranks: this rank's share of them), gradient clipping, the update.
     fn step(&mut self) -> Result<StepOutcome> {
         let tc = &self.run.train;
         let t_step = Instant::now();
         let lr = lr_at(&tc.optim, self.at.step, self.total);
-        let micro_batches: Vec<_> = (0..tc.accumulation())
-            .map(|_| {
-                next_batch(&self.tokens, &mut self.order, &mut self.at.windows_seen, tc.micro_batch)
+        parallel::fault_point(self.group.map_or(0, |g| g.rank()), self.at.step + 1);
+        let accumulation = tc.accumulation();
+        let share = match self.group {
+            None => 0..accumulation,
+            Some(g) => g.share(accumulation),
+        };
+        let first = self.at.windows_seen;
+        let micro_batches: Vec<_> = share
+            .map(|i| {
+                let at = first + (i * tc.micro_batch) as u64;
+                micro_batch(&self.tokens, &mut self.order, at, tc.micro_batch)
             })
             .collect();
-        let done = optimizer_step(
-            &mut self.model,
-            &mut self.opt,
-            &micro_batches,
-            tc.micro_batch,
-            lr,
-            self.at.step,
-        )?;
+        self.at.windows_seen += (accumulation * tc.micro_batch) as u64;
+        let (model, opt, step) = (&mut self.model, &mut self.opt, self.at.step);
+        let done = match self.group {
+            None => optimizer_step(model, opt, &micro_batches, tc.micro_batch, lr, step)?,
+            Some(g) => g.optimizer_step(model, opt, &micro_batches, tc.micro_batch, lr, step)?,
+        };
         self.at.train_seconds += t_step.elapsed().as_secs_f64();
         self.at.step += 1;
         self.at.tokens_seen += tc.batch_tokens as u64;
@@ -451,17 +479,24 @@ impl Trainer {
             serde_json::to_string_pretty(&diag)?.as_bytes(),
         )?;
         let at = &self.at;
-        let summary = json!({
+        let mut summary = json!({
             "residual": self.model.config.residual_label(), "parameters": self.model.params.len(), "steps": at.step, "tokens": at.tokens_seen,
             "val_loss": last_val, "val_bits_per_byte": val_bpb, "unigram_val_bits_per_byte": unigram,
             "elapsed_seconds": self.elapsed_seconds(),
             "train_seconds": at.train_seconds, "train_tokens_per_second": at.tokens_seen as f64 / at.train_seconds.max(1e-9),
             "code_version": CodeVersion::current(), "trained_by": self.code_versions,
+            "ranks": self.group.map_or(1, |g| g.size()),
         });
+        if let Some(g) = self.group {
+            summary["reduce"] = json!(g.reduce.name());
+        }
         write_atomic(
             &out.join("summary.json"),
             serde_json::to_string_pretty(&summary)?.as_bytes(),
         )?;
+        if let Some(g) = self.group {
+            self.progress.say(g.timing());
+        }
         self.progress.say(format!(
             "done: step {}, validation loss {last_val:.4} ({val_bpb:.4} bits/byte; a unigram model of the training tokens: {unigram:.4} bits/byte); model in {}",
             at.step,
@@ -537,7 +572,6 @@ fn fresh_model(
     Ok((run, bpe, model))
 }
 
-/// The next `micro_batch` training windows: inputs and their next-token targets.
 /// One optimiser step as training takes it: forward and backward over each micro-batch (`rows`
 /// sequences of token ids, and their targets), the mean gradient, clipping, then the update at
 /// learning rate `lr`. `step` (from 0) names the step in the error for a non-finite loss.
@@ -551,21 +585,52 @@ pub fn optimizer_step(
 ) -> Result<StepOutcome> {
     ensure!(!micro_batches.is_empty(), "a step needs at least one micro-batch");
     let mut grads = kernels::zeros(model.params.len());
-    let mut loss_sum = 0.0f64;
-    // Steps are numbered from 1 in errors, as in metrics.jsonl.
-    let n = step + 1;
+    let losses = backward_each(model, &opt.config, micro_batches, rows, step, |g| {
+        kernels::add_assign(&mut grads, &g)
+    })?;
+    apply_gradients(model, opt, grads, &losses, lr, step)
+}
+
+/// Forward and backward over each micro-batch in order: hands each gradient to `take` and
+/// returns the losses; a non-finite loss is an error naming step `step` (from 0).
+fn backward_each(
+    model: &Model,
+    o: &super::optim::OptimConfig,
+    micro_batches: &[(Vec<u32>, Vec<u32>)],
+    rows: usize,
+    step: usize,
+    mut take: impl FnMut(Vec<f32>),
+) -> Result<Vec<f32>> {
+    let mut losses = Vec::with_capacity(micro_batches.len());
     for (ids, targets) in micro_batches {
         let fwd = model.forward(ids, rows, ids.len() / rows)?;
         let (loss, g) = model.backward(&fwd, targets)?;
+        // Steps are numbered from 1 in errors, as in metrics.jsonl.
         ensure!(
             loss.is_finite(),
-            "the training loss became {loss} at step {n}; {}",
-            non_finite_advice(&opt.config, step, false)
+            "the training loss became {loss} at step {}; {}",
+            step + 1,
+            non_finite_advice(o, step, false)
         );
-        loss_sum += loss as f64;
-        kernels::add_assign(&mut grads, &g);
+        losses.push(loss);
+        take(g);
     }
-    let accum = micro_batches.len();
+    Ok(losses)
+}
+
+/// The rest of a step once `grads` holds the sum of the gradients of the step's micro-batches
+/// (`losses`: theirs, in order): the mean, clipping, the update.
+fn apply_gradients(
+    model: &mut Model,
+    opt: &mut Optimizer,
+    mut grads: Vec<f32>,
+    losses: &[f32],
+    lr: f64,
+    step: usize,
+) -> Result<StepOutcome> {
+    let loss_sum: f64 = losses.iter().fold(0.0, |s, &l| s + l as f64);
+    let n = step + 1;
+    let accum = losses.len();
     if accum > 1 {
         let s = 1.0 / accum as f32;
         grads.iter_mut().for_each(|g| *g *= s);
@@ -619,18 +684,19 @@ fn non_finite_advice(o: &super::optim::OptimConfig, step: usize, updated: bool) 
     }
 }
 
-fn next_batch(
+/// The `micro_batch` training windows from position `first` of the data order: inputs and
+/// their next-token targets.
+fn micro_batch(
     tokens: &Tokens,
     order: &mut WindowOrder,
-    windows_seen: &mut u64,
+    first: u64,
     micro_batch: usize,
 ) -> (Vec<u32>, Vec<u32>) {
     let seq = order.seq;
     let (mut ids, mut targets) =
         (Vec::with_capacity(micro_batch * seq), Vec::with_capacity(micro_batch * seq));
-    for _ in 0..micro_batch {
-        let s = order.start(*windows_seen);
-        *windows_seen += 1;
+    for w in 0..micro_batch as u64 {
+        let s = order.start(first + w);
         let w = tokens.train(s..s + seq + 1);
         ids.extend_from_slice(&w[..seq]);
         targets.extend_from_slice(&w[1..]);

@@ -64,6 +64,52 @@ pub fn write_small_corpus(path: &Path, chars: usize) {
     std::fs::write(path, text).unwrap();
 }
 
+/// A temporary directory with a small corpus (`corpus.txt`) and a token cache of its own, in
+/// which the binary runs with a fixed thread count.
+pub struct RunEnv {
+    pub tmp: tempfile::TempDir,
+    threads: usize,
+}
+
+impl RunEnv {
+    /// `corpus_chars` characters of each of twelve plays (see [`write_small_corpus`]).
+    pub fn new(corpus_chars: usize, threads: usize) -> RunEnv {
+        let tmp = tempfile::tempdir().unwrap();
+        write_small_corpus(&tmp.path().join("corpus.txt"), corpus_chars);
+        RunEnv { tmp, threads }
+    }
+
+    pub fn path(&self, name: &str) -> std::path::PathBuf {
+        self.tmp.path().join(name)
+    }
+
+    /// The binary with `args`, no stdin, this directory's token cache and thread count.
+    pub fn cmd<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> std::process::Command {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_attnres"));
+        c.args(args)
+            .env("ATTNRES_CACHE", self.path("cache"))
+            .args(["--threads", &self.threads.to_string()])
+            .stdin(std::process::Stdio::null());
+        c
+    }
+
+    pub fn run<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> std::process::Output {
+        self.cmd(args).output().unwrap()
+    }
+}
+
+/// `(step, train_loss, val_loss)` of every line of a run's `metrics.jsonl`.
+pub fn losses(run: &Path) -> Vec<(u64, f64, Option<f64>)> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["step"].as_u64().unwrap(), v["train_loss"].as_f64().unwrap(), v["val_loss"].as_f64())
+        })
+        .collect()
+}
+
 /// The stderr of a command that must have succeeded.
 pub fn ok(o: &std::process::Output) -> String {
     let err = String::from_utf8_lossy(&o.stderr).into_owned();

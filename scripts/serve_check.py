@@ -1,0 +1,203 @@
+"""`attnres serve` against the official `openai` client (docs/serving.md).
+
+    python scripts/serve_check.py --attnres target/release/attnres --model RUN_DIR
+    python scripts/serve_check.py --attnres target/release/attnres --model RUN_DIR --bench
+
+Without --bench: starts the server, then checks with the client what people rely on (models,
+completions and chat, whole and streamed, usage, errors) and runs a bounded load test: 64
+concurrent streaming requests of mixed lengths, each of which must complete with its usage or
+be refused with 429, none lost. Exits non-zero on any failure.
+
+With --bench: throughput and latency at concurrency 1, 4, 16 and 64 (a markdown table).
+
+With --browser CHROMIUM: the page at `/` is run in headless Chromium, which must show the
+streamed text and the speed; --screenshot PNG keeps a picture of it.
+"""
+
+import argparse
+import concurrent.futures
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+
+
+def start(attnres, model, flags):
+    proc = subprocess.Popen(
+        [attnres, "serve", "--model", model, "--port", "0", *flags],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    line = proc.stderr.readline()
+    m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+    if not m:
+        proc.kill()
+        sys.exit(f"the server did not start: {line}")
+    # Keep draining the log so the server never blocks on it.
+    threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+    return proc, int(m.group(1))
+
+
+def streamed(client, model, prompt, max_tokens, **kw):
+    """Text, usage, and the times of the request, its first and its last piece."""
+    t0 = time.perf_counter()
+    first = last = None
+    text, usage, finish = [], None, None
+    stream = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        **kw,
+    )
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            if c.text:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                text.append(c.text)
+            if c.finish_reason:
+                finish = c.finish_reason
+    return "".join(text), usage, finish, t0, first, last
+
+
+def check(client, model):
+    names = [m.id for m in client.models.list().data]
+    assert names == [model], names
+    whole = client.completions.create(model=model, prompt="ROMEO:", max_tokens=24, temperature=0)
+    text, usage, finish, *_ = streamed(client, model, "ROMEO:", 24, temperature=0)
+    assert whole.choices[0].text == text, (whole.choices[0].text, text)
+    assert whole.usage.completion_tokens == usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert finish == whole.choices[0].finish_reason
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "A play."}, {"role": "user", "content": "Who is there?"}],
+        max_tokens=16,
+        temperature=0,
+    )
+    reply = chat.choices[0].message.content
+    pieces = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "system", "content": "A play."}, {"role": "user", "content": "Who is there?"}],
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == reply
+    for bad, error in [
+        (dict(max_tokens=0), openai.BadRequestError),
+        (dict(temperature=-1.0), openai.BadRequestError),
+        (dict(model="no-such-model"), openai.NotFoundError),
+    ]:
+        args = dict(model=model, prompt="ROMEO:", max_tokens=4)
+        args.update(bad)
+        try:
+            client.completions.create(**args)
+        except error as e:
+            assert e.body and e.body.get("message"), e
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    print(f"client checks passed: completions, chat, streaming, usage, errors ({model})")
+
+
+def load(client, model, n=64):
+    """`n` concurrent streamed requests of mixed lengths: each completes or gets 429."""
+    lengths = [8 + (37 * i) % 93 for i in range(n)]
+    outcomes = []
+
+    def one(i):
+        try:
+            text, usage, finish, *_ = streamed(client, model, f"Scene {i}.", lengths[i], temperature=0.8, seed=i)
+            assert usage is not None and usage.completion_tokens <= lengths[i], usage
+            assert finish in ("stop", "length"), finish
+            return "completed"
+        except openai.RateLimitError:
+            return "refused"
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        outcomes = list(pool.map(one, range(n)))
+    done, refused = outcomes.count("completed"), outcomes.count("refused")
+    assert done + refused == n, outcomes
+    print(f"load: {n} concurrent streamed requests (max_tokens 8..100): {done} completed, {refused} refused with 429, none lost")
+
+
+def bench(client, model, levels, tokens=64):
+    rows = []
+    for c in levels:
+        n = max(2 * c, 8)
+        prompts = [f"Scene {i}. Enter ROMEO." for i in range(n)]
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(c) as pool:
+            results = list(pool.map(lambda p: streamed(client, model, p, tokens, temperature=0), prompts))
+        wall = time.perf_counter() - t0
+        out = sum(r[1].completion_tokens for r in results)
+        ttft = sorted(r[4] - r[3] for r in results if r[4])
+        tpot = sorted((r[5] - r[4]) / (r[1].completion_tokens - 1) for r in results if r[1].completion_tokens > 1)
+        pct = lambda v, q: v[min(len(v) - 1, int(q * len(v)))]
+        rows.append((c, n, out / wall, pct(ttft, 0.5), pct(ttft, 0.99), pct(tpot, 0.5), pct(tpot, 0.99)))
+    print("| concurrency | requests | output tokens/s | TTFT p50 | TTFT p99 | time per token p50 | p99 |")
+    print("|---|---|---|---|---|---|---|")
+    for c, n, tps, t50, t99, p50, p99 in rows:
+        print(f"| {c} | {n} | {tps:.0f} | {t50*1e3:.1f} ms | {t99*1e3:.1f} ms | {p50*1e3:.2f} ms | {p99*1e3:.2f} ms |")
+    print(f"batching gain (tokens/s at {levels[-1]} over 1): {rows[-1][2] / rows[0][2]:.1f}x")
+
+
+def browser(chromium, port, screenshot=None):
+    """The page in a real headless browser: it fills its form from the URL, streams a
+    completion and shows the speed."""
+    url = f"http://127.0.0.1:{port}/?prompt=ROMEO:&max_tokens=60&temperature=0.8&seed=1&autorun=1"
+    flags = [
+        chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        "--virtual-time-budget=20000", "--window-size=900,640",
+    ]
+    dom = subprocess.run([*flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert 'data-done="1"' in dom, dom[-2000:]
+    stats = re.search(r'<div id="stats">([^<]*)</div>', dom).group(1)
+    out = re.search(r'<div id="out">(.*?)</div>', dom, re.S).group(1)
+    assert re.match(r"\d+ tokens in [0-9.]+ s", stats), stats
+    assert "ROMEO:" in out and len(re.sub("<[^>]+>", "", out)) > len("ROMEO:"), out
+    print(f"page: headless Chromium streamed a completion ({stats})")
+    if screenshot:
+        subprocess.run([*flags, f"--screenshot={screenshot}", url], capture_output=True, timeout=120, check=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--attnres", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--bench", action="store_true")
+    ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument("--browser", help="a Chromium binary: also check the page at /")
+    ap.add_argument("--screenshot", help="with --browser: save the page as this PNG")
+    a = ap.parse_args()
+    flags = ["--max-batch", "64", "--max-queue", "256"] if a.bench else ["--max-batch", "16", "--max-queue", "32"]
+    proc, port = start(a.attnres, a.model, flags)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        if a.bench:
+            bench(client, model, [int(x) for x in a.levels.split(",")])
+        else:
+            check(client, model)
+            load(client, model)
+            if a.browser:
+                browser(a.browser, port, a.screenshot)
+    finally:
+        proc.terminate()
+        if proc.wait(timeout=60) != 0:
+            sys.exit(f"the server exited with {proc.returncode}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+//! [`Comm`] over MPI (the `mpi` crate, on the system's MPI library). Only the thread that
+//! initialised MPI calls it; the worker threads of the kernels never do.
+
+use super::Comm;
+use anyhow::{Context, Result};
+use mpi::collective::SystemOperation;
+use mpi::environment::Universe;
+use mpi::topology::{Communicator, SimpleCommunicator};
+use mpi::traits::*;
+use mpi::Threading;
+
+/// MPI's world: every rank of the job. Dropping it finalises MPI, which every rank must reach.
+pub struct Mpi {
+    world: SimpleCommunicator,
+    /// Ranks on this rank's machine (this one included).
+    local: usize,
+    _universe: Universe,
+}
+
+impl Mpi {
+    /// Initialises MPI. Only the calling thread may use it (MPI's "funneled" level).
+    pub fn init() -> Result<Mpi> {
+        let (universe, _) = mpi::initialize_with_threading(Threading::Funneled)
+            .context("MPI is already initialised")?;
+        let world = universe.world();
+        let local = world.split_shared(world.rank()).size() as usize;
+        Ok(Mpi { world, local, _universe: universe })
+    }
+
+    /// How many ranks run on this rank's machine.
+    pub fn local_size(&self) -> usize {
+        self.local
+    }
+
+    /// Ends every rank of the job at once with exit status `code`: for a failure the other
+    /// ranks have not heard of, which would otherwise leave them waiting.
+    pub fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+}
+
+impl Comm for Mpi {
+    fn rank(&self) -> usize {
+        self.world.rank() as usize
+    }
+
+    fn size(&self) -> usize {
+        self.world.size() as usize
+    }
+
+    fn all_gather_f32(&self, mine: &[f32]) -> Vec<f32> {
+        let mut all = vec![0.0f32; mine.len() * self.size()];
+        self.world.all_gather_into(mine, &mut all[..]);
+        all
+    }
+
+    fn all_gather_u64(&self, mine: &[u64]) -> Vec<u64> {
+        let mut all = vec![0u64; mine.len() * self.size()];
+        self.world.all_gather_into(mine, &mut all[..]);
+        all
+    }
+
+    fn broadcast_f32(&self, root: usize, buf: &mut [f32]) {
+        self.world.process_at_rank(root as i32).broadcast_into(buf);
+    }
+
+    fn broadcast_u8(&self, root: usize, buf: &mut [u8]) {
+        self.world.process_at_rank(root as i32).broadcast_into(buf);
+    }
+
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) {
+        let mine = buf.to_vec();
+        self.world.all_reduce_into(&mine[..], buf, SystemOperation::sum());
+    }
+
+    fn send_f32(&self, to: usize, buf: &[f32]) {
+        self.world.process_at_rank(to as i32).send(buf);
+    }
+
+    fn receive_f32(&self, from: usize, buf: &mut [f32]) {
+        self.world.process_at_rank(from as i32).receive_into(buf);
+    }
+}

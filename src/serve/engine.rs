@@ -1,0 +1,383 @@
+//! The engine: one thread owns the model and a key/value cache of `max_batch` slots and runs
+//! continuous batching. Each step it admits waiting requests (their prompts are prefilled in the
+//! same pass that decodes one token for every running sequence, under a budget of prompt
+//! tokens), samples each sequence's next token, streams its text to the request, and retires the
+//! sequences that finished or whose client has gone, freeing their slots for the next step.
+//!
+//! A sequence's tokens depend only on its own prompt, settings and seed: each has its own cache
+//! slot and sampler, and every row of a decoding pass is computed on its own, so the text of a
+//! request does not depend on what else is in the batch.
+
+use super::metrics::Metrics;
+use crate::generate::{Sampler, Sampling};
+use crate::model::decode::KvCache;
+use crate::model::Model;
+use crate::train::tokenizer::Bpe;
+use anyhow::Result;
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// Why a sequence stopped, in the API's words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// The model ended the text, or a stop string appeared.
+    Stop,
+    /// `max_tokens` were generated.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What the engine tells a request, in order: pieces of text, then one `Done` (or `Failed`).
+#[derive(Debug)]
+pub enum Event {
+    Text(String),
+    Done { finish: Finish, prompt_tokens: usize, completion_tokens: usize },
+    Failed(String),
+}
+
+/// One request as the engine runs it.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+    pub seed: u64,
+    /// Text that ends the completion where it first appears (not included).
+    pub stop: Vec<String>,
+    pub events: UnboundedSender<Event>,
+    pub received: Instant,
+}
+
+/// Where requests enter the engine: a queue of bounded length.
+#[derive(Clone)]
+pub struct EngineHandle {
+    queue: SyncSender<Job>,
+}
+
+/// Why a request was not queued.
+pub enum Refused {
+    /// The queue is full (the server answers 429).
+    Busy,
+    /// The engine has stopped.
+    Stopped,
+}
+
+impl EngineHandle {
+    pub fn submit(&self, job: Job, metrics: &Metrics) -> Result<(), Refused> {
+        // Counted before it is sent, so the engine never takes it out of the count first.
+        metrics.queued();
+        let sent = self.queue.try_send(job);
+        if sent.is_err() {
+            metrics.dequeued();
+        }
+        match sent {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(_)) => Err(Refused::Busy),
+            Err(TrySendError::Disconnected(_)) => Err(Refused::Stopped),
+        }
+    }
+}
+
+/// Settings of the engine.
+#[derive(Clone, Copy, Debug)]
+pub struct EngineOptions {
+    /// Sequences decoded together (cache slots).
+    pub max_batch: usize,
+    /// Requests waiting beyond the running ones; more are refused.
+    pub max_queue: usize,
+    /// Prompt tokens prefilled per step (a longer prompt is admitted alone).
+    pub prefill_tokens: usize,
+}
+
+/// Starts the engine thread; it ends when every handle is dropped and its work is done.
+pub fn start(
+    model: Arc<Model>,
+    bpe: Arc<Bpe>,
+    opts: EngineOptions,
+    metrics: Arc<Metrics>,
+) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
+    let ctx = model.config.max_position_embeddings;
+    let cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
+    let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
+    let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
+        let mut engine = Engine {
+            model,
+            bpe,
+            cache,
+            opts,
+            waiting,
+            running: Vec::new(),
+            free: (0..opts.max_batch).rev().collect(),
+            metrics,
+        };
+        engine.run()
+    })?;
+    Ok((EngineHandle { queue }, thread))
+}
+
+/// A sequence in the batch.
+struct Sequence {
+    job: Job,
+    slot: usize,
+    sampler: Sampler,
+    /// Tokens generated; the last one is fed in the next step.
+    generated: Vec<u32>,
+    /// Whether the prompt is still to be prefilled.
+    prefill: bool,
+    /// The completion's text so far, and how much of it was sent (text that could be the
+    /// start of a stop string is held back).
+    text: String,
+    sent: usize,
+    /// Tokens not yet decoded into whole characters.
+    pending: Vec<u32>,
+    first_token: Option<Instant>,
+    /// The tokenizer's end-of-text token.
+    eot: u32,
+}
+
+struct Engine {
+    model: Arc<Model>,
+    bpe: Arc<Bpe>,
+    cache: KvCache,
+    opts: EngineOptions,
+    waiting: Receiver<Job>,
+    running: Vec<Sequence>,
+    /// Free cache slots.
+    free: Vec<usize>,
+    metrics: Arc<Metrics>,
+}
+
+impl Engine {
+    fn run(&mut self) {
+        let mut held: Option<Job> = None;
+        loop {
+            if self.running.is_empty() && held.is_none() {
+                // Idle: wait for work; every handle gone means the server has shut down.
+                match self.waiting.recv() {
+                    Ok(job) => {
+                        self.metrics.dequeued();
+                        held = Some(job);
+                    }
+                    Err(_) => return,
+                }
+            }
+            self.admit(&mut held);
+            self.metrics.set_running(self.running.len());
+            let stepped = self.step();
+            self.metrics.set_running(self.running.len());
+            if let Err(e) = stepped {
+                // A failed pass fails the sequences in it, never the engine.
+                let msg = format!("{e:#}");
+                for seq in std::mem::take(&mut self.running) {
+                    let _ = seq.job.events.send(Event::Failed(msg.clone()));
+                    self.metrics.finished("error");
+                    self.free.push(seq.slot);
+                }
+            }
+        }
+    }
+
+    /// Moves waiting requests into free slots, within the step's budget of prompt tokens (a
+    /// prompt beyond the budget goes in alone). `held`: a request taken from the queue that did
+    /// not fit in the last step.
+    fn admit(&mut self, held: &mut Option<Job>) {
+        let mut budget = self.opts.prefill_tokens;
+        let mut admitted = 0;
+        while let Some(&slot) = self.free.last() {
+            let job = match held.take() {
+                Some(j) => j,
+                None => match self.waiting.try_recv() {
+                    Ok(j) => {
+                        self.metrics.dequeued();
+                        j
+                    }
+                    Err(_) => break,
+                },
+            };
+            if job.events.is_closed() {
+                self.metrics.finished("cancelled");
+                continue;
+            }
+            if admitted > 0 && job.prompt.len() > budget {
+                *held = Some(job);
+                break;
+            }
+            budget = budget.saturating_sub(job.prompt.len());
+            admitted += 1;
+            self.free.pop();
+            self.cache.clear(slot);
+            let sampler = match Sampler::new(job.sampling, job.seed, 0) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = job.events.send(Event::Failed(format!("{e:#}")));
+                    self.metrics.finished("error");
+                    self.free.push(slot);
+                    continue;
+                }
+            };
+            self.running.push(Sequence {
+                job,
+                slot,
+                sampler,
+                generated: Vec::new(),
+                prefill: true,
+                text: String::new(),
+                sent: 0,
+                pending: Vec::new(),
+                first_token: None,
+                eot: self.bpe.eot,
+            });
+        }
+    }
+
+    /// One pass: prefill the new sequences and feed every running one its last token, sample,
+    /// stream, retire.
+    fn step(&mut self) -> Result<()> {
+        // Clients that have gone free their slots before the pass.
+        let (gone, keep): (Vec<Sequence>, Vec<Sequence>) =
+            std::mem::take(&mut self.running).into_iter().partition(|s| s.job.events.is_closed());
+        self.running = keep;
+        for s in gone {
+            self.free.push(s.slot);
+            self.metrics.finished("cancelled");
+        }
+        if self.running.is_empty() {
+            return Ok(());
+        }
+        let longest = self
+            .running
+            .iter()
+            .map(|s| self.cache.len(s.slot) + if s.prefill { s.job.prompt.len() } else { 1 })
+            .max()
+            .unwrap_or(0);
+        self.cache.reserve(longest)?;
+        let chunks: Vec<(usize, &[u32])> = self
+            .running
+            .iter()
+            .map(|s| {
+                let ids = if s.prefill {
+                    &s.job.prompt[..]
+                } else {
+                    &s.generated[s.generated.len() - 1..]
+                };
+                (s.slot, ids)
+            })
+            .collect();
+        let logits = self.model.decode(&mut self.cache, &chunks, false)?;
+        drop(chunks);
+        let vocab = self.model.config.vocab_size;
+        let now = Instant::now();
+        let mut done = Vec::new();
+        for (row, seq) in self.running.iter_mut().enumerate() {
+            if seq.prefill {
+                seq.prefill = false;
+                self.metrics.add_prompt_tokens(seq.job.prompt.len());
+            }
+            let tok = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            seq.generated.push(tok);
+            self.metrics.add_generated_tokens(1);
+            if seq.first_token.is_none() {
+                seq.first_token = Some(now);
+                self.metrics.time_to_first_token(now - seq.job.received);
+            }
+            let finish = seq.advance(tok, &self.bpe);
+            if let Some(finish) = finish {
+                done.push((seq.slot, finish));
+            }
+        }
+        for (slot, finish) in done {
+            let i = self.running.iter().position(|s| s.slot == slot).unwrap();
+            let seq = self.running.swap_remove(i);
+            seq.finish(finish, &self.metrics);
+            self.free.push(slot);
+        }
+        Ok(())
+    }
+}
+
+impl Sequence {
+    /// Takes the sampled token: its text, stop strings, the token limit. Returns how the
+    /// sequence ends, if it does.
+    fn advance(&mut self, tok: u32, bpe: &Bpe) -> Option<Finish> {
+        if tok == bpe.eot {
+            return Some(Finish::Stop);
+        }
+        self.pending.push(tok);
+        if let Ok(piece) = bpe.decode(&self.pending) {
+            // A token can end inside a UTF-8 character: wait until it is whole.
+            if !piece.ends_with('\u{FFFD}') {
+                self.text.push_str(&piece);
+                self.pending.clear();
+            }
+        }
+        if let Some(at) = self.job.stop.iter().filter_map(|s| self.text.find(s.as_str())).min() {
+            self.text.truncate(at);
+            self.flush(self.text.len());
+            return Some(Finish::Stop);
+        }
+        if self.generated.len() >= self.job.max_tokens {
+            return Some(Finish::Length);
+        }
+        // Hold back what could be the start of a stop string.
+        let held =
+            self.job.stop.iter().map(|s| longest_prefix_suffix(&self.text, s)).max().unwrap_or(0);
+        self.flush(self.text.len() - held);
+        None
+    }
+
+    /// Sends the text up to byte `to` not sent yet.
+    fn flush(&mut self, to: usize) {
+        if to > self.sent {
+            let _ = self.job.events.send(Event::Text(self.text[self.sent..to].to_string()));
+            self.sent = to;
+        }
+    }
+
+    fn finish(mut self, finish: Finish, metrics: &Metrics) {
+        self.flush(self.text.len());
+        // The end-of-text token is not part of the completion.
+        let eot = self.generated.last() == Some(&self.eot);
+        let _ = self.job.events.send(Event::Done {
+            finish,
+            prompt_tokens: self.job.prompt.len(),
+            completion_tokens: self.generated.len() - eot as usize,
+        });
+        if let (Some(first), true) = (self.first_token, self.generated.len() > 1) {
+            let per = first.elapsed() / (self.generated.len() - 1) as u32;
+            metrics.time_per_output_token(per);
+        }
+        metrics.request_duration(self.job.received.elapsed());
+        metrics.finished("completed");
+    }
+}
+
+/// The length in bytes of the longest proper prefix of `stop` that `text` ends with (on a
+/// character boundary of `text`).
+fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
+    (1..stop.len())
+        .rev()
+        .find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_back_text_is_the_longest_start_of_a_stop_string() {
+        assert_eq!(longest_prefix_suffix("hello wor", "world"), 3);
+        assert_eq!(longest_prefix_suffix("hello", "world"), 0);
+        assert_eq!(longest_prefix_suffix("ab\nUs", "\nUser:"), 3);
+        assert_eq!(longest_prefix_suffix("x", ""), 0);
+    }
+}

@@ -1,0 +1,436 @@
+//! Data-parallel training (docs/distributed.md). Every rank holds the whole model and
+//! optimiser state and takes a consecutive share of the micro-batches of each step; the ranks
+//! then add their gradients, so every rank takes the same update. Rank 0 alone reads and writes
+//! the run directory: it sets the run up and hands its state to the others.
+//!
+//! A failure on any rank is agreed on at fixed points ([`Group::agree`]): every rank stops
+//! there, and only the first failing rank prints its error (and exits with status 1).
+
+use super::{apply_gradients, backward_each, Position, StepOutcome, Throughput, Trainer};
+use super::{Model, Optimizer, Progress, TrainOptions};
+use crate::comm::{self, Comm};
+use crate::train::config::{RunConfig, TrainConfig};
+use crate::train::data::Corpus;
+use crate::train::tokenizer::Bpe;
+use crate::train::tokens::{Tokens, WindowOrder};
+use anyhow::{bail, ensure, Context, Result};
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::cell::Cell;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// How the ranks add their gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    /// In the order one process adds them ([`comm::sum_in_order`]): bit-identical to training
+    /// alone, and to any other number of ranks.
+    Exact,
+    /// By MPI's all-reduce ([`comm::sum_all_reduce`]): the low bits depend on the number of
+    /// ranks.
+    Mpi,
+}
+
+impl Reduce {
+    pub fn parse(s: &str) -> Result<Reduce> {
+        match s {
+            "exact" => Ok(Reduce::Exact),
+            "mpi" => Ok(Reduce::Mpi),
+            _ => bail!("--reduce must be exact or mpi, got {s:?}"),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Reduce::Exact => "exact",
+            Reduce::Mpi => "mpi",
+        }
+    }
+}
+
+/// The error of a rank when another rank reported the failure: nothing more to print, and the
+/// process exits with status 0, leaving the failure's status to the rank that prints it (mpirun
+/// ends the job at the first non-zero exit, which must not cut that rank short).
+#[derive(Debug)]
+pub struct Reported;
+
+impl std::fmt::Display for Reported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("another rank failed and reported the error")
+    }
+}
+
+impl std::error::Error for Reported {}
+
+/// The ranks that train one run together, as seen from one of them.
+pub struct Group<'c> {
+    comm: &'c dyn Comm,
+    pub reduce: Reduce,
+    /// Set once the ranks have agreed on a failure (so all of them stop together).
+    failure_agreed: Cell<bool>,
+    /// Seconds spent in this session's steps, and in adding gradients over the ranks in them
+    /// (waiting for the slowest rank included).
+    step_seconds: Cell<f64>,
+    reduce_seconds: Cell<f64>,
+}
+
+impl<'c> Group<'c> {
+    pub fn new(comm: &'c dyn Comm, reduce: Reduce) -> Group<'c> {
+        Group {
+            comm,
+            reduce,
+            failure_agreed: Cell::new(false),
+            step_seconds: Cell::new(0.0),
+            reduce_seconds: Cell::new(0.0),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.comm.size()
+    }
+
+    /// Whether this is rank 0, which writes the run directory and prints the run's progress.
+    pub fn leads(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// How long this session's steps took on this rank, and how much of it went into adding
+    /// gradients over the ranks (waiting for the others included).
+    pub fn timing(&self) -> String {
+        let (step, reduce) = (self.step_seconds.get(), self.reduce_seconds.get());
+        format!(
+            "this session's steps took {step:.2} s on rank {}, {reduce:.2} s ({:.1}%) of them adding gradients over the ranks (--reduce {})",
+            self.rank(),
+            100.0 * reduce / step.max(1e-9),
+            self.reduce.name()
+        )
+    }
+
+    /// Whether every rank knows of the failure that ended training here. When it does not (a
+    /// failure outside the agreed points: a bug), the other ranks may be waiting for this one,
+    /// and the caller must end the job by other means (`MPI_Abort`).
+    pub fn failure_agreed(&self) -> bool {
+        self.failure_agreed.get()
+    }
+
+    /// The micro-batches of a step of `accumulation` that this rank computes: a consecutive
+    /// share, so that the running sum of [`comm::sum_in_order`] passes each rank once.
+    pub(super) fn share(&self, accumulation: usize) -> std::ops::Range<usize> {
+        let per = accumulation / self.size();
+        self.rank() * per..(self.rank() + 1) * per
+    }
+
+    /// Every rank's outcome of the same piece of work: `local` when every rank succeeded;
+    /// otherwise an error on every rank, the first failing rank's own error on that rank (which
+    /// prints it), [`Reported`] on the others. `weights`: `(step, fingerprint)` of this rank's
+    /// weights after `step`, to check that every rank holds the same weights.
+    pub fn agree<T>(&self, local: Result<T>, weights: Option<(usize, u64)>) -> Result<T> {
+        let mine = [local.is_err() as u64, weights.map_or(0, |w| w.1)];
+        let all = self.comm.all_gather_u64(&mine);
+        let rank = self.rank();
+        if let Some(first) = (0..self.size()).find(|r| all[2 * r] != 0) {
+            self.failure_agreed.set(true);
+            return match local {
+                Err(e) if first == rank && rank > 0 => Err(e.context(format!("rank {rank}"))),
+                Err(e) if first == rank => Err(e),
+                _ => Err(Reported.into()),
+            };
+        }
+        if let Some((step, _)) = weights {
+            if let Some(r) = (1..self.size()).find(|r| all[2 * r + 1] != all[1]) {
+                self.failure_agreed.set(true);
+                if rank > 0 {
+                    return Err(Reported.into());
+                }
+                bail!(
+                    "rank {r}'s weights differ from rank 0's after step {step}: every rank must run the same attnres build with the same --threads on the same kind of processor"
+                );
+            }
+        }
+        local
+    }
+
+    /// One optimiser step over the ranks: this rank's micro-batches forward and backward, the
+    /// gradients of all of them added over the ranks, then the same update on every rank.
+    pub(super) fn optimizer_step(
+        &self,
+        model: &mut Model,
+        opt: &mut Optimizer,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+        lr: f64,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        let t_step = Instant::now();
+        let n = model.params.len();
+        let mut mine = Vec::with_capacity(micro_batches.len());
+        let local = backward_each(model, &opt.config, micro_batches, rows, step, |g| mine.push(g));
+        let losses = self.agree(local, None)?;
+        // Every micro-batch's loss, in the order of one process.
+        let losses = self.comm.all_gather_f32(&losses);
+        let t = Instant::now();
+        let grads = match self.reduce {
+            Reduce::Exact => comm::sum_in_order(self.comm, &mine, n),
+            Reduce::Mpi => comm::sum_all_reduce(self.comm, &mine, n),
+        };
+        self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
+        drop(mine);
+        let done = apply_gradients(model, opt, grads, &losses, lr, step);
+        self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
+        self.agree(done, None)
+    }
+}
+
+/// Refuses a step that `ranks` ranks cannot share evenly.
+pub(super) fn check_share(tc: &TrainConfig, ranks: usize) -> Result<()> {
+    let a = tc.accumulation();
+    ensure!(
+        a.is_multiple_of(ranks),
+        "train: a step is {a} micro-batches (batch_tokens {} / (micro_batch {} x seq_len {})), which {ranks} ranks cannot share evenly: make it a multiple of {ranks}",
+        tc.batch_tokens,
+        tc.micro_batch,
+        tc.seq_len
+    );
+    Ok(())
+}
+
+/// A test hook: `ATTNRES_TEST_ABORT_AT=RANK:STEP` makes rank RANK die (`abort`) as it starts
+/// step STEP (from 1), as a crashed or killed process would.
+pub(super) fn fault_point(rank: usize, step: usize) {
+    static AT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    let at = AT.get_or_init(|| {
+        let v = std::env::var("ATTNRES_TEST_ABORT_AT").ok()?;
+        let (r, s) = v.split_once(':')?;
+        Some((r.trim().parse().ok()?, s.trim().parse().ok()?))
+    });
+    if *at == Some((rank, step)) {
+        std::process::abort();
+    }
+}
+
+/// A fingerprint of the weights, to check that the ranks hold the same ones.
+fn fingerprint(values: &[f32]) -> u64 {
+    let fnv = |h: u64, x: u64| (h ^ x).wrapping_mul(0x100000001b3);
+    let parts: Vec<u64> = values
+        .par_chunks(1 << 16)
+        .map(|c| c.iter().fold(0xcbf29ce484222325, |h, x| fnv(h, x.to_bits() as u64)))
+        .collect();
+    parts.into_iter().fold(0xcbf29ce484222325, fnv)
+}
+
+/// What rank 0 hands the other ranks at the start: the run's settings, tokenizer, data and
+/// position (the weights and optimiser moments follow as raw values).
+#[derive(Serialize, Deserialize)]
+struct Handover {
+    run: RunConfig,
+    tokenizer: String,
+    data: Option<PathBuf>,
+    data_key: String,
+    step: usize,
+    tokens_seen: u64,
+    windows_seen: u64,
+    optimizer_step: u64,
+}
+
+impl<'g> Trainer<'g> {
+    /// Sets a run up on every rank of `g`: rank 0 as [`Trainer::start`] does (it alone touches
+    /// the run directory, and fills the token cache before the others look there), then the
+    /// others from its state.
+    pub(super) fn start_group(
+        run: Option<RunConfig>,
+        opts: &TrainOptions,
+        g: &'g Group<'g>,
+    ) -> Result<Trainer<'g>> {
+        let leader = g.leads().then(|| {
+            let t = Trainer::start(run, opts, g.size())?;
+            let handover = serde_json::to_vec(&t.handover()?)?;
+            Ok((t, handover))
+        });
+        let (leader, handover) = match g.agree(leader.transpose(), None)? {
+            Some((t, h)) => (Some(t), h),
+            None => (None, Vec::new()),
+        };
+        let handover = comm::broadcast_bytes(g.comm, 0, handover);
+        let t = match leader {
+            Some(t) => Ok(t),
+            None => Trainer::follow(&handover, g),
+        };
+        let mut t = g.agree(t, None)?;
+        for buf in [&mut t.model.params, &mut t.opt.m, &mut t.opt.v, &mut t.opt.momentum] {
+            g.comm.broadcast_f32(0, buf);
+        }
+        t.group = Some(g);
+        if g.leads() {
+            let a = t.run.train.accumulation();
+            t.progress.say(format!(
+                "data parallel: {} ranks of {} thread{}, each computing {} of the {a} micro-batches of a step; gradients added {}",
+                g.size(),
+                rayon::current_num_threads(),
+                if rayon::current_num_threads() == 1 { "" } else { "s" },
+                a / g.size(),
+                match g.reduce {
+                    Reduce::Exact => "in one process's order (--reduce exact)",
+                    Reduce::Mpi => "by MPI's all-reduce (--reduce mpi)",
+                }
+            ));
+        }
+        Ok(t)
+    }
+
+    fn handover(&self) -> Result<Handover> {
+        Ok(Handover {
+            run: self.run.clone(),
+            tokenizer: self.bpe.to_json()?,
+            data: self.data.clone(),
+            data_key: self.data_key.clone(),
+            step: self.at.step,
+            tokens_seen: self.at.tokens_seen,
+            windows_seen: self.at.windows_seen,
+            optimizer_step: self.opt.step,
+        })
+    }
+
+    /// A rank other than 0: the run rank 0 set up, with its own copy of the data (from the
+    /// token cache rank 0 filled, where the ranks share it). Weights and moments are filled in
+    /// by the caller.
+    fn follow(handover: &[u8], g: &'g Group<'g>) -> Result<Trainer<'g>> {
+        let h: Handover = serde_json::from_slice(handover)
+            .context("the run's state from rank 0 is unreadable")?;
+        let bpe = Bpe::from_json(&h.tokenizer)?;
+        let corpus = match &h.data {
+            Some(p) => Corpus::from_path(p)?,
+            None => Corpus::embedded(),
+        };
+        let (tokens, _) = Tokens::load_or_build(&corpus.split(), &bpe)?;
+        ensure!(
+            tokens.key() == h.data_key,
+            "the training data ({}) differs from rank 0's: every rank must read the same text",
+            h.data.as_ref().map_or("the embedded corpus".to_string(), |p| p.display().to_string())
+        );
+        let tc = &h.run.train;
+        let order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
+        let model = Model::init(h.run.model.clone(), tc.seed)?;
+        let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
+        opt.step = h.optimizer_step;
+        let total = tc.steps();
+        let at = Position {
+            step: h.step,
+            tokens_seen: h.tokens_seen,
+            windows_seen: h.windows_seen,
+            train_seconds: 0.0,
+            earlier_seconds: 0.0,
+        };
+        Ok(Trainer {
+            run: h.run,
+            out: PathBuf::new(),
+            data: h.data,
+            data_key: h.data_key,
+            code_versions: Vec::new(),
+            bpe,
+            tokens,
+            order,
+            model,
+            opt,
+            total,
+            at,
+            metrics: None,
+            _lock: None,
+            group: Some(g),
+            last_checkpoint: Instant::now(),
+            progress: Progress::new(None, false, total as u64, h.step as u64),
+            started: Instant::now(),
+            throughput: Throughput { tokens: 0, since: Instant::now() },
+            last_val: f64::NAN,
+        })
+    }
+
+    /// Work that only rank 0 does (logging, validation, checkpoints), agreed on by every rank;
+    /// after the first step and every validation the ranks also check that their weights agree.
+    pub(super) fn lead(&mut self, work: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+        let Some(g) = self.group else { return work(self) };
+        let done = if g.leads() { work(self) } else { Ok(()) };
+        let check = (self.at.step <= 1 || self.evaluation_due())
+            .then(|| (self.at.step, fingerprint(&self.model.params)));
+        g.agree(done, check)
+    }
+
+    /// [`Trainer::finish`] on rank 0, agreed on by every rank.
+    pub(super) fn lead_finish(self) -> Result<f64> {
+        let Some(g) = self.group else { return self.finish() };
+        let done = if g.leads() { self.finish() } else { Ok(f64::NAN) };
+        g.agree(done, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `f` on every rank of a job of `size` threads; the results in rank order.
+    fn on_ranks<T: Send>(size: usize, f: impl Fn(&Group) -> T + Sync) -> Vec<T> {
+        let f = &f;
+        std::thread::scope(|s| {
+            let handles: Vec<_> = comm::threads(size)
+                .into_iter()
+                .map(|c| s.spawn(move || f(&Group::new(&c, Reduce::Exact))))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn outcome(r: &Result<usize>) -> String {
+        match r {
+            Ok(v) => format!("ok {v}"),
+            Err(e) if e.downcast_ref::<Reported>().is_some() => "reported".into(),
+            Err(e) => format!("{e:#}"),
+        }
+    }
+
+    #[test]
+    fn the_first_failing_rank_reports_and_every_rank_stops() {
+        let got = on_ranks(4, |g| {
+            let local = match g.rank() {
+                1 | 3 => Err(anyhow::anyhow!("disk full on {}", g.rank())),
+                r => Ok(r),
+            };
+            let r = g.agree(local, None);
+            (outcome(&r), g.failure_agreed())
+        });
+        let want = ["reported", "rank 1: disk full on 1", "reported", "reported"];
+        assert_eq!(got.iter().map(|g| g.0.as_str()).collect::<Vec<_>>(), want);
+        assert!(got.iter().all(|g| g.1));
+        // Rank 0's own error is printed as it is.
+        let got = on_ranks(2, |g| {
+            outcome(&g.agree(if g.leads() { Err(anyhow::anyhow!("bad")) } else { Ok(1) }, None))
+        });
+        assert_eq!(got, ["bad", "reported"]);
+        // Success everywhere: every rank keeps its own value.
+        let got = on_ranks(3, |g| outcome(&g.agree(Ok(g.rank()), Some((5, 7)))));
+        assert_eq!(got, ["ok 0", "ok 1", "ok 2"]);
+    }
+
+    #[test]
+    fn ranks_whose_weights_differ_stop_with_an_error_naming_the_rank() {
+        let got = on_ranks(3, |g| {
+            let weights = fingerprint(&[1.0, g.rank().min(1) as f32]);
+            (outcome(&g.agree(Ok(0), Some((12, weights)))), g.failure_agreed())
+        });
+        assert!(got[0].0.starts_with("rank 1's weights differ from rank 0's after step 12"));
+        assert_eq!((got[1].0.as_str(), got[2].0.as_str()), ("reported", "reported"));
+        assert!(got.iter().all(|g| g.1));
+    }
+
+    #[test]
+    fn ranks_share_a_step_in_consecutive_runs_and_refuse_an_uneven_split() {
+        let shares = on_ranks(4, |g| g.share(8));
+        assert_eq!(shares, [0..2, 2..4, 4..6, 6..8]);
+        let tc = TrainConfig { batch_tokens: 3 * 8 * 256, ..TrainConfig::default() };
+        assert!(check_share(&tc, 3).is_ok());
+        let e = check_share(&tc, 2).unwrap_err().to_string();
+        assert!(e.contains("a step is 3 micro-batches") && e.contains("2 ranks"), "{e}");
+    }
+}

@@ -1,0 +1,300 @@
+//! Data-parallel training under `mpirun` against the same run in one process: per-step metrics
+//! and final weights bit for bit (`--reduce exact`) for every residual mode and 2 and 4 ranks;
+//! a rank that dies ends the job, which resumes in one process or on another number of ranks;
+//! bad requests are one error line. Needs a binary built with `--features mpi` and `mpirun`
+//! (docs/distributed.md); elsewhere each test says "skipped" and passes. Without the feature,
+//! the binary refuses to run as one of several ranks.
+
+mod common;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_attnres");
+
+/// The longest any command here may take; past it the test fails as a hang.
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// Whether MPI runs can be tested here; says why not on stderr.
+fn mpi_available(test: &str) -> bool {
+    if !cfg!(feature = "mpi") {
+        eprintln!("{test}: skipped: attnres was built without the mpi feature");
+        return false;
+    }
+    let found = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("{test}: skipped: mpirun is not installed (apt-get install openmpi-bin)");
+    }
+    found
+}
+
+/// The settings of the short runs over the `tiny` preset: 4 micro-batches of 2 sequences per
+/// step (so 1, 2 and 4 ranks share a step evenly), 8 steps, checkpoints every 3.
+const SETS: [&str; 9] = [
+    "vocab_size=400",
+    "seq_len=32",
+    "micro_batch=2",
+    "batch_tokens=256",
+    "max_tokens=2048",
+    "eval_every=4",
+    "eval_tokens=256",
+    "checkpoint_every=3",
+    "warmup_steps=2",
+];
+
+struct Env {
+    tmp: tempfile::TempDir,
+}
+
+impl Env {
+    fn new() -> Env {
+        let tmp = tempfile::tempdir().unwrap();
+        common::write_small_corpus(&tmp.path().join("corpus.txt"), 12_000);
+        Env { tmp }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.tmp.path().join(name)
+    }
+
+    /// `attnres ARGS --threads 1` alone (`ranks` = 0) or under `mpirun -np RANKS`.
+    fn cmd(&self, ranks: usize, args: &[String]) -> Command {
+        let mut c = if ranks == 0 {
+            Command::new(BIN)
+        } else {
+            let mut c = Command::new("mpirun");
+            c.args(["-np", &ranks.to_string(), "--oversubscribe", "--bind-to", "none", BIN]);
+            c
+        };
+        c.args(args).args(["--threads", "1"]).env("ATTNRES_CACHE", self.path("cache"));
+        // What mpirun needs in a container, as root (docs/distributed.md).
+        for (k, v) in [
+            ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+            ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+            ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
+        ] {
+            c.env(k, v);
+        }
+        c.stdin(Stdio::null());
+        c
+    }
+
+    /// Training arguments of a short run into `out` with `residual`, and `extra`.
+    fn train_args(&self, out: &str, residual: &str, extra: &[&str]) -> Vec<String> {
+        let residual = format!("residual={residual}");
+        let sets: Vec<&str> = SETS.iter().copied().chain([residual.as_str()]).collect();
+        let head = ["train", "--preset", "tiny", "--no-progress"];
+        let mut v = common::run_args(&head, &self.path(out), &self.path("corpus.txt"), &sets);
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    }
+
+    fn resume_args(&self, out: &str) -> Vec<String> {
+        let out = self.path(out).to_string_lossy().into_owned();
+        ["train", "--resume", "--no-progress", "--out", &out].map(String::from).to_vec()
+    }
+
+    fn run(&self, ranks: usize, args: &[String]) -> Output {
+        bounded(
+            self.cmd(ranks, args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap(),
+        )
+    }
+
+    fn train(&self, ranks: usize, args: &[String]) {
+        ok(&self.run(ranks, args));
+    }
+}
+
+/// Waits for `child` at most [`LIMIT`], collecting its output; a child still running then is
+/// killed and the test fails.
+fn bounded(mut child: Child) -> Output {
+    let mut pipes = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let out = std::thread::spawn(move || {
+        let (mut o, mut e) = (Vec::new(), Vec::new());
+        pipes.0.read_to_end(&mut o).unwrap();
+        pipes.1.read_to_end(&mut e).unwrap();
+        (o, e)
+    });
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t.elapsed() > LIMIT {
+            child.kill().unwrap();
+            panic!("the command hung: still running after {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let (stdout, stderr) = out.join().unwrap();
+    Output { status, stdout, stderr }
+}
+
+fn ok(o: &Output) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "command failed: {err}");
+}
+
+/// A failed command whose stderr holds exactly one error line, naming `needle`.
+fn fails_with_one_error(o: &Output, needle: &str) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "expected a failure: {err}");
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "expected one error line: {err}");
+    assert!(errors[0].contains(needle), "expected {needle:?} in {err}");
+}
+
+/// The metrics of a run without the wall-clock fields, one JSON value per step.
+fn metrics(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let m = v.as_object_mut().unwrap();
+            m.remove("tokens_per_second");
+            m.remove("elapsed_seconds");
+            v
+        })
+        .collect()
+}
+
+fn weights(run: &Path) -> Vec<u8> {
+    std::fs::read(run.join("model.safetensors")).unwrap()
+}
+
+/// Asserts that the run `got` trained exactly what `want` did: every step's loss, learning
+/// rate and gradient norms, validation, and the final weights, bit for bit.
+fn same_run(env: &Env, want: &str, got: &str) {
+    let (w, g) = (env.path(want), env.path(got));
+    let (mw, mg) = (metrics(&w), metrics(&g));
+    assert_eq!(mw.len(), 8, "{want}: 8 steps");
+    for (a, b) in mw.iter().zip(&mg) {
+        assert_eq!(a, b, "{got} differs from {want} at step {}", a["step"]);
+    }
+    assert_eq!(mw.len(), mg.len(), "{got} has other steps than {want}");
+    assert!(weights(&w) == weights(&g), "{got}'s final weights differ from {want}'s");
+}
+
+fn file_names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+fn summary(run: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn ranks_train_bit_for_bit_what_one_process_trains() {
+    if !mpi_available("ranks_train_bit_for_bit_what_one_process_trains") {
+        return;
+    }
+    let env = Env::new();
+    for residual in ["standard", "block", "full"] {
+        let alone = format!("{residual}-1");
+        env.train(0, &env.train_args(&alone, residual, &[]));
+        let first = metrics(&env.path(&alone));
+        let last = first.last().unwrap()["train_loss"].as_f64().unwrap();
+        assert!(last < first[0]["train_loss"].as_f64().unwrap() - 0.3, "training lowers the loss");
+        for ranks in [2, 4] {
+            let run = format!("{residual}-{ranks}");
+            env.train(ranks, &env.train_args(&run, residual, &[]));
+            same_run(&env, &alone, &run);
+            // Rank 0 alone wrote the run directory: the same files as training alone.
+            assert_eq!(file_names(&env.path(&run)), file_names(&env.path(&alone)));
+            let s = summary(&env.path(&run));
+            assert_eq!(
+                (s["ranks"].as_u64(), s["reduce"].as_str()),
+                (Some(ranks as u64), Some("exact"))
+            );
+        }
+    }
+    // MPI's all-reduce adds the ranks' sums in its own order: the first step's losses are the
+    // same (the same weights, the losses gathered in order), later steps agree closely.
+    env.train(2, &env.train_args("block-mpi", "block", &["--reduce", "mpi"]));
+    let (want, got) = (metrics(&env.path("block-1")), metrics(&env.path("block-mpi")));
+    assert_eq!(want[0]["train_loss"], got[0]["train_loss"]);
+    let (a, b) = (want[7]["val_loss"].as_f64().unwrap(), got[7]["val_loss"].as_f64().unwrap());
+    assert!((a - b).abs() < 1e-3, "validation loss {b} with --reduce mpi, {a} alone");
+    assert_eq!(summary(&env.path("block-mpi"))["reduce"], "mpi");
+}
+
+#[test]
+fn a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks() {
+    if !mpi_available("a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks") {
+        return;
+    }
+    let env = Env::new();
+    env.train(0, &env.train_args("alone", "block", &[]));
+
+    // Rank 1 of 2 dies as it starts step 6: the whole job ends, promptly and with a failure,
+    // after the checkpoint of step 3 and the metrics of step 5.
+    let mut c = env.cmd(2, &env.train_args("two", "block", &[]));
+    c.env("ATTNRES_TEST_ABORT_AT", "1:6").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let t = Instant::now();
+    let died = bounded(c.spawn().unwrap());
+    assert!(!died.status.success(), "the job went on without rank 1");
+    assert!(t.elapsed() < Duration::from_secs(60), "the job took {:?} to end", t.elapsed());
+    assert_eq!(metrics(&env.path("two")).len(), 5);
+    // One process continues it from step 3 exactly.
+    env.train(0, &env.resume_args("two"));
+    same_run(&env, "alone", "two");
+
+    // The other way round: a run in one process dies at step 5 and 4 ranks continue it.
+    let mut c = env.cmd(0, &env.train_args("one", "block", &[]));
+    c.env("ATTNRES_TEST_ABORT_AT", "0:5").stdout(Stdio::piped()).stderr(Stdio::piped());
+    assert!(!bounded(c.spawn().unwrap()).status.success());
+    assert_eq!(metrics(&env.path("one")).len(), 4);
+    env.train(4, &env.resume_args("one"));
+    same_run(&env, "alone", "one");
+}
+
+#[test]
+fn bad_requests_under_mpirun_get_one_error_line() {
+    if !mpi_available("bad_requests_under_mpirun_get_one_error_line") {
+        return;
+    }
+    let env = Env::new();
+    // 4 micro-batches per step cannot be shared by 3 ranks.
+    let o = env.run(3, &env.train_args("r", "block", &[]));
+    fails_with_one_error(&o, "which 3 ranks cannot share evenly");
+    // A failure every rank meets at once (here the loss) is printed once, by rank 0.
+    let o =
+        env.run(2, &env.train_args("nan", "block", &["--set", "lr=1e30", "--set", "grad_clip=0"]));
+    fails_with_one_error(&o, "the training loss became NaN at step 2");
+    // Only train runs on several ranks.
+    let text = env.path("corpus.txt").to_string_lossy().into_owned();
+    let o = env.run(2, &["eval", "--model", "x", "--text", &text].map(String::from));
+    fails_with_one_error(&o, "only train runs on several ranks");
+    // Every rank has the same bad argument; rank 0 alone names it.
+    let o = env.run(2, &env.train_args("r", "block", &["--reduce", "fast"]));
+    fails_with_one_error(&o, "invalid value 'fast' for '--reduce");
+}
+
+#[test]
+fn a_build_without_mpi_refuses_to_run_as_one_of_several_ranks() {
+    if cfg!(feature = "mpi") {
+        eprintln!("a_build_without_mpi_refuses_to_run_as_one_of_several_ranks: skipped: this build has the mpi feature");
+        return;
+    }
+    let env = Env::new();
+    let run = |rank: &str| {
+        let mut c = env.cmd(0, &env.train_args("r", "block", &[]));
+        c.env("OMPI_COMM_WORLD_SIZE", "2").env("OMPI_COMM_WORLD_RANK", rank);
+        c.output().unwrap()
+    };
+    // Rank 0 says why and fails; the other ranks stop without repeating it, with status 0 so
+    // that mpirun does not end the job before rank 0 has said it.
+    fails_with_one_error(&run("0"), "built without MPI");
+    let o = run("1");
+    assert_eq!(o.status.code(), Some(0));
+    assert!(o.stderr.is_empty(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!env.path("r").exists(), "nothing is written");
+}

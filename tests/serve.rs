@@ -1,0 +1,404 @@
+//! The server through real HTTP on a loopback port: its texts equal `attnres generate` and do
+//! not depend on what else is in the batch; streamed and whole answers agree; bad requests get
+//! OpenAI-style errors and the server goes on serving; a full queue answers 429 and loses no
+//! request; a client that goes frees its slot; SIGTERM finishes the requests under way.
+
+mod common;
+
+use common::RunEnv;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+/// A small model with a long context (so that a long generation takes a while), trained briefly.
+fn trained(env: &RunEnv) -> std::path::PathBuf {
+    let run = env.path("run");
+    let sets = [
+        "vocab_size=400",
+        "seq_len=64",
+        "micro_batch=4",
+        "batch_tokens=512",
+        "max_tokens=10240",
+        "eval_every=10",
+        "eval_tokens=512",
+        "max_position_embeddings=4096",
+    ];
+    let args = common::run_args(
+        &["train", "--preset", "tiny", "--no-progress"],
+        &run,
+        &env.path("corpus.txt"),
+        &sets,
+    );
+    common::ok(&env.run(&args));
+    run
+}
+
+/// A running server, stopped when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+}
+
+impl Server {
+    fn start(env: &RunEnv, model: &Path, flags: &[&str]) -> Server {
+        let mut args = vec!["serve", "--model", model.to_str().unwrap(), "--port", "0"];
+        args.extend(flags);
+        let mut child =
+            env.cmd(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let first = lines.next().unwrap().unwrap();
+        let port = first
+            .rsplit_once("http://127.0.0.1:")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("no port in {first:?}"));
+        // Keep reading the log so that the server never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        Server { child, port }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Status and body of one HTTP/1.1 request (the body de-chunked).
+fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8(raw).unwrap();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    (status, if chunked { dechunk(rest) } else { rest.to_string() })
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http(port, "POST", path, &body.to_string());
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+}
+
+/// The text of a whole completion.
+fn complete(port: u16, body: &Value) -> String {
+    let (status, v) = post(port, "/v1/completions", body);
+    assert_eq!(status, 200, "{v}");
+    v["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// The `data:` payloads of a streamed answer.
+fn events(port: u16, path: &str, body: &Value) -> Vec<String> {
+    let (status, text) = http(port, "POST", path, &body.to_string());
+    assert_eq!(status, 200, "{text}");
+    text.split("\n\n").filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_string)).collect()
+}
+
+fn prompts() -> Vec<(String, usize)> {
+    [
+        "ROMEO:",
+        "To be, or not",
+        "KING HENRY",
+        "O",
+        "What light through yonder window breaks",
+        "Good",
+    ]
+    .iter()
+    .zip([24, 9, 40, 17, 5, 31])
+    .map(|(p, n)| (p.to_string(), n))
+    .collect()
+}
+
+#[test]
+fn texts_equal_generate_and_do_not_depend_on_the_batch() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let server = Server::start(env, &model, &["--max-batch", "8"]);
+    let port = server.port;
+    let body = |p: &str, n: usize, temperature: f64| json!({"model": "run", "prompt": p, "max_tokens": n, "temperature": temperature, "seed": 3});
+
+    // One at a time, greedy and sampled.
+    let mut alone = Vec::new();
+    for (p, n) in prompts() {
+        for t in [0.0, 0.8] {
+            alone.push(complete(port, &body(&p, n, t)));
+        }
+    }
+    // The same text as `attnres generate` with the same settings.
+    for (i, (p, n)) in prompts().iter().enumerate().take(3) {
+        for (j, t) in ["0", "0.8"].iter().enumerate() {
+            let o = env.run(&[
+                "generate",
+                "--model",
+                model.to_str().unwrap(),
+                "--prompt",
+                p,
+                "--max-tokens",
+                &n.to_string(),
+                "--temperature",
+                t,
+                "--seed",
+                "3",
+            ]);
+            let out = String::from_utf8(o.stdout).unwrap();
+            let continuation = out.strip_prefix(p.as_str()).unwrap().strip_suffix('\n').unwrap();
+            assert_eq!(alone[2 * i + j], continuation, "prompt {p:?} at temperature {t}");
+        }
+    }
+    // All at once: each text as it was alone.
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts()
+            .into_iter()
+            .flat_map(|(p, n)| [0.0, 0.8].map(|t| (p.clone(), n, t)))
+            .map(|(p, n, t)| s.spawn(move || complete(port, &body(&p, n, t))))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(together, alone, "texts changed when requests shared the batch");
+
+    // Streamed: the pieces add up to the whole, then the finish reason, the usage and [DONE].
+    let mut b = body("ROMEO:", 24, 0.8);
+    b["stream"] = json!(true);
+    b["stream_options"] = json!({"include_usage": true});
+    let ev = events(port, "/v1/completions", &b);
+    assert_eq!(ev.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> =
+        ev[..ev.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let streamed: String =
+        chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect::<String>();
+    assert_eq!(streamed, alone[1]);
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(
+        usage["prompt_tokens"].as_u64().unwrap() + usage["completion_tokens"].as_u64().unwrap(),
+        usage["total_tokens"].as_u64().unwrap()
+    );
+    assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"] && c["object"] == "text_completion"));
+
+    // Chat, whole and streamed, agree.
+    let chat = json!({"messages": [{"role": "user", "content": "Who is there?"}], "max_tokens": 20, "temperature": 0});
+    let (status, whole) = post(port, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    let text = whole["choices"][0]["message"]["content"].as_str().unwrap();
+    let mut c = chat.clone();
+    c["stream"] = json!(true);
+    let ev = events(port, "/v1/chat/completions", &c);
+    let deltas: Vec<Value> =
+        ev[..ev.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert_eq!(deltas[0]["choices"][0]["delta"]["role"], "assistant");
+    let streamed: String =
+        deltas.iter().filter_map(|d| d["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(streamed, text);
+    assert!(!text.contains("\nUser:"), "the plain template's stop string ends the reply");
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_goes_on() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let server = Server::start(env, &model, &[]);
+    let port = server.port;
+    let long = "the ".repeat(5000);
+    let cases: Vec<(&str, &str, String, u16, Option<&str>)> = vec![
+        ("POST", "/v1/completions", "{\"prompt\": ".into(), 400, None),
+        ("POST", "/v1/completions", "[1, 2]".into(), 400, None),
+        ("POST", "/v1/completions", json!({"prompt": "a", "bogus": 1}).to_string(), 400, None),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 0}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "max_tokens": 5000}).to_string(),
+            400,
+            Some("max_tokens"),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": long, "max_tokens": 1}).to_string(),
+            400,
+            Some("prompt"),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "temperature": -1}).to_string(),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "top_p": 0}).to_string(),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "top_k": 0}).to_string(),
+            400,
+            Some("top_k"),
+        ),
+        ("POST", "/v1/completions", json!({"prompt": "a", "n": 3}).to_string(), 400, Some("n")),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}).to_string(),
+            400,
+            Some("stop"),
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "presence_penalty": 1}).to_string(),
+            400,
+            Some("presence_penalty"),
+        ),
+        ("POST", "/v1/completions", json!({"prompt": ""}).to_string(), 400, Some("prompt")),
+        ("POST", "/v1/completions", json!({"prompt": 7}).to_string(), 400, Some("prompt")),
+        (
+            "POST",
+            "/v1/completions",
+            json!({"prompt": "a", "model": "gpt-4"}).to_string(),
+            404,
+            Some("model"),
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            json!({"messages": []}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "robot", "content": "x"}]}).to_string(),
+            400,
+            Some("messages"),
+        ),
+        (
+            "POST",
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user"}]}).to_string(),
+            400,
+            None,
+        ),
+        ("GET", "/v1/completions", String::new(), 405, None),
+        ("GET", "/v2/everything", String::new(), 404, None),
+    ];
+    for (method, path, body, status, param) in &cases {
+        let (got, text) = http(port, method, path, body);
+        assert_eq!(got, *status, "{method} {path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{text}");
+        assert!(v["error"]["type"].is_string(), "{text}");
+        assert_eq!(v["error"]["param"].as_str(), *param, "{body}: {text}");
+        // After every bad request the server still answers.
+        assert_eq!(http(port, "GET", "/health", "").0, 200);
+    }
+    assert!(!complete(port, &json!({"prompt": "To be", "max_tokens": 3})).is_empty());
+    let (_, metrics) = http(port, "GET", "/metrics", "");
+    assert!(metrics.contains("attnres_requests_total{outcome=\"invalid\"} 18"), "{metrics}");
+    assert!(metrics.contains("attnres_requests_total{outcome=\"completed\"} 1"), "{metrics}");
+    let (_, models) = http(port, "GET", "/v1/models", "");
+    assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "run");
+}
+
+/// The count of `outcome` in the server's metrics.
+fn outcome(port: u16, outcome: &str) -> u64 {
+    let (_, m) = http(port, "GET", "/metrics", "");
+    let key = format!("attnres_requests_total{{outcome=\"{outcome}\"}} ");
+    m.lines().find_map(|l| l.strip_prefix(&key)).unwrap().parse().unwrap()
+}
+
+#[test]
+fn overload_disconnects_and_shutdown_lose_no_request() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let mut server = Server::start(env, &model, &["--max-batch", "2", "--max-queue", "2"]);
+    let port = server.port;
+    let body = json!({"prompt": "ROMEO:", "max_tokens": 300, "temperature": 0});
+    let alone = complete(port, &body);
+
+    // 24 requests at once on 2 slots and a queue of 2: each is answered whole, or refused with
+    // 429 — none is lost or changed. At least the two the queue holds are served, however the
+    // arrivals and the engine interleave.
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> =
+            (0..24).map(|_| s.spawn(|| post(port, "/v1/completions", &body))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let served = answers.iter().filter(|(s, _)| *s == 200).count();
+    for (status, v) in &answers {
+        match status {
+            200 => assert_eq!(v["choices"][0]["text"].as_str().unwrap(), alone),
+            429 => assert_eq!(v["error"]["type"], "rate_limit_error"),
+            s => panic!("status {s}: {v}"),
+        }
+    }
+    assert!((2..24).contains(&served), "{served} of 24 served");
+    assert_eq!(outcome(port, "rejected") as usize, 24 - served);
+
+    // A client that reads the first piece of a long stream and goes: its slot is freed.
+    let mut long = body.clone();
+    long["max_tokens"] = json!(4000);
+    long["stream"] = json!(true);
+    let payload = long.to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
+        payload.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    s.read_exact(&mut first).unwrap();
+    drop(s);
+    let t = Instant::now();
+    while outcome(port, "cancelled") == 0 {
+        assert!(t.elapsed() < Duration::from_secs(20), "the abandoned request was never cancelled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    // SIGTERM while a request runs: it is answered in full, then the server exits cleanly.
+    let pending = std::thread::spawn(move || post(port, "/v1/completions", &body));
+    std::thread::sleep(Duration::from_millis(30));
+    let killed =
+        std::process::Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status();
+    assert!(killed.unwrap().success());
+    let (status, v) = pending.join().unwrap();
+    assert_eq!((status, v["choices"][0]["text"].as_str().unwrap()), (200, alone.as_str()));
+    let exit = server.child.wait().unwrap();
+    assert!(exit.success(), "the server exited with {exit}");
+}
