@@ -2,7 +2,7 @@
 //! template (Jinja, from `tokenizer_config.json` or `chat_template.jinja`, as Hugging Face keeps
 //! it) rendered with `minijinja` over the conversation.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::Value as Json;
 use std::collections::BTreeMap;
@@ -28,6 +28,17 @@ impl ChatTemplate {
     /// `tokenizer_config.json` (a string, or a list of named templates: the one named
     /// `default`).
     pub fn load(dir: &Path) -> Result<ChatTemplate> {
+        Self::find(dir)?.with_context(|| {
+            format!(
+                "{} has no chat template (chat_template in tokenizer_config.json or chat_template.jinja): --chat needs an instruction model's directory",
+                dir.display()
+            )
+        })
+    }
+
+    /// The template of `dir` as [`Self::load`] reads it, or `None` when the directory has none
+    /// (a model trained here).
+    pub fn find(dir: &Path) -> Result<Option<ChatTemplate>> {
         let cpath = dir.join("tokenizer_config.json");
         let config: Json = if cpath.exists() {
             serde_json::from_str(&crate::fs::read_utf8(&cpath)?)
@@ -46,18 +57,17 @@ impl ChatTemplate {
                     .find(|t| t["name"] == "default")
                     .and_then(|t| t["template"].as_str())
                     .map(str::to_string)
-                    .with_context(|| format!("{}: no chat template named default", cpath.display()))?,
-                _ => bail!(
-                    "{} has no chat template (chat_template in tokenizer_config.json or chat_template.jinja): --chat needs an instruction model's directory",
-                    dir.display()
-                ),
+                    .with_context(|| {
+                        format!("{}: no chat template named default", cpath.display())
+                    })?,
+                _ => return Ok(None),
             }
         };
-        Ok(ChatTemplate {
+        Ok(Some(ChatTemplate {
             source,
             bos_token: token_name(&config["bos_token"]),
             eos_token: token_name(&config["eos_token"]),
-        })
+        }))
     }
 
     /// The prompt for a conversation of (role, content) messages, ending where the assistant's

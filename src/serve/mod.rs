@@ -46,6 +46,8 @@ struct App {
     name: String,
     context: usize,
     metrics: Arc<Metrics>,
+    /// The model's own chat template (an imported instruction model), else the plain one.
+    chat: Option<crate::chat::ChatTemplate>,
     /// Numbers the ids of responses.
     next_id: AtomicU64,
     started: u64,
@@ -68,6 +70,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     anyhow::ensure!(e.max_batch >= 1, "--max-batch must be at least 1");
     anyhow::ensure!(e.max_queue >= 1, "--max-queue must be at least 1");
     anyhow::ensure!(e.prefill_tokens >= 1, "--prefill-tokens must be at least 1");
+    let chat = crate::chat::ChatTemplate::find(&opts.model)?;
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
     let context = model.config.max_position_embeddings;
@@ -78,6 +81,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         name,
         context,
         metrics,
+        chat,
         next_id: AtomicU64::new(0),
         started: unix_time(),
     });
@@ -397,12 +401,27 @@ fn encode(app: &App, text: &str, param: &'static str) -> Result<Vec<u32>, Invali
     app.bpe.encode(text).map_err(|e| invalid(param, format!("cannot tokenize the {param}: {e:#}")))
 }
 
-/// The plain chat template of models without one of their own: system messages first as they
-/// are, then each turn as `User: …` / `Assistant: …` on its own line, ending with `Assistant:`
-/// for the reply, which stops where the model starts the next user turn.
-fn chat_prompt(messages: &[Message]) -> Result<String, Invalid> {
+/// The prompt of a conversation and the stop strings it needs: the model's own chat template
+/// when it has one (its end-of-turn token ends the reply), else the plain template: system
+/// messages first as they are, then each turn as `User: …` / `Assistant: …` on its own line,
+/// ending with `Assistant:` for the reply, which stops where the model starts the next user
+/// turn.
+fn chat_prompt(app: &App, messages: &[Message]) -> Result<(String, Vec<String>), Invalid> {
     if messages.is_empty() {
         return Err(invalid("messages", "messages is empty"));
+    }
+    if let Some(r) = messages
+        .iter()
+        .map(|m| m.role.as_str())
+        .find(|r| !["system", "developer", "user", "assistant"].contains(r))
+    {
+        return Err(invalid("messages", format!("unknown role {r:?} (system, user or assistant)")));
+    }
+    if let Some(t) = &app.chat {
+        let turns: Vec<(&str, &str)> =
+            messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
+        let text = t.render(&turns).map_err(|e| invalid("messages", format!("{e:#}")))?;
+        return Ok((text, Vec::new()));
     }
     let mut text = String::new();
     for m in messages {
@@ -413,17 +432,11 @@ fn chat_prompt(messages: &[Message]) -> Result<String, Invalid> {
                 text.push_str("\n\n");
             }
             "user" => text.push_str(&format!("User: {}\n", m.content)),
-            "assistant" => text.push_str(&format!("Assistant: {}\n", m.content)),
-            r => {
-                return Err(invalid(
-                    "messages",
-                    format!("unknown role {r:?} (system, user or assistant)"),
-                ))
-            }
+            _ => text.push_str(&format!("Assistant: {}\n", m.content)),
         }
     }
     text.push_str("Assistant:");
-    Ok(text)
+    Ok((text, vec![CHAT_STOP.to_string()]))
 }
 
 /// The stop string of the plain chat template.
@@ -466,8 +479,9 @@ async fn chat_completions(State(app): State<Arc<App>>, body: axum::body::Bytes) 
         if r.common.max_tokens.is_none() {
             r.common.max_tokens = r.max_completion_tokens;
         }
-        let prompt = encode(&app, &chat_prompt(&r.messages)?, "messages")?;
-        r.common.prepare(&app, prompt, None, vec![CHAT_STOP.to_string()])
+        let (text, stop) = chat_prompt(&app, &r.messages)?;
+        let prompt = encode(&app, &text, "messages")?;
+        r.common.prepare(&app, prompt, None, stop)
     })();
     respond(app, prepared, Kind::Chat).await
 }
