@@ -20,6 +20,7 @@ import concurrent.futures
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -111,6 +112,25 @@ def check(client, model):
         else:
             raise AssertionError(f"{bad} was accepted")
     print(f"client checks passed: completions, chat, streaming, usage, errors ({model})")
+
+
+def curl(port, model):
+    """The same endpoints through curl, whole and streamed (skipped where curl is missing)."""
+    if not shutil.which("curl"):
+        print("curl: not installed, skipped")
+        return
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": model, "prompt": "ROMEO:", "max_tokens": 12, "temperature": 0}
+    run = lambda b: subprocess.run(
+        ["curl", "-sN", url, "-H", "content-type: application/json", "-d", json.dumps(b)],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout
+    whole = json.loads(run(body))["choices"][0]["text"]
+    events = [e[len("data: "):] for e in run({**body, "stream": True}).split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert streamed == whole, (streamed, whole)
+    print("curl: whole and streamed completions agree")
 
 
 def load(client, model, n=64):
@@ -259,6 +279,7 @@ def main():
             bench(client, model, [int(x) for x in a.levels.split(",")])
         else:
             check(client, model)
+            curl(port, model)
             load(client, model)
             if a.browser:
                 browser(a.browser, port, a.screenshot)

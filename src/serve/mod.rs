@@ -442,7 +442,22 @@ fn chat_prompt(app: &App, messages: &[Message]) -> Result<(String, Vec<String>),
 /// The stop string of the plain chat template.
 const CHAT_STOP: &str = "\nUser:";
 
-async fn completions(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+/// The largest request body taken, in bytes.
+const MAX_BODY: usize = 16 << 20;
+
+/// The request body, up to [`MAX_BODY`]; a larger one is answered with 413 and an error object.
+async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, Response> {
+    axum::body::to_bytes(body, MAX_BODY).await.map_err(|_| {
+        let msg = format!("the request body is larger than {} MB or was cut off", MAX_BODY >> 20);
+        error(StatusCode::PAYLOAD_TOO_LARGE, &msg, None)
+    })
+}
+
+async fn completions(State(app): State<Arc<App>>, body: axum::body::Body) -> Response {
+    let body = match read_body(body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let prepared = (|| {
         let r: CompletionRequest = parse(&body)?;
         if r.echo == Some(true) {
@@ -470,7 +485,11 @@ async fn completions(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Re
     respond(app, prepared, Kind::Completion).await
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, body: axum::body::Bytes) -> Response {
+async fn chat_completions(State(app): State<Arc<App>>, body: axum::body::Body) -> Response {
+    let body = match read_body(body).await {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
     let prepared = (|| {
         let mut r: ChatRequest = parse(&body)?;
         if r.top_logprobs.is_some() {
