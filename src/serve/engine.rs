@@ -344,6 +344,14 @@ impl Sequence {
 
     fn finish(mut self, finish: Finish, metrics: &Metrics) {
         self.flush(self.text.len());
+        // Counted before the answer goes out, so that a client that reads the metrics after
+        // its answer finds it counted.
+        if let (Some(first), true) = (self.first_token, self.generated.len() > 1) {
+            let per = first.elapsed() / (self.generated.len() - 1) as u32;
+            metrics.time_per_output_token(per);
+        }
+        metrics.request_duration(self.job.received.elapsed());
+        metrics.finished("completed");
         // The end-of-text token is not part of the completion.
         let eot = self.generated.last() == Some(&self.eot);
         let _ = self.job.events.send(Event::Done {
@@ -351,12 +359,6 @@ impl Sequence {
             prompt_tokens: self.job.prompt.len(),
             completion_tokens: self.generated.len() - eot as usize,
         });
-        if let (Some(first), true) = (self.first_token, self.generated.len() > 1) {
-            let per = first.elapsed() / (self.generated.len() - 1) as u32;
-            metrics.time_per_output_token(per);
-        }
-        metrics.request_duration(self.job.received.elapsed());
-        metrics.finished("completed");
     }
 }
 
