@@ -3,13 +3,22 @@
 use anyhow::{Context, Result};
 use std::path::Path;
 
+/// What marks the name of [`write_atomic`]'s temporary files: `.NAME.tmp-PID`.
+const TEMPORARY: &str = ".tmp-";
+
+/// Whether `name` is that of a temporary file of [`write_atomic`] (left behind only by a
+/// process killed mid-write).
+pub fn is_temporary(name: &str) -> bool {
+    name.starts_with('.') && name.contains(TEMPORARY)
+}
+
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
 /// crash never leaves a half-written file under the real name. On any failure (a full or
 /// read-only disk, a directory in the way) the temporary file is removed, so a failed write
 /// leaves the disk as it was, and the error names `path`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
-    let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
+    let tmp = path.with_file_name(format!(".{name}{TEMPORARY}{}", std::process::id()));
     let written = std::fs::write(&tmp, bytes)
         .with_context(|| format!("cannot write {}", path.display()))
         .and_then(|()| {
@@ -80,7 +89,7 @@ mod tests {
         std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|n| n.contains(".tmp-"))
+            .filter(|n| is_temporary(n))
             .collect()
     }
 

@@ -45,22 +45,6 @@ fn clean_failure(o: &Output, what: &str, needle: &str) {
     assert!(errors[0].contains(needle), "{what}: expected {needle:?} in {:?}", errors[0]);
 }
 
-/// Temporary files and directories anywhere below `dir`.
-fn leftovers(dir: &Path) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let Ok(entries) = std::fs::read_dir(dir) else { return found };
-    for e in entries {
-        let p = e.unwrap().path();
-        if p.file_name().unwrap().to_string_lossy().contains(".tmp") {
-            found.push(p.clone());
-        }
-        if p.is_dir() {
-            found.extend(leftovers(&p));
-        }
-    }
-    found
-}
-
 fn copy_dir(from: &Path, to: &Path) {
     let _ = std::fs::remove_dir_all(to);
     std::fs::create_dir_all(to).unwrap();
@@ -139,7 +123,7 @@ fn damaged_checkpoints_are_refused_naming_the_file() {
                 env.run(&["train", "--resume", "--no-progress", "--out", copy.to_str().unwrap()]);
             let what = format!("train --resume with ckpt/{file} {damage}");
             clean_failure(&o, &what, file);
-            assert_eq!(leftovers(&copy), Vec::<PathBuf>::new(), "{what}");
+            assert_eq!(common::leftovers(&copy), Vec::<PathBuf>::new(), "{what}");
             cases += 1;
         }
     }
@@ -285,7 +269,7 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
 
     for (args, needle) in &cases {
         clean_failure(&env.run(args), &args.join(" "), needle);
-        assert_eq!(leftovers(&out), Vec::<PathBuf>::new(), "{args:?}");
+        assert_eq!(common::leftovers(&out), Vec::<PathBuf>::new(), "{args:?}");
         assert!(
             !out.join("model.safetensors").exists(),
             "{args:?} failed, yet left a model in {o}"
@@ -380,7 +364,7 @@ fn kills_at_random_moments_and_second_writers_never_lose_or_change_a_run() {
             "{f} differs from the uninterrupted run's"
         );
     }
-    assert_eq!(leftovers(&run), Vec::<PathBuf>::new());
+    assert_eq!(common::leftovers(&run), Vec::<PathBuf>::new());
     println!(
         "kill -9: {kills} kills ({in_checkpoint} during a checkpoint write), {refused} second writers refused; the run resumed bit-identical"
     );

@@ -232,15 +232,6 @@ fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
-/// Temporary files and directories a failed write could leave behind.
-fn leftovers(dir: &Path) -> Vec<String> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains(".tmp"))
-        .collect()
-}
-
 #[test]
 fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes() {
     let env = &RunEnv::new(6_000, 2);
@@ -271,7 +262,11 @@ fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes(
         "the error names the checkpoint: {last}"
     );
     assert!(last.contains("space"), "{last}");
-    assert_eq!(leftovers(&run), Vec::<String>::new(), "temporary files left on the full disk");
+    assert_eq!(
+        common::leftovers(&run),
+        Vec::<PathBuf>::new(),
+        "temporary files left on the full disk"
+    );
     assert!(run.join("ckpt/train_state.json").exists(), "the previous checkpoint is kept");
 
     // With room again, the run resumes from its last checkpoint and finishes.
@@ -294,7 +289,7 @@ fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes(
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains(&run.join("model.safetensors").display().to_string()), "{err}");
     assert!(err.contains("Read-only"), "{err}");
-    assert_eq!(leftovers(&run), Vec::<String>::new());
+    assert_eq!(common::leftovers(&run), Vec::<PathBuf>::new());
 }
 
 /// A full disk without mounting one (no root, a container): under a file-size limit
@@ -337,7 +332,7 @@ fn a_first_checkpoint_over_the_file_size_limit_fails_cleanly_and_the_run_restart
             && last.contains("File too large"),
         "the error names the checkpoint and the cause: {err}"
     );
-    assert_eq!(leftovers(&run), Vec::<String>::new(), "temporary files left");
+    assert_eq!(common::leftovers(&run), Vec::<PathBuf>::new(), "temporary files left");
     assert!(!run.join("metrics.jsonl").exists(), "metrics without a checkpoint");
 
     let mut again = train_args(env, &run, 2);

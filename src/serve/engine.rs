@@ -140,8 +140,6 @@ struct Sequence {
     /// Tokens not yet decoded into whole characters.
     pending: Vec<u32>,
     first_token: Option<Instant>,
-    /// The tokenizer's end-of-text token.
-    eot: u32,
 }
 
 struct Engine {
@@ -234,7 +232,6 @@ impl Engine {
                 sent: 0,
                 pending: Vec::new(),
                 first_token: None,
-                eot: self.bpe.eot,
             });
         }
     }
@@ -297,7 +294,7 @@ impl Engine {
         for (slot, finish) in done {
             let i = self.running.iter().position(|s| s.slot == slot).unwrap();
             let seq = self.running.swap_remove(i);
-            seq.finish(finish, &self.metrics);
+            seq.finish(finish, self.bpe.eot, &self.metrics);
             self.free.push(slot);
         }
         Ok(())
@@ -342,7 +339,7 @@ impl Sequence {
         }
     }
 
-    fn finish(mut self, finish: Finish, metrics: &Metrics) {
+    fn finish(mut self, finish: Finish, eot: u32, metrics: &Metrics) {
         self.flush(self.text.len());
         // Counted before the answer goes out, so that a client that reads the metrics after
         // its answer finds it counted.
@@ -353,11 +350,11 @@ impl Sequence {
         metrics.request_duration(self.job.received.elapsed());
         metrics.finished("completed");
         // The end-of-text token is not part of the completion.
-        let eot = self.generated.last() == Some(&self.eot);
+        let ended_by_eot = self.generated.last() == Some(&eot);
         let _ = self.job.events.send(Event::Done {
             finish,
             prompt_tokens: self.job.prompt.len(),
-            completion_tokens: self.generated.len() - eot as usize,
+            completion_tokens: self.generated.len() - ended_by_eot as usize,
         });
     }
 }

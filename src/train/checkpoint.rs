@@ -112,7 +112,7 @@ pub(super) fn remove_stale_temporaries(out: &Path) -> Result<()> {
         for e in entries.flatten() {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            if name.starts_with('.') && name.contains(".tmp-") {
+            if crate::fs::is_temporary(&name) {
                 let p = e.path();
                 std::fs::remove_file(&p)
                     .with_context(|| format!("cannot remove {}", p.display()))?;

@@ -110,6 +110,22 @@ pub fn losses(run: &Path) -> Vec<(u64, f64, Option<f64>)> {
         .collect()
 }
 
+/// Temporary files and directories a failed or killed write left anywhere below `dir`.
+pub fn leftovers(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return found };
+    for e in entries {
+        let p = e.unwrap().path();
+        if p.file_name().unwrap().to_string_lossy().contains(".tmp") {
+            found.push(p.clone());
+        }
+        if p.is_dir() {
+            found.extend(leftovers(&p));
+        }
+    }
+    found
+}
+
 /// The stderr of a command that must have succeeded.
 pub fn ok(o: &std::process::Output) -> String {
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
