@@ -129,12 +129,28 @@ pub struct Transfer {
     pub partial: bool,
     /// Standard residual: the one hidden state.
     pub hidden: bool,
+    /// Backward: the sources whose gradient goes back, as running sums over the consumers of
+    /// the later chunks (`d + 1` values per token each, see `kernels::depth::SourceSums`):
+    /// every source complete before the chunk, cache or not, so that each source's gradient is
+    /// summed in one process's order (docs/pipeline.md, "Exactness").
+    pub returned: usize,
 }
 
 impl Transfer {
     /// Vectors of `hidden_size` sent per token.
     pub fn vectors(&self) -> usize {
         self.sources.len() + self.partial as usize + self.hidden as usize
+    }
+
+    /// Values sent forward per token with hidden size `d`.
+    pub fn forward_values(&self, d: usize) -> usize {
+        self.vectors() * d
+    }
+
+    /// Values sent back per token with hidden size `d`: the gradient of the hidden state or of
+    /// the partial sum, and the running sums of the returned sources.
+    pub fn backward_values(&self, d: usize) -> usize {
+        (self.partial as usize + self.hidden as usize) * d + self.returned * (d + 1)
     }
 
     /// Completed blocks sent (neither the embedding nor a partial sum): the quantity of the
@@ -161,8 +177,10 @@ pub fn transfers(depth: &Depth, shape: &Shape, cache: Cache) -> Vec<Transfer> {
                 sources: Vec::new(),
                 partial: false,
                 hidden: depth.block.is_none(),
+                returned: 0,
             };
             if let Some(b) = depth.block {
+                t.returned = depth.complete_before(k, b).len();
                 let have = &mut held[rank];
                 t.sources = depth
                     .complete_before(k, b)
@@ -185,8 +203,8 @@ pub fn transfers(depth: &Depth, shape: &Shape, cache: Cache) -> Vec<Transfer> {
     out
 }
 
-/// Per token of a micro-batch: completed blocks and all vectors sent forward (backward sends as
-/// many gradients).
+/// Per token of a micro-batch: completed blocks and all vectors sent forward (backward sends
+/// [`Transfer::backward_values`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Traffic {
     pub blocks: usize,
@@ -201,6 +219,14 @@ pub fn traffic(transfers: &[Transfer]) -> Traffic {
         vectors: transfers.iter().map(Transfer::vectors).sum(),
         peak: transfers.iter().map(Transfer::vectors).max().unwrap_or(0),
     }
+}
+
+/// Bytes all ranks of one pipeline send per token of a micro-batch, forward and backward, with
+/// hidden size `d` (f32 values).
+pub fn bytes_per_token(transfers: &[Transfer], d: usize) -> (usize, usize) {
+    let f = transfers.iter().map(|t| t.forward_values(d)).sum::<usize>();
+    let b = transfers.iter().map(|t| t.backward_values(d)).sum::<usize>();
+    (4 * f, 4 * b)
 }
 
 /// The report's formulas for completed blocks per token, in units of one block (`N_p` the
@@ -384,36 +410,40 @@ impl PlanText<'_> {
         }
 
         let (eq7, eq8) = report_formulas(depth, shape);
-        writeln!(o, "\ntraffic per token, forward (backward sends one gradient per vector sent; a vector is {} bytes):", vector_bytes)?;
+        writeln!(o, "\ntraffic per token, forward (a vector is {vector_bytes} bytes; backward sends the gradient of a hidden state or partial sum, and d + 1 values per source complete before each chunk):")?;
         writeln!(
             o,
-            "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>18}",
+            "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>14} {:>18}",
             "cache",
             "blocks",
             "report formula",
             "vectors",
             "peak",
             "bytes/token",
+            "back/token",
             "bytes/step (f+b)"
         )?;
         for cache in [Cache::Off, Cache::Received, Cache::Kept] {
-            let t = traffic(&transfers(depth, shape, cache));
+            let ts = transfers(depth, shape, cache);
+            let (fwd, back) = bytes_per_token(&ts, self.hidden_size);
+            let t = traffic(&ts);
             let formula = match cache {
                 Cache::Off => format!("Eq. 7: {eq7:.1}"),
                 Cache::Received => format!("Eq. 8: {eq8:.1}"),
                 Cache::Kept => "-".into(),
             };
-            let per_token = t.vectors as f64 * vector_bytes;
+            let bytes = crate::model::config::format_bytes;
             writeln!(
                 o,
-                "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>18}",
+                "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>14} {:>18}",
                 cache.name(),
                 t.blocks,
                 formula,
                 t.vectors,
                 t.peak,
-                crate::model::config::format_bytes(per_token as u128),
-                crate::model::config::format_bytes((2.0 * per_token * step_tokens) as u128)
+                bytes(fwd as u128),
+                bytes(back as u128),
+                bytes(((fwd + back) as f64 * step_tokens) as u128)
             )?;
         }
         writeln!(o, "  (blocks: completed blocks sent, the formulas' unit N_p·d with N_p = {:.3} blocks per chunk; vectors add the embedding and partial sums)", depth.blocks() as f64 / shape.chunks() as f64)?;

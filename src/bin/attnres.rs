@@ -8,6 +8,7 @@ use attnres::train::checkpoint::load_with_tokenizer;
 use attnres::train::config::RunConfig;
 use attnres::train::progress::log;
 use attnres::train::run::parallel::{Reduce, Reported};
+use attnres::train::run::pipeline::Layout;
 use attnres::train::run::{self, TrainOptions};
 use attnres::{bench, compare, eval, forward, presets, suite};
 use clap::{Args, Parser, Subcommand};
@@ -206,6 +207,17 @@ struct TrainArgs {
     /// them (bit-identical to training alone); mpi: MPI's all-reduce (docs/distributed.md).
     #[arg(long, default_value = "exact", value_parser = ["exact", "mpi"])]
     reduce: String,
+    /// Under mpirun: pipeline stages, ranks per pipeline; the job's ranks form
+    /// ranks / --pp data-parallel replicas of the pipeline (docs/pipeline.md).
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Virtual stages per pipeline rank: the model is cut into --pp x --vpp chunks.
+    #[arg(long, default_value_t = 1)]
+    vpp: usize,
+    /// on: pipeline ranks keep the blocks they received or produced and are sent only new
+    /// ones; off: every transition resends every completed block.
+    #[arg(long, default_value = "on", value_parser = ["on", "off", "received"])]
+    pp_cache: String,
 }
 
 #[derive(Args)]
@@ -576,9 +588,17 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
         shared_bar: None,
     };
     let reduce = Reduce::parse(&a.reduce)?;
+    let layout = Layout {
+        stages: a.pp,
+        virtual_stages: a.vpp,
+        cache: attnres::pipeline::Cache::parse(&a.pp_cache)?,
+    };
     match ranks {
-        None => run::train(run, &opts).map(drop),
-        Some(r) => train_ranks(run, &opts, r, reduce),
+        None => {
+            layout.check_ranks(1)?;
+            run::train(run, &opts).map(drop)
+        }
+        Some(r) => train_ranks(run, &opts, r, reduce, layout),
     }
 }
 
@@ -589,8 +609,16 @@ fn train_ranks(
     opts: &TrainOptions,
     r: &Ranks,
     reduce: Reduce,
+    layout: Layout,
 ) -> Result<()> {
-    let group = attnres::train::run::parallel::Group::new(r, reduce);
+    use attnres::comm::Comm;
+    let group = attnres::train::run::parallel::Group::new(r, reduce).with_layout(layout);
+    // Every rank has the same arguments: rank 0 alone says what is wrong.
+    let group = match group {
+        Err(e) if r.rank() == 0 => return Err(e),
+        Err(_) => return Err(Reported.into()),
+        Ok(g) => g,
+    };
     let done = run::train_on(run, opts, Some(&group));
     if let Err(e) = &done {
         if !group.failure_agreed() {
@@ -604,7 +632,13 @@ fn train_ranks(
 }
 
 #[cfg(not(feature = "mpi"))]
-fn train_ranks(_: Option<RunConfig>, _: &TrainOptions, r: &Ranks, _: Reduce) -> Result<()> {
+fn train_ranks(
+    _: Option<RunConfig>,
+    _: &TrainOptions,
+    r: &Ranks,
+    _: Reduce,
+    _: Layout,
+) -> Result<()> {
     match *r {}
 }
 

@@ -33,6 +33,14 @@ pub trait Comm {
     fn send_f32(&self, to: usize, buf: &[f32]);
     /// Receives into `buf` (of the length sent) the next message from rank `from`.
     fn receive_f32(&self, from: usize, buf: &mut [f32]);
+    /// Sends `buf` to rank `to` under `tag` (from 1) without waiting for the receiver: the
+    /// message is buffered, so two ranks may send to each other at once (a pipeline does).
+    fn post_f32(&self, to: usize, tag: u16, buf: &[f32]);
+    /// Receives into `buf` (of the length sent) the next message that rank `from` posted under
+    /// `tag`, whatever came before it under other tags.
+    fn receive_posted_f32(&self, from: usize, tag: u16, buf: &mut [f32]);
+    /// Makes room for `bytes` of posted messages not yet received, plus `messages` headers.
+    fn reserve_posts(&self, _bytes: usize, _messages: usize) {}
 }
 
 /// Where a launcher (`mpirun`, `srun`) started this process as one of several ranks: how many
@@ -71,23 +79,43 @@ const PIECE: usize = 1 << 20;
 /// pieces of [`PIECE`] values, so that the ranks work on different pieces at once), and the
 /// last rank broadcasts the total.
 pub fn sum_in_order(comm: &dyn Comm, mine: &[Vec<f32>], n: usize) -> Vec<f32> {
-    let (rank, size) = (comm.rank(), comm.size());
+    let ranks: Vec<usize> = (0..comm.size()).collect();
+    let mut total = running_sum(comm, &ranks, mine, n);
+    comm.broadcast_f32(comm.size() - 1, &mut total);
+    total
+}
+
+/// [`sum_in_order`] among some of the ranks (`ranks`, in the order of their micro-batches;
+/// every one of them calls this): the replicas of one pipeline stage.
+pub fn sum_in_order_among(comm: &dyn Comm, ranks: &[usize], mine: &[Vec<f32>], n: usize) -> Vec<f32> {
+    let mut total = running_sum(comm, ranks, mine, n);
+    let last = ranks[ranks.len() - 1];
+    if comm.rank() == last {
+        ranks[..ranks.len() - 1].iter().for_each(|&r| comm.send_f32(r, &total));
+    } else {
+        comm.receive_f32(last, &mut total);
+    }
+    total
+}
+
+/// The running sum of [`sum_in_order`] through `ranks`: complete on the last of them.
+fn running_sum(comm: &dyn Comm, ranks: &[usize], mine: &[Vec<f32>], n: usize) -> Vec<f32> {
+    let at = ranks.iter().position(|&r| r == comm.rank()).expect("a rank of the sum");
     let mut total = kernels::zeros(n);
     let mut start = 0;
     while start < n {
         let piece = start..(start + PIECE).min(n);
-        if rank > 0 {
-            comm.receive_f32(rank - 1, &mut total[piece.clone()]);
+        if at > 0 {
+            comm.receive_f32(ranks[at - 1], &mut total[piece.clone()]);
         }
         for g in mine {
             kernels::add_assign(&mut total[piece.clone()], &g[piece.clone()]);
         }
-        if rank + 1 < size {
-            comm.send_f32(rank + 1, &total[piece.clone()]);
+        if at + 1 < ranks.len() {
+            comm.send_f32(ranks[at + 1], &total[piece.clone()]);
         }
         start = piece.end;
     }
-    comm.broadcast_f32(size - 1, &mut total);
     total
 }
 
@@ -109,6 +137,7 @@ enum Message {
     F32(Vec<f32>),
     U64(Vec<u64>),
     U8(Vec<u8>),
+    Posted(u16, Vec<f32>),
 }
 
 /// One rank of a job whose ranks are threads of one process, connected by channels: what runs
@@ -119,6 +148,8 @@ pub struct Threads {
     to: Vec<Sender<Message>>,
     /// `from[r]` receives from rank r.
     from: Vec<Receiver<Message>>,
+    /// Posted messages from rank r that arrived before they were asked for.
+    early: Vec<std::cell::RefCell<Vec<(u16, Vec<f32>)>>>,
 }
 
 /// The `size` ranks of a job of threads; hand rank r to the r-th thread.
@@ -142,6 +173,7 @@ pub fn threads(size: usize) -> Vec<Threads> {
             rank,
             to: to.into_iter().flatten().collect(),
             from: from.into_iter().flatten().collect(),
+            early: (0..size).map(|_| Default::default()).collect(),
         })
         .collect()
 }
@@ -245,6 +277,25 @@ impl Comm for Threads {
 
     fn receive_f32(&self, from: usize, buf: &mut [f32]) {
         buf.copy_from_slice(&self.take_f32(from));
+    }
+
+    fn post_f32(&self, to: usize, tag: u16, buf: &[f32]) {
+        self.post(to, Message::Posted(tag, buf.to_vec()));
+    }
+
+    fn receive_posted_f32(&self, from: usize, tag: u16, buf: &mut [f32]) {
+        let mut early = self.early[from].borrow_mut();
+        if let Some(i) = early.iter().position(|(t, _)| *t == tag) {
+            buf.copy_from_slice(&early.remove(i).1);
+            return;
+        }
+        loop {
+            match self.take(from) {
+                Message::Posted(t, v) if t == tag => return buf.copy_from_slice(&v),
+                Message::Posted(t, v) => early.push((t, v)),
+                _ => panic!("rank {from} sent another kind of message than rank {} expects", self.rank),
+            }
+        }
     }
 }
 

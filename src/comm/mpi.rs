@@ -14,7 +14,8 @@ pub struct Mpi {
     world: SimpleCommunicator,
     /// Ranks on this rank's machine (this one included).
     local: usize,
-    _universe: Universe,
+    /// Holds MPI's buffer for posted messages ([`Comm::post_f32`]).
+    universe: std::cell::RefCell<Universe>,
 }
 
 impl Mpi {
@@ -24,7 +25,7 @@ impl Mpi {
             .context("MPI is already initialised")?;
         let world = universe.world();
         let local = world.split_shared(world.rank()).size() as usize;
-        Ok(Mpi { world, local, _universe: universe })
+        Ok(Mpi { world, local, universe: std::cell::RefCell::new(universe) })
     }
 
     /// How many ranks run on this rank's machine.
@@ -79,5 +80,24 @@ impl Comm for Mpi {
 
     fn receive_f32(&self, from: usize, buf: &mut [f32]) {
         self.world.process_at_rank(from as i32).receive_into(buf);
+    }
+
+    fn post_f32(&self, to: usize, tag: u16, buf: &[f32]) {
+        // A buffered send (MPI_Bsend): returns once the message is copied out.
+        self.world.process_at_rank(to as i32).buffered_send_with_tag(buf, tag as i32);
+    }
+
+    fn receive_posted_f32(&self, from: usize, tag: u16, buf: &mut [f32]) {
+        self.world.process_at_rank(from as i32).receive_into_with_tag(buf, tag as i32);
+    }
+
+    fn reserve_posts(&self, bytes: usize, messages: usize) {
+        // MPI_BSEND_OVERHEAD is about a hundred bytes in Open MPI; leave room for more.
+        let want = bytes + messages * 1024 + (1 << 20);
+        let mut u = self.universe.borrow_mut();
+        if u.buffer_size() < want {
+            // Detaching waits for the messages posted into the old buffer to go out.
+            u.set_buffer_size(want);
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The model: configuration, parameters, the residual connection and the transformer.
 
 pub mod checkpoint;
+pub mod chunk;
 pub mod config;
 pub mod decode;
 pub mod params;

@@ -8,7 +8,7 @@ use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear_backward, linear_forward};
 use crate::kernels::rmsnorm::mean_rms;
 use crate::kernels::rope::{self, Positions, RopeTable};
-use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
+use crate::kernels::{cross_entropy, rmsnorm, swiglu, zeros};
 use crate::profile::phase;
 use anyhow::{ensure, Result};
 
@@ -21,7 +21,7 @@ pub struct Model {
 
 /// What the attention sublayer saved: its input, norm statistics, normed input, rotated q/k
 /// with v, the attention probabilities and the attention output.
-struct AttnSaved {
+pub(super) struct AttnSaved {
     h: Vec<f32>,
     rstd: Vec<f32>,
     xn: Vec<f32>,
@@ -100,7 +100,7 @@ impl Model {
         Model::new(config, params)
     }
 
-    fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
+    pub(super) fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
         let c = &self.config;
         AttnShape {
             batch,
@@ -224,16 +224,10 @@ impl Model {
     }
 
     fn forward_inner(&self, ids: &[u32], batch: usize, seq: usize, probe: bool) -> Result<Forward> {
-        self.check_batch(ids, batch, seq)?;
-        let c = &self.config;
-        let (n, d) = (batch * seq, c.hidden_size);
+        let d = self.config.hidden_size;
         let p = &self.params;
         let sh = self.attn_shape(batch, seq);
-        let ow = sh.out_width();
-
-        let mut e = zeros(n * d);
-        phase("fwd embed", || embedding::forward(&mut e, &p[self.layout.embed.clone()], ids, d));
-        let mut res = ResidualForward::new(c, e, true);
+        let mut res = self.embed(ids, batch, seq)?;
         let mut output_rms = probe.then(Vec::new);
         let mut record = |out: &[f32]| {
             if let Some(rms) = output_rms.as_mut() {
@@ -241,24 +235,9 @@ impl Model {
             }
         };
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
-        for (i, lp) in self.layout.layers.iter().enumerate() {
-            // Attention sublayer 2i.
-            let h = phase("fwd residual", || res.input(2 * i, p, &self.layout));
-            let (xn, rstd, qkv) = self.attn_project(lp, &h, Positions::Packed(seq));
-            let (mut o, mut probs) = (zeros(n * ow), zeros(sh.probs_len()));
-            phase("fwd attention", || attention::forward(&mut o, &mut probs, &qkv, sh));
-            let mut out = zeros(n * d);
-            phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d));
-            record(&out);
-            phase("fwd residual", || res.push_output(2 * i, out));
-            attn.push(AttnSaved { h, rstd, xn, qkv, probs, o });
-
-            // MLP sublayer 2i+1.
-            let h = phase("fwd residual", || res.input(2 * i + 1, p, &self.layout));
-            let (saved, out) = self.mlp_sublayer(lp, h);
-            record(&out);
-            phase("fwd residual", || res.push_output(2 * i + 1, out));
-            mlp.push(saved);
+        for i in 0..self.layout.layers.len() {
+            attn.push(self.attn_forward(2 * i, &mut res, sh, &mut record));
+            mlp.push(self.mlp_forward(2 * i + 1, &mut res, &mut record));
         }
         let h_final = phase("fwd residual", || res.output(p, &self.layout));
         let (xn_final, rstd_final, logits) = self.head(&h_final);
@@ -275,6 +254,42 @@ impl Model {
             logits,
             output_rms,
         })
+    }
+
+    /// Attention sublayer `l` on the residual state: its input, the sublayer, its output back
+    /// into the state. `record` sees the raw output.
+    pub(super) fn attn_forward(
+        &self,
+        l: usize,
+        res: &mut ResidualForward,
+        sh: AttnShape,
+        record: &mut impl FnMut(&[f32]),
+    ) -> AttnSaved {
+        let (p, lp, d) = (&self.params, &self.layout.layers[l / 2], self.config.hidden_size);
+        let (n, ow) = (sh.batch * sh.seq, sh.out_width());
+        let h = phase("fwd residual", || res.input(l, p, &self.layout));
+        let (xn, rstd, qkv) = self.attn_project(lp, &h, Positions::Packed(sh.seq));
+        let (mut o, mut probs) = (zeros(n * ow), zeros(sh.probs_len()));
+        phase("fwd attention", || attention::forward(&mut o, &mut probs, &qkv, sh));
+        let mut out = zeros(n * d);
+        phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d));
+        record(&out);
+        phase("fwd residual", || res.push_output(l, out));
+        AttnSaved { h, rstd, xn, qkv, probs, o }
+    }
+
+    /// MLP sublayer `l` on the residual state, as [`Self::attn_forward`].
+    pub(super) fn mlp_forward(
+        &self,
+        l: usize,
+        res: &mut ResidualForward,
+        record: &mut impl FnMut(&[f32]),
+    ) -> MlpSaved {
+        let h = phase("fwd residual", || res.input(l, &self.params, &self.layout));
+        let (saved, out) = self.mlp_sublayer(&self.layout.layers[l / 2], h);
+        record(&out);
+        phase("fwd residual", || res.push_output(l, out));
+        saved
     }
 
     /// Checks targets against the vocabulary.
@@ -305,17 +320,46 @@ impl Model {
     /// Loss and the gradient of every parameter (same layout as `params`).
     pub fn backward(&self, fwd: &Forward, targets: &[u32]) -> Result<(f32, Vec<f32>)> {
         self.check_targets(targets, fwd)?;
-        let c = &self.config;
-        let (n, d, f, v) = (fwd.batch * fwd.seq, c.hidden_size, c.intermediate_size, c.vocab_size);
-        let p = &self.params;
         let lay = &self.layout;
         let sh = self.attn_shape(fwd.batch, fwd.seq);
-        let (qw, ow) = (sh.qkv_width(), sh.out_width());
         let mut g = zeros(lay.total);
+        let head = HeadSaved {
+            h: &fwd.h_final,
+            rstd: &fwd.rstd_final,
+            xn: &fwd.xn_final,
+            logits: &fwd.logits,
+        };
+        let (loss, dh, dh_dot_h) = self.head_backward(&head, targets, &mut g);
+        let p = &self.params;
+        let mut res = phase("bwd residual", || {
+            ResidualBackward::new(&fwd.residual, dh, dh_dot_h, p, &mut g, lay)
+        });
+        let mut scratch = Scratch::new(&self.config, sh);
+        for i in (0..lay.layers.len()).rev() {
+            let r = &fwd.residual;
+            self.mlp_backward(2 * i + 1, &fwd.mlp[i], &mut res, r, &mut scratch, &mut g);
+            self.attn_backward(2 * i, &fwd.attn[i], &mut res, r, sh, &mut scratch, &mut g);
+        }
+        let de = phase("bwd residual", || res.embedding_grad(&fwd.residual, p, &mut g, lay));
+        self.embedding_backward(&mut g, &de, &fwd.ids);
+        Ok((loss, g))
+    }
 
+    /// Loss, LM head and final norm backward: the loss, the gradient of the final norm's input
+    /// and, per token, its dot product with that input (see [`ResidualBackward::new`]).
+    pub(super) fn head_backward(
+        &self,
+        s: &HeadSaved,
+        targets: &[u32],
+        g: &mut [f32],
+    ) -> (f32, Vec<f32>, Vec<f32>) {
+        let c = &self.config;
+        let (d, v) = (c.hidden_size, c.vocab_size);
+        let n = s.h.len() / d;
+        let (p, lay) = (&self.params, &self.layout);
         let mut dlogits = zeros(n * v);
         let loss = phase("cross-entropy", || {
-            cross_entropy::forward_backward(&fwd.logits, targets, v, Some(&mut dlogits))
+            cross_entropy::forward_backward(s.logits, targets, v, Some(&mut dlogits))
         });
         let mut dxn = zeros(n * d);
         phase("bwd head", || {
@@ -323,7 +367,7 @@ impl Model {
                 &mut dxn,
                 &mut g[lay.head.clone()],
                 &dlogits,
-                &fwd.xn_final,
+                s.xn,
                 &p[lay.head.clone()],
                 n,
                 d,
@@ -334,137 +378,187 @@ impl Model {
         drop(dlogits);
         // `dh_dot_h` (⟨dh, h⟩ per token) for the depth attention's backward, taken inside each
         // norm's backward.
-        let per_token = || if c.block_size().is_some() { zeros(n) } else { Vec::new() };
         let mut dh = zeros(n * d);
-        let mut dh_dot_h = per_token();
+        let mut dh_dot_h = per_token(c, n);
         rmsnorm::backward(
             &mut dh,
             &mut g[lay.final_norm.clone()],
             &dxn,
-            &fwd.h_final,
+            s.h,
             &p[lay.final_norm.clone()],
-            &fwd.rstd_final,
+            s.rstd,
             d,
             non_empty(&mut dh_dot_h),
         );
-        let mut res = phase("bwd residual", || {
-            ResidualBackward::new(&fwd.residual, dh, dh_dot_h, p, &mut g, lay)
+        (loss, dh, dh_dot_h)
+    }
+
+    /// Backward of MLP sublayer `l` (what it saved: `s`), from and into the residual gradients.
+    pub(super) fn mlp_backward(
+        &self,
+        l: usize,
+        s: &MlpSaved,
+        res: &mut ResidualBackward,
+        fwd: &ResidualForward,
+        sc: &mut Scratch,
+        g: &mut [f32],
+    ) {
+        let c = &self.config;
+        let (d, f) = (c.hidden_size, c.intermediate_size);
+        let n = s.h.len() / d;
+        let (p, lay, lp) = (&self.params, &self.layout, &self.layout.layers[l / 2]);
+        let dout = phase("bwd residual", || res.output_grad(l, fwd));
+        phase("bwd linear", || {
+            linear_backward(
+                &mut sc.dact,
+                &mut g[lp.down.clone()],
+                dout,
+                &s.act,
+                &p[lp.down.clone()],
+                n,
+                f,
+                d,
+                false,
+            );
         });
+        phase("bwd swiglu", || swiglu::backward(&mut sc.dgu, &sc.dact, &s.gu, f));
+        phase("bwd linear", || {
+            linear_backward(
+                &mut sc.dxn,
+                &mut g[lp.gate_up.clone()],
+                &sc.dgu,
+                &s.xn,
+                &p[lp.gate_up.clone()],
+                n,
+                d,
+                2 * f,
+                false,
+            );
+        });
+        let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token(c, n));
+        phase("bwd rmsnorm", || {
+            rmsnorm::backward(
+                &mut dh,
+                &mut g[lp.post_norm.clone()],
+                &sc.dxn,
+                &s.h,
+                &p[lp.post_norm.clone()],
+                &s.rstd,
+                d,
+                non_empty(&mut dh_dot_h),
+            )
+        });
+        phase("bwd residual", || res.input_grad(l, dh, dh_dot_h, fwd, p, g, lay));
+    }
 
-        // Scratch buffers reused across layers.
-        let mut dact = zeros(n * f);
-        let mut dgu = zeros(n * 2 * f);
-        let mut do_ = zeros(n * ow);
-        let mut dqkv = zeros(n * qw);
-        for (i, lp) in lay.layers.iter().enumerate().rev() {
-            // MLP sublayer 2i+1.
-            let s = &fwd.mlp[i];
-            let dout = phase("bwd residual", || res.output_grad(2 * i + 1, &fwd.residual));
-            phase("bwd linear", || {
-                linear_backward(
-                    &mut dact,
-                    &mut g[lp.down.clone()],
-                    dout,
-                    &s.act,
-                    &p[lp.down.clone()],
-                    n,
-                    f,
-                    d,
-                    false,
-                );
-            });
-            phase("bwd swiglu", || swiglu::backward(&mut dgu, &dact, &s.gu, f));
-            phase("bwd linear", || {
-                linear_backward(
-                    &mut dxn,
-                    &mut g[lp.gate_up.clone()],
-                    &dgu,
-                    &s.xn,
-                    &p[lp.gate_up.clone()],
-                    n,
-                    d,
-                    2 * f,
-                    false,
-                );
-            });
-            let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token());
-            phase("bwd rmsnorm", || {
-                rmsnorm::backward(
-                    &mut dh,
-                    &mut g[lp.post_norm.clone()],
-                    &dxn,
-                    &s.h,
-                    &p[lp.post_norm.clone()],
-                    &s.rstd,
-                    d,
-                    non_empty(&mut dh_dot_h),
-                )
-            });
-            phase("bwd residual", || {
-                res.input_grad(2 * i + 1, dh, dh_dot_h, &fwd.residual, p, &mut g, lay)
-            });
+    /// Backward of attention sublayer `l`, as [`Self::mlp_backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attn_backward(
+        &self,
+        l: usize,
+        s: &AttnSaved,
+        res: &mut ResidualBackward,
+        fwd: &ResidualForward,
+        sh: AttnShape,
+        sc: &mut Scratch,
+        g: &mut [f32],
+    ) {
+        let c = &self.config;
+        let d = c.hidden_size;
+        let (n, qw, ow) = (sh.batch * sh.seq, sh.qkv_width(), sh.out_width());
+        let (p, lay, lp) = (&self.params, &self.layout, &self.layout.layers[l / 2]);
+        let dout = phase("bwd residual", || res.output_grad(l, fwd));
+        phase("bwd linear", || {
+            linear_backward(
+                &mut sc.do_,
+                &mut g[lp.o_proj.clone()],
+                dout,
+                &s.o,
+                &p[lp.o_proj.clone()],
+                n,
+                ow,
+                d,
+                false,
+            );
+        });
+        phase("bwd attention", || attention::backward(&mut sc.dqkv, &sc.do_, &s.qkv, &s.probs, sh));
+        phase("bwd rope", || {
+            rope::apply(
+                &mut sc.dqkv,
+                qw,
+                0,
+                sh.heads + sh.kv_heads,
+                Positions::Packed(sh.seq),
+                &self.rope,
+                true,
+            )
+        });
+        phase("bwd linear", || {
+            linear_backward(
+                &mut sc.dxn,
+                &mut g[lp.qkv.clone()],
+                &sc.dqkv,
+                &s.xn,
+                &p[lp.qkv.clone()],
+                n,
+                d,
+                qw,
+                false,
+            );
+        });
+        let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token(c, n));
+        phase("bwd rmsnorm", || {
+            rmsnorm::backward(
+                &mut dh,
+                &mut g[lp.input_norm.clone()],
+                &sc.dxn,
+                &s.h,
+                &p[lp.input_norm.clone()],
+                &s.rstd,
+                d,
+                non_empty(&mut dh_dot_h),
+            )
+        });
+        phase("bwd residual", || res.input_grad(l, dh, dh_dot_h, fwd, p, g, lay));
+    }
+}
 
-            // Attention sublayer 2i.
-            let s = &fwd.attn[i];
-            let dout = phase("bwd residual", || res.output_grad(2 * i, &fwd.residual));
-            phase("bwd linear", || {
-                linear_backward(
-                    &mut do_,
-                    &mut g[lp.o_proj.clone()],
-                    dout,
-                    &s.o,
-                    &p[lp.o_proj.clone()],
-                    n,
-                    ow,
-                    d,
-                    false,
-                );
-            });
-            phase("bwd attention", || attention::backward(&mut dqkv, &do_, &s.qkv, &s.probs, sh));
-            phase("bwd rope", || {
-                rope::apply(
-                    &mut dqkv,
-                    qw,
-                    0,
-                    sh.heads + sh.kv_heads,
-                    Positions::Packed(fwd.seq),
-                    &self.rope,
-                    true,
-                )
-            });
-            phase("bwd linear", || {
-                linear_backward(
-                    &mut dxn,
-                    &mut g[lp.qkv.clone()],
-                    &dqkv,
-                    &s.xn,
-                    &p[lp.qkv.clone()],
-                    n,
-                    d,
-                    qw,
-                    false,
-                );
-            });
-            let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token());
-            phase("bwd rmsnorm", || {
-                rmsnorm::backward(
-                    &mut dh,
-                    &mut g[lp.input_norm.clone()],
-                    &dxn,
-                    &s.h,
-                    &p[lp.input_norm.clone()],
-                    &s.rstd,
-                    d,
-                    non_empty(&mut dh_dot_h),
-                )
-            });
-            phase("bwd residual", || {
-                res.input_grad(2 * i, dh, dh_dot_h, &fwd.residual, p, &mut g, lay)
-            });
+/// What the LM head's backward reads of the forward pass.
+pub(super) struct HeadSaved<'a> {
+    pub h: &'a [f32],
+    pub rstd: &'a [f32],
+    pub xn: &'a [f32],
+    pub logits: &'a [f32],
+}
+
+/// Scratch buffers of the sublayers' backward, reused across sublayers.
+pub(super) struct Scratch {
+    dxn: Vec<f32>,
+    dact: Vec<f32>,
+    dgu: Vec<f32>,
+    do_: Vec<f32>,
+    dqkv: Vec<f32>,
+}
+
+impl Scratch {
+    pub(super) fn new(c: &Config, sh: AttnShape) -> Scratch {
+        let (n, f) = (sh.batch * sh.seq, c.intermediate_size);
+        Scratch {
+            dxn: zeros(n * c.hidden_size),
+            dact: zeros(n * f),
+            dgu: zeros(n * 2 * f),
+            do_: zeros(n * sh.out_width()),
+            dqkv: zeros(n * sh.qkv_width()),
         }
-        let de = phase("bwd residual", || res.embedding_grad(&fwd.residual, p, &mut g, lay));
-        phase("bwd embed", || embedding::backward(&mut g[lay.embed.clone()], &de, &fwd.ids, d));
-        Ok((loss, g))
+    }
+}
+
+/// A buffer for ⟨dh, h⟩ per token where the depth attention needs it (else empty).
+pub(super) fn per_token(c: &Config, n: usize) -> Vec<f32> {
+    if c.block_size().is_some() {
+        zeros(n)
+    } else {
+        Vec::new()
     }
 }
 

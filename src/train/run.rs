@@ -6,6 +6,7 @@
 //! Training over several ranks is in [`parallel`].
 
 pub mod parallel;
+pub mod pipeline;
 
 use super::checkpoint::{self as run_dir, TrainState, METRICS};
 use super::config::RunConfig;
@@ -74,7 +75,7 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
     while trainer.at.step < trainer.total {
         let outcome = trainer.step()?;
         trainer.lead(|t| {
-            let mut record = outcome.record(&t.at);
+            let mut record = outcome.record(&t.at, t.run.train.batch_tokens);
             let evaluated = t.evaluation_due();
             if evaluated {
                 t.evaluate(&outcome, &mut record)?;
@@ -112,15 +113,23 @@ pub struct StepOutcome {
     pub grad_norm: f64,
     /// The gradient norm of each sublayer's own weights, before clipping.
     pub sublayer_grad_norms: Vec<f64>,
+    /// Under pipeline parallelism: bytes all ranks sent in pipeline transfers.
+    pub pipeline_bytes: Option<u64>,
 }
 
 impl StepOutcome {
     /// The step's line of `metrics.jsonl`, before validation and timing are added.
-    fn record(&self, at: &Position) -> Value {
-        json!({
+    /// `tokens`: the step's tokens.
+    fn record(&self, at: &Position, tokens: usize) -> Value {
+        let mut r = json!({
             "step": at.step, "tokens": at.tokens_seen, "train_loss": self.train_loss, "lr": self.lr,
             "grad_norm": self.grad_norm, "sublayer_grad_norms": self.sublayer_grad_norms,
-        })
+        });
+        if let Some(b) = self.pipeline_bytes {
+            r["pp_bytes_sent"] = json!(b);
+            r["pp_bytes_per_token"] = json!(b as f64 / tokens as f64);
+        }
+        r
     }
 }
 
@@ -489,6 +498,12 @@ impl<'g> Trainer<'g> {
         });
         if let Some(g) = self.group {
             summary["reduce"] = json!(g.reduce.name());
+            if g.layout.is_pipeline() {
+                let l = g.layout;
+                summary["pp"] = json!(l.stages);
+                summary["vpp"] = json!(l.virtual_stages);
+                summary["pp_cache"] = json!(l.cache.name());
+            }
         }
         write_atomic(
             &out.join("summary.json"),
@@ -605,17 +620,23 @@ fn backward_each(
     for (ids, targets) in micro_batches {
         let fwd = model.forward(ids, rows, ids.len() / rows)?;
         let (loss, g) = model.backward(&fwd, targets)?;
-        // Steps are numbered from 1 in errors, as in metrics.jsonl.
-        ensure!(
-            loss.is_finite(),
-            "the training loss became {loss} at step {}; {}",
-            step + 1,
-            non_finite_advice(o, step, false)
-        );
+        check_loss(loss, o, step)?;
         losses.push(loss);
         take(g);
     }
     Ok(losses)
+}
+
+/// Refuses a non-finite loss of step `step` (from 0).
+fn check_loss(loss: f32, o: &super::optim::OptimConfig, step: usize) -> Result<()> {
+    // Steps are numbered from 1 in errors, as in metrics.jsonl.
+    ensure!(
+        loss.is_finite(),
+        "the training loss became {loss} at step {}; {}",
+        step + 1,
+        non_finite_advice(o, step, false)
+    );
+    Ok(())
 }
 
 /// The rest of a step once `grads` holds the sum of the gradients of the step's micro-batches
@@ -651,7 +672,13 @@ fn apply_gradients(
             non_finite_advice(&opt.config, step, true)
         );
     }
-    Ok(StepOutcome { lr, train_loss: loss_sum / accum as f64, grad_norm, sublayer_grad_norms })
+    Ok(StepOutcome {
+        lr,
+        train_loss: loss_sum / accum as f64,
+        grad_norm,
+        sublayer_grad_norms,
+        pipeline_bytes: None,
+    })
 }
 
 /// The name of the first tensor of `layout` holding a non-finite value of `values`.

@@ -292,11 +292,25 @@ pub fn backward_partial(
     dw.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
 }
 
+/// The running sums of one completed source's gradient over the consumers taken so far, per
+/// token: `acc = Σ_c (α·dh + dl·r·w)` (`[rows, d]`) and `coef = Σ_c dl·logit` (`[rows]`). The
+/// gradient is `acc − (r²/d)·coef·v` once every consumer is in. A pipeline stage hands these on
+/// to the stage before it, which adds its own consumers: the sum runs in one process's order.
+pub struct SourceSums {
+    pub acc: Vec<f32>,
+    pub coef: Vec<f32>,
+}
+
 /// Backward into one completed source `v` (with per-token 1/rms `rstd`), taken at once for
 /// every consumer that read it, where it sat at column `col` of their weights: returns the
 /// source's whole gradient and accumulates into each consumer's effective-query gradient
 /// `dws[c]`. Taking a source's gradient once, when the backward pass reaches it, reads the
 /// source once and writes its gradient once, instead of updating it after every block.
+///
+/// `from`: the sums over consumers taken earlier (by later pipeline stages), to continue.
+/// `pass`: how many consumers the whole model's pass takes here, which sets the split of the
+/// rows into tasks, so that each `dws[c]` is the same whichever consumers come along.
+#[allow(clippy::too_many_arguments)]
 pub fn backward_source(
     dws: &mut [&mut [f32]],
     consumers: &[ConsumerGrad],
@@ -304,16 +318,60 @@ pub fn backward_source(
     v: &[f32],
     rstd: &[f32],
     d: usize,
+    pass: usize,
+    from: Option<&SourceSums>,
 ) -> Vec<f32> {
+    source_sums(dws, consumers, col, v, rstd, d, pass, from, true).acc
+}
+
+/// [`backward_source`] without the last step: the running sums, for the stage before.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_source_sums(
+    dws: &mut [&mut [f32]],
+    consumers: &[ConsumerGrad],
+    col: usize,
+    v: &[f32],
+    rstd: &[f32],
+    d: usize,
+    pass: usize,
+    from: Option<&SourceSums>,
+) -> SourceSums {
+    source_sums(dws, consumers, col, v, rstd, d, pass, from, false)
+}
+
+/// The sums of [`SourceSums`] continued over `consumers`; `finish`: the gradient in `acc`
+/// instead (and no `coef`).
+#[allow(clippy::too_many_arguments)]
+fn source_sums(
+    dws: &mut [&mut [f32]],
+    consumers: &[ConsumerGrad],
+    col: usize,
+    v: &[f32],
+    rstd: &[f32],
+    d: usize,
+    pass: usize,
+    from: Option<&SourceSums>,
+    finish: bool,
+) -> SourceSums {
     let (rows, s) = (rstd.len(), consumers.len());
     let mut dv: Vec<f32> = Vec::with_capacity(rows * d);
+    let mut coefs = if finish { Vec::new() } else { vec![0.0f32; rows] };
     let dptr = SendPtr(dv.as_mut_ptr());
-    let part = par_reduce_rows(rows, (s + 1) * d, s * d, |range, dw| {
+    let cptr = SendPtr(coefs.as_mut_ptr());
+    let part = par_reduce_rows(rows, (pass.max(s) + 1) * d, s * d, |range, dw| {
         let mut acc = vec![0.0f32; d];
         for t in range {
             let (vrow, r) = (&v[t * d..(t + 1) * d], rstd[t]);
-            acc.fill(0.0);
-            let mut coef = 0.0f32;
+            let mut coef = match from {
+                Some(f) => {
+                    acc.copy_from_slice(&f.acc[t * d..(t + 1) * d]);
+                    f.coef[t]
+                }
+                None => {
+                    acc.fill(0.0);
+                    0.0f32
+                }
+            };
             for (j, g) in consumers.iter().enumerate() {
                 let (a, l) = (g.alpha[t * g.n_sources + col], g.logits[t * g.n_sources + col]);
                 let dh = &g.dh[t * d..(t + 1) * d];
@@ -322,15 +380,20 @@ pub fn backward_source(
                 simd::axpy(&mut dw[j * d..(j + 1) * d], dl * r, vrow);
                 coef += dl * l;
             }
-            // value path + key path: dv = Σ_c (α·dh + dl·r·w) − (r²/d)·Σ_c dl·logit · v
-            let c = coef * r * r / d as f32;
             // SAFETY: row t of dv lies in its capacity (rows·d), is in this task's row range only
             // and is written in full here: `acc` and `vrow` both hold d values (its length is
-            // set once every row is).
+            // set once every row is); so is entry t of `coefs` (rows long when not finishing).
             unsafe {
                 let out = dptr.get().add(t * d);
-                for (i, (x, y)) in acc.iter().zip(vrow).enumerate() {
-                    out.add(i).write(x - c * y);
+                if finish {
+                    // value path + key path: dv = Σ_c (α·dh + dl·r·w) − (r²/d)·Σ_c dl·logit · v
+                    let c = coef * r * r / d as f32;
+                    for (i, (x, y)) in acc.iter().zip(vrow).enumerate() {
+                        out.add(i).write(x - c * y);
+                    }
+                } else {
+                    std::ptr::copy_nonoverlapping(acc.as_ptr(), out, d);
+                    cptr.get().add(t).write(coef);
                 }
             }
         }
@@ -341,7 +404,7 @@ pub fn backward_source(
     for (j, dw) in dws.iter_mut().enumerate() {
         dw.iter_mut().zip(&part[j * d..(j + 1) * d]).for_each(|(a, b)| *a += b);
     }
-    dv
+    SourceSums { acc: dv, coef: coefs }
 }
 
 #[cfg(test)]
@@ -500,7 +563,7 @@ mod tests {
         let got_src: Vec<Vec<f32>> = (0..c)
             .map(|i| {
                 let mut dw: Vec<&mut [f32]> = dws.iter_mut().map(|x| x.as_mut_slice()).collect();
-                backward_source(&mut dw, &grads, i, &cs.srcs[i], &cs.rs[i], d)
+                backward_source(&mut dw, &grads, i, &cs.srcs[i], &cs.rs[i], d, s, None)
             })
             .collect();
         for i in 0..c {

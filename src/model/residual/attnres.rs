@@ -19,7 +19,7 @@
 
 use super::ablation::InputQuery;
 use super::depth_params;
-use crate::kernels::depth::{self, ConsumerGrad, Phase1};
+use crate::kernels::depth::{self, ConsumerGrad, Phase1, SourceSums};
 use crate::kernels::{rmsnorm, zeros};
 use crate::model::config::Config;
 use crate::model::params::{DepthParams, Layout};
@@ -107,10 +107,15 @@ pub(super) struct Sources {
     partial_rstd: Vec<f32>,
     /// Consumers run so far.
     pub consumed: usize,
-    /// One per consumer run (sublayers, then the output aggregation), when kept for backward.
+    /// The first consumer this state runs: 0, or where a pipeline stage's chunk starts.
+    pub first: usize,
+    /// One per consumer run from `first` on (sublayers, then the output aggregation), when kept
+    /// for backward.
     pub saved: Vec<DepthSaved>,
     /// Number of distinct sources (`Config::depth_sources`).
     pub depth_sources: usize,
+    /// Sublayers of the model.
+    sublayers: usize,
 }
 
 impl Sources {
@@ -127,9 +132,43 @@ impl Sources {
             partial: None,
             partial_rstd: vec![0.0; rows],
             consumed: 0,
+            first: 0,
             saved: Vec::new(),
             depth_sources: c.depth_sources(),
+            sublayers: c.sublayers(),
         }
+    }
+
+    /// The state before sublayer `k` as a pipeline stage receives it: the completed sources
+    /// `b_0 ..` in order, and the partial sum when `k` lies inside a block. Their 1/rms are
+    /// computed again here, as the stage that made them computed them (the same bits).
+    pub fn resume(
+        c: &Config,
+        block_size: usize,
+        k: usize,
+        completed: &[&[f32]],
+        partial: Option<&[f32]>,
+    ) -> Sources {
+        let mut src = Sources::new(c, block_size, completed[0]);
+        for b in &completed[1..] {
+            src.blocks.push(b, None);
+        }
+        if let Some(p) = partial {
+            rmsnorm::rstd(&mut src.partial_rstd, p, src.blocks.d, src.blocks.eps);
+            src.partial = Some(p.to_vec());
+        }
+        (src.consumed, src.first) = (k, k);
+        src
+    }
+
+    /// What consumer `l` saved.
+    pub fn saved(&self, l: usize) -> &DepthSaved {
+        &self.saved[l - self.first]
+    }
+
+    /// The partial sum's values, when the current block has one.
+    pub fn partial_values(&self) -> Option<&[f32]> {
+        self.partial.as_deref()
     }
 
     /// The partial sum and its per-token 1/rms, when the current block has one.
@@ -155,7 +194,7 @@ impl Sources {
             self.partial = Some(next);
         }
         if let (Some(p), Some(r)) = (p, read_rstd) {
-            self.saved[l].partial = Some((p, r));
+            self.saved[l - self.first].partial = Some((p, r));
         }
     }
 
@@ -205,9 +244,12 @@ impl TwoPhase {
         self.ensure_queries(params, layout);
         let s = src.block_size;
         let blocks = &src.blocks;
-        if l.is_multiple_of(s) {
-            // Phase 1 for every sublayer of the block that starts here.
-            let ws = &self.queries[l * d..(l + s) * d];
+        if l.is_multiple_of(s) || l == src.first {
+            // Phase 1 for every sublayer of the block that starts here (or, on a pipeline stage
+            // whose chunk starts inside a block, of that whole block: the same pass as the
+            // stage before made, so the same bits).
+            let b = l - l % s;
+            let ws = &self.queries[b * d..(b + s) * d];
             depth::phase1(&mut self.phase1, &blocks.values, &blocks.rstd, ws, blocks.rows, d);
         }
         let w = &self.queries[l * d..(l + 1) * d];
@@ -307,9 +349,14 @@ struct Pending {
 }
 
 /// The method's backward: every consumer backpropagated so far. Their gradients into a
-/// completed block are taken all at once when the backward pass reaches that block.
+/// completed block are taken all at once when the backward pass reaches that block. On a
+/// pipeline stage, `from[n]` holds the sums of block n's gradient over the consumers of later
+/// stages, which this stage continues.
 #[derive(Default)]
-pub(super) struct PendingGrads(Vec<Pending>);
+pub(super) struct PendingGrads {
+    owed: Vec<Pending>,
+    pub from: Vec<Option<SourceSums>>,
+}
 
 impl PendingGrads {
     /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
@@ -324,7 +371,7 @@ impl PendingGrads {
         tp: &TwoPhase,
     ) {
         let d = src.blocks.d;
-        let saved = &src.saved[l];
+        let saved = src.saved(l);
         let w = tp.queries[l * d..(l + 1) * d].to_vec();
         assert_eq!(dh_dot_h.len() * d, dh.len(), "one dh_dot_h per token");
         let mut dw = vec![0.0f32; d];
@@ -332,21 +379,48 @@ impl PendingGrads {
             let g = consumer_grad(saved, &dh, &dh_dot_h, &w);
             depth::backward_partial(acc, &mut dw, &g, saved.n_sources - 1, pv, pr, d);
         }
-        self.0.push(Pending { l, dh, dh_dot_h, w, dw });
+        self.owed.push(Pending { l, dh, dh_dot_h, w, dw });
     }
 
     /// The gradient of block sum `b_n`, once every consumer that read it is backpropagated:
     /// all consumers owed so far (those of later blocks and the output aggregation).
     pub fn block_grad(&mut self, n: usize, src: &Sources) -> Vec<f32> {
+        self.source_pass(n, src, true).acc
+    }
+
+    /// The sums of block `n`'s gradient over the consumers owed so far (continuing those of
+    /// later stages), for the pipeline stage before this one.
+    pub fn block_sums(&mut self, n: usize, src: &Sources) -> SourceSums {
+        self.source_pass(n, src, false)
+    }
+
+    fn source_pass(&mut self, n: usize, src: &Sources, finish: bool) -> SourceSums {
+        let from = self.from.get_mut(n).and_then(Option::take);
         let (consumers, mut dws): (Vec<ConsumerGrad>, Vec<&mut [f32]>) = self
-            .0
+            .owed
             .iter_mut()
             .map(|Pending { l, dh, dh_dot_h, w, dw }| {
-                (consumer_grad(&src.saved[*l], dh, dh_dot_h, w), dw.as_mut_slice())
+                (consumer_grad(src.saved(*l), dh, dh_dot_h, w), dw.as_mut_slice())
             })
             .unzip();
-        let blocks = &src.blocks;
-        depth::backward_source(&mut dws, &consumers, n, blocks.get(n), blocks.rstd(n), blocks.d)
+        let (blocks, d) = (&src.blocks, src.blocks.d);
+        // The whole model's pass over block n takes every consumer after it and the output.
+        let pass = src.sublayers - n * src.block_size + 1;
+        let (v, r) = (blocks.get(n), blocks.rstd(n));
+        if finish {
+            let dv = depth::backward_source(&mut dws, &consumers, n, v, r, d, pass, from.as_ref());
+            SourceSums { acc: dv, coef: Vec::new() }
+        } else {
+            depth::backward_source_sums(&mut dws, &consumers, n, v, r, d, pass, from.as_ref())
+        }
+    }
+
+    /// Adds the query gradients of the consumers owed into `grads`, once every source they read
+    /// is backpropagated.
+    pub fn query_grads(&self, params: &[f32], grads: &mut [f32], layout: &Layout) {
+        for p in &self.owed {
+            query_grad(depth_params(layout, p.l), &p.dw, params, grads);
+        }
     }
 
     /// Gradient of the embedding `b_0`, every consumer's last source; their query gradients
@@ -359,9 +433,7 @@ impl PendingGrads {
         layout: &Layout,
     ) -> Vec<f32> {
         let de = self.block_grad(0, src);
-        for p in &self.0 {
-            query_grad(depth_params(layout, p.l), &p.dw, params, grads);
-        }
+        self.query_grads(params, grads, layout);
         de
     }
 }

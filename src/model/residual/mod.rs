@@ -17,6 +17,7 @@ use self::attnres::{effective_queries, PendingGrads, Sources, TwoPhase};
 use super::config::Config;
 use super::params::{DepthParams, Layout};
 use crate::kernels;
+pub use crate::kernels::depth::SourceSums;
 use std::sync::Arc;
 
 // One per forward pass: the size of the larger variant does not matter.
@@ -68,6 +69,48 @@ impl ResidualForward {
             }
         };
         ResidualForward { state, for_backward }
+    }
+
+    /// The state before sublayer `k` as a pipeline stage receives it from the stage before:
+    /// for the standard residual `completed` is the stream alone; for AttnRes it holds the
+    /// completed sources `b_0 ..` in order, with the partial sum when `k` lies inside a block.
+    /// Keeps what backward needs. Not for the ablations (one pass per consumer).
+    pub fn resume(c: &Config, k: usize, completed: &[&[f32]], partial: Option<&[f32]>) -> Self {
+        let state = match c.block_size() {
+            None => State::Standard { stream: completed[0].to_vec() },
+            Some(s) => {
+                assert!(Ablation::of(c).is_none(), "pipeline stages run the method itself");
+                let sources = Sources::resume(c, s, k, completed, partial);
+                let mix = Mix::TwoPhase(TwoPhase::new(c, s, sources.blocks.rows));
+                State::Depth { sources, mix }
+            }
+        };
+        ResidualForward { state, for_backward: true }
+    }
+
+    /// Source `n` as a pipeline stage sends it: the stream (standard, `n` = 0), or the
+    /// embedding (`n` = 0) or completed block `n` (AttnRes).
+    pub fn source(&self, n: usize) -> &[f32] {
+        match &self.state {
+            State::Standard { stream } => stream,
+            State::Depth { sources, .. } => sources.blocks.get(n),
+        }
+    }
+
+    /// Completed sources held (the stream counts as one).
+    pub fn completed(&self) -> usize {
+        match &self.state {
+            State::Standard { .. } => 1,
+            State::Depth { sources, .. } => sources.blocks.len(),
+        }
+    }
+
+    /// The running partial sum of the current block, when it has one.
+    pub fn partial(&self) -> Option<&[f32]> {
+        match &self.state {
+            State::Standard { .. } => None,
+            State::Depth { sources, .. } => sources.partial_values(),
+        }
     }
 
     /// The effective queries of the method's depth attention for [`Self::with_queries`], or
@@ -189,7 +232,7 @@ impl ResidualBackward {
         match &fwd.state {
             State::Standard { .. } => ResidualBackward { acc: dh, grads: Grads::Standard },
             State::Depth { sources, mix } => {
-                let out = sources.saved.len() - 1;
+                let out = sources.first + sources.saved.len() - 1;
                 let mut rb = ResidualBackward { acc: Vec::new(), grads: Grads::Standard };
                 match mix {
                     Mix::TwoPhase(tp) => {
@@ -247,6 +290,48 @@ impl ResidualBackward {
                 g.backward(&mut self.acc, l, &dh, ab, sources, params, grads, layout)
             }
             _ => unreachable!("backward state of another residual"),
+        }
+    }
+
+    /// Starts the backward pass of a pipeline stage at the end of its chunk from what the stage
+    /// after sent: `acc`, the gradient of the stream (standard) or of the partial sum the next
+    /// chunk read (AttnRes; zeros when it read none), and `from[n]`, the sums of source `n`'s
+    /// gradient over the consumers of the later stages.
+    pub fn resume(fwd: &ResidualForward, acc: Vec<f32>, from: Vec<SourceSums>) -> Self {
+        let grads = match &fwd.state {
+            State::Standard { .. } => Grads::Standard,
+            State::Depth { .. } => {
+                let mut pending = PendingGrads::default();
+                pending.from = from.into_iter().map(Some).collect();
+                Grads::TwoPhase(pending)
+            }
+        };
+        ResidualBackward { acc, grads }
+    }
+
+    /// Ends the backward pass of a pipeline stage at the start of its chunk (not the first):
+    /// what goes back to the stage before, the gradient of the stream or of the partial sum
+    /// (`acc`, see [`Self::resume`]) and the sums of the gradient of every source completed
+    /// before the chunk, continued over this stage's consumers. Their query gradients, now
+    /// complete, go into `grads`.
+    pub fn hand_back(
+        self,
+        fwd: &ResidualForward,
+        params: &[f32],
+        grads: &mut [f32],
+        layout: &Layout,
+    ) -> (Vec<f32>, Vec<SourceSums>) {
+        match (&fwd.state, self.grads) {
+            (State::Standard { .. }, _) => (self.acc, Vec::new()),
+            (State::Depth { sources, .. }, Grads::TwoPhase(mut pending)) => {
+                let before = sources.first / sources.block_size + 1;
+                let mut sums: Vec<SourceSums> =
+                    (0..before).rev().map(|n| pending.block_sums(n, sources)).collect();
+                sums.reverse();
+                pending.query_grads(params, grads, layout);
+                (self.acc, sums)
+            }
+            (State::Depth { .. }, _) => unreachable!("pipeline stages run the method itself"),
         }
     }
 

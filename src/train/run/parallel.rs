@@ -6,7 +6,8 @@
 //! A failure on any rank is agreed on at fixed points ([`Group::agree`]): every rank stops
 //! there, and only the first failing rank prints its error (and exits with status 1).
 
-use super::{apply_gradients, backward_each, Position, StepOutcome, Throughput, Trainer};
+use super::pipeline::{Layout, Stage, StepTraffic};
+use super::{apply_gradients, backward_each, check_loss, Position, StepOutcome, Throughput, Trainer};
 use super::{Model, Optimizer, Progress, TrainOptions};
 use crate::comm::{self, Comm};
 use crate::train::config::{RunConfig, TrainConfig};
@@ -16,7 +17,7 @@ use crate::train::tokens::{Tokens, WindowOrder};
 use anyhow::{bail, ensure, Context, Result};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -66,6 +67,12 @@ impl std::error::Error for Reported {}
 pub struct Group<'c> {
     comm: &'c dyn Comm,
     pub reduce: Reduce,
+    /// How the ranks cut the model into pipeline stages (none: pure data parallelism).
+    pub layout: Layout,
+    /// This rank's stage, once the run's model is known.
+    stage: RefCell<Option<Stage>>,
+    /// Seconds this session's steps spent computing chunks and waiting for messages.
+    pipe_seconds: Cell<(f64, f64)>,
     /// Set once the ranks have agreed on a failure (so all of them stop together).
     failure_agreed: Cell<bool>,
     /// Seconds spent in this session's steps, and in adding gradients over the ranks in them
@@ -79,14 +86,29 @@ impl<'c> Group<'c> {
         Group {
             comm,
             reduce,
+            layout: Layout::none(),
+            stage: RefCell::new(None),
+            pipe_seconds: Cell::new((0.0, 0.0)),
             failure_agreed: Cell::new(false),
             step_seconds: Cell::new(0.0),
             reduce_seconds: Cell::new(0.0),
         }
     }
 
+    /// The same ranks cut into pipelines of `layout` (checked against the ranks).
+    pub fn with_layout(mut self, layout: Layout) -> Result<Group<'c>> {
+        layout.check_ranks(self.size())?;
+        self.layout = layout;
+        Ok(self)
+    }
+
     pub fn rank(&self) -> usize {
         self.comm.rank()
+    }
+
+    /// How many replicas of the model share each step's micro-batches (data parallelism).
+    pub fn replicas(&self) -> usize {
+        self.size() / self.layout.stages
     }
 
     pub fn size(&self) -> usize {
@@ -102,12 +124,21 @@ impl<'c> Group<'c> {
     /// gradients over the ranks (waiting for the others included).
     pub fn timing(&self) -> String {
         let (step, reduce) = (self.step_seconds.get(), self.reduce_seconds.get());
-        format!(
+        let mut s = format!(
             "this session's steps took {step:.2} s on rank {}, {reduce:.2} s ({:.1}%) of them adding gradients over the ranks (--reduce {})",
             self.rank(),
             100.0 * reduce / step.max(1e-9),
             self.reduce.name()
-        )
+        );
+        if self.layout.is_pipeline() {
+            let (compute, wait) = self.pipe_seconds.get();
+            s += &format!(
+                "; {compute:.2} s ({:.1}%) computing chunks, {wait:.2} s ({:.1}%) waiting for or posting pipeline messages",
+                100.0 * compute / step.max(1e-9),
+                100.0 * wait / step.max(1e-9)
+            );
+        }
+        s
     }
 
     /// Whether every rank knows of the failure that ended training here. When it does not (a
@@ -119,9 +150,18 @@ impl<'c> Group<'c> {
 
     /// The micro-batches of a step of `accumulation` that this rank computes: a consecutive
     /// share, so that the running sum of [`comm::sum_in_order`] passes each rank once.
+    /// Under pipeline parallelism the share is the replica's: every stage of it runs the same
+    /// micro-batches.
     pub(super) fn share(&self, accumulation: usize) -> std::ops::Range<usize> {
-        let per = accumulation / self.size();
-        self.rank() * per..(self.rank() + 1) * per
+        let per = accumulation / self.replicas();
+        let replica = self.rank() / self.layout.stages;
+        replica * per..(replica + 1) * per
+    }
+
+    /// Sets this rank's pipeline stage up for the run's model and step.
+    pub(super) fn set_stage(&self, c: &crate::model::Config, accumulation: usize) -> Result<()> {
+        *self.stage.borrow_mut() = super::pipeline::stage_of(self, c, accumulation)?;
+        Ok(())
     }
 
     /// Every rank's outcome of the same piece of work: `local` when every rank succeeded;
@@ -165,6 +205,9 @@ impl<'c> Group<'c> {
         lr: f64,
         step: usize,
     ) -> Result<StepOutcome> {
+        if self.stage.borrow().is_some() {
+            return self.pipeline_step(model, opt, micro_batches, rows, lr, step);
+        }
         let t_step = Instant::now();
         let n = model.params.len();
         let mut mine = Vec::with_capacity(micro_batches.len());
@@ -180,6 +223,65 @@ impl<'c> Group<'c> {
         self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
         drop(mine);
         let done = apply_gradients(model, opt, grads, &losses, lr, step);
+        self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
+        self.agree(done, None)
+    }
+}
+
+impl Group<'_> {
+    /// [`Group::optimizer_step`] over pipelines: this rank's passes over its replica's
+    /// micro-batches, then the losses gathered from the last stages and the gradients added,
+    /// first over the replicas of each stage (in one process's order, or by MPI's all-reduce),
+    /// then over the stages, which hold disjoint parameters (adding zeros: exact).
+    fn pipeline_step(
+        &self,
+        model: &mut Model,
+        opt: &mut Optimizer,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+        lr: f64,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        let t_step = Instant::now();
+        let n = model.params.len();
+        let mut traffic = StepTraffic::default();
+        let stage = self.stage.borrow();
+        let stage = stage.as_ref().expect("a pipeline stage");
+        fault_point_kill(self.rank(), step + 1);
+        let local = stage.run(self.comm, model, micro_batches, rows, &mut traffic);
+        let (losses, mine) = self.agree(local, None)?;
+        // Every micro-batch's loss, in the order of one process: the last stages' in replica
+        // order.
+        let all = self.comm.all_gather_f32(&losses);
+        let (p, m) = (self.layout.stages, losses.len());
+        let losses: Vec<f32> = (0..self.replicas())
+            .flat_map(|r| all[((r + 1) * p - 1) * m..((r + 1) * p) * m].to_vec())
+            .collect();
+        for &loss in &losses {
+            check_loss(loss, &opt.config, step)?;
+        }
+        let t = Instant::now();
+        let grads = match self.reduce {
+            Reduce::Exact => {
+                let among = stage.stage_ranks(self.size());
+                let mut g = comm::sum_in_order_among(self.comm, &among, &mine, n);
+                if stage.replica() > 0 {
+                    g.iter_mut().for_each(|x| *x = 0.0);
+                }
+                self.comm.all_reduce_sum_f32(&mut g);
+                g
+            }
+            Reduce::Mpi => comm::sum_all_reduce(self.comm, &mine, n),
+        };
+        self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
+        drop(mine);
+        let bytes = self.comm.all_gather_u64(&[traffic.bytes]).iter().sum();
+        let (c, w) = self.pipe_seconds.get();
+        self.pipe_seconds.set((c + traffic.compute_seconds, w + traffic.wait_seconds));
+        let done = apply_gradients(model, opt, grads, &losses, lr, step).map(|mut o| {
+            o.pipeline_bytes = Some(bytes);
+            o
+        });
         self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
         self.agree(done, None)
     }
@@ -202,12 +304,25 @@ pub(super) fn check_share(tc: &TrainConfig, ranks: usize) -> Result<()> {
 /// step STEP (from 1), as a crashed or killed process would.
 pub(super) fn fault_point(rank: usize, step: usize) {
     static AT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
-    let at = AT.get_or_init(|| {
-        let v = std::env::var("ATTNRES_TEST_ABORT_AT").ok()?;
-        let (r, s) = v.split_once(':')?;
-        Some((r.trim().parse().ok()?, s.trim().parse().ok()?))
-    });
-    if *at == Some((rank, step)) {
+    if *AT.get_or_init(|| hook_at("ATTNRES_TEST_ABORT_AT")) == Some((rank, step)) {
+        std::process::abort();
+    }
+}
+
+/// `RANK:STEP` of the test hook in the environment variable `var`.
+fn hook_at(var: &str) -> Option<(usize, usize)> {
+    let v = std::env::var(var).ok()?;
+    let (r, s) = v.split_once(':')?;
+    Some((r.trim().parse().ok()?, s.trim().parse().ok()?))
+}
+
+/// A test hook: `ATTNRES_TEST_KILL_AT=RANK:STEP` makes rank RANK kill itself with SIGKILL in
+/// the middle of step STEP (from 1) of a pipeline, while the other ranks wait for its messages.
+fn fault_point_kill(rank: usize, step: usize) {
+    static AT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    if *AT.get_or_init(|| hook_at("ATTNRES_TEST_KILL_AT")) == Some((rank, step)) {
+        let pid = std::process::id().to_string();
+        let _ = std::process::Command::new("kill").args(["-KILL", &pid]).status();
         std::process::abort();
     }
 }
@@ -246,7 +361,9 @@ impl<'g> Trainer<'g> {
         g: &'g Group<'g>,
     ) -> Result<Trainer<'g>> {
         let leader = g.leads().then(|| {
-            let t = Trainer::start(run, opts, g.size())?;
+            let t = Trainer::start(run, opts, g.replicas())?;
+            let tc = &t.run.train;
+            g.layout.check_model(&t.run.model, tc.accumulation() / g.replicas())?;
             let handover = serde_json::to_vec(&t.handover()?)?;
             Ok((t, handover))
         });
@@ -264,7 +381,28 @@ impl<'g> Trainer<'g> {
             g.comm.broadcast_f32(0, buf);
         }
         t.group = Some(g);
-        if g.leads() {
+        let tc = &t.run.train;
+        g.agree(g.set_stage(&t.model.config, tc.accumulation()), None)?;
+        if let Some(stage) = g.stage.borrow().as_ref() {
+            let (bytes, messages) =
+                stage.bytes_per_step(tc.micro_batch * tc.seq_len, t.model.config.hidden_size);
+            g.comm.reserve_posts(bytes, messages);
+        }
+        if g.leads() && g.layout.is_pipeline() {
+            let (l, a) = (g.layout, t.run.train.accumulation());
+            t.progress.say(format!(
+                "pipeline parallel: {} replicas of {} stages x {} virtual stages ({} chunks of the {} sublayers), cross-stage cache {}, ranks of {} thread{}; each pipeline runs {} of the {a} micro-batches of a step in interleaved 1F1B order",
+                g.replicas(),
+                l.stages,
+                l.virtual_stages,
+                l.stages * l.virtual_stages,
+                t.model.config.sublayers(),
+                l.cache.name(),
+                rayon::current_num_threads(),
+                if rayon::current_num_threads() == 1 { "" } else { "s" },
+                a / g.replicas(),
+            ));
+        } else if g.leads() {
             let a = t.run.train.accumulation();
             t.progress.say(format!(
                 "data parallel: {} ranks of {} thread{}, each computing {} of the {a} micro-batches of a step; gradients added {}",

@@ -1,0 +1,388 @@
+//! Pipeline-parallel training (docs/pipeline.md): the ranks of a job form `N / P` replicas of
+//! a pipeline of `P` stages; rank `replica · P + stage` runs the chunks of its stage
+//! ([`crate::pipeline`]: the same chunks, transfers and interleaved 1F1B order that `attnres
+//! plan` prints) on the micro-batches of its replica. Every rank still holds the whole model
+//! and optimiser, and after the step's passes the ranks add up the gradients so that every
+//! one takes the same update, the one a single process takes.
+//!
+//! Exactness: a chunk runs exactly the operations one process runs on its sublayers, and what
+//! crosses a transition is bit for bit what one process holds there, with two kinds of values
+//! recomputed rather than sent: the 1/rms of received sources (the same formula on the same
+//! values) and, for a chunk starting inside a block, the block's phase-1 scores (the same pass
+//! over the same sources). Backward, the gradient of each completed source travels as running
+//! sums over its consumers, continued stage by stage in the order one process adds them.
+//! Each parameter belongs to one chunk, so each micro-batch's gradient of it is made on one
+//! rank; the tied embedding/head matrix is the exception: the first stage sends the embedding
+//! output's gradient to the last stage, which adds it after the head's, as one process does.
+
+use super::parallel::Group;
+use crate::comm::Comm;
+use crate::model::chunk::{ChunkForward, ChunkGradIn};
+use crate::model::residual::{ResidualForward, SourceSums};
+use crate::model::{Config, Model};
+use crate::pipeline::{self, chunk_bounds, Cache, Depth, Op, Shape, Transfer};
+use anyhow::{bail, ensure, Context, Result};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::time::Instant;
+
+/// The pipeline layout asked for on the command line.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Layout {
+    /// Stages `P` (ranks per pipeline).
+    pub stages: usize,
+    /// Virtual stages `V` (chunks per rank).
+    pub virtual_stages: usize,
+    pub cache: Cache,
+}
+
+impl Layout {
+    /// Pure data parallelism.
+    pub fn none() -> Layout {
+        Layout { stages: 1, virtual_stages: 1, cache: Cache::Kept }
+    }
+
+    /// Whether the model is cut into chunks at all.
+    pub fn is_pipeline(&self) -> bool {
+        self.stages > 1 || self.virtual_stages > 1
+    }
+
+    /// Checks the layout against the job's ranks.
+    pub fn check_ranks(&self, ranks: usize) -> Result<()> {
+        ensure!(self.stages >= 1, "--pp must be at least 1");
+        ensure!(self.virtual_stages >= 1, "--vpp must be at least 1");
+        ensure!(
+            ranks.is_multiple_of(self.stages),
+            "--pp {} must divide the number of ranks ({ranks}): each pipeline takes --pp ranks{}",
+            self.stages,
+            if ranks == 1 { "; start it under mpirun -np <a multiple of --pp> (docs/pipeline.md)" } else { "" }
+        );
+        ensure!(
+            self.stages > 1 || self.virtual_stages == 1,
+            "--vpp {} needs --pp of at least 2 (virtual stages interleave the chunks of several ranks)",
+            self.virtual_stages
+        );
+        Ok(())
+    }
+
+    /// Checks the layout against the model and the micro-batches of a step each pipeline runs.
+    pub fn check_model(&self, c: &Config, micro_batches: usize) -> Result<()> {
+        ensure!(
+            c.block_size().is_none() || c.depth_is_default(),
+            "--pp runs standard, full and block without the ablation options (attn_res_*); this model sets one"
+        );
+        self.shape(micro_batches).validate(&Depth::of(c))
+    }
+
+    fn shape(&self, micro_batches: usize) -> Shape {
+        Shape { stages: self.stages, virtual_stages: self.virtual_stages, micro_batches }
+    }
+}
+
+/// Message tags: the forward input of chunk `c`, the gradient coming back out of chunk `c`,
+/// and the embedding output's gradient for a tied head.
+fn forward_tag(c: usize) -> u16 {
+    (3 * c + 1) as u16
+}
+fn backward_tag(c: usize) -> u16 {
+    (3 * c + 2) as u16
+}
+const TIED_TAG: u16 = 3;
+
+/// What the ranks of one pipeline measured in a step.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepTraffic {
+    /// Bytes every rank of the job sent in pipeline transfers.
+    pub bytes: u64,
+    /// On this rank: seconds computing chunks, and waiting for (and copying) messages.
+    pub compute_seconds: f64,
+    pub wait_seconds: f64,
+}
+
+/// One rank's part of a pipeline.
+pub struct Stage {
+    layout: Layout,
+    shape: Shape,
+    depth: Depth,
+    bounds: Vec<Range<usize>>,
+    /// Forward transitions of one micro-batch: `transfers[c - 1]` goes into chunk c.
+    transfers: Vec<Transfer>,
+    /// This rank's order of passes.
+    ops: Vec<Op>,
+    stage: usize,
+    replica: usize,
+    /// Whether the first and last stage share the embedding matrix as the LM head.
+    tied: bool,
+}
+
+impl Stage {
+    /// The stage of rank `rank` for `micro_batches` per pipeline and step.
+    pub fn new(layout: Layout, c: &Config, micro_batches: usize, rank: usize) -> Result<Stage> {
+        layout.check_model(c, micro_batches)?;
+        let shape = layout.shape(micro_batches);
+        let depth = Depth::of(c);
+        let stage = rank % layout.stages;
+        let ensure_tags = 3 * shape.chunks() + 3;
+        ensure!(ensure_tags < 32767, "--pp x --vpp = {} chunks is more than MPI's tags can name", shape.chunks());
+        Ok(Stage {
+            layout,
+            shape,
+            depth,
+            bounds: chunk_bounds(depth.sublayers, shape.chunks()),
+            transfers: pipeline::transfers(&depth, &shape, layout.cache),
+            ops: pipeline::schedule(&shape)[stage].clone(),
+            stage,
+            replica: rank / layout.stages,
+            tied: c.tie_word_embeddings,
+        })
+    }
+
+    /// The rank of the job that runs chunk `c` of this rank's pipeline.
+    fn rank_of(&self, c: usize) -> usize {
+        self.replica * self.layout.stages + self.shape.rank_of(c)
+    }
+
+    fn last_chunk(&self) -> usize {
+        self.shape.chunks() - 1
+    }
+
+    /// Bytes this rank sends in one step with `tokens` per micro-batch and hidden size `d`, and
+    /// its messages: what MPI must buffer at most.
+    pub fn bytes_per_step(&self, tokens: usize, d: usize) -> (usize, usize) {
+        let (mut bytes, mut messages) = (0, 0);
+        for t in &self.transfers {
+            if self.shape.rank_of(t.into - 1) == self.stage {
+                bytes += 4 * tokens * t.forward_values(d);
+                messages += 1;
+            }
+            if self.shape.rank_of(t.into) == self.stage {
+                bytes += 4 * tokens * t.backward_values(d);
+                messages += 1;
+            }
+        }
+        if self.tied && self.stage == 0 {
+            bytes += 4 * tokens * d;
+            messages += 1;
+        }
+        (bytes * self.shape.micro_batches, messages * self.shape.micro_batches)
+    }
+
+    /// The ranks that hold this stage in every replica, in replica order.
+    pub fn stage_ranks(&self, ranks: usize) -> Vec<usize> {
+        (self.stage..ranks).step_by(self.layout.stages).collect()
+    }
+
+    pub fn replica(&self) -> usize {
+        self.replica
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.stage == self.layout.stages - 1
+    }
+
+    /// This rank's passes of one step over its replica's `micro_batches` (`rows` sequences
+    /// each): the loss of each micro-batch (last stage; NaN elsewhere) and each micro-batch's
+    /// gradient of this stage's parameters (zero elsewhere).
+    pub fn run(
+        &self,
+        comm: &dyn Comm,
+        model: &Model,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+        traffic: &mut StepTraffic,
+    ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let m_count = micro_batches.len();
+        ensure!(m_count == self.shape.micro_batches, "a pipeline step of {m_count} micro-batches, planned for {}", self.shape.micro_batches);
+        let d = model.config.hidden_size;
+        let mut losses = vec![f32::NAN; m_count];
+        let mut grads: Vec<Vec<f32>> = Vec::with_capacity(m_count);
+        let mut fwd: HashMap<(usize, usize), ChunkForward> = HashMap::new();
+        let mut io = Io { comm, traffic, tokens: 0 };
+        for &op in &self.ops {
+            match op {
+                Op::Forward { chunk, micro } => {
+                    let (ids, targets) = &micro_batches[micro];
+                    let seq = ids.len() / rows;
+                    io.tokens = ids.len();
+                    let res = if chunk == 0 {
+                        model.embed(ids, rows, seq)?
+                    } else {
+                        {
+                        // The sources this rank kept: those of its chunk before.
+                        let kept = chunk.checked_sub(self.layout.stages).and_then(|k| fwd.get(&(k, micro)));
+                        self.receive_forward(&mut io, model, chunk, kept, d)?
+                    }
+                    };
+                    let t = Instant::now();
+                    let f = model.forward_chunk(self.bounds[chunk].clone(), res, rows, seq);
+                    if chunk == self.last_chunk() {
+                        losses[micro] = model.chunk_loss(&f, targets).context("the last chunk has the head")?;
+                    }
+                    io.traffic.compute_seconds += t.elapsed().as_secs_f64();
+                    if chunk < self.last_chunk() {
+                        self.send_forward(&mut io, &f, chunk + 1);
+                    }
+                    fwd.insert((chunk, micro), f);
+                }
+                Op::Backward { chunk, micro } => {
+                    let (ids, targets) = &micro_batches[micro];
+                    io.tokens = ids.len();
+                    let f = fwd.remove(&(chunk, micro)).context("a backward pass before its forward")?;
+                    let start = if chunk == self.last_chunk() {
+                        ChunkGradIn::Loss(targets)
+                    } else {
+                        self.receive_backward(&mut io, chunk + 1, d)
+                    };
+                    while grads.len() <= micro {
+                        grads.push(crate::kernels::zeros(model.params.len()));
+                    }
+                    let t = Instant::now();
+                    let out = model.backward_chunk(f, start, &mut grads[micro])?;
+                    io.traffic.compute_seconds += t.elapsed().as_secs_f64();
+                    if let Some((acc, sums)) = out.handed {
+                        self.send_backward(&mut io, chunk, acc, sums);
+                    }
+                    if let Some(de) = out.embedding {
+                        if self.tied && self.layout.stages > 1 {
+                            io.post(self.rank_of(self.last_chunk()), TIED_TAG, &de);
+                        } else {
+                            model.embedding_backward(&mut grads[micro], &de, ids);
+                        }
+                    }
+                }
+            }
+        }
+        if self.tied && self.layout.stages > 1 && self.is_last() {
+            // The embedding output's gradient after the head's, as one process adds them.
+            for (m, (ids, _)) in micro_batches.iter().enumerate() {
+                let mut de = vec![0.0f32; ids.len() * d];
+                io.receive(self.rank_of(0), TIED_TAG, &mut de);
+                model.embedding_backward(&mut grads[m], &de, ids);
+            }
+        }
+        grads.resize_with(m_count, || crate::kernels::zeros(model.params.len()));
+        Ok((losses, grads))
+    }
+
+    /// The residual state before chunk `c`: the sources and partial sum (or hidden state) the
+    /// stage before sent, with the sources this rank kept from its chunk before (`kept`).
+    fn receive_forward(
+        &self,
+        io: &mut Io,
+        model: &Model,
+        c: usize,
+        kept: Option<&ChunkForward>,
+        d: usize,
+    ) -> Result<ResidualForward> {
+        let t = &self.transfers[c - 1];
+        let n = io.tokens * d;
+        let mut buf = vec![0.0f32; t.vectors() * n];
+        io.receive(self.rank_of(c - 1), forward_tag(c), &mut buf);
+        let mut parts = buf.chunks(n.max(1));
+        let k = self.bounds[c].start;
+        let cfg = &model.config;
+        let Some(b) = self.depth.block else {
+            let stream = parts.next().context("the hidden state")?;
+            return Ok(ResidualForward::resume(cfg, k, &[stream], None));
+        };
+        let sent: HashMap<usize, &[f32]> = t.sources.iter().map(|&s| (s, parts.next().unwrap())).collect();
+        let partial = t.partial.then(|| parts.next().unwrap());
+        let completed = (0..k / b + 1)
+            .map(|s| match sent.get(&s) {
+                Some(v) => Ok(*v),
+                None => match kept {
+                    Some(f) if s < f.residual.completed() => Ok(f.residual.source(s)),
+                    _ => bail!("chunk {c} lacks source {s}: neither sent nor kept"),
+                },
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ResidualForward::resume(cfg, k, &completed, partial))
+    }
+
+    /// Sends the input of chunk `c` from the state `f` after chunk `c - 1`.
+    fn send_forward(&self, io: &mut Io, f: &ChunkForward, c: usize) {
+        let t = &self.transfers[c - 1];
+        let r = &f.residual;
+        let mut buf: Vec<f32> = Vec::with_capacity(t.vectors() * r.source(0).len());
+        if t.hidden {
+            buf.extend_from_slice(r.source(0));
+        }
+        for &s in &t.sources {
+            buf.extend_from_slice(r.source(s));
+        }
+        if t.partial {
+            buf.extend_from_slice(r.partial().expect("a partial sum where the plan sends one"));
+        }
+        io.post(self.rank_of(c), forward_tag(c), &buf);
+    }
+
+    /// What the stage after sent back out of chunk `c`: the gradient of the hidden state or
+    /// partial sum, and the running sums of every source complete before chunk `c`.
+    fn receive_backward(&self, io: &mut Io, c: usize, d: usize) -> ChunkGradIn<'static> {
+        let t = &self.transfers[c - 1];
+        let (n, rows) = (io.tokens * d, io.tokens);
+        let mut buf = vec![0.0f32; t.backward_values(d) * rows];
+        io.receive(self.rank_of(c), backward_tag(c), &mut buf);
+        let (acc, mut rest) = if t.hidden || t.partial {
+            (buf[..n].to_vec(), &buf[n..])
+        } else {
+            (vec![0.0f32; n], &buf[..])
+        };
+        let mut sums = Vec::with_capacity(t.returned);
+        for _ in 0..t.returned {
+            let (a, r) = rest.split_at(n);
+            let (coef, r) = r.split_at(rows);
+            sums.push(SourceSums { acc: a.to_vec(), coef: coef.to_vec() });
+            rest = r;
+        }
+        ChunkGradIn::Sent { acc, sums }
+    }
+
+    /// Sends back out of chunk `c` what its backward pass handed on.
+    fn send_backward(&self, io: &mut Io, c: usize, acc: Vec<f32>, sums: Vec<SourceSums>) {
+        let t = &self.transfers[c - 1];
+        debug_assert_eq!(sums.len(), t.returned);
+        let mut buf: Vec<f32> = Vec::with_capacity(t.backward_values(1) * acc.len());
+        if t.hidden || t.partial {
+            buf.extend_from_slice(&acc);
+        }
+        for s in &sums {
+            buf.extend_from_slice(&s.acc);
+            buf.extend_from_slice(&s.coef);
+        }
+        io.post(self.rank_of(c - 1), backward_tag(c), &buf);
+    }
+}
+
+/// A rank's messages in a step, counted and timed.
+struct Io<'a> {
+    comm: &'a dyn Comm,
+    traffic: &'a mut StepTraffic,
+    /// Tokens of the micro-batch under way.
+    tokens: usize,
+}
+
+impl Io<'_> {
+    fn post(&mut self, to: usize, tag: u16, buf: &[f32]) {
+        let t = Instant::now();
+        self.comm.post_f32(to, tag, buf);
+        self.traffic.bytes += 4 * buf.len() as u64;
+        self.traffic.wait_seconds += t.elapsed().as_secs_f64();
+    }
+
+    fn receive(&mut self, from: usize, tag: u16, buf: &mut [f32]) {
+        let t = Instant::now();
+        self.comm.receive_posted_f32(from, tag, buf);
+        self.traffic.wait_seconds += t.elapsed().as_secs_f64();
+    }
+}
+
+/// The pipeline's part of [`Group`]: set once the run's settings are known.
+pub(super) fn stage_of(g: &Group, c: &Config, accumulation: usize) -> Result<Option<Stage>> {
+    let layout = g.layout;
+    if !layout.is_pipeline() {
+        return Ok(None);
+    }
+    let replicas = g.size() / layout.stages;
+    Stage::new(layout, c, accumulation / replicas, g.rank()).map(Some)
+}
