@@ -87,7 +87,12 @@ pub fn sum_in_order(comm: &dyn Comm, mine: &[Vec<f32>], n: usize) -> Vec<f32> {
 
 /// [`sum_in_order`] among some of the ranks (`ranks`, in the order of their micro-batches;
 /// every one of them calls this): the replicas of one pipeline stage.
-pub fn sum_in_order_among(comm: &dyn Comm, ranks: &[usize], mine: &[Vec<f32>], n: usize) -> Vec<f32> {
+pub fn sum_in_order_among(
+    comm: &dyn Comm,
+    ranks: &[usize],
+    mine: &[Vec<f32>],
+    n: usize,
+) -> Vec<f32> {
     let mut total = running_sum(comm, ranks, mine, n);
     let last = ranks[ranks.len() - 1];
     if comm.rank() == last {
@@ -293,7 +298,10 @@ impl Comm for Threads {
             match self.take(from) {
                 Message::Posted(t, v) if t == tag => return buf.copy_from_slice(&v),
                 Message::Posted(t, v) => early.push((t, v)),
-                _ => panic!("rank {from} sent another kind of message than rank {} expects", self.rank),
+                _ => panic!(
+                    "rank {from} sent another kind of message than rank {} expects",
+                    self.rank
+                ),
             }
         }
     }

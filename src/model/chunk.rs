@@ -122,7 +122,9 @@ impl Model {
                 phase("bwd residual", || ResidualBackward::new(r, dh, dh_dot_h, p, g, lay))
             }
             (ChunkGradIn::Sent { acc, sums }, None) => ResidualBackward::resume(r, acc, sums),
-            _ => anyhow::bail!("a chunk's backward starts from the loss exactly when it ends the model"),
+            _ => anyhow::bail!(
+                "a chunk's backward starts from the loss exactly when it ends the model"
+            ),
         };
         let mut scratch = Scratch::new(&self.config, sh);
         for (l, s) in fwd.range.clone().zip(&fwd.saved).rev() {

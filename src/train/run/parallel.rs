@@ -7,7 +7,9 @@
 //! there, and only the first failing rank prints its error (and exits with status 1).
 
 use super::pipeline::{Layout, Stage, StepTraffic};
-use super::{apply_gradients, backward_each, check_loss, Position, StepOutcome, Throughput, Trainer};
+use super::{
+    apply_gradients, backward_each, check_loss, Position, StepOutcome, Throughput, Trainer,
+};
 use super::{Model, Optimizer, Progress, TrainOptions};
 use crate::comm::{self, Comm};
 use crate::train::config::{RunConfig, TrainConfig};

@@ -55,7 +55,11 @@ impl Layout {
             ranks.is_multiple_of(self.stages),
             "--pp {} must divide the number of ranks ({ranks}): each pipeline takes --pp ranks{}",
             self.stages,
-            if ranks == 1 { "; start it under mpirun -np <a multiple of --pp> (docs/pipeline.md)" } else { "" }
+            if ranks == 1 {
+                "; start it under mpirun -np <a multiple of --pp> (docs/pipeline.md)"
+            } else {
+                ""
+            }
         );
         ensure!(
             self.stages > 1 || self.virtual_stages == 1,
@@ -123,7 +127,11 @@ impl Stage {
         let depth = Depth::of(c);
         let stage = rank % layout.stages;
         let ensure_tags = 3 * shape.chunks() + 3;
-        ensure!(ensure_tags < 32767, "--pp x --vpp = {} chunks is more than MPI's tags can name", shape.chunks());
+        ensure!(
+            ensure_tags < 32767,
+            "--pp x --vpp = {} chunks is more than MPI's tags can name",
+            shape.chunks()
+        );
         Ok(Stage {
             layout,
             shape,
@@ -192,7 +200,11 @@ impl Stage {
         traffic: &mut StepTraffic,
     ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
         let m_count = micro_batches.len();
-        ensure!(m_count == self.shape.micro_batches, "a pipeline step of {m_count} micro-batches, planned for {}", self.shape.micro_batches);
+        ensure!(
+            m_count == self.shape.micro_batches,
+            "a pipeline step of {m_count} micro-batches, planned for {}",
+            self.shape.micro_batches
+        );
         let d = model.config.hidden_size;
         let mut losses = vec![f32::NAN; m_count];
         let mut grads: Vec<Vec<f32>> = Vec::with_capacity(m_count);
@@ -208,15 +220,18 @@ impl Stage {
                         model.embed(ids, rows, seq)?
                     } else {
                         {
-                        // The sources this rank kept: those of its chunk before.
-                        let kept = chunk.checked_sub(self.layout.stages).and_then(|k| fwd.get(&(k, micro)));
-                        self.receive_forward(&mut io, model, chunk, kept, d)?
-                    }
+                            // The sources this rank kept: those of its chunk before.
+                            let kept = chunk
+                                .checked_sub(self.layout.stages)
+                                .and_then(|k| fwd.get(&(k, micro)));
+                            self.receive_forward(&mut io, model, chunk, kept, d)?
+                        }
                     };
                     let t = Instant::now();
                     let f = model.forward_chunk(self.bounds[chunk].clone(), res, rows, seq);
                     if chunk == self.last_chunk() {
-                        losses[micro] = model.chunk_loss(&f, targets).context("the last chunk has the head")?;
+                        losses[micro] =
+                            model.chunk_loss(&f, targets).context("the last chunk has the head")?;
                     }
                     io.traffic.compute_seconds += t.elapsed().as_secs_f64();
                     if chunk < self.last_chunk() {
@@ -227,7 +242,9 @@ impl Stage {
                 Op::Backward { chunk, micro } => {
                     let (ids, targets) = &micro_batches[micro];
                     io.tokens = ids.len();
-                    let f = fwd.remove(&(chunk, micro)).context("a backward pass before its forward")?;
+                    let f = fwd
+                        .remove(&(chunk, micro))
+                        .context("a backward pass before its forward")?;
                     let start = if chunk == self.last_chunk() {
                         ChunkGradIn::Loss(targets)
                     } else {
@@ -285,7 +302,8 @@ impl Stage {
             let stream = parts.next().context("the hidden state")?;
             return Ok(ResidualForward::resume(cfg, k, &[stream], None));
         };
-        let sent: HashMap<usize, &[f32]> = t.sources.iter().map(|&s| (s, parts.next().unwrap())).collect();
+        let sent: HashMap<usize, &[f32]> =
+            t.sources.iter().map(|&s| (s, parts.next().unwrap())).collect();
         let partial = t.partial.then(|| parts.next().unwrap());
         let completed = (0..k / b + 1)
             .map(|s| match sent.get(&s) {
@@ -385,4 +403,135 @@ pub(super) fn stage_of(g: &Group, c: &Config, accumulation: usize) -> Result<Opt
     }
     let replicas = g.size() / layout.stages;
     Stage::new(layout, c, accumulation / replicas, g.rank()).map(Some)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm;
+    use crate::kernels;
+    use crate::model::config::ResidualKind;
+
+    /// A small model: 3 layers (6 sublayers), so that chunks of 1 and 2 sublayers and blocks of
+    /// 2 and 3 cross each other.
+    fn model(residual: ResidualKind, num_blocks: usize, tied: bool) -> Model {
+        let c = Config {
+            vocab_size: 50,
+            hidden_size: 16,
+            intermediate_size: 24,
+            num_hidden_layers: 3,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 8,
+            max_position_embeddings: 16,
+            residual,
+            num_blocks,
+            tie_word_embeddings: tied,
+            ..Config::default()
+        };
+        let mut m = Model::init(c, 7).unwrap();
+        // Non-zero pseudo-queries, so that the depth attention's weights are not uniform.
+        let q = crate::testutil::rand_vec(m.params.len(), 3, 0.05);
+        m.params.iter_mut().zip(q).for_each(|(p, r)| *p += r);
+        m
+    }
+
+    fn micro_batches(count: usize, rows: usize, seq: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
+        (0..count)
+            .map(|m| {
+                let ids: Vec<u32> =
+                    (0..rows * seq + 1).map(|i| ((i * 7 + m * 13) % 50) as u32).collect();
+                (ids[..rows * seq].to_vec(), ids[1..].to_vec())
+            })
+            .collect()
+    }
+
+    /// Every micro-batch's loss and gradient as one process computes them.
+    fn alone(
+        model: &Model,
+        mbs: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+    ) -> (Vec<f32>, Vec<Vec<f32>>) {
+        mbs.iter()
+            .map(|(ids, t)| {
+                let f = model.forward(ids, rows, ids.len() / rows).unwrap();
+                model.backward(&f, t).unwrap()
+            })
+            .unzip()
+    }
+
+    /// One pipeline over threads: every micro-batch's loss (from the last stage), gradient (the
+    /// stages' disjoint parts added) and the bytes sent.
+    fn pipelined(
+        model: &Model,
+        layout: Layout,
+        mbs: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+    ) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
+        let p = layout.stages;
+        let out: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = comm::threads(p)
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let stage = Stage::new(layout, &model.config, mbs.len(), c.rank()).unwrap();
+                        let mut traffic = StepTraffic::default();
+                        let r = stage.run(&c, model, mbs, rows, &mut traffic).unwrap();
+                        (r, traffic.bytes)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let losses = out[p - 1].0 .0.clone();
+        let mut grads = vec![kernels::zeros(model.params.len()); mbs.len()];
+        for ((_, g), _) in &out {
+            for (total, part) in grads.iter_mut().zip(g) {
+                kernels::add_assign(total, part);
+            }
+        }
+        (losses, grads, out.iter().map(|o| o.1).sum())
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// Each micro-batch's loss and gradient from a pipeline equal one process's bit for bit,
+    /// for every residual, blocks that cross chunk boundaries or not, virtual stages, either
+    /// cache, a tied head or not; the bytes sent are the plan's.
+    #[test]
+    fn a_pipeline_computes_each_micro_batchs_gradient_bit_for_bit() {
+        use ResidualKind::*;
+        let (rows, seq) = (2, 8);
+        for (residual, blocks, tied, p, v) in [
+            (Standard, 1, true, 2, 1),
+            (Standard, 1, false, 3, 2),
+            (Full, 1, true, 2, 2),
+            (Full, 1, false, 3, 1),
+            (Block, 3, true, 2, 2), // blocks of 2, chunks of 1 or 2: some cross
+            (Block, 2, false, 2, 1), // blocks of 3, chunks of 3: aligned
+            (Block, 2, true, 2, 3), // blocks of 3, chunks of 1
+            (Block, 1, true, 3, 1), // one block over every chunk
+        ] {
+            let m = model(residual, blocks, tied);
+            let mbs = micro_batches(2 * p, rows, seq);
+            let (want_loss, want) = alone(&m, &mbs, rows);
+            for cache in [Cache::Kept, Cache::Off] {
+                let layout = Layout { stages: p, virtual_stages: v, cache };
+                let what =
+                    format!("{residual:?} blocks {blocks} tied {tied} P {p} V {v} {cache:?}");
+                let (loss, grads, bytes) = pipelined(&m, layout, &mbs, rows);
+                assert!(same_bits(&loss, &want_loss), "{what}: losses {loss:?} vs {want_loss:?}");
+                for (i, (g, w)) in grads.iter().zip(&want).enumerate() {
+                    assert!(same_bits(g, w), "{what}: micro-batch {i}'s gradient differs");
+                }
+                let planned: usize = (0..p)
+                    .map(|r| Stage::new(layout, &m.config, mbs.len(), r).unwrap())
+                    .map(|s| s.bytes_per_step(rows * seq, 16).0)
+                    .sum();
+                assert_eq!(bytes as usize, planned, "{what}: bytes sent");
+            }
+        }
+    }
 }
