@@ -1,7 +1,9 @@
-//! Data-parallel training under `mpirun` against the same run in one process: per-step metrics
-//! and final weights bit for bit (`--reduce exact`) for every residual mode and 2 and 4 ranks;
-//! a rank that dies ends the job, which resumes in one process or on another number of ranks;
-//! bad requests are one error line. Needs a binary built with `--features mpi` and `mpirun`
+//! Data- and pipeline-parallel training under `mpirun` against the same run in one process:
+//! per-step metrics and final weights bit for bit (`--reduce exact`) for every residual mode,
+//! 2 and 4 ranks, pipelines with and without virtual stages and blocks that do or do not line
+//! up with the stages, and both together; the bytes a pipeline sends are the plan's and the
+//! report's formulas; a rank that dies (or is killed mid-step) ends the job, which resumes in
+//! one process or on another layout; bad requests are one error line. Needs a binary built with `--features mpi` and `mpirun`
 //! (docs/distributed.md); elsewhere each test says "skipped" and passes. Without the feature,
 //! the binary refuses to run as one of several ranks.
 
@@ -156,6 +158,9 @@ fn metrics(run: &Path) -> Vec<serde_json::Value> {
             let m = v.as_object_mut().unwrap();
             m.remove("tokens_per_second");
             m.remove("elapsed_seconds");
+            // Pipeline traffic: checked on its own (one process sends nothing).
+            m.remove("pp_bytes_sent");
+            m.remove("pp_bytes_per_token");
             v
         })
         .collect()
@@ -226,6 +231,150 @@ fn ranks_train_bit_for_bit_what_one_process_trains() {
     assert_eq!(summary(&env.path("block-mpi"))["reduce"], "mpi");
 }
 
+/// Bytes of pipeline transfers every step of a run sent (all ranks together).
+fn pipeline_bytes(run: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["pp_bytes_sent"].as_u64().unwrap()
+        })
+        .collect()
+}
+
+/// What the plan says a step of the short runs sends: 256 tokens of hidden size 64 through
+/// pipelines of `p` stages and `v` virtual stages over the `tiny` preset's 8 sublayers, and the
+/// embedding output's gradient from the first stage to the last (the head is tied).
+fn planned_bytes(block: Option<usize>, p: usize, v: usize, replicas: usize, cache: &str) -> u64 {
+    use attnres::pipeline::{bytes_per_token, transfers, Cache, Depth, Shape};
+    let depth = Depth { sublayers: 8, block };
+    let shape = Shape { stages: p, virtual_stages: v, micro_batches: 4 / replicas };
+    let (f, b) = bytes_per_token(&transfers(&depth, &shape, Cache::parse(cache).unwrap()), 64);
+    ((f + b + 4 * 64) * 256) as u64
+}
+
+#[test]
+fn pipelines_train_bit_for_bit_what_one_process_trains() {
+    if !mpi_available("pipelines_train_bit_for_bit_what_one_process_trains") {
+        return;
+    }
+    let env = Env::new();
+    // (residual, num_blocks, ranks, P, V, cache). The tiny preset has 8 sublayers: with
+    // num_blocks 4 a block is 2 sublayers, with 2 it is 4, with 1 it is all 8.
+    let cases = [
+        ("standard", 4, 2, 2, 1, "on"),
+        ("full", 4, 2, 2, 2, "on"),
+        ("full", 4, 4, 4, 1, "off"),
+        // Blocks of 2, chunks of 4 or 2: block and stage boundaries line up.
+        ("block", 4, 2, 2, 1, "on"),
+        ("block", 4, 2, 2, 2, "on"),
+        ("block", 4, 2, 2, 2, "off"),
+        // Blocks of 8 over chunks of 4, blocks of 4 over chunks of 2: a block's partial sum
+        // crosses the stages.
+        ("block", 1, 2, 2, 1, "on"),
+        ("block", 2, 2, 2, 2, "on"),
+        // Two replicas of a pipeline of two stages.
+        ("block", 2, 4, 2, 2, "on"),
+        ("standard", 4, 4, 2, 1, "off"),
+    ];
+    for (residual, blocks, ranks, p, v, cache) in cases {
+        let sets = ["--set".to_string(), format!("num_blocks={blocks}")];
+        let alone = format!("{residual}-{blocks}");
+        if !env.path(&alone).exists() {
+            let args: Vec<&str> = sets.iter().map(String::as_str).collect();
+            env.train(0, &env.train_args(&alone, residual, &args));
+        }
+        let run = format!("{alone}-np{ranks}-pp{p}-vpp{v}-{cache}");
+        let (ps, vs) = (p.to_string(), v.to_string());
+        let mut extra: Vec<&str> = sets.iter().map(String::as_str).collect();
+        extra.extend(["--pp", &ps, "--vpp", &vs, "--pp-cache", cache]);
+        env.train(ranks, &env.train_args(&run, residual, &extra));
+        same_run(&env, &alone, &run);
+        assert_eq!(file_names(&env.path(&run)), file_names(&env.path(&alone)));
+        let s = summary(&env.path(&run));
+        assert_eq!((s["pp"].as_u64(), s["vpp"].as_u64()), (Some(p as u64), Some(v as u64)));
+        let block = match residual {
+            "standard" => None,
+            "full" => Some(1),
+            _ => Some(8 / blocks),
+        };
+        let want = planned_bytes(block, p, v, ranks / p, cache);
+        assert_eq!(pipeline_bytes(&env.path(&run)), vec![want; 8], "{run}: bytes per step");
+    }
+}
+
+/// The bytes a pipeline measures against the report's formulas: blocks aligned with chunks
+/// (one block of 2 sublayers per chunk of 2, P = 2, V = 2, so C = 4 and N_p = 1), the forward
+/// transfers of completed blocks are Eq. 7 without a cache, C(C-1)/2 = 6, and Eq. 8 with the
+/// cache of received blocks, P(P-1)/2 + (V-1)P^2 = 5; keeping one's own blocks saves (V-1)P = 2
+/// more. The formulas leave out the embedding (source 0), which goes into every chunk without
+/// a cache (3 times), to every rank that did not receive it before with the cache of received
+/// blocks (ranks 1 and 0: 2 times) and to every rank but its maker's with ours (once).
+/// Everything else sent (backward) is the same under every cache, so the measured differences
+/// are these differences, 256 tokens of 64 values of 4 bytes per vector.
+#[test]
+fn pipeline_bytes_follow_the_reports_formulas() {
+    if !mpi_available("pipeline_bytes_follow_the_reports_formulas") {
+        return;
+    }
+    let env = Env::new();
+    let mut per_step = Vec::new();
+    for cache in ["off", "received", "on"] {
+        let run = format!("block-{cache}");
+        let extra = ["--pp", "2", "--vpp", "2", "--pp-cache", cache];
+        env.train(2, &env.train_args(&run, "block", &extra));
+        per_step.push(pipeline_bytes(&env.path(&run))[0]);
+    }
+    let vector = 256 * 64 * 4;
+    let (eq7, eq8, kept) = (6, 5, 3);
+    let (e_off, e_received, e_kept) = (3, 2, 1);
+    assert_eq!(
+        per_step[0] - per_step[1],
+        (eq7 - eq8 + e_off - e_received) * vector,
+        "Eq. 7 - Eq. 8"
+    );
+    assert_eq!(
+        per_step[1] - per_step[2],
+        (eq8 - kept + e_received - e_kept) * vector,
+        "own blocks"
+    );
+}
+
+#[test]
+fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
+    if !mpi_available("a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes") {
+        return;
+    }
+    let env = Env::new();
+    env.train(0, &env.train_args("alone", "block", &[]));
+
+    // Rank 1 of a pipeline of 2 stages kills itself (SIGKILL) in step 6, while rank 0 waits
+    // for its messages: the job ends, promptly and with a failure that names the signal, after
+    // the checkpoint of step 3 and the metrics of step 5.
+    let mut c = env.cmd(2, &env.train_args("pp", "block", &["--pp", "2", "--vpp", "2"]));
+    c.env("ATTNRES_TEST_KILL_AT", "1:6").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let t = Instant::now();
+    let died = bounded(c.spawn().unwrap());
+    assert!(!died.status.success(), "the job went on without rank 1");
+    assert!(t.elapsed() < Duration::from_secs(60), "the job took {:?} to end", t.elapsed());
+    let err = String::from_utf8_lossy(&died.stderr);
+    assert!(err.contains("signal 9"), "{err}");
+    assert_eq!(metrics(&env.path("pp")).len(), 5);
+    // One process continues it from step 3 exactly.
+    env.train(0, &env.resume_args("pp"));
+    same_run(&env, "alone", "pp");
+
+    // A run in one process dies at step 5; two pipelines of two stages continue it.
+    let mut c = env.cmd(0, &env.train_args("one", "block", &[]));
+    c.env("ATTNRES_TEST_ABORT_AT", "0:5").stdout(Stdio::piped()).stderr(Stdio::piped());
+    assert!(!bounded(c.spawn().unwrap()).status.success());
+    assert_eq!(metrics(&env.path("one")).len(), 4);
+    let mut resume = env.resume_args("one");
+    resume.extend(["--pp", "2"].map(String::from));
+    env.train(4, &resume);
+    same_run(&env, "alone", "one");
+}
+
 #[test]
 fn a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks() {
     if !mpi_available("a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks") {
@@ -276,6 +425,24 @@ fn bad_requests_under_mpirun_get_one_error_line() {
     // Every rank has the same bad argument; rank 0 alone names it.
     let o = env.run(2, &env.train_args("r", "block", &["--reduce", "fast"]));
     fails_with_one_error(&o, "invalid value 'fast' for '--reduce");
+    // Pipelines that the ranks or the model cannot hold.
+    let o = env.run(2, &env.train_args("r", "block", &["--pp", "3"]));
+    fails_with_one_error(&o, "--pp 3 must divide the number of ranks (2)");
+    let o = env.run(2, &env.train_args("r", "block", &["--pp", "2", "--vpp", "8"]));
+    fails_with_one_error(&o, "16 chunks, but the model has only 8 sublayers");
+    let o = env.run(2, &env.train_args("r", "block", &["--vpp", "2"]));
+    fails_with_one_error(&o, "--vpp 2 needs --pp of at least 2");
+    let o = env.run(2, &env.train_args("r", "block", &["--pp", "2", "--set", "attn_res_heads=2"]));
+    fails_with_one_error(&o, "without the ablation options");
+}
+
+#[test]
+fn a_pipeline_needs_ranks() {
+    // In one process (any build): one error line, nothing written.
+    let env = Env::new();
+    let o = env.run(0, &env.train_args("r", "block", &["--pp", "2"]));
+    fails_with_one_error(&o, "--pp 2 must divide the number of ranks (1)");
+    assert!(!env.path("r").exists(), "nothing is written");
 }
 
 #[test]
