@@ -129,11 +129,20 @@ pub struct Transfer {
     pub partial: bool,
     /// Standard residual: the one hidden state.
     pub hidden: bool,
-    /// Backward: the sources whose gradient goes back, as running sums over the consumers of
-    /// the later chunks (`d + 1` values per token each, see `kernels::depth::SourceSums`):
-    /// every source complete before the chunk, cache or not, so that each source's gradient is
-    /// summed in one process's order (docs/pipeline.md, "Exactness").
-    pub returned: usize,
+    /// Sources complete before the chunk (AttnRes): the embedding and the blocks it reads.
+    pub before: usize,
+}
+
+/// How the gradients of the depth sources go back (docs/pipeline.md, "Exactness").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grads {
+    /// Every transition hands back the running sums of every source complete before it, so
+    /// each source's gradient is added in one process's order: bit-identical.
+    InOrder,
+    /// Each source's gradient goes back once along each transition that carried it forward,
+    /// and a rank adds the gradients of the sources it holds itself: the cache's saving
+    /// backward too, but the sums run in another order.
+    Once,
 }
 
 impl Transfer {
@@ -147,10 +156,19 @@ impl Transfer {
         self.vectors() * d
     }
 
+    /// The sources whose gradient goes back, as running sums over the consumers of the later
+    /// chunks (see `kernels::depth::SourceSums`).
+    pub fn returned(&self, grads: Grads) -> Vec<usize> {
+        match grads {
+            Grads::InOrder => (0..self.before).collect(),
+            Grads::Once => self.sources.clone(),
+        }
+    }
+
     /// Values sent back per token with hidden size `d`: the gradient of the hidden state or of
-    /// the partial sum, and the running sums of the returned sources.
-    pub fn backward_values(&self, d: usize) -> usize {
-        (self.partial as usize + self.hidden as usize) * d + self.returned * (d + 1)
+    /// the partial sum, and `d + 1` per returned source (its running sums).
+    pub fn backward_values(&self, d: usize, grads: Grads) -> usize {
+        (self.partial as usize + self.hidden as usize) * d + self.returned(grads).len() * (d + 1)
     }
 
     /// Completed blocks sent (neither the embedding nor a partial sum): the quantity of the
@@ -177,10 +195,10 @@ pub fn transfers(depth: &Depth, shape: &Shape, cache: Cache) -> Vec<Transfer> {
                 sources: Vec::new(),
                 partial: false,
                 hidden: depth.block.is_none(),
-                returned: 0,
+                before: 0,
             };
             if let Some(b) = depth.block {
-                t.returned = depth.complete_before(k, b).len();
+                t.before = depth.complete_before(k, b).len();
                 let have = &mut held[rank];
                 t.sources = depth
                     .complete_before(k, b)
@@ -223,9 +241,9 @@ pub fn traffic(transfers: &[Transfer]) -> Traffic {
 
 /// Bytes all ranks of one pipeline send per token of a micro-batch, forward and backward, with
 /// hidden size `d` (f32 values).
-pub fn bytes_per_token(transfers: &[Transfer], d: usize) -> (usize, usize) {
+pub fn bytes_per_token(transfers: &[Transfer], d: usize, grads: Grads) -> (usize, usize) {
     let f = transfers.iter().map(|t| t.forward_values(d)).sum::<usize>();
-    let b = transfers.iter().map(|t| t.backward_values(d)).sum::<usize>();
+    let b = transfers.iter().map(|t| t.backward_values(d, grads)).sum::<usize>();
     (4 * f, 4 * b)
 }
 
@@ -410,22 +428,24 @@ impl PlanText<'_> {
         }
 
         let (eq7, eq8) = report_formulas(depth, shape);
-        writeln!(o, "\ntraffic per token, forward (a vector is {vector_bytes} bytes; backward sends the gradient of a hidden state or partial sum, and d + 1 values per source complete before each chunk):")?;
+        writeln!(o, "\ntraffic per token (a vector is {vector_bytes} bytes); backward sends the gradient of the hidden state or partial sum and d + 1 values per source returned: with --reduce exact every source complete before the chunk, with --reduce mpi those the transition carried forward:")?;
         writeln!(
             o,
-            "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>14} {:>18}",
+            "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>14} {:>14} {:>18}",
             "cache",
             "blocks",
             "report formula",
             "vectors",
             "peak",
-            "bytes/token",
-            "back/token",
-            "bytes/step (f+b)"
+            "forward",
+            "back, exact",
+            "back, mpi",
+            "bytes/step exact"
         )?;
         for cache in [Cache::Off, Cache::Received, Cache::Kept] {
             let ts = transfers(depth, shape, cache);
-            let (fwd, back) = bytes_per_token(&ts, self.hidden_size);
+            let (fwd, back) = bytes_per_token(&ts, self.hidden_size, Grads::InOrder);
+            let (_, once) = bytes_per_token(&ts, self.hidden_size, Grads::Once);
             let t = traffic(&ts);
             let formula = match cache {
                 Cache::Off => format!("Eq. 7: {eq7:.1}"),
@@ -435,7 +455,7 @@ impl PlanText<'_> {
             let bytes = crate::model::config::format_bytes;
             writeln!(
                 o,
-                "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>14} {:>18}",
+                "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>14} {:>14} {:>18}",
                 cache.name(),
                 t.blocks,
                 formula,
@@ -443,6 +463,7 @@ impl PlanText<'_> {
                 t.peak,
                 bytes(fwd as u128),
                 bytes(back as u128),
+                bytes(once as u128),
                 bytes(((fwd + back) as f64 * step_tokens) as u128)
             )?;
         }

@@ -245,11 +245,21 @@ fn pipeline_bytes(run: &Path) -> Vec<u64> {
 /// What the plan says a step of the short runs sends: 256 tokens of hidden size 64 through
 /// pipelines of `p` stages and `v` virtual stages over the `tiny` preset's 8 sublayers, and the
 /// embedding output's gradient from the first stage to the last (the head is tied).
-fn planned_bytes(block: Option<usize>, p: usize, v: usize, replicas: usize, cache: &str) -> u64 {
-    use attnres::pipeline::{bytes_per_token, transfers, Cache, Depth, Shape};
+/// `once`: each source's gradient goes back once (`--reduce mpi`).
+fn planned_bytes(
+    block: Option<usize>,
+    p: usize,
+    v: usize,
+    replicas: usize,
+    cache: &str,
+    once: bool,
+) -> u64 {
+    use attnres::pipeline::{bytes_per_token, transfers, Cache, Depth, Grads, Shape};
     let depth = Depth { sublayers: 8, block };
     let shape = Shape { stages: p, virtual_stages: v, micro_batches: 4 / replicas };
-    let (f, b) = bytes_per_token(&transfers(&depth, &shape, Cache::parse(cache).unwrap()), 64);
+    let ts = transfers(&depth, &shape, Cache::parse(cache).unwrap());
+    let grads = if once { Grads::Once } else { Grads::InOrder };
+    let (f, b) = bytes_per_token(&ts, 64, grads);
     ((f + b + 4 * 64) * 256) as u64
 }
 
@@ -298,7 +308,7 @@ fn pipelines_train_bit_for_bit_what_one_process_trains() {
             "full" => Some(1),
             _ => Some(8 / blocks),
         };
-        let want = planned_bytes(block, p, v, ranks / p, cache);
+        let want = planned_bytes(block, p, v, ranks / p, cache, false);
         assert_eq!(pipeline_bytes(&env.path(&run)), vec![want; 8], "{run}: bytes per step");
     }
 }
@@ -338,6 +348,23 @@ fn pipeline_bytes_follow_the_reports_formulas() {
         (eq8 - kept + e_received - e_kept) * vector,
         "own blocks"
     );
+
+    // With --reduce mpi each cached source's gradient goes back once: fewer bytes, as planned,
+    // and a run that agrees closely (the same first loss; sums in another order after).
+    let extra = ["--pp", "2", "--vpp", "2", "--reduce", "mpi"];
+    env.train(2, &env.train_args("block-once", "block", &extra));
+    let once = pipeline_bytes(&env.path("block-once"));
+    assert_eq!(once[0], planned_bytes(Some(2), 2, 2, 1, "on", true));
+    assert!(
+        once[0] < per_step[2],
+        "{} bytes returning gradients once, {} in order",
+        once[0],
+        per_step[2]
+    );
+    let (want, got) = (metrics(&env.path("block-on")), metrics(&env.path("block-once")));
+    assert_eq!(want[0]["train_loss"], got[0]["train_loss"]);
+    let (a, b) = (want[7]["val_loss"].as_f64().unwrap(), got[7]["val_loss"].as_f64().unwrap());
+    assert!((a - b).abs() < 1e-3, "validation loss {b} returning gradients once, {a} in order");
 }
 
 #[test]

@@ -592,6 +592,10 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
         stages: a.pp,
         virtual_stages: a.vpp,
         cache: attnres::pipeline::Cache::parse(&a.pp_cache)?,
+        grads: match reduce {
+            Reduce::Exact => attnres::pipeline::Grads::InOrder,
+            Reduce::Mpi => attnres::pipeline::Grads::Once,
+        },
     };
     match ranks {
         None => {

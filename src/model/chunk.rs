@@ -43,7 +43,7 @@ pub enum ChunkGradIn<'a> {
     /// The last chunk: from the loss against these targets.
     Loss(&'a [u32]),
     /// From what the stage after handed back ([`ResidualBackward::resume`]).
-    Sent { acc: Vec<f32>, sums: Vec<SourceSums> },
+    Sent { acc: Vec<f32>, sums: Vec<Option<SourceSums>> },
 }
 
 /// What a chunk's backward pass yields besides the parameter gradients.

@@ -301,6 +301,14 @@ pub struct SourceSums {
     pub coef: Vec<f32>,
 }
 
+impl SourceSums {
+    /// Adds sums over other consumers (taken apart, so in another order than one pass).
+    pub fn add(&mut self, other: &SourceSums) {
+        super::add_assign(&mut self.acc, &other.acc);
+        super::add_assign(&mut self.coef, &other.coef);
+    }
+}
+
 /// Backward into one completed source `v` (with per-token 1/rms `rstd`), taken at once for
 /// every consumer that read it, where it sat at column `col` of their weights: returns the
 /// source's whole gradient and accumulates into each consumer's effective-query gradient

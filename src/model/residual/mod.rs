@@ -296,13 +296,13 @@ impl ResidualBackward {
     /// Starts the backward pass of a pipeline stage at the end of its chunk from what the stage
     /// after sent: `acc`, the gradient of the stream (standard) or of the partial sum the next
     /// chunk read (AttnRes; zeros when it read none), and `from[n]`, the sums of source `n`'s
-    /// gradient over the consumers of the later stages.
-    pub fn resume(fwd: &ResidualForward, acc: Vec<f32>, from: Vec<SourceSums>) -> Self {
+    /// gradient over the consumers of the later stages (none: no consumer there).
+    pub fn resume(fwd: &ResidualForward, acc: Vec<f32>, from: Vec<Option<SourceSums>>) -> Self {
         let grads = match &fwd.state {
             State::Standard { .. } => Grads::Standard,
             State::Depth { .. } => {
                 let mut pending = PendingGrads::default();
-                pending.from = from.into_iter().map(Some).collect();
+                pending.from = from;
                 Grads::TwoPhase(pending)
             }
         };
