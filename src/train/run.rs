@@ -465,7 +465,8 @@ impl<'g> Trainer<'g> {
     }
 
     /// Final validation, diagnostics and `summary.json`; returns the final validation loss.
-    fn finish(mut self) -> Result<f64> {
+    /// `timings`: of the ranks, when there are several ([`Group::timings`]).
+    fn finish(mut self, timings: Option<(Vec<String>, Value)>) -> Result<f64> {
         if self.last_val.is_nan() {
             self.last_val = self.validate()?.0;
         }
@@ -496,6 +497,9 @@ impl<'g> Trainer<'g> {
             "code_version": CodeVersion::current(), "trained_by": self.code_versions,
             "ranks": self.group.map_or(1, |g| g.size()),
         });
+        if let Some((_, t)) = &timings {
+            summary["rank_seconds"] = t.clone();
+        }
         if let Some(g) = self.group {
             summary["reduce"] = json!(g.reduce.name());
             if g.layout.is_pipeline() {
@@ -509,8 +513,8 @@ impl<'g> Trainer<'g> {
             &out.join("summary.json"),
             serde_json::to_string_pretty(&summary)?.as_bytes(),
         )?;
-        if let Some(g) = self.group {
-            self.progress.say(g.timing());
+        for line in timings.iter().flat_map(|t| &t.0) {
+            self.progress.say(line.clone());
         }
         self.progress.say(format!(
             "done: step {}, validation loss {last_val:.4} ({val_bpb:.4} bits/byte; a unigram model of the training tokens: {unigram:.4} bits/byte); model in {}",

@@ -19,6 +19,7 @@ use crate::train::tokens::{Tokens, WindowOrder};
 use anyhow::{bail, ensure, Context, Result};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 use std::cell::{Cell, RefCell};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -122,25 +123,43 @@ impl<'c> Group<'c> {
         self.rank() == 0
     }
 
-    /// How long this session's steps took on this rank, and how much of it went into adding
-    /// gradients over the ranks (waiting for the others included).
-    pub fn timing(&self) -> String {
-        let (step, reduce) = (self.step_seconds.get(), self.reduce_seconds.get());
-        let mut s = format!(
-            "this session's steps took {step:.2} s on rank {}, {reduce:.2} s ({:.1}%) of them adding gradients over the ranks (--reduce {})",
-            self.rank(),
-            100.0 * reduce / step.max(1e-9),
-            self.reduce.name()
-        );
-        if self.layout.is_pipeline() {
-            let (compute, wait) = self.pipe_seconds.get();
-            s += &format!(
-                "; {compute:.2} s ({:.1}%) computing chunks, {wait:.2} s ({:.1}%) waiting for or posting pipeline messages",
-                100.0 * compute / step.max(1e-9),
-                100.0 * wait / step.max(1e-9)
+    /// How long this session's steps took on every rank, and how much of it went into adding
+    /// gradients over the ranks (waiting for the others included) and, in a pipeline, into
+    /// computing chunks and into waiting for (or posting) messages: the log's lines and the
+    /// figures for `summary.json`. Every rank calls this; rank 0 uses the result.
+    fn timings(&self) -> (Vec<String>, Value) {
+        let (compute, wait) = self.pipe_seconds.get();
+        let mine = [
+            self.step_seconds.get() as f32,
+            self.reduce_seconds.get() as f32,
+            compute as f32,
+            wait as f32,
+        ];
+        let all = self.comm.all_gather_f32(&mine);
+        let pct = |x: f32, of: f32| 100.0 * x / of.max(1e-9);
+        let mut lines = Vec::new();
+        let mut json = Vec::new();
+        for (r, t) in all.chunks(4).enumerate() {
+            let [step, reduce, compute, wait] = [t[0], t[1], t[2], t[3]];
+            let mut line = format!(
+                "rank {r}: this session's steps took {step:.2} s, {reduce:.2} s ({:.1}%) of them adding gradients over the ranks (--reduce {})",
+                pct(reduce, step),
+                self.reduce.name()
             );
+            let mut j = json!({"rank": r, "step_seconds": step, "reduce_seconds": reduce});
+            if self.layout.is_pipeline() {
+                line += &format!(
+                    ", {compute:.2} s ({:.1}%) computing chunks, {wait:.2} s ({:.1}%) waiting for or posting pipeline messages",
+                    pct(compute, step),
+                    pct(wait, step)
+                );
+                j["compute_seconds"] = json!(compute);
+                j["wait_seconds"] = json!(wait);
+            }
+            lines.push(line);
+            json.push(j);
         }
-        s
+        (lines, Value::Array(json))
     }
 
     /// Whether every rank knows of the failure that ended training here. When it does not (a
@@ -500,8 +519,9 @@ impl<'g> Trainer<'g> {
 
     /// [`Trainer::finish`] on rank 0, agreed on by every rank.
     pub(super) fn lead_finish(self) -> Result<f64> {
-        let Some(g) = self.group else { return self.finish() };
-        let done = if g.leads() { self.finish() } else { Ok(f64::NAN) };
+        let Some(g) = self.group else { return self.finish(None) };
+        let timings = g.timings();
+        let done = if g.leads() { self.finish(Some(timings)) } else { Ok(f64::NAN) };
         g.agree(done, None)
     }
 }
