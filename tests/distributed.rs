@@ -378,12 +378,8 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     // Rank 1 of a pipeline of 2 stages kills itself (SIGKILL) in step 6, while rank 0 waits
     // for its messages: the job ends, promptly and with a failure that names the signal, after
     // the checkpoint of step 3 and the metrics of step 5.
-    let mut c = env.cmd(2, &env.train_args("pp", "block", &["--pp", "2", "--vpp", "2"]));
-    c.env("ATTNRES_TEST_KILL_AT", "1:6").stdout(Stdio::piped()).stderr(Stdio::piped());
-    let t = Instant::now();
-    let died = bounded(c.spawn().unwrap());
-    assert!(!died.status.success(), "the job went on without rank 1");
-    assert!(t.elapsed() < Duration::from_secs(60), "the job took {:?} to end", t.elapsed());
+    let args = env.train_args("pp", "block", &["--pp", "2", "--vpp", "2"]);
+    let died = dies(&env, 2, &args, "ATTNRES_TEST_KILL_AT", "1:6");
     let err = String::from_utf8_lossy(&died.stderr);
     assert!(err.contains("signal 9"), "{err}");
     assert_eq!(metrics(&env.path("pp")).len(), 5);
@@ -391,15 +387,31 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     env.train(0, &env.resume_args("pp"));
     same_run(&env, "alone", "pp");
 
-    // A run in one process dies at step 5; two pipelines of two stages continue it.
-    let mut c = env.cmd(0, &env.train_args("one", "block", &[]));
-    c.env("ATTNRES_TEST_ABORT_AT", "0:5").stdout(Stdio::piped()).stderr(Stdio::piped());
-    assert!(!bounded(c.spawn().unwrap()).status.success());
+    // A run in one process dies; two pipelines of two stages continue it.
+    one_process_dies_and_ranks_resume(&env, 4, &["--pp", "2"]);
+}
+
+/// Runs `args` on `ranks` ranks with the test hook `var=value`, which ends the job: asserts
+/// that the job fails within a minute, and returns its output.
+fn dies(env: &Env, ranks: usize, args: &[String], var: &str, value: &str) -> Output {
+    let mut c = env.cmd(ranks, args);
+    c.env(var, value).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let t = Instant::now();
+    let died = bounded(c.spawn().unwrap());
+    assert!(!died.status.success(), "the job went on without the dead rank");
+    assert!(t.elapsed() < Duration::from_secs(60), "the job took {:?} to end", t.elapsed());
+    died
+}
+
+/// A run in one process dies at step 5, after the checkpoint of step 3; `ranks` ranks with
+/// `extra` options continue it exactly to the result of the run "alone".
+fn one_process_dies_and_ranks_resume(env: &Env, ranks: usize, extra: &[&str]) {
+    dies(env, 0, &env.train_args("one", "block", &[]), "ATTNRES_TEST_ABORT_AT", "0:5");
     assert_eq!(metrics(&env.path("one")).len(), 4);
     let mut resume = env.resume_args("one");
-    resume.extend(["--pp", "2"].map(String::from));
-    env.train(4, &resume);
-    same_run(&env, "alone", "one");
+    resume.extend(extra.iter().map(|s| s.to_string()));
+    env.train(ranks, &resume);
+    same_run(env, "alone", "one");
 }
 
 #[test]
@@ -412,24 +424,14 @@ fn a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks() {
 
     // Rank 1 of 2 dies as it starts step 6: the whole job ends, promptly and with a failure,
     // after the checkpoint of step 3 and the metrics of step 5.
-    let mut c = env.cmd(2, &env.train_args("two", "block", &[]));
-    c.env("ATTNRES_TEST_ABORT_AT", "1:6").stdout(Stdio::piped()).stderr(Stdio::piped());
-    let t = Instant::now();
-    let died = bounded(c.spawn().unwrap());
-    assert!(!died.status.success(), "the job went on without rank 1");
-    assert!(t.elapsed() < Duration::from_secs(60), "the job took {:?} to end", t.elapsed());
+    dies(&env, 2, &env.train_args("two", "block", &[]), "ATTNRES_TEST_ABORT_AT", "1:6");
     assert_eq!(metrics(&env.path("two")).len(), 5);
     // One process continues it from step 3 exactly.
     env.train(0, &env.resume_args("two"));
     same_run(&env, "alone", "two");
 
-    // The other way round: a run in one process dies at step 5 and 4 ranks continue it.
-    let mut c = env.cmd(0, &env.train_args("one", "block", &[]));
-    c.env("ATTNRES_TEST_ABORT_AT", "0:5").stdout(Stdio::piped()).stderr(Stdio::piped());
-    assert!(!bounded(c.spawn().unwrap()).status.success());
-    assert_eq!(metrics(&env.path("one")).len(), 4);
-    env.train(4, &env.resume_args("one"));
-    same_run(&env, "alone", "one");
+    // The other way round: a run in one process dies and 4 ranks continue it.
+    one_process_dies_and_ranks_resume(&env, 4, &[]);
 }
 
 #[test]

@@ -145,6 +145,9 @@ enum Message {
     Posted(u16, Vec<f32>),
 }
 
+/// A posted message: its tag and values.
+type Posted = (u16, Vec<f32>);
+
 /// One rank of a job whose ranks are threads of one process, connected by channels: what runs
 /// over ranks can be tested without MPI. Made by [`threads`].
 pub struct Threads {
@@ -154,7 +157,7 @@ pub struct Threads {
     /// `from[r]` receives from rank r.
     from: Vec<Receiver<Message>>,
     /// Posted messages from rank r that arrived before they were asked for.
-    early: Vec<std::cell::RefCell<Vec<(u16, Vec<f32>)>>>,
+    early: Vec<std::cell::RefCell<Vec<Posted>>>,
 }
 
 /// The `size` ranks of a job of threads; hand rank r to the r-th thread.

@@ -406,7 +406,7 @@ impl Model {
         let c = &self.config;
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let n = s.h.len() / d;
-        let (p, lay, lp) = (&self.params, &self.layout, &self.layout.layers[l / 2]);
+        let (p, lp) = (&self.params, &self.layout.layers[l / 2]);
         let dout = phase("bwd residual", || res.output_grad(l, fwd));
         phase("bwd linear", || {
             linear_backward(
@@ -435,20 +435,7 @@ impl Model {
                 false,
             );
         });
-        let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token(c, n));
-        phase("bwd rmsnorm", || {
-            rmsnorm::backward(
-                &mut dh,
-                &mut g[lp.post_norm.clone()],
-                &sc.dxn,
-                &s.h,
-                &p[lp.post_norm.clone()],
-                &s.rstd,
-                d,
-                non_empty(&mut dh_dot_h),
-            )
-        });
-        phase("bwd residual", || res.input_grad(l, dh, dh_dot_h, fwd, p, g, lay));
+        self.norm_backward(l, lp.post_norm.clone(), &s.h, &s.rstd, res, fwd, sc, g);
     }
 
     /// Backward of attention sublayer `l`, as [`Self::mlp_backward`].
@@ -466,7 +453,7 @@ impl Model {
         let c = &self.config;
         let d = c.hidden_size;
         let (n, qw, ow) = (sh.batch * sh.seq, sh.qkv_width(), sh.out_width());
-        let (p, lay, lp) = (&self.params, &self.layout, &self.layout.layers[l / 2]);
+        let (p, lp) = (&self.params, &self.layout.layers[l / 2]);
         let dout = phase("bwd residual", || res.output_grad(l, fwd));
         phase("bwd linear", || {
             linear_backward(
@@ -506,15 +493,36 @@ impl Model {
                 false,
             );
         });
+        self.norm_backward(l, lp.input_norm.clone(), &s.h, &s.rstd, res, fwd, sc, g);
+    }
+}
+
+impl Model {
+    /// The input norm of sublayer `l` (its gain `norm`, input `h`, 1/rms `rstd`) backward from
+    /// the gradient in `sc.dxn`, into the residual gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        &self,
+        l: usize,
+        norm: std::ops::Range<usize>,
+        h: &[f32],
+        rstd: &[f32],
+        res: &mut ResidualBackward,
+        fwd: &ResidualForward,
+        sc: &mut Scratch,
+        g: &mut [f32],
+    ) {
+        let (c, p, lay) = (&self.config, &self.params, &self.layout);
+        let (d, n) = (c.hidden_size, rstd.len());
         let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token(c, n));
         phase("bwd rmsnorm", || {
             rmsnorm::backward(
                 &mut dh,
-                &mut g[lp.input_norm.clone()],
+                &mut g[norm.clone()],
                 &sc.dxn,
-                &s.h,
-                &p[lp.input_norm.clone()],
-                &s.rstd,
+                h,
+                &p[norm],
+                rstd,
                 d,
                 non_empty(&mut dh_dot_h),
             )

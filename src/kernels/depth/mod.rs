@@ -311,46 +311,17 @@ impl SourceSums {
 
 /// Backward into one completed source `v` (with per-token 1/rms `rstd`), taken at once for
 /// every consumer that read it, where it sat at column `col` of their weights: returns the
-/// source's whole gradient and accumulates into each consumer's effective-query gradient
+/// source's whole gradient (in `acc`) and accumulates into each consumer's effective-query gradient
 /// `dws[c]`. Taking a source's gradient once, when the backward pass reaches it, reads the
 /// source once and writes its gradient once, instead of updating it after every block.
 ///
 /// `from`: the sums over consumers taken earlier (by later pipeline stages), to continue.
 /// `pass`: how many consumers the whole model's pass takes here, which sets the split of the
 /// rows into tasks, so that each `dws[c]` is the same whichever consumers come along.
+/// `finish`: the gradient in `acc` (and no `coef`); else the running sums, for the stage
+/// before.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_source(
-    dws: &mut [&mut [f32]],
-    consumers: &[ConsumerGrad],
-    col: usize,
-    v: &[f32],
-    rstd: &[f32],
-    d: usize,
-    pass: usize,
-    from: Option<&SourceSums>,
-) -> Vec<f32> {
-    source_sums(dws, consumers, col, v, rstd, d, pass, from, true).acc
-}
-
-/// [`backward_source`] without the last step: the running sums, for the stage before.
-#[allow(clippy::too_many_arguments)]
-pub fn backward_source_sums(
-    dws: &mut [&mut [f32]],
-    consumers: &[ConsumerGrad],
-    col: usize,
-    v: &[f32],
-    rstd: &[f32],
-    d: usize,
-    pass: usize,
-    from: Option<&SourceSums>,
-) -> SourceSums {
-    source_sums(dws, consumers, col, v, rstd, d, pass, from, false)
-}
-
-/// The sums of [`SourceSums`] continued over `consumers`; `finish`: the gradient in `acc`
-/// instead (and no `coef`).
-#[allow(clippy::too_many_arguments)]
-fn source_sums(
     dws: &mut [&mut [f32]],
     consumers: &[ConsumerGrad],
     col: usize,
@@ -571,7 +542,7 @@ mod tests {
         let got_src: Vec<Vec<f32>> = (0..c)
             .map(|i| {
                 let mut dw: Vec<&mut [f32]> = dws.iter_mut().map(|x| x.as_mut_slice()).collect();
-                backward_source(&mut dw, &grads, i, &cs.srcs[i], &cs.rs[i], d, s, None)
+                backward_source(&mut dw, &grads, i, &cs.srcs[i], &cs.rs[i], d, s, None, true).acc
             })
             .collect();
         for i in 0..c {

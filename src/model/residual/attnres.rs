@@ -407,12 +407,7 @@ impl PendingGrads {
         // The whole model's pass over block n takes every consumer after it and the output.
         let pass = src.sublayers - n * src.block_size + 1;
         let (v, r) = (blocks.get(n), blocks.rstd(n));
-        if finish {
-            let dv = depth::backward_source(&mut dws, &consumers, n, v, r, d, pass, from.as_ref());
-            SourceSums { acc: dv, coef: Vec::new() }
-        } else {
-            depth::backward_source_sums(&mut dws, &consumers, n, v, r, d, pass, from.as_ref())
-        }
+        depth::backward_source(&mut dws, &consumers, n, v, r, d, pass, from.as_ref(), finish)
     }
 
     /// Adds the query gradients of the consumers owed into `grads`, once every source they read

@@ -215,8 +215,9 @@ impl<'c> Group<'c> {
         local
     }
 
-    /// One optimiser step over the ranks: this rank's micro-batches forward and backward, the
-    /// gradients of all of them added over the ranks, then the same update on every rank.
+    /// One optimiser step over the ranks: this rank's micro-batches forward and backward (on
+    /// its pipeline stage, if any), the gradients of all of them added over the ranks, then the
+    /// same update on every rank.
     pub(super) fn optimizer_step(
         &self,
         model: &mut Model,
@@ -226,15 +227,41 @@ impl<'c> Group<'c> {
         lr: f64,
         step: usize,
     ) -> Result<StepOutcome> {
-        if self.stage.borrow().is_some() {
-            return self.pipeline_step(model, opt, micro_batches, rows, lr, step);
-        }
         let t_step = Instant::now();
+        let (losses, grads, bytes) = match self.stage.borrow().as_ref() {
+            None => {
+                let (losses, grads) =
+                    self.data_parallel_grads(model, opt, micro_batches, rows, step)?;
+                (losses, grads, None)
+            }
+            Some(stage) => {
+                let (losses, grads, bytes) =
+                    self.pipeline_grads(stage, model, opt, micro_batches, rows, step)?;
+                (losses, grads, Some(bytes))
+            }
+        };
+        let done = apply_gradients(model, opt, grads, &losses, lr, step).map(|mut o| {
+            o.pipeline_bytes = bytes;
+            o
+        });
+        self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
+        self.agree(done, None)
+    }
+
+    /// Every micro-batch's loss, in the order of one process, and the sum of their gradients:
+    /// this rank's share computed here, the rest by the other ranks.
+    fn data_parallel_grads(
+        &self,
+        model: &Model,
+        opt: &Optimizer,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+        step: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         let n = model.params.len();
         let mut mine = Vec::with_capacity(micro_batches.len());
         let local = backward_each(model, &opt.config, micro_batches, rows, step, |g| mine.push(g));
         let losses = self.agree(local, None)?;
-        // Every micro-batch's loss, in the order of one process.
         let losses = self.comm.all_gather_f32(&losses);
         let t = Instant::now();
         let grads = match self.reduce {
@@ -242,37 +269,30 @@ impl<'c> Group<'c> {
             Reduce::Mpi => comm::sum_all_reduce(self.comm, &mine, n),
         };
         self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
-        drop(mine);
-        let done = apply_gradients(model, opt, grads, &losses, lr, step);
-        self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
-        self.agree(done, None)
+        Ok((losses, grads))
     }
-}
 
-impl Group<'_> {
-    /// [`Group::optimizer_step`] over pipelines: this rank's passes over its replica's
+    /// [`Self::data_parallel_grads`] over pipelines: this rank's passes over its replica's
     /// micro-batches, then the losses gathered from the last stages and the gradients added,
     /// first over the replicas of each stage (in one process's order, or by MPI's all-reduce),
-    /// then over the stages, which hold disjoint parameters (adding zeros: exact).
-    fn pipeline_step(
+    /// then over the stages, which hold disjoint parameters (adding zeros: exact). Also the
+    /// bytes every rank sent between stages.
+    fn pipeline_grads(
         &self,
-        model: &mut Model,
-        opt: &mut Optimizer,
+        stage: &Stage,
+        model: &Model,
+        opt: &Optimizer,
         micro_batches: &[(Vec<u32>, Vec<u32>)],
         rows: usize,
-        lr: f64,
         step: usize,
-    ) -> Result<StepOutcome> {
-        let t_step = Instant::now();
+    ) -> Result<(Vec<f32>, Vec<f32>, u64)> {
         let n = model.params.len();
         let mut traffic = StepTraffic::default();
-        let stage = self.stage.borrow();
-        let stage = stage.as_ref().expect("a pipeline stage");
         fault_point_kill(self.rank(), step + 1);
-        let local = stage.run(self.comm, model, micro_batches, rows, &mut traffic);
-        let (losses, mine) = self.agree(local, None)?;
-        // Every micro-batch's loss, in the order of one process: the last stages' in replica
-        // order.
+        // Nothing in the passes fails but a bug, and the other ranks may be waiting for this
+        // one's messages: such an error is not agreed on, so the job ends through MPI_Abort.
+        let (losses, mine) = stage.run(self.comm, model, micro_batches, rows, &mut traffic)?;
+        // The last stages' losses, in replica order.
         let all = self.comm.all_gather_f32(&losses);
         let (p, m) = (self.layout.stages, losses.len());
         let losses: Vec<f32> = (0..self.replicas())
@@ -295,16 +315,10 @@ impl Group<'_> {
             Reduce::Mpi => comm::sum_all_reduce(self.comm, &mine, n),
         };
         self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
-        drop(mine);
         let bytes = self.comm.all_gather_u64(&[traffic.bytes]).iter().sum();
         let (c, w) = self.pipe_seconds.get();
         self.pipe_seconds.set((c + traffic.compute_seconds, w + traffic.wait_seconds));
-        let done = apply_gradients(model, opt, grads, &losses, lr, step).map(|mut o| {
-            o.pipeline_bytes = Some(bytes);
-            o
-        });
-        self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
-        self.agree(done, None)
+        Ok((losses, grads, bytes))
     }
 }
 
@@ -407,6 +421,10 @@ impl<'g> Trainer<'g> {
         if let Some(stage) = g.stage.borrow().as_ref() {
             let (bytes, messages) =
                 stage.bytes_per_step(tc.micro_batch * tc.seq_len, t.model.config.hidden_size);
+            // MPI's buffer for posted messages is sized by a C int.
+            let fits = bytes + messages * 1024 < (i32::MAX as usize) / 2;
+            let why = format!("a pipeline rank posts {bytes} bytes of messages per step, more than MPI can buffer (1 GB): use fewer or shorter micro-batches per step");
+            g.agree(if fits { Ok(()) } else { Err(anyhow::anyhow!(why)) }, None)?;
             g.comm.reserve_posts(bytes, messages);
         }
         if g.leads() && g.layout.is_pipeline() {

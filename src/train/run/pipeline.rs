@@ -87,7 +87,7 @@ impl Layout {
 }
 
 /// Message tags: the forward input of chunk `c`, the gradient coming back out of chunk `c`,
-/// and the embedding output's gradient for a tied head.
+/// and the embedding output's gradient for a tied head (3, which neither of the others is).
 fn forward_tag(c: usize) -> u16 {
     (3 * c + 1) as u16
 }
@@ -99,7 +99,7 @@ const TIED_TAG: u16 = 3;
 /// What the ranks of one pipeline measured in a step.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StepTraffic {
-    /// Bytes every rank of the job sent in pipeline transfers.
+    /// Bytes this rank sent in pipeline transfers.
     pub bytes: u64,
     /// On this rank: seconds computing chunks, and waiting for (and copying) messages.
     pub compute_seconds: f64,
@@ -129,9 +129,9 @@ impl Stage {
         let shape = layout.shape(micro_batches);
         let depth = Depth::of(c);
         let stage = rank % layout.stages;
-        let ensure_tags = 3 * shape.chunks() + 3;
+        // MPI guarantees tags up to 32767.
         ensure!(
-            ensure_tags < 32767,
+            3 * shape.chunks() + 3 < 32767,
             "--pp x --vpp = {} chunks is more than MPI's tags can name",
             shape.chunks()
         );
@@ -225,13 +225,11 @@ impl Stage {
                     let res = if chunk == 0 {
                         model.embed(ids, rows, seq)?
                     } else {
-                        {
-                            // The sources this rank kept: those of its chunk before.
-                            let kept = chunk
-                                .checked_sub(self.layout.stages)
-                                .and_then(|k| fwd.get(&(k, micro)));
-                            self.receive_forward(&mut io, model, chunk, kept, d)?
-                        }
+                        // The sources this rank kept: those of its chunk before.
+                        let kept = chunk
+                            .checked_sub(self.layout.stages)
+                            .and_then(|k| fwd.get(&(k, micro)));
+                        self.receive_forward(&mut io, model, chunk, kept, d)?
                     };
                     let t = Instant::now();
                     let f = model.forward_chunk(self.bounds[chunk].clone(), res, rows, seq);
