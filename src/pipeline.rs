@@ -366,6 +366,9 @@ pub struct PlanText<'a> {
     pub hidden_size: usize,
     /// Tokens per micro-batch.
     pub tokens: usize,
+    /// The LM head is the embedding matrix: the first stage also sends the embedding output's
+    /// gradient (one vector per token) to the last.
+    pub tied_head: bool,
     /// Also print every rank's order of passes.
     pub show_schedule: bool,
 }
@@ -400,6 +403,7 @@ impl PlanText<'_> {
 
         let vector_bytes = self.hidden_size as f64 * 4.0;
         let step_tokens = (self.tokens * shape.micro_batches) as f64;
+        let tied = if self.tied_head && shape.stages > 1 { 4 * self.hidden_size } else { 0 };
         writeln!(o, "\ntransitions of one micro-batch, --pp-cache {} (sources: 0 = embedding, n = block n; + partial = the unfinished block's running sum):", self.cache.name())?;
         for t in transfers(depth, shape, self.cache) {
             let what = if t.hidden {
@@ -464,10 +468,13 @@ impl PlanText<'_> {
                 bytes(fwd as u128),
                 bytes(back as u128),
                 bytes(once as u128),
-                bytes(((fwd + back) as f64 * step_tokens) as u128)
+                bytes(((fwd + back + tied) as f64 * step_tokens) as u128)
             )?;
         }
         writeln!(o, "  (blocks: completed blocks sent, the formulas' unit N_p·d with N_p = {:.3} blocks per chunk; vectors add the embedding and partial sums)", depth.blocks() as f64 / shape.chunks() as f64)?;
+        if tied > 0 {
+            writeln!(o, "  (bytes/step: one pipeline's step, with the tied LM head's gradient of the embedding output, {} per token, from the first stage to the last)", crate::model::config::format_bytes(tied as u128))?;
+        }
 
         let ops = schedule(shape);
         let cost = |r: &Range<usize>| r.len() as f64;

@@ -516,6 +516,7 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
         cache: Cache::parse(&a.pp_cache)?,
         hidden_size: a.hidden.unwrap_or(run.model.hidden_size),
         tokens: run.train.micro_batch * run.train.seq_len,
+        tied_head: run.model.tie_word_embeddings,
         show_schedule: a.schedule,
     };
     output(&text.render()?)
