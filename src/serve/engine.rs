@@ -13,7 +13,7 @@ use crate::generate::{Sampler, Sampling};
 use crate::model::decode::KvCache;
 use crate::model::Model;
 use crate::train::tokenizer::Bpe;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -117,6 +117,11 @@ pub fn start(
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let ctx = model.config.max_position_embeddings;
     let cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
+    // The pool grows as sequences do; refusing now a pool that could not be full later keeps a
+    // busy server from failing requests when its slots fill up.
+    cache.check_room(ctx).with_context(|| {
+        format!("--max-batch {} is too many sequences for this model's context", opts.max_batch)
+    })?;
     let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
         let mut engine = Engine {
