@@ -3,7 +3,9 @@
 //! The transformer asks [`ResidualForward::input`] for the input `h_l` of sublayer `l`, hands
 //! back its raw output with [`ResidualForward::push_output`], and finally asks for
 //! [`ResidualForward::output`], the vector that goes into the final norm. Backward mirrors this
-//! with [`ResidualBackward`].
+//! with [`ResidualBackward`]. A pipeline stage picks both up in the middle of the model
+//! ([`ResidualForward::resume`], [`ResidualBackward::resume`]) and hands them on
+//! ([`ResidualForward::source`], [`ResidualBackward::hand_back`]; docs/pipeline.md).
 //!
 //! `standard` (docs/method.md §2) is the running stream, here. Full and Block AttnRes, the
 //! method, are in `attnres.rs`: its sources, two-phase forward and per-source backward. The
