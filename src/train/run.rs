@@ -607,7 +607,15 @@ fn resumed_model(r: &Resume) -> Result<(RunConfig, Bpe, Model)> {
 pub fn init_settings(dir: &Path, base: &RunConfig, sets: &[String]) -> Result<RunConfig> {
     ensure!(dir.is_dir(), "--init {} is not a checkpoint directory", dir.display());
     let path = dir.join(checkpoint::CONFIG_FILE);
-    ensure!(path.exists(), "--init {} holds no {}", dir.display(), checkpoint::CONFIG_FILE);
+    // Checked before the run directory is touched.
+    for f in [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE] {
+        ensure!(dir.join(f).exists(), "--init {} holds no {f}", dir.display());
+    }
+    ensure!(
+        dir.join("tokenizer.json").exists(),
+        "--init {} has no tokenizer.json: a run continues with its model's own tokenizer (an import or a training run has one)",
+        dir.display()
+    );
     let model = crate::model::Config::from_json(&crate::fs::read_utf8(&path)?)
         .with_context(|| format!("in {}", path.display()))?;
     let Value::Object(model_keys) = serde_json::to_value(&model)? else { unreachable!() };
@@ -626,13 +634,7 @@ pub fn init_settings(dir: &Path, base: &RunConfig, sets: &[String]) -> Result<Ru
 /// `tokenizer_config.json` names) and its weights, which must be those `run` describes.
 fn init_model(run: Option<RunConfig>, dir: &Path) -> Result<(RunConfig, Bpe, Model)> {
     let run = run.context("no settings given")?;
-    let tpath = dir.join("tokenizer.json");
-    ensure!(
-        tpath.exists(),
-        "--init {} has no tokenizer.json: a run continues with its model's own tokenizer (an import or a training run has one)",
-        dir.display()
-    );
-    let bpe = Bpe::load(&tpath)?;
+    let bpe = Bpe::load(&dir.join("tokenizer.json"))?;
     let model = checkpoint::load(dir)
         .with_context(|| format!("--init {}: cannot load the model", dir.display()))?;
     ensure!(
