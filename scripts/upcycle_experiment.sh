@@ -5,6 +5,9 @@
 # a kill and each run continues from its last checkpoint.
 #
 #   scripts/upcycle_experiment.sh [WORKDIR]    (default /tmp/upcycle; ATTNRES: the binary)
+#
+# SEED=N (default 0) changes the data order (the same for both models): its runs go to
+# run-standard-seedN and run-block6-seedN, without samples.
 set -euo pipefail
 ATTNRES=${ATTNRES:-target/release/attnres}
 WORK=${1:-/tmp/upcycle}
@@ -21,17 +24,20 @@ mkdir -p "$WORK"
 SETTINGS=(--set optimizer=adamw --set lr=3e-4 --set warmup_steps=4 --set min_lr_ratio=0.1
     --set weight_decay=0 --set seq_len=128 --set micro_batch=4 --set batch_tokens=512
     --set max_tokens=12288 --set eval_every=4 --set eval_tokens=1024 --set checkpoint_every=4
-    --set seed=0)
+    --set seed=${SEED:-0})
+SUFFIX=""
+[ "${SEED:-0}" = 0 ] || SUFFIX="-seed$SEED"
 
 train() { # NAME INIT
-    local out="$WORK/run-$1"
+    local out="$WORK/run-$1$SUFFIX"
     local resume=()
     [ -f "$out/ckpt/train_state.json" ] && resume=(--resume)
     "$ATTNRES" train --init "$2" --out "$out" --no-progress "${SETTINGS[@]}" "${resume[@]}"
 }
-train standard "$WORK/smol" > "$WORK/standard.log" 2>&1 &
-train block6 "$WORK/smol-block6" > "$WORK/block6.log" 2>&1 &
+train standard "$WORK/smol" > "$WORK/standard$SUFFIX.log" 2>&1 &
+train block6 "$WORK/smol-block6" > "$WORK/block6$SUFFIX.log" 2>&1 &
 wait
+[ -z "$SUFFIX" ] || exit 0
 
 # Held-out samples: openings of speeches from the validation plays (Henry IV Part 1, All's Well
 # That Ends Well, Cymbeline), continued greedily.
