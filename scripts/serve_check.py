@@ -98,6 +98,12 @@ def check(client, model):
         stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == reply
+    # n choices: the first is the single request's text; each has its own index.
+    several = client.completions.create(model=model, prompt="ROMEO:", max_tokens=12, temperature=0.8, n=3)
+    single = client.completions.create(model=model, prompt="ROMEO:", max_tokens=12, temperature=0.8)
+    assert [c.index for c in several.choices] == [0, 1, 2], several
+    assert several.choices[0].text == single.choices[0].text, (several, single)
+    assert several.usage.prompt_tokens == single.usage.prompt_tokens
     for bad, error in [
         (dict(max_tokens=0), openai.BadRequestError),
         (dict(temperature=-1.0), openai.BadRequestError),
@@ -111,7 +117,7 @@ def check(client, model):
             assert e.body and e.body.get("message"), e
         else:
             raise AssertionError(f"{bad} was accepted")
-    print(f"client checks passed: completions, chat, streaming, usage, errors ({model})")
+    print(f"client checks passed: completions, chat, streaming, n choices, usage, errors ({model})")
 
 
 def curl(port, model):

@@ -265,6 +265,15 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
         case(&args, needle);
     }
     case(&["eval", "--model", &m, "--text", env.path("missing").to_str().unwrap()], "cannot read");
+    for (flags, needle) in [
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--max-queue", "0"], "--max-queue must be at least 1"),
+        (["--max-batch", "1000000000"], "--max-batch 1000000000 is too many sequences"),
+    ] {
+        let mut args = vec!["serve", "--model", &m, "--port", "0"];
+        args.extend(flags);
+        case(&args, needle);
+    }
     case(&["eval", "--model", env.path("no-model").to_str().unwrap(), "--text", &m], "no-model");
 
     for (args, needle) in &cases {

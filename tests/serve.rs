@@ -200,6 +200,61 @@ fn texts_equal_generate_and_do_not_depend_on_the_batch() {
     );
     assert!(chunks.iter().all(|c| c["id"] == chunks[0]["id"] && c["object"] == "text_completion"));
 
+    // `n` choices: choice i samples the random stream a batch of generate's gives its i-th
+    // prompt, so they equal `generate --prompt-file` of the prompt repeated; streamed, the
+    // pieces of each index add up to its whole text.
+    let mut b = body("ROMEO:", 24, 0.8);
+    b["n"] = json!(3);
+    let (status, whole) = post(port, "/v1/completions", &b);
+    assert_eq!(status, 200, "{whole}");
+    let choices: Vec<String> = (0..3)
+        .map(|i| {
+            assert_eq!(whole["choices"][i]["index"], i);
+            whole["choices"][i]["text"].as_str().unwrap().to_string()
+        })
+        .collect();
+    assert_eq!(choices[0], alone[1], "choice 0 is the request with n = 1");
+    assert_ne!(choices[1], choices[2], "the choices sample different streams");
+    let prompts_file = env.path("three.txt");
+    std::fs::write(&prompts_file, "ROMEO:\nROMEO:\nROMEO:\n").unwrap();
+    let o = env.run(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-file",
+        prompts_file.to_str().unwrap(),
+        "--max-tokens",
+        "24",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "3",
+    ]);
+    let batch: Vec<Value> = String::from_utf8(o.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let batch_texts: Vec<&str> = batch.iter().map(|v| v["completion"].as_str().unwrap()).collect();
+    assert_eq!(choices, batch_texts);
+    // The prompt is counted once, the completions' tokens summed.
+    let (_, one) = post(port, "/v1/completions", &body("ROMEO:", 24, 0.8));
+    assert_eq!(whole["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"]);
+    // (generate counts an end-of-text token it stopped at; the API does not.)
+    let tokens: u64 = batch
+        .iter()
+        .map(|v| v["new_tokens"].as_u64().unwrap() - (v["stop"] == "end_of_text") as u64)
+        .sum();
+    assert_eq!(whole["usage"]["completion_tokens"], tokens);
+    b["stream"] = json!(true);
+    let mut streamed = vec![String::new(); 3];
+    for e in events(port, "/v1/completions", &b).iter().filter(|e| *e != "[DONE]") {
+        let c: Value = serde_json::from_str(e).unwrap();
+        let i = c["choices"][0]["index"].as_u64().unwrap() as usize;
+        streamed[i].push_str(c["choices"][0]["text"].as_str().unwrap());
+    }
+    assert_eq!(streamed, choices);
+
     // Chat, whole and streamed, agree.
     let chat = json!({"messages": [{"role": "user", "content": "Who is there?"}], "max_tokens": 20, "temperature": 0});
     let (status, whole) = post(port, "/v1/chat/completions", &chat);
@@ -271,7 +326,8 @@ fn bad_requests_get_openai_errors_and_the_server_goes_on() {
             400,
             Some("top_k"),
         ),
-        ("POST", "/v1/completions", json!({"prompt": "a", "n": 3}).to_string(), 400, Some("n")),
+        ("POST", "/v1/completions", json!({"prompt": "a", "n": 0}).to_string(), 400, Some("n")),
+        ("POST", "/v1/completions", json!({"prompt": "a", "n": 65}).to_string(), 400, Some("n")),
         (
             "POST",
             "/v1/completions",
@@ -338,7 +394,7 @@ fn bad_requests_get_openai_errors_and_the_server_goes_on() {
     }
     assert!(!complete(port, &json!({"prompt": "To be", "max_tokens": 3})).is_empty());
     let (_, metrics) = http(port, "GET", "/metrics", "");
-    assert!(metrics.contains("attnres_requests_total{outcome=\"invalid\"} 18"), "{metrics}");
+    assert!(metrics.contains("attnres_requests_total{outcome=\"invalid\"} 19"), "{metrics}");
     assert!(metrics.contains("attnres_requests_total{outcome=\"completed\"} 1"), "{metrics}");
     let (_, models) = http(port, "GET", "/v1/models", "");
     assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "run");

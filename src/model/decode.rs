@@ -65,21 +65,16 @@ impl KvCache {
         })
     }
 
-    /// Makes room for `positions` tokens per slot (at most the capacity), keeping what the
-    /// slots hold. An error, before anything is allocated, when the cache would need more than
-    /// the memory limit ([`memory_limit`]).
-    pub fn reserve(&mut self, positions: usize) -> Result<()> {
-        let room = positions.min(self.capacity);
-        if room <= self.room {
-            return Ok(());
-        }
+    /// An error, allocating nothing, when `room` tokens per slot would need more than the memory
+    /// limit ([`memory_limit`]).
+    pub fn check_room(&self, room: usize) -> Result<()> {
         let layers = self.k.len();
         let bytes = [self.slots, room, self.width, layers, 2, 4]
             .iter()
             .try_fold(1u128, |a, &b| a.checked_mul(b as u128));
         let limit = memory_limit();
         match bytes {
-            Some(b) if b <= limit as u128 => {}
+            Some(b) if b <= limit as u128 => Ok(()),
             _ => bail!(
                 "the key/value cache for {} sequence(s) of {room} tokens needs {}; at most {} \
                  (the machine's memory) is allowed",
@@ -88,6 +83,16 @@ impl KvCache {
                 format_bytes(limit as u128)
             ),
         }
+    }
+
+    /// Makes room for `positions` tokens per slot (at most the capacity), keeping what the
+    /// slots hold; an error, before anything is allocated, past the memory limit.
+    pub fn reserve(&mut self, positions: usize) -> Result<()> {
+        let room = positions.min(self.capacity);
+        if room <= self.room {
+            return Ok(());
+        }
+        self.check_room(room)?;
         let (old, w, slots, len) = (self.room, self.width, self.slots, &self.len);
         let grow = |buf: &mut Vec<f32>| {
             let mut new = zeros(slots * room * w);

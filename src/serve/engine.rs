@@ -13,7 +13,7 @@ use crate::generate::{Sampler, Sampling};
 use crate::model::decode::KvCache;
 use crate::model::Model;
 use crate::train::tokenizer::Bpe;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -53,8 +53,18 @@ pub struct Job {
     pub seed: u64,
     /// Text that ends the completion where it first appears (not included).
     pub stop: Vec<String>,
-    pub events: UnboundedSender<Event>,
+    /// Which of the request's `n` choices this is: its sampler's random stream, and the tag
+    /// of its events (the choices of one request share one channel).
+    pub choice: usize,
+    pub events: UnboundedSender<(usize, Event)>,
     pub received: Instant,
+}
+
+impl Job {
+    fn send(&self, event: Event) {
+        // A closed channel is a client that left; the engine notices at its next step.
+        let _ = self.events.send((self.choice, event));
+    }
 }
 
 /// Where requests enter the engine: a queue of bounded length.
@@ -107,6 +117,11 @@ pub fn start(
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let ctx = model.config.max_position_embeddings;
     let cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
+    // The pool grows as sequences do; refusing now a pool that could not be full later keeps a
+    // busy server from failing requests when its slots fill up.
+    cache.check_room(ctx).with_context(|| {
+        format!("--max-batch {} is too many sequences for this model's context", opts.max_batch)
+    })?;
     let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
         let mut engine = Engine {
@@ -176,7 +191,7 @@ impl Engine {
                 // A failed pass fails the sequences in it, never the engine.
                 let msg = format!("{e:#}");
                 for seq in std::mem::take(&mut self.running) {
-                    let _ = seq.job.events.send(Event::Failed(msg.clone()));
+                    seq.job.send(Event::Failed(msg.clone()));
                     self.metrics.finished("error");
                     self.free.push(seq.slot);
                 }
@@ -213,10 +228,10 @@ impl Engine {
             admitted += 1;
             self.free.pop();
             self.cache.clear(slot);
-            let sampler = match Sampler::new(job.sampling, job.seed, 0) {
+            let sampler = match Sampler::new(job.sampling, job.seed, job.choice as u64) {
                 Ok(s) => s,
                 Err(e) => {
-                    let _ = job.events.send(Event::Failed(format!("{e:#}")));
+                    job.send(Event::Failed(format!("{e:#}")));
                     self.metrics.finished("error");
                     self.free.push(slot);
                     continue;
@@ -334,7 +349,7 @@ impl Sequence {
     /// Sends the text up to byte `to` not sent yet.
     fn flush(&mut self, to: usize) {
         if to > self.sent {
-            let _ = self.job.events.send(Event::Text(self.text[self.sent..to].to_string()));
+            self.job.send(Event::Text(self.text[self.sent..to].to_string()));
             self.sent = to;
         }
     }
@@ -351,7 +366,7 @@ impl Sequence {
         metrics.finished("completed");
         // The end-of-text token is not part of the completion.
         let ended_by_eot = self.generated.last() == Some(&eot);
-        let _ = self.job.events.send(Event::Done {
+        self.job.send(Event::Done {
             finish,
             prompt_tokens: self.job.prompt.len(),
             completion_tokens: self.generated.len() - ended_by_eot as usize,

@@ -45,6 +45,8 @@ struct App {
     bpe: Arc<Bpe>,
     name: String,
     context: usize,
+    /// The most choices (`n`) one request may ask for: all of them must fit in the queue.
+    max_choices: usize,
     metrics: Arc<Metrics>,
     /// The model's own chat template (an imported instruction model), else the plain one.
     chat: Option<crate::chat::ChatTemplate>,
@@ -80,6 +82,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         bpe,
         name,
         context,
+        max_choices: e.max_queue,
         metrics,
         chat,
         next_id: AtomicU64::new(0),
@@ -266,6 +269,8 @@ struct Prepared {
     stop: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// Completions to make of the prompt (`n`).
+    choices: usize,
 }
 
 /// Parses a JSON body into `T`, naming the field at fault (unknown fields are errors).
@@ -301,14 +306,16 @@ impl Common {
         if prompt.is_empty() {
             return Err(invalid("prompt", "the prompt is empty"));
         }
-        if let Some(n) = self.n {
-            if n != 1 {
+        let choices = match self.n {
+            None => 1,
+            Some(n) if n >= 1 && n as usize <= app.max_choices => n as usize,
+            Some(n) => {
                 return Err(invalid(
                     "n",
-                    format!("n must be 1 (one completion per request), got {n}"),
-                ));
+                    format!("n must be between 1 and {} (--max-queue), got {n}", app.max_choices),
+                ))
             }
-        }
+        };
         for (param, v) in [
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
@@ -393,6 +400,7 @@ impl Common {
             stop,
             stream,
             include_usage,
+            choices,
         })
     }
 }
@@ -520,30 +528,37 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
             return error(e.status, &e.message, e.param);
         }
     };
+    // The request's choices share one channel; each event names its choice.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let job = Job {
-        prompt: p.prompt,
-        max_tokens: p.max_tokens,
-        sampling: p.sampling,
-        seed: p.seed,
-        stop: p.stop,
-        events: tx,
-        received: Instant::now(),
-    };
-    match app.engine.submit(job, &app.metrics) {
-        Ok(()) => {}
-        Err(Refused::Busy) => {
-            app.metrics.finished("rejected");
-            return error(
-                StatusCode::TOO_MANY_REQUESTS,
-                "the server is at capacity (its queue is full): retry later",
-                None,
-            );
-        }
-        Err(Refused::Stopped) => {
-            return error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down", None)
+    let received = Instant::now();
+    for choice in 0..p.choices {
+        let job = Job {
+            prompt: p.prompt.clone(),
+            max_tokens: p.max_tokens,
+            sampling: p.sampling,
+            seed: p.seed,
+            stop: p.stop.clone(),
+            choice,
+            events: tx.clone(),
+            received,
+        };
+        // On a refusal, the choices already queued are cancelled when `rx` goes.
+        match app.engine.submit(job, &app.metrics) {
+            Ok(()) => {}
+            Err(Refused::Busy) => {
+                app.metrics.finished("rejected");
+                return error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "the server is at capacity (its queue is full): retry later",
+                    None,
+                );
+            }
+            Err(Refused::Stopped) => {
+                return error(StatusCode::SERVICE_UNAVAILABLE, "the server is shutting down", None)
+            }
         }
     }
+    drop(tx);
     let id = format!(
         "{}-{}",
         if kind == Kind::Chat { "chatcmpl" } else { "cmpl" },
@@ -551,31 +566,31 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
     );
     let created = unix_time();
     let shape = Shape { id, created, model: app.name.clone(), kind };
+    let mut tally = Tally::new(p.choices);
     if !p.stream {
-        let mut text = String::new();
-        while let Some(ev) = rx.recv().await {
+        let mut texts = vec![String::new(); p.choices];
+        while let Some((i, ev)) = rx.recv().await {
             match ev {
-                Event::Text(t) => text.push_str(&t),
+                Event::Text(t) => texts[i].push_str(&t),
                 Event::Done { finish, prompt_tokens, completion_tokens } => {
-                    return axum::Json(shape.whole(
-                        &text,
-                        finish,
-                        usage(prompt_tokens, completion_tokens),
-                    ))
-                    .into_response();
+                    tally.done(i, finish, prompt_tokens, completion_tokens);
+                    if tally.all_done() {
+                        return axum::Json(shape.whole(&texts, &tally)).into_response();
+                    }
                 }
                 Event::Failed(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
             }
         }
         return error(StatusCode::INTERNAL_SERVER_ERROR, "the engine stopped", None);
     }
-    // Server-sent events: a chunk per piece of text, the last with the finish reason, the
-    // usage when asked for, then `[DONE]`. The stream owns the engine's receiver: a client that
-    // goes drops it, and the engine frees the slot at its next step.
+    // Server-sent events: a chunk per piece of text, the last of each choice with its finish
+    // reason, the usage when asked for, then `[DONE]`. The stream owns the engine's receiver: a
+    // client that goes drops it, and the engine frees the slots at its next step.
     let state = Events {
         rx,
         shape,
-        first: true,
+        first: vec![true; p.choices],
+        tally,
         include_usage: p.include_usage,
         queue: std::collections::VecDeque::new(),
         ended: false,
@@ -594,11 +609,42 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
     Sse::new(stream).into_response()
 }
 
+/// How a request's choices ended, and the tokens they took.
+struct Tally {
+    finish: Vec<Option<Finish>>,
+    prompt_tokens: usize,
+    completion_tokens: usize,
+}
+
+impl Tally {
+    fn new(choices: usize) -> Tally {
+        Tally { finish: vec![None; choices], prompt_tokens: 0, completion_tokens: 0 }
+    }
+
+    fn done(&mut self, choice: usize, finish: Finish, prompt_tokens: usize, completion: usize) {
+        self.finish[choice] = Some(finish);
+        // The prompt is counted once however many choices it has, as the API does.
+        self.prompt_tokens = prompt_tokens;
+        self.completion_tokens += completion;
+    }
+
+    fn all_done(&self) -> bool {
+        self.finish.iter().all(Option::is_some)
+    }
+
+    fn usage(&self) -> Value {
+        let (p, c) = (self.prompt_tokens, self.completion_tokens);
+        json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+    }
+}
+
 /// The state of a streamed response.
 struct Events {
-    rx: tokio::sync::mpsc::UnboundedReceiver<Event>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<(usize, Event)>,
     shape: Shape,
-    first: bool,
+    /// Per choice: no chunk sent yet (a chat stream's first chunk carries the role).
+    first: Vec<bool>,
+    tally: Tally,
     include_usage: bool,
     /// Events made and not yet sent.
     queue: std::collections::VecDeque<SseEvent>,
@@ -610,20 +656,23 @@ impl Events {
     async fn next(&mut self) {
         let data = |v: Value| SseEvent::default().data(v.to_string());
         match self.rx.recv().await {
-            Some(Event::Text(t)) => {
-                let chunk = self.shape.chunk(Some(&t), None, &mut self.first);
+            Some((i, Event::Text(t))) => {
+                let chunk = self.shape.chunk(i, Some(&t), None, &mut self.first[i]);
                 self.queue.push_back(data(chunk));
                 return;
             }
-            Some(Event::Done { finish, prompt_tokens, completion_tokens }) => {
-                let chunk = self.shape.chunk(None, Some(finish), &mut self.first);
+            Some((i, Event::Done { finish, prompt_tokens, completion_tokens })) => {
+                let chunk = self.shape.chunk(i, None, Some(finish), &mut self.first[i]);
                 self.queue.push_back(data(chunk));
+                self.tally.done(i, finish, prompt_tokens, completion_tokens);
+                if !self.tally.all_done() {
+                    return;
+                }
                 if self.include_usage {
-                    let u = usage(prompt_tokens, completion_tokens);
-                    self.queue.push_back(data(self.shape.usage_chunk(u)));
+                    self.queue.push_back(data(self.shape.usage_chunk(self.tally.usage())));
                 }
             }
-            Some(Event::Failed(e)) => {
+            Some((_, Event::Failed(e))) => {
                 self.queue
                     .push_back(data(json!({"error": {"message": e, "type": "server_error"}})));
             }
@@ -632,10 +681,6 @@ impl Events {
         self.queue.push_back(SseEvent::default().data("[DONE]"));
         self.ended = true;
     }
-}
-
-fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
 }
 
 /// The response objects of one request.
@@ -647,24 +692,38 @@ struct Shape {
 }
 
 impl Shape {
-    fn whole(&self, text: &str, finish: Finish, usage: Value) -> Value {
-        let choice = match self.kind {
-            Kind::Completion => {
-                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish.as_str()})
-            }
-            Kind::Chat => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish.as_str()})
-            }
-        };
+    fn whole(&self, texts: &[String], tally: &Tally) -> Value {
+        let choices = texts
+            .iter()
+            .zip(&tally.finish)
+            .enumerate()
+            .map(|(index, (text, finish))| {
+                let finish = finish.map(Finish::as_str);
+                match self.kind {
+                    Kind::Completion => {
+                        json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish})
+                    }
+                    Kind::Chat => {
+                        json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+                    }
+                }
+            })
+            .collect::<Vec<_>>();
         let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
-        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": [choice], "usage": usage})
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model, "choices": choices, "usage": tally.usage()})
     }
 
-    fn chunk(&self, text: Option<&str>, finish: Option<Finish>, first: &mut bool) -> Value {
+    fn chunk(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        finish: Option<Finish>,
+        first: &mut bool,
+    ) -> Value {
         let finish = finish.map(Finish::as_str);
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
             }
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -674,7 +733,7 @@ impl Shape {
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
                 }
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
             }
         };
         self.envelope(vec![choice], None)
