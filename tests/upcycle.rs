@@ -117,9 +117,11 @@ fn a_converted_model_computes_its_sources_logits() {
             assert_eq!(new, 2 * (2 * src.config.num_hidden_layers + 1), "{what}");
 
             let f = m.forward(&IDS, 2, 3).unwrap();
-            let gap = f.logits.iter().zip(&fs.logits).fold(0f64, |a, (x, y)| {
-                a.max((*x as f64 - *y as f64).abs())
-            });
+            let gap = f
+                .logits
+                .iter()
+                .zip(&fs.logits)
+                .fold(0f64, |a, (x, y)| a.max((*x as f64 - *y as f64).abs()));
             if eps < 1e-20 {
                 // Exact arithmetic gives equal logits: what is left is f32 rounding (the mean of
                 // n sources against the running sum), ~1e-7 of the largest logit.
@@ -231,11 +233,13 @@ fn a_run_from_a_checkpoint_starts_at_its_eval_loss_and_resumes() {
         let out = env.path(&format!("run-{name}"));
         let log = ok(&env.run(&init_args(from, &out, &data, &[])));
         assert!(log.contains(&format!("from {}", from.display())), "{log}");
-        let o = env.run(&["eval", "--json", "--seq", "8", "--model", s(from), "--text"]
-            .iter()
-            .map(|x| x.to_string())
-            .chain([env.path("val.txt").display().to_string()])
-            .collect::<Vec<_>>());
+        let o = env.run(
+            &["eval", "--json", "--seq", "8", "--model", s(from), "--text"]
+                .iter()
+                .map(|x| x.to_string())
+                .chain([env.path("val.txt").display().to_string()])
+                .collect::<Vec<_>>(),
+        );
         ok(&o);
         let eval: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let losses = val_losses(&out);
@@ -244,7 +248,10 @@ fn a_run_from_a_checkpoint_starts_at_its_eval_loss_and_resumes() {
         assert_eq!(losses[0].1, eval["loss"].as_f64().unwrap(), "{name}: step 0 vs eval");
         assert!(losses.last().unwrap().1 < losses[0].1, "{name}: training lowers the loss");
         // The run keeps the model's tokenizer files and architecture.
-        assert!(out.join("chat_template.jinja").exists() && out.join("ckpt/chat_template.jinja").exists());
+        assert!(
+            out.join("chat_template.jinja").exists()
+                && out.join("ckpt/chat_template.jinja").exists()
+        );
         let trained = checkpoint::load(&out).unwrap();
         assert_eq!(trained.config, checkpoint::load(from).unwrap().config);
 
@@ -329,9 +336,17 @@ fn bad_conversions_and_inits_are_named_errors_that_write_nothing() {
     let toml = env.path("model.toml");
     std::fs::write(&toml, "[model]\nhidden_size = 32\n").unwrap();
     for (from, extra, needle) in [
-        (&src, &["--set", "hidden_size=32"][..], "--set hidden_size: with --init the model's settings are those of"),
+        (
+            &src,
+            &["--set", "hidden_size=32"][..],
+            "--set hidden_size: with --init the model's settings are those of",
+        ),
         (&src, &["--set", "residual=full"], "attnres convert"),
-        (&src, &["--set", "seq_len=64"], "seq_len = 64 exceeds the model's max_position_embeddings = 16"),
+        (
+            &src,
+            &["--set", "seq_len=64"],
+            "seq_len = 64 exceeds the model's max_position_embeddings = 16",
+        ),
         (&env.path("missing"), &[], "is not a checkpoint directory"),
         (&only_config, &[], "holds no model.safetensors"),
         (&no_tok, &[], "has no tokenizer.json"),

@@ -438,7 +438,8 @@ impl<'g> Trainer<'g> {
             return Ok(());
         }
         let (val_loss, bpb) = self.validate()?;
-        let record = json!({"step": 0, "tokens": 0, "val_loss": val_loss, "val_bits_per_byte": bpb});
+        let record =
+            json!({"step": 0, "tokens": 0, "val_loss": val_loss, "val_bits_per_byte": bpb});
         write_atomic(&path, format!("{record}\n").as_bytes())?;
         self.progress.say(format!(
             "step 0/{}: val loss {val_loss:.4}, val bits/byte {bpb:.4} (the model of --init)",
