@@ -41,7 +41,8 @@ impl Converted {
             None => String::new(),
             // The output aggregation reads the most: the embedding and every block.
             Some(s) => format!(
-                " (blocks of {s} sublayers, at most {} sources per depth attention)",
+                " (blocks of {s} sublayer{}, at most {} sources per depth attention)",
+                if s == 1 { "" } else { "s" },
                 to.sublayers() / s + 1
             ),
         };

@@ -230,6 +230,8 @@ struct Handover {
     tokenizer: String,
     /// The tokenizer's end-of-text token (an imported one's is its own `eos_token`).
     eot: u32,
+    /// The checkpoint the run started from (every rank measures the start of such a run).
+    init: Option<PathBuf>,
     data: Option<PathBuf>,
     data_key: String,
     step: usize,
@@ -288,6 +290,7 @@ impl<'g> Trainer<'g> {
             run: self.run.clone(),
             tokenizer: self.bpe.to_json()?,
             eot: self.bpe.eot,
+            init: self.init.clone(),
             data: self.data.clone(),
             data_key: self.data_key.clone(),
             step: self.at.step,
@@ -334,7 +337,7 @@ impl<'g> Trainer<'g> {
             data: h.data,
             data_key: h.data_key,
             code_versions: Vec::new(),
-            init: None,
+            init: h.init,
             tokenizer_files: Vec::new(),
             bpe,
             tokens,
