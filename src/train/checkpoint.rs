@@ -9,7 +9,7 @@ use super::config::RunConfig;
 use super::optim::Optimizer;
 use super::tokenizer::Bpe;
 use crate::fs::write_atomic;
-use crate::model::checkpoint::{self, f32_values, safetensors_bytes};
+use crate::model::checkpoint::{self, f32_values, safetensors_parts};
 use crate::model::Model;
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
@@ -256,8 +256,8 @@ pub(super) fn save(
             ("adam.v".into(), vec![n], &opt.v),
             ("muon.momentum".into(), vec![n], &opt.momentum),
         ];
-        let optimizer = safetensors_bytes(&tensors, Some(meta))?;
-        write_atomic(&tmp.join("optimizer.safetensors"), &optimizer)?;
+        let optimizer = safetensors_parts(&tensors, Some(meta))?;
+        crate::fs::write_atomic_parts(&tmp.join("optimizer.safetensors"), &optimizer)?;
         write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
         // Without `ckpt/`, `.ckpt.old/` is the last complete checkpoint: kept until the new
         // one is in place.
