@@ -156,3 +156,28 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
     }
     Ok(params)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Our writer's bytes read back by the `safetensors` crate: names, shapes, values, metadata,
+    /// and the header padded to 8 bytes as the format asks.
+    #[test]
+    fn safetensors_parts_read_back_with_the_crate() {
+        let (a, b) = (vec![1.5f32, -2.0, 3.25, f32::MIN_POSITIVE], vec![7.0f32; 6]);
+        let tensors = vec![("b".to_string(), vec![2, 2], &a[..]), ("a".into(), vec![6], &b[..])];
+        let meta = HashMap::from([("step".to_string(), "3".to_string())]);
+        let bytes = safetensors_bytes(&tensors, Some(meta.clone())).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(f32_values("b", &st.tensor("b").unwrap()).unwrap(), a);
+        assert_eq!(st.tensor("b").unwrap().shape(), [2, 2]);
+        assert_eq!(f32_values("a", &st.tensor("a").unwrap()).unwrap(), b);
+        let (_, m) = SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(m.metadata().as_ref(), Some(&meta));
+        let bad = vec![("x".to_string(), vec![3], &a[..])];
+        assert!(safetensors_bytes(&bad, None).unwrap_err().to_string().contains("shape [3]"));
+    }
+}
