@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs scripts/check_import.py (a real GGUF model imported and checked against transformers;
-# docs/import.md) in a Python environment of its own, installed from PyPI on first use and kept
-# under ~/.cache/attnres-import for later runs while scripts/requirements-import.txt is unchanged.
+# docs/import.md), then scripts/check_upcycle.py on the imported model, in a Python environment
+# of its own, installed from PyPI on first use and kept under ~/.cache/attnres-import for later
+# runs while scripts/requirements-import.txt is unchanged.
 # Needs python3 with venv and pip, PyPI, and the release build of attnres and of the tokenize
 # example (which `cargo test --release` leaves in target/release).
 set -euo pipefail
@@ -19,4 +20,9 @@ if ! cmp -s scripts/requirements-import.txt "$stamp" 2>/dev/null; then
 fi
 [ -x target/release/attnres ] || cargo build --release --locked --bin attnres
 [ -x target/release/examples/tokenize ] || cargo build --release --locked --example tokenize
-"$venv/bin/python" scripts/check_import.py --cache "$cache/model"
+# The imported model is kept for scripts/check_upcycle.py (convert to AttnRes keeps the
+# function; docs/import.md, "Upcycling").
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$venv/bin/python" scripts/check_import.py --cache "$cache/model" --keep "$work"
+"$venv/bin/python" scripts/check_upcycle.py --model "$work/smollm2" --work "$work/upcycle"

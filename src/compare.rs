@@ -158,6 +158,7 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
                 out: dir.clone(),
                 data: plan.data.clone(),
                 tokenizer: None,
+                init: None,
                 resume: st == Status::Resume,
                 overwrite: st == Status::Fresh,
                 progress: opts.progress,

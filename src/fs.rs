@@ -17,9 +17,21 @@ pub fn is_temporary(name: &str) -> bool {
 /// read-only disk, a directory in the way) the temporary file is removed, so a failed write
 /// leaves the disk as it was, and the error names `path`.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_parts(path, &[bytes])
+}
+
+/// [`write_atomic`] of the concatenation of `parts`, written one after another (a large file
+/// need not be one buffer first).
+pub fn write_atomic_parts<B: AsRef<[u8]>>(path: &Path, parts: &[B]) -> Result<()> {
+    use std::io::Write;
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
     let tmp = path.with_file_name(format!(".{name}{TEMPORARY}{}", std::process::id()));
-    let written = std::fs::write(&tmp, bytes)
+    let written = std::fs::File::create(&tmp)
+        .and_then(|f| {
+            let mut w = std::io::BufWriter::new(f);
+            parts.iter().try_for_each(|p| w.write_all(p.as_ref()))?;
+            w.flush()
+        })
         .with_context(|| format!("cannot write {}", path.display()))
         .and_then(|()| {
             std::fs::rename(&tmp, path)

@@ -475,6 +475,7 @@ fn resume_accepts_the_command_that_started_the_run() {
         out: env.path("s"),
         data: Some(env.path("corpus.txt")),
         tokenizer: None,
+        init: None,
         resume,
         overwrite: false,
         progress: false,

@@ -62,6 +62,25 @@ enum Command {
     /// Import a Llama checkpoint (a GGUF file or a Hugging Face directory) as a checkpoint with
     /// its tokenizer, ready for generate and eval.
     Import(ImportArgs),
+    /// Upcycle a standard checkpoint to Full or Block AttnRes: the same weights plus depth
+    /// parameters that start as the standard residual (pseudo-queries zero, key-norm gains one).
+    Convert(ConvertArgs),
+}
+
+#[derive(Args)]
+struct ConvertArgs {
+    /// A standard checkpoint directory (an import, a training run).
+    #[arg(long)]
+    model: PathBuf,
+    /// residual=block with num_blocks=N, or residual=full; rms_norm_eps=X also allowed.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    sets: Vec<String>,
+    /// Checkpoint directory to write (the tokenizer and chat template are carried over).
+    #[arg(long)]
+    out: PathBuf,
+    /// Replace a non-empty --out.
+    #[arg(long)]
+    force: bool,
 }
 
 #[derive(Args)]
@@ -194,6 +213,11 @@ struct TrainArgs {
     /// Use this tokenizer.json instead of training a byte-level BPE on the data.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Start from this checkpoint (an import, a conversion, a run) and its tokenizer instead of
+    /// a fresh model: the model's settings are its config.json; --preset, --config's [train]
+    /// and --set give the training settings.
+    #[arg(long, conflicts_with = "tokenizer")]
+    init: Option<PathBuf>,
     /// Continue the run in --out from its last checkpoint.
     #[arg(long, conflicts_with = "overwrite")]
     resume: bool,
@@ -405,7 +429,7 @@ fn main() {
 fn usage_error(e: &clap::Error) -> String {
     if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
         return "no command given: one of init, forward, train, eval, generate, serve, bench, \
-                compare, report, plan, import (see attnres --help)"
+                compare, report, plan, import, convert (see attnres --help)"
             .into();
     }
     // The message runs to the first blank line or the usage block; a list of missing
@@ -470,6 +494,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Import(a) => {
             let summary = attnres::import::import(&a.from, &a.out, a.force)?;
             log(&summary.line(&a.out));
+            Ok(())
+        }
+        Command::Convert(a) => {
+            let done = attnres::import::convert::convert(&a.model, &a.sets, &a.out, a.force)?;
+            log(&done.line(&a.model, &a.out));
             Ok(())
         }
         Command::Serve(a) => attnres::serve::run(attnres::serve::ServeOptions {
@@ -566,23 +595,33 @@ fn default_threads(r: &Ranks) -> usize {
 fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
     // With --resume and no settings, the run continues with its own; settings given with
     // --resume must equal the run's (the training loop names the first difference).
-    let settings_given = !a.sets.is_empty() || a.config.is_some() || a.preset.is_some();
+    let settings_given =
+        !a.sets.is_empty() || a.config.is_some() || a.preset.is_some() || a.init.is_some();
     let run = if a.resume && !settings_given {
         None
     } else {
         let base = match &a.config {
             Some(p) => {
                 let text = attnres::fs::read_utf8(p)?;
+                if a.init.is_some() {
+                    let doc: toml::Table = toml::from_str(&text)
+                        .with_context(|| format!("{}: invalid TOML", p.display()))?;
+                    ensure!(!doc.contains_key("model"), "{}: a [model] table does not go with --init (the model's settings are its checkpoint's config.json)", p.display());
+                }
                 RunConfig::from_toml(&text, &p.display().to_string())?
             }
             None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,
         };
-        Some(base.with_overrides(&a.sets)?)
+        Some(match &a.init {
+            Some(dir) => run::init_settings(dir, &base, &a.sets)?,
+            None => base.with_overrides(&a.sets)?,
+        })
     };
     let opts = TrainOptions {
         out: a.out,
         data: a.data,
         tokenizer: a.tokenizer,
+        init: a.init,
         resume: a.resume,
         overwrite: a.overwrite,
         progress: !a.no_progress,

@@ -11,6 +11,7 @@
 //! The output directory is written under a temporary name beside it and renamed into place, so
 //! a failed import leaves nothing behind.
 
+pub mod convert;
 pub mod gguf;
 pub mod tokenizer;
 
@@ -60,10 +61,11 @@ impl Summary {
     }
 }
 
-/// The files of an imported checkpoint, before they are written.
+/// The files of an imported (or converted) checkpoint, before they are written.
 struct Files {
     model: Model,
-    tokenizer: String,
+    /// `tokenizer.json` (a converted checkpoint without one has none).
+    tokenizer: Option<String>,
     tokenizer_config: Option<String>,
     chat_template: Option<String>,
 }
@@ -73,12 +75,7 @@ struct Files {
 pub fn import(from: &Path, out: &Path, force: bool) -> Result<Summary> {
     let meta =
         std::fs::metadata(from).with_context(|| format!("cannot read {}", from.display()))?;
-    let occupied = out.exists() && std::fs::read_dir(out).map_or(true, |mut d| d.next().is_some());
-    ensure!(
-        !occupied || force,
-        "{} already exists and is not empty; pass --force to replace it",
-        out.display()
-    );
+    check_out(out, force)?;
     let (files, summary) = if meta.is_dir() {
         from_hf_dir(from).with_context(|| format!("cannot import {}", from.display()))?
     } else {
@@ -88,7 +85,19 @@ pub fn import(from: &Path, out: &Path, force: bool) -> Result<Summary> {
     Ok(summary)
 }
 
+/// Refuses an `out` that exists and is not empty, unless `force`.
+fn check_out(out: &Path, force: bool) -> Result<()> {
+    let occupied = out.exists() && std::fs::read_dir(out).map_or(true, |mut d| d.next().is_some());
+    ensure!(
+        !occupied || force,
+        "{} already exists and is not empty; pass --force to replace it",
+        out.display()
+    );
+    Ok(())
+}
+
 /// Writes the files into a temporary directory beside `out`, then puts it in place of `out`.
+/// The temporary directory's name is `.NAME.import-tmp-PID`.
 fn write_dir(out: &Path, files: &Files) -> Result<()> {
     let name = out.file_name().context("--out has no directory name")?.to_string_lossy();
     let parent = match out.parent() {
@@ -102,7 +111,9 @@ fn write_dir(out: &Path, files: &Files) -> Result<()> {
     let written = (|| -> Result<()> {
         std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
         checkpoint::save(&files.model, &tmp)?;
-        write_atomic(&tmp.join(TOKENIZER_FILE), files.tokenizer.as_bytes())?;
+        if let Some(t) = &files.tokenizer {
+            write_atomic(&tmp.join(TOKENIZER_FILE), t.as_bytes())?;
+        }
         if let Some(c) = &files.tokenizer_config {
             write_atomic(&tmp.join(TOKENIZER_CONFIG_FILE), c.as_bytes())?;
         }
@@ -222,7 +233,7 @@ fn from_gguf(path: &Path) -> Result<(Files, Summary)> {
     };
     let files = Files {
         model: Model::new(config, params)?,
-        tokenizer: tokenizer_json,
+        tokenizer: Some(tokenizer_json),
         tokenizer_config: Some(serde_json::to_string_pretty(&rebuilt.config)?),
         chat_template: None,
     };
@@ -462,8 +473,12 @@ fn from_hf_dir(dir: &Path) -> Result<(Files, Summary)> {
         types,
         tokenizer: "tokenizer.json as given".into(),
     };
-    let files =
-        Files { model: Model::new(config, params)?, tokenizer, tokenizer_config, chat_template };
+    let files = Files {
+        model: Model::new(config, params)?,
+        tokenizer: Some(tokenizer),
+        tokenizer_config,
+        chat_template,
+    };
     Ok((files, summary))
 }
 

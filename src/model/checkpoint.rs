@@ -5,9 +5,10 @@
 use super::config::{format_bytes, Config};
 use super::params::Layout;
 use super::transformer::Model;
-use crate::fs::write_atomic;
+use crate::fs::{write_atomic, write_atomic_parts};
 use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use std::borrow::Cow;
 use std::collections::{BTreeSet, HashMap};
 use std::fs;
 use std::path::Path;
@@ -22,16 +23,53 @@ pub fn safetensors_bytes(
     tensors: &[(String, Vec<usize>, &[f32])],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<Vec<u8>> {
-    let bytes: Vec<Vec<u8>> =
-        tensors.iter().map(|(_, _, d)| d.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|((name, shape, _), b)| {
-            Ok((name.clone(), TensorView::new(Dtype::F32, shape.clone(), b)?))
+    Ok(safetensors_parts(tensors, metadata)?.concat())
+}
+
+/// The safetensors encoding of named f32 tensors as parts to write one after another: the
+/// header's length, the header, then each tensor's bytes. On a little-endian machine a tensor's
+/// part is its values' own memory, so a checkpoint is written without a copy of the weights
+/// (for a 135M-parameter model the optimiser's moments alone are 1.6 GB).
+pub fn safetensors_parts<'a>(
+    tensors: &'a [(String, Vec<usize>, &'a [f32])],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<Cow<'a, [u8]>>> {
+    let mut header = serde_json::Map::new();
+    if let Some(m) = metadata {
+        header.insert("__metadata__".into(), serde_json::to_value(m)?);
+    }
+    let mut offset = 0usize;
+    for (name, shape, data) in tensors {
+        ensure!(
+            shape.iter().product::<usize>() == data.len(),
+            "tensor {name:?}: shape {shape:?} does not hold {} values",
+            data.len()
+        );
+        let end = offset + 4 * data.len();
+        let info =
+            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, end]});
+        ensure!(header.insert(name.clone(), info).is_none(), "tensor {name:?} appears twice");
+        offset = end;
+    }
+    // The format pads the header with spaces to a multiple of 8 bytes.
+    let mut head = serde_json::to_vec(&header)?;
+    head.resize(head.len().next_multiple_of(8), b' ');
+    let mut parts = vec![Cow::Owned((head.len() as u64).to_le_bytes().to_vec()), Cow::Owned(head)];
+    parts.extend(tensors.iter().map(|(_, _, d)| le_bytes(d)));
+    Ok(parts)
+}
+
+/// The little-endian bytes of `values`.
+fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: the same memory read as bytes: f32 has no padding, every byte is a valid u8,
+        // and u8 needs no alignment.
+        Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
         })
-        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    Ok(safetensors::serialize(views, metadata)?)
+    } else {
+        Cow::Owned(values.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
 }
 
 /// Reads an f32 tensor's values (little-endian) after checking its dtype.
@@ -50,7 +88,7 @@ pub fn save(model: &Model, dir: &Path) -> Result<()> {
         .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range.clone()]))
         .collect();
     let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_atomic(&dir.join(WEIGHTS_FILE), &safetensors_bytes(&tensors, Some(meta))?)?;
+    write_atomic_parts(&dir.join(WEIGHTS_FILE), &safetensors_parts(&tensors, Some(meta))?)?;
     write_atomic(&dir.join(CONFIG_FILE), model.config.to_json().as_bytes())
 }
 
@@ -117,4 +155,29 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
         params[s.range.clone()].copy_from_slice(&vals);
     }
     Ok(params)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Our writer's bytes read back by the `safetensors` crate: names, shapes, values, metadata,
+    /// and the header padded to 8 bytes as the format asks.
+    #[test]
+    fn safetensors_parts_read_back_with_the_crate() {
+        let (a, b) = (vec![1.5f32, -2.0, 3.25, f32::MIN_POSITIVE], vec![7.0f32; 6]);
+        let tensors = vec![("b".to_string(), vec![2, 2], &a[..]), ("a".into(), vec![6], &b[..])];
+        let meta = HashMap::from([("step".to_string(), "3".to_string())]);
+        let bytes = safetensors_bytes(&tensors, Some(meta.clone())).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert_eq!(n % 8, 0);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        assert_eq!(f32_values("b", &st.tensor("b").unwrap()).unwrap(), a);
+        assert_eq!(st.tensor("b").unwrap().shape(), [2, 2]);
+        assert_eq!(f32_values("a", &st.tensor("a").unwrap()).unwrap(), b);
+        let (_, m) = SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(m.metadata().as_ref(), Some(&meta));
+        let bad = vec![("x".to_string(), vec![3], &a[..])];
+        assert!(safetensors_bytes(&bad, None).unwrap_err().to_string().contains("shape [3]"));
+    }
 }

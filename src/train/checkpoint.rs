@@ -9,7 +9,7 @@ use super::config::RunConfig;
 use super::optim::Optimizer;
 use super::tokenizer::Bpe;
 use crate::fs::write_atomic;
-use crate::model::checkpoint::{self, f32_values, safetensors_bytes};
+use crate::model::checkpoint::{self, f32_values, safetensors_parts};
 use crate::model::Model;
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
@@ -44,11 +44,14 @@ pub(super) struct TrainState {
     /// checkpoints written before versions were recorded).
     #[serde(default)]
     pub(super) code_versions: Vec<CodeVersion>,
+    /// `--init` of the run: the checkpoint it started from (none: a fresh model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) init: Option<PathBuf>,
 }
 
 /// The files of a run, in the order [`clear`] removes them: the resumable state first, so
 /// that a removal cut short never leaves a checkpoint beside missing files.
-const RUN_FILES: [&str; 9] = [
+const RUN_FILES: [&str; 11] = [
     CKPT,
     ".ckpt.old",
     ".ckpt.tmp",
@@ -58,7 +61,14 @@ const RUN_FILES: [&str; 9] = [
     "model.safetensors",
     "config.json",
     "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
 ];
+
+/// The tokenizer files of an imported model that a run started from it (`--init`) keeps beside
+/// its `tokenizer.json`: its end-of-text token and chat template.
+/// (The names `attnres import` writes.)
+pub const TOKENIZER_EXTRAS: [&str; 2] = ["tokenizer_config.json", "chat_template.jinja"];
 
 /// Whether `out` holds (part of) a training run, or a model that a run would replace.
 pub(super) fn holds_run(out: &Path) -> bool {
@@ -219,6 +229,7 @@ pub(super) fn save(
     out: &Path,
     model: &Model,
     bpe: &Bpe,
+    tokenizer_files: &[(String, String)],
     opt: &Optimizer,
     st: &TrainState,
 ) -> Result<()> {
@@ -237,7 +248,7 @@ pub(super) fn save(
             remove_dir(&tmp)?;
         }
         checkpoint::save(model, &tmp)?;
-        write_atomic(&tmp.join("tokenizer.json"), tok.as_bytes())?;
+        write_tokenizer(&tmp, &tok, tokenizer_files)?;
         let meta = std::collections::HashMap::from([("step".to_string(), opt.step.to_string())]);
         let n = opt.m.len();
         let tensors: Vec<(String, Vec<usize>, &[f32])> = vec![
@@ -245,8 +256,8 @@ pub(super) fn save(
             ("adam.v".into(), vec![n], &opt.v),
             ("muon.momentum".into(), vec![n], &opt.momentum),
         ];
-        let optimizer = safetensors_bytes(&tensors, Some(meta))?;
-        write_atomic(&tmp.join("optimizer.safetensors"), &optimizer)?;
+        let optimizer = safetensors_parts(&tensors, Some(meta))?;
+        crate::fs::write_atomic_parts(&tmp.join("optimizer.safetensors"), &optimizer)?;
         write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
         // Without `ckpt/`, `.ckpt.old/` is the last complete checkpoint: kept until the new
         // one is in place.
@@ -267,7 +278,27 @@ pub(super) fn save(
     }
     // The latest model, loadable as a plain checkpoint directory.
     checkpoint::save(model, out)?;
-    write_atomic(&out.join("tokenizer.json"), tok.as_bytes())
+    write_tokenizer(out, &tok, tokenizer_files)
+}
+
+/// `tokenizer.json` and the files kept beside it (name, text).
+fn write_tokenizer(dir: &Path, tok: &str, extras: &[(String, String)]) -> Result<()> {
+    for (name, text) in extras {
+        write_atomic(&dir.join(name), text.as_bytes())?;
+    }
+    write_atomic(&dir.join("tokenizer.json"), tok.as_bytes())
+}
+
+/// The [`TOKENIZER_EXTRAS`] that `dir` holds (name, text).
+pub(super) fn read_tokenizer_extras(dir: &Path) -> Result<Vec<(String, String)>> {
+    let mut found = Vec::new();
+    for name in TOKENIZER_EXTRAS {
+        let p = dir.join(name);
+        if p.exists() {
+            found.push((name.to_string(), crate::fs::read_utf8(&p)?));
+        }
+    }
+    Ok(found)
 }
 
 /// Restores the optimiser's step and moments.

@@ -35,6 +35,9 @@ pub struct TrainOptions {
     pub data: Option<PathBuf>,
     /// A `tokenizer.json` to use instead of training one.
     pub tokenizer: Option<PathBuf>,
+    /// A checkpoint directory to start from (its weights and tokenizer) instead of a fresh
+    /// model; the settings' model must be its config ([`init_settings`]).
+    pub init: Option<PathBuf>,
     pub resume: bool,
     pub overwrite: bool,
     /// Show a progress bar (else plain log lines).
@@ -71,6 +74,10 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
         // A run is resumable from its first moment: a kill before the first regular checkpoint
         // resumes at step 0 instead of leaving a directory that can only be overwritten.
         trainer.lead(|t| t.checkpoint())?;
+        if trainer.init.is_some() {
+            // A run from a checkpoint starts where that model is: its loss before any step.
+            trainer.lead(|t| t.evaluate_start())?;
+        }
     }
     while trainer.at.step < trainer.total {
         let outcome = trainer.step()?;
@@ -149,6 +156,11 @@ struct Trainer<'g> {
     data_key: String,
     /// Every version of the code that trained part of the run, oldest first, this one last.
     code_versions: Vec<CodeVersion>,
+    /// The checkpoint the run started from (`--init`).
+    init: Option<PathBuf>,
+    /// Files kept beside `tokenizer.json` (an imported model's `tokenizer_config.json` and
+    /// chat template): name and text.
+    tokenizer_files: Vec<(String, String)>,
     bpe: Bpe,
     tokens: Tokens,
     order: WindowOrder,
@@ -210,6 +222,15 @@ impl Resume {
             (Err(e), None) => return Err(e),
         };
         let state = run_dir::read_state(&dir)?;
+        if let Some(init) = &opts.init {
+            ensure!(
+                state.init.as_deref() == Some(init.as_path()),
+                "{} was not started from {} (--init): it started from {}; resume it with its own command",
+                out.display(),
+                init.display(),
+                state.init.as_ref().map_or("a fresh model".to_string(), |p| p.display().to_string())
+            );
+        }
         if let Some(want) = settings {
             if let Some((key, have, asked)) = state.run.first_difference(want)? {
                 bail!(
@@ -278,9 +299,15 @@ impl<'g> Trainer<'g> {
             None => Corpus::embedded(),
         };
         let split = corpus.split();
-        let (run, bpe, model) = match &resume {
-            Some(r) => resumed_model(r)?,
-            None => fresh_model(run, opts, &split)?,
+        let (run, bpe, model) = match (&resume, &opts.init) {
+            (Some(r), _) => resumed_model(r)?,
+            (None, Some(dir)) => init_model(run, dir)?,
+            (None, None) => fresh_model(run, opts, &split)?,
+        };
+        let (init, tokenizer_files) = match (&resume, &opts.init) {
+            (Some(r), _) => (r.state.init.clone(), run_dir::read_tokenizer_extras(&r.dir)?),
+            (None, Some(dir)) => (Some(dir.clone()), run_dir::read_tokenizer_extras(dir)?),
+            (None, None) => (None, Vec::new()),
         };
         let tc = &run.train;
         parallel::check_share(tc, ranks)?;
@@ -317,7 +344,7 @@ impl<'g> Trainer<'g> {
             ));
         }
         progress.say(format!(
-            "{}: {} ({} documents, {:.1} MB), {} train / {} val tokens{}, vocab {}, {} parameters, residual {}",
+            "{}: {} ({} documents, {:.1} MB), {} train / {} val tokens{}, vocab {}, {} parameters, residual {}{}",
             if resume.is_some() { format!("resuming at step {}/{total}", at.step) } else { format!("training {total} steps") },
             corpus.name,
             corpus.documents.len(),
@@ -328,6 +355,7 @@ impl<'g> Trainer<'g> {
             bpe.vocab_size(),
             model.params.len(),
             model.config.residual_label(),
+            init.as_ref().map_or(String::new(), |p| format!(", from {}", p.display())),
         ));
         Ok(Trainer {
             run,
@@ -335,6 +363,8 @@ impl<'g> Trainer<'g> {
             data,
             data_key,
             code_versions,
+            init,
+            tokenizer_files,
             bpe,
             tokens,
             order,
@@ -409,6 +439,24 @@ impl<'g> Trainer<'g> {
         Ok(())
     }
 
+    /// The loss before the first step, as metrics.jsonl's line of step 0 (unless a run resumed
+    /// at step 0 wrote it already).
+    fn evaluate_start(&mut self) -> Result<()> {
+        let path = self.out.join(METRICS);
+        if std::fs::read_to_string(&path).is_ok_and(|t| !t.trim().is_empty()) {
+            return Ok(());
+        }
+        let (val_loss, bpb) = self.validate()?;
+        let record =
+            json!({"step": 0, "tokens": 0, "val_loss": val_loss, "val_bits_per_byte": bpb});
+        write_atomic(&path, format!("{record}\n").as_bytes())?;
+        self.progress.say(format!(
+            "step 0/{}: val loss {val_loss:.4}, val bits/byte {bpb:.4} (the model of --init)",
+            self.total
+        ));
+        Ok(())
+    }
+
     fn validate(&self) -> Result<(f64, f64)> {
         let tc = &self.run.train;
         validate(&self.model, &self.tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)
@@ -458,8 +506,9 @@ impl<'g> Trainer<'g> {
             data_key: self.data_key.clone(),
             data: self.data.clone(),
             code_versions: self.code_versions.clone(),
+            init: self.init.clone(),
         };
-        run_dir::save(&self.out, &self.model, &self.bpe, &self.opt, &state)?;
+        run_dir::save(&self.out, &self.model, &self.bpe, &self.tokenizer_files, &self.opt, &state)?;
         self.last_checkpoint = Instant::now();
         Ok(())
     }
@@ -570,6 +619,57 @@ fn resumed_model(r: &Resume) -> Result<(RunConfig, Bpe, Model)> {
         "the checkpoint's config.json does not match its train_state.json"
     );
     Ok((r.state.run.clone(), bpe, model))
+}
+
+/// The settings of a run that starts from the checkpoint in `dir` (`train --init`): the model's
+/// are its `config.json`; the training settings are `base`'s with `sets` laid over. A model
+/// setting in `sets` is an error: the weights fix the model.
+pub fn init_settings(dir: &Path, base: &RunConfig, sets: &[String]) -> Result<RunConfig> {
+    ensure!(dir.is_dir(), "--init {} is not a checkpoint directory", dir.display());
+    let path = dir.join(checkpoint::CONFIG_FILE);
+    // Checked before the run directory is touched.
+    for f in [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE] {
+        ensure!(dir.join(f).exists(), "--init {} holds no {f}", dir.display());
+    }
+    ensure!(
+        dir.join("tokenizer.json").exists(),
+        "--init {} has no tokenizer.json: a run continues with its model's own tokenizer (an import or a training run has one)",
+        dir.display()
+    );
+    let model = crate::model::Config::from_json(&crate::fs::read_utf8(&path)?)
+        .with_context(|| format!("in {}", path.display()))?;
+    let Value::Object(model_keys) = serde_json::to_value(&model)? else { unreachable!() };
+    for s in sets {
+        let k = s.split_once('=').map_or(s.as_str(), |(k, _)| k).trim();
+        ensure!(
+            !model_keys.contains_key(k),
+            "--set {k}: with --init the model's settings are those of {} (to change the residual connection, convert it: attnres convert)",
+            path.display()
+        );
+    }
+    RunConfig { model, train: base.train.clone() }.with_overrides(sets)
+}
+
+/// A run from the checkpoint in `dir`: its tokenizer (with the end-of-text token its
+/// `tokenizer_config.json` names) and its weights, which must be those `run` describes.
+fn init_model(run: Option<RunConfig>, dir: &Path) -> Result<(RunConfig, Bpe, Model)> {
+    let run = run.context("no settings given")?;
+    let bpe = Bpe::load(&dir.join("tokenizer.json"))?;
+    let model = checkpoint::load(dir)
+        .with_context(|| format!("--init {}: cannot load the model", dir.display()))?;
+    ensure!(
+        model.config == run.model,
+        "--init {}: config.json changed while the run was set up",
+        dir.display()
+    );
+    ensure!(
+        bpe.vocab_size() <= model.config.vocab_size,
+        "--init {}: tokenizer.json has {} tokens, the model only {}",
+        dir.display(),
+        bpe.vocab_size(),
+        model.config.vocab_size
+    );
+    Ok((run, bpe, model))
 }
 
 /// A new run: the tokenizer given or trained on the data (its size sets the vocabulary), then a

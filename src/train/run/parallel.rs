@@ -378,6 +378,10 @@ fn fingerprint(values: &[f32]) -> u64 {
 struct Handover {
     run: RunConfig,
     tokenizer: String,
+    /// The tokenizer's end-of-text token (an imported one's is its own `eos_token`).
+    eot: u32,
+    /// The checkpoint the run started from (every rank measures the start of such a run).
+    init: Option<PathBuf>,
     data: Option<PathBuf>,
     data_key: String,
     step: usize,
@@ -462,6 +466,8 @@ impl<'g> Trainer<'g> {
         Ok(Handover {
             run: self.run.clone(),
             tokenizer: self.bpe.to_json()?,
+            eot: self.bpe.eot,
+            init: self.init.clone(),
             data: self.data.clone(),
             data_key: self.data_key.clone(),
             step: self.at.step,
@@ -477,7 +483,8 @@ impl<'g> Trainer<'g> {
     fn follow(handover: &[u8], g: &'g Group<'g>) -> Result<Trainer<'g>> {
         let h: Handover = serde_json::from_slice(handover)
             .context("the run's state from rank 0 is unreadable")?;
-        let bpe = Bpe::from_json(&h.tokenizer)?;
+        let mut bpe = Bpe::from_json(&h.tokenizer)?;
+        bpe.eot = h.eot;
         let corpus = match &h.data {
             Some(p) => Corpus::from_path(p)?,
             None => Corpus::embedded(),
@@ -507,6 +514,8 @@ impl<'g> Trainer<'g> {
             data: h.data,
             data_key: h.data_key,
             code_versions: Vec::new(),
+            init: h.init,
+            tokenizer_files: Vec::new(),
             bpe,
             tokens,
             order,
