@@ -1,11 +1,13 @@
-"""Side-by-side training-step benchmark: attnres against PyTorch eager on the same shapes,
-weights and thread count, in one run.
+"""Side-by-side training-step benchmark: attnres against PyTorch (eager, and with --compile
+torch.compile) on the same shapes, weights and thread count, in one run.
 
     cargo build --release
     python scripts/bench_compare.py --attnres target/release/attnres [--threads 2] [--rounds 2]
+        [--compile] [--modes standard,block,full] [--set hidden_size=512 --set ...]
 
 PyTorch runs the reference implementation (scripts/reference.py, scaled_dot_product_attention)
-for every mode, and transformers' LlamaForCausalLM (sdpa) for `standard`. One step is forward,
+for every mode, eager and (--compile) compiled by inductor, and transformers' LlamaForCausalLM
+(sdpa, eager) for `standard`. One step is forward,
 mean cross-entropy and backward, in f32. Rounds alternate PyTorch and attnres; times are
 medians over rounds of per-round medians, and each speed-up is the median of the per-round ratios
 (its range over rounds beside it).
@@ -38,32 +40,46 @@ def time_steps(step, warmup, steps):
     return statistics.median(ts)
 
 
-def torch_round(ckpts, ids, targets, warmup, steps):
-    out = {}
+def torch_steps(ckpts, ids, targets, compile_):
+    """One training-step function per PyTorch variant: the reference in eager mode and, with
+    `compile_`, under torch.compile (inductor), and transformers' LlamaForCausalLM for `standard`.
+    Built once, so torch.compile's compilation (in the first, untimed warm-up step) is paid once."""
+    steps = {}
     for mode, ck in ckpts.items():
         cfg, P = ref.load(ck)
         for v in P.values():
             v.requires_grad_(True)
 
-        def step():
-            loss = ref.loss_fn(ref.forward(P, cfg, ids, sdpa=True), targets)
+        def loss_of(ids, targets, P=P, cfg=cfg):
+            return ref.loss_fn(ref.forward(P, cfg, ids, sdpa=True), targets)
+
+        def make(fn, P=P):
+            def step():
+                fn(ids, targets).backward()
+                for v in P.values():
+                    v.grad = None
+            return step
+
+        steps[mode] = make(loss_of)
+        if compile_:
+            steps[f"compiled_{mode}"] = make(torch.compile(loss_of))
+    if "standard" in ckpts:
+        from transformers import LlamaForCausalLM
+
+        hf = LlamaForCausalLM.from_pretrained(ckpts["standard"], dtype=torch.float32, attn_implementation="sdpa")
+        hf.train()
+
+        def hf_step():
+            loss = ref.loss_fn(hf(input_ids=ids).logits, targets)
             loss.backward()
-            for v in P.values():
-                v.grad = None
+            hf.zero_grad(set_to_none=True)
 
-        out[mode] = time_steps(step, warmup, steps)
-    from transformers import LlamaForCausalLM
+        steps["hf_standard"] = hf_step
+    return steps
 
-    hf = LlamaForCausalLM.from_pretrained(ckpts["standard"], dtype=torch.float32, attn_implementation="sdpa")
-    hf.train()
 
-    def hf_step():
-        loss = ref.loss_fn(hf(input_ids=ids).logits, targets)
-        loss.backward()
-        hf.zero_grad(set_to_none=True)
-
-    out["hf_standard"] = time_steps(hf_step, warmup, steps)
-    return out
+def torch_round(steps, warmup, n):
+    return {name: time_steps(step, warmup, n) for name, step in steps.items()}
 
 
 def main():
@@ -76,48 +92,66 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--set", action="append", default=[], help="a model setting for both sides, e.g. hidden_size=512")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--compile", action="store_true", help="also time the reference under torch.compile (inductor)")
     a = ap.parse_args()
+    modes = a.modes.split(",")
+    sets = [x for kv in a.set for x in ("--set", kv)]
     torch.set_num_threads(a.threads)
     tmp = tempfile.mkdtemp()
     ckpts = {}
-    for mode in MODES:
+    for mode in modes:
         ckpts[mode] = os.path.join(tmp, mode)
-        subprocess.run([a.attnres, "init", "--out", ckpts[mode], "--preset", a.preset, "--set", f"residual={mode}"],
+        subprocess.run([a.attnres, "init", "--out", ckpts[mode], "--preset", a.preset, *sets, "--set", f"residual={mode}"],
                        check=True, stderr=subprocess.DEVNULL)
-    cfg = json.load(open(os.path.join(ckpts["block"], "config.json")))
+    cfg = json.load(open(os.path.join(ckpts[modes[-1]], "config.json")))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
     targets = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
+    steps = torch_steps(ckpts, ids, targets, a.compile)
     rounds_t, rounds_r, report = [], [], None
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds}: PyTorch", file=sys.stderr)
-        rounds_t.append(torch_round(ckpts, ids, targets, a.warmup, a.steps))
+        rounds_t.append(torch_round(steps, a.warmup, a.steps))
         print(f"round {r + 1}/{a.rounds}: attnres", file=sys.stderr)
         res = subprocess.run([a.attnres, "--threads", str(a.threads), "bench", "--json", "--preset", a.preset,
                               "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
-                              "--warmup", str(a.warmup), "--modes", ",".join(MODES)],
+                              "--warmup", str(a.warmup), "--modes", ",".join(modes), *sets],
                              check=True, capture_output=True, text=True)
         report = json.loads(res.stdout)
         rounds_r.append({m["residual"]: m["step_seconds"] for m in report["modes"]})
     med = statistics.median
     n = a.batch * a.seq
     print(f"config: preset {a.preset} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
-          f"{cfg['num_attention_heads']} heads, vocab {cfg['vocab_size']}, block num_blocks {cfg['num_blocks']}), "
+          f"{cfg['num_attention_heads']} heads, MLP {cfg['intermediate_size']}, vocab {cfg['vocab_size']}, "
+          f"num_blocks {cfg.get('num_blocks')}), "
           f"batch {a.batch} x seq {a.seq}, {a.threads} threads, torch {torch.__version__}, {a.rounds} rounds")
     print(f"attnres matrix-product peak: {report['matmul_peak_gflops']:.0f} GFLOP/s")
-    print("| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | speed-up vs PyTorch (range over rounds) | attnres vs its standard |")
-    print("|---|---:|---:|---:|---:|---:|")
+    compiled = "compiled_standard" in rounds_t[0]
+    head = "| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | vs eager (range over rounds) |"
+    if compiled:
+        head += " torch.compile step (ms) | vs torch.compile (range) |"
+    head += " attnres vs its standard |"
+    print(head)
+    print("|---|" + "---:|" * (head.count("|") - 2))
 
     def speedup(torch_key, ours_key):
         ratios = sorted(t[torch_key] / r[ours_key] for t, r in zip(rounds_t, rounds_r))
         return f"{med(ratios):.2f}x ({ratios[0]:.2f}–{ratios[-1]:.2f})"
 
-    for m in MODES:
+    for m in modes:
         ours, theirs = med([r[m] for r in rounds_r]), med([t[m] for t in rounds_t])
-        rel = med([r[m] / r["standard"] for r in rounds_r])
-        print(f"| {m} | {ours * 1e3:.0f} | {n / ours:.0f} | {theirs * 1e3:.0f} | {speedup(m, m)} | {rel:.3f}x |")
-    hf = med([t["hf_standard"] for t in rounds_t])
-    print(f"| standard (transformers LlamaForCausalLM) | | | {hf * 1e3:.0f} | {speedup('hf_standard', 'standard')} | |")
+        rel = med([r[m] / r["standard"] for r in rounds_r]) if "standard" in modes else float("nan")
+        row = f"| {m} | {ours * 1e3:.0f} | {n / ours:.0f} | {theirs * 1e3:.0f} | {speedup(m, m)} |"
+        if compiled:
+            c = med([t[f"compiled_{m}"] for t in rounds_t])
+            row += f" {c * 1e3:.0f} | {speedup(f'compiled_{m}', m)} |"
+        print(row + f" {rel:.3f}x |")
+    if "hf_standard" in rounds_t[0]:
+        hf = med([t["hf_standard"] for t in rounds_t])
+        row = f"| standard (transformers LlamaForCausalLM) | | | {hf * 1e3:.0f} | {speedup('hf_standard', 'standard')} |"
+        print(row + (" | |" if compiled else "") + " |")
 
 
 if __name__ == "__main__":
