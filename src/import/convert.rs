@@ -102,7 +102,7 @@ pub fn converted_config(from: &Config, sets: &[String]) -> Result<Config> {
     );
     let mut keys = BTreeSet::new();
     for s in sets {
-        let (k, _) =
+        let (k, v) =
             s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
         let k = k.trim();
         ensure!(
@@ -112,7 +112,7 @@ pub fn converted_config(from: &Config, sets: &[String]) -> Result<Config> {
         );
         keys.insert(k);
         // The source's num_blocks is a default it never used: a block count must be chosen.
-        let block = s.split_once('=').is_some_and(|(_, v)| v.trim().trim_matches('"') == "block");
+        let block = v.trim().trim_matches('"') == "block";
         ensure!(
             k != "residual" || !block || sets.iter().any(|s| s.trim_start().starts_with("num_blocks")),
             "residual = block needs --set num_blocks=N, a divisor of the sublayer count 2 * num_hidden_layers = {}",
