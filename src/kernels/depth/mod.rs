@@ -309,6 +309,9 @@ impl SourceSums {
     }
 }
 
+/// Tokens per tile in [`backward_source`].
+const SOURCE_TILE: usize = 64;
+
 /// Backward into one completed source `v` (with per-token 1/rms `rstd`), taken at once for
 /// every consumer that read it, where it sat at column `col` of their weights: returns the
 /// source's whole gradient (in `acc`) and accumulates into each consumer's effective-query gradient
@@ -338,41 +341,54 @@ pub fn backward_source(
     let dptr = SendPtr(dv.as_mut_ptr());
     let cptr = SendPtr(coefs.as_mut_ptr());
     let part = par_reduce_rows(rows, (pass.max(s) + 1) * d, s * d, |range, dw| {
-        let mut acc = vec![0.0f32; d];
-        for t in range {
-            let (vrow, r) = (&v[t * d..(t + 1) * d], rstd[t]);
-            let mut coef = match from {
+        // Tokens go in tiles, consumer by consumer within a tile: each consumer's `dh` is then
+        // read as one run of `SOURCE_TILE` rows rather than one row among many streams, which
+        // the hardware prefetches. Every sum still adds its terms in the same order (per token
+        // over consumers, per consumer over tokens), so the result is the same bits.
+        let mut acc = vec![0.0f32; SOURCE_TILE * d];
+        let mut coef = [0.0f32; SOURCE_TILE];
+        for t0 in range.clone().step_by(SOURCE_TILE) {
+            let t1 = (t0 + SOURCE_TILE).min(range.end);
+            let (acc, coef) = (&mut acc[..(t1 - t0) * d], &mut coef[..t1 - t0]);
+            match from {
                 Some(f) => {
-                    acc.copy_from_slice(&f.acc[t * d..(t + 1) * d]);
-                    f.coef[t]
+                    acc.copy_from_slice(&f.acc[t0 * d..t1 * d]);
+                    coef.copy_from_slice(&f.coef[t0..t1]);
                 }
                 None => {
                     acc.fill(0.0);
-                    0.0f32
+                    coef.fill(0.0);
                 }
-            };
-            for (j, g) in consumers.iter().enumerate() {
-                let (a, l) = (g.alpha[t * g.n_sources + col], g.logits[t * g.n_sources + col]);
-                let dh = &g.dh[t * d..(t + 1) * d];
-                let dl = a * (dot(dh, vrow) - g.dh_dot_h[t]);
-                simd::axpy2(&mut acc, a, dh, dl * r, g.w);
-                simd::axpy(&mut dw[j * d..(j + 1) * d], dl * r, vrow);
-                coef += dl * l;
             }
-            // SAFETY: row t of dv lies in its capacity (rows·d), is in this task's row range only
-            // and is written in full here: `acc` and `vrow` both hold d values (its length is
-            // set once every row is); so is entry t of `coefs` (rows long when not finishing).
-            unsafe {
-                let out = dptr.get().add(t * d);
-                if finish {
-                    // value path + key path: dv = Σ_c (α·dh + dl·r·w) − (r²/d)·Σ_c dl·logit · v
-                    let c = coef * r * r / d as f32;
-                    for (i, (x, y)) in acc.iter().zip(vrow).enumerate() {
-                        out.add(i).write(x - c * y);
+            for (j, g) in consumers.iter().enumerate() {
+                let dw = &mut dw[j * d..(j + 1) * d];
+                for t in t0..t1 {
+                    let (vrow, r, i) = (&v[t * d..(t + 1) * d], rstd[t], t - t0);
+                    let (a, l) = (g.alpha[t * g.n_sources + col], g.logits[t * g.n_sources + col]);
+                    let dh = &g.dh[t * d..(t + 1) * d];
+                    let dl = a * (dot(dh, vrow) - g.dh_dot_h[t]);
+                    simd::axpy2(&mut acc[i * d..(i + 1) * d], a, dh, dl * r, g.w);
+                    simd::axpy(dw, dl * r, vrow);
+                    coef[i] += dl * l;
+                }
+            }
+            for t in t0..t1 {
+                let (vrow, i) = (&v[t * d..(t + 1) * d], t - t0);
+                let acc = &acc[i * d..(i + 1) * d];
+                // SAFETY: row t of `dv` (capacity rows·d), written by this task only (tasks
+                // cover disjoint row ranges); `coefs` likewise at t, when kept.
+                unsafe {
+                    let out = dptr.get().add(t * d);
+                    if finish {
+                        // value path + key path: dv = Σ_c (α·dh + dl·r·w) − (r²/d)·Σ_c dl·logit · v
+                        let c = coef[i] * rstd[t] * rstd[t] / d as f32;
+                        for (k, (x, y)) in acc.iter().zip(vrow).enumerate() {
+                            out.add(k).write(x - c * y);
+                        }
+                    } else {
+                        std::ptr::copy_nonoverlapping(acc.as_ptr(), out, d);
+                        cptr.get().add(t).write(coef[i]);
                     }
-                } else {
-                    std::ptr::copy_nonoverlapping(acc.as_ptr(), out, d);
-                    cptr.get().add(t).write(coef);
                 }
             }
         }
@@ -478,7 +494,14 @@ mod tests {
 
     #[test]
     fn per_source_backward_equals_per_consumer_backward() {
-        let (rows, d, c, s) = (29, 16, 3, 3);
+        // Within one tile of tokens, and over several with a ragged last one.
+        for rows in [29, 2 * SOURCE_TILE + 5] {
+            per_source_case(rows);
+        }
+    }
+
+    fn per_source_case(rows: usize) {
+        let (d, c, s) = (16, 3, 3);
         let cs = case(rows, d, c, s);
         let dhs: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 500 + j as u64, 1.0)).collect();
         // Reference: one-pass forward and backward per consumer.
