@@ -11,13 +11,14 @@ pub mod pipeline;
 use super::checkpoint::{self as run_dir, TrainState, METRICS};
 use super::config::RunConfig;
 use super::data::{Corpus, Split};
-use super::optim::{lr_at, Optimizer};
+use super::optim::{global_norm, lr_at, tensor_squares, Optimizer};
 use super::progress::{Progress, SharedBar};
 use super::tokenizer::Bpe;
 use super::tokens::{cache_dir, content_key, Tokens, WindowOrder};
 use super::validation::{unigram_bits_per_byte, validate};
 use crate::fs::write_atomic;
 use crate::kernels;
+use crate::model::params::Layout as ParamLayout;
 use crate::model::{checkpoint, Model};
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
@@ -73,28 +74,43 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
     if trainer.at.step == 0 {
         // A run is resumable from its first moment: a kill before the first regular checkpoint
         // resumes at step 0 instead of leaving a directory that can only be overwritten.
-        trainer.lead(|t| t.checkpoint())?;
+        trainer.lead(Whole::State, |t| t.checkpoint())?;
         if trainer.init.is_some() {
             // A run from a checkpoint starts where that model is: its loss before any step.
-            trainer.lead(|t| t.evaluate_start())?;
+            trainer.lead(Whole::Weights, |t| t.evaluate_start())?;
         }
     }
     while trainer.at.step < trainer.total {
         let outcome = trainer.step()?;
-        trainer.lead(|t| {
+        let (evaluated, checkpointed) = (trainer.evaluation_due(), trainer.agreed_checkpoint_due());
+        let whole = match (evaluated, checkpointed) {
+            (_, true) => Whole::State,
+            (true, false) => Whole::Weights,
+            (false, false) => Whole::Nothing,
+        };
+        trainer.lead(whole, |t| {
             let mut record = outcome.record(&t.at, t.run.train.batch_tokens);
-            let evaluated = t.evaluation_due();
             if evaluated {
                 t.evaluate(&outcome, &mut record)?;
             }
             t.log(&outcome, record, evaluated)?;
-            if t.checkpoint_due() {
+            if checkpointed {
                 t.checkpoint()?;
             }
             Ok(())
         })?;
     }
     trainer.lead_finish()
+}
+
+/// What of the whole model rank 0's work after a step needs, where the ranks of a pipeline
+/// hold parts of it ([`Trainer::lead`]): nothing, the weights (to validate) or the weights and
+/// optimiser state (to write a checkpoint).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Whole {
+    Nothing,
+    Weights,
+    State,
 }
 
 /// How far a run has got; saved in every checkpoint.
@@ -419,6 +435,16 @@ impl<'g> Trainer<'g> {
         self.at.step.is_multiple_of(self.run.train.eval_every) || self.at.step == self.total
     }
 
+    /// [`Self::checkpoint_due`] as rank 0, which writes checkpoints, sees it, on every rank
+    /// (the time since the last checkpoint is rank 0's).
+    fn agreed_checkpoint_due(&self) -> bool {
+        let mut due = [self.checkpoint_due() as u8];
+        if let Some(g) = self.group {
+            g.broadcast_from_leader(&mut due);
+        }
+        due[0] != 0
+    }
+
     fn checkpoint_due(&self) -> bool {
         checkpoint_due(
             self.at.step,
@@ -707,7 +733,17 @@ pub fn optimizer_step(
     let losses = backward_each(model, &opt.config, micro_batches, rows, step, |g| {
         kernels::add_assign(&mut grads, &g)
     })?;
-    apply_gradients(model, opt, grads, &losses, lr, step)
+    apply_gradients(model, opt, grads, &losses, lr, step, &whole_norms)
+}
+
+/// Each tensor's sum of squared gradients and each sublayer's gradient norm, of the whole
+/// model, from the gradients `grads` of the tensors of `layout`: in one process these are all
+/// of them; a pipeline stage gathers the other stages' ([`Group`]).
+type Norms<'a> = &'a dyn Fn(&ParamLayout, &[f32]) -> (Vec<f64>, Vec<f64>);
+
+/// [`Norms`] of one process, which holds every tensor.
+fn whole_norms(layout: &ParamLayout, grads: &[f32]) -> (Vec<f64>, Vec<f64>) {
+    (tensor_squares(layout, grads), crate::diagnostics::sublayer_grad_norms(layout, grads))
 }
 
 /// Forward and backward over each micro-batch in order: hands each gradient to `take` and
@@ -744,7 +780,8 @@ fn check_loss(loss: f32, o: &super::optim::OptimConfig, step: usize) -> Result<(
 }
 
 /// The rest of a step once `grads` holds the sum of the gradients of the step's micro-batches
-/// (`losses`: theirs, in order): the mean, clipping, the update.
+/// (`losses`: theirs, in order): the mean, clipping (by the whole model's norm, from
+/// `norms`), the update.
 fn apply_gradients(
     model: &mut Model,
     opt: &mut Optimizer,
@@ -752,6 +789,7 @@ fn apply_gradients(
     losses: &[f32],
     lr: f64,
     step: usize,
+    norms: Norms,
 ) -> Result<StepOutcome> {
     let loss_sum: f64 = losses.iter().fold(0.0, |s, &l| s + l as f64);
     let n = step + 1;
@@ -760,12 +798,13 @@ fn apply_gradients(
         let s = 1.0 / accum as f32;
         grads.iter_mut().for_each(|g| *g *= s);
     }
-    let sublayer_grad_norms = crate::diagnostics::sublayer_grad_norms(&model.layout, &grads);
-    let grad_norm = opt.clip(&mut grads);
+    let (squares, sublayer_grad_norms) = norms(&model.layout, &grads);
+    let grad_norm = global_norm(&squares);
+    opt.clip(&mut grads, grad_norm);
     if !grad_norm.is_finite() {
         bail!(
             "the gradient norm became {grad_norm} at step {n} (first in {}); {}",
-            first_non_finite(&model.layout, &grads).unwrap_or("?"),
+            first_non_finite(&model.layout, &grads).unwrap_or("another pipeline stage's tensors"),
             non_finite_advice(&opt.config, step, false)
         );
     }

@@ -8,10 +8,12 @@
 
 use super::pipeline::{Layout, Stage, StepTraffic};
 use super::{
-    apply_gradients, backward_each, check_loss, Position, StepOutcome, Throughput, Trainer,
+    apply_gradients, backward_each, check_loss, whole_norms, Position, StepOutcome, Throughput,
+    Trainer,
 };
-use super::{Model, Optimizer, Progress, TrainOptions};
+use super::{Model, Optimizer, Progress, TrainOptions, Whole};
 use crate::comm::{self, Comm};
+use crate::model::params::Layout as ParamLayout;
 use crate::train::config::{RunConfig, TrainConfig};
 use crate::train::data::Corpus;
 use crate::train::tokenizer::Bpe;
@@ -118,6 +120,11 @@ impl<'c> Group<'c> {
         self.comm.size()
     }
 
+    /// `buf` of rank 0 on every rank.
+    pub(super) fn broadcast_from_leader(&self, buf: &mut [u8]) {
+        self.comm.broadcast_u8(0, buf);
+    }
+
     /// Whether this is rank 0, which writes the run directory and prints the run's progress.
     pub fn leads(&self) -> bool {
         self.rank() == 0
@@ -127,7 +134,8 @@ impl<'c> Group<'c> {
     /// gradients over the ranks (waiting for the others included) and, in a pipeline, into
     /// computing chunks and into waiting for (or posting) messages: the log's lines and the
     /// figures for `summary.json`. Every rank calls this; rank 0 uses the result.
-    fn timings(&self) -> (Vec<String>, Value) {
+    /// Also what each rank holds (`model`, `opt`: its own) and its peak resident memory.
+    fn timings(&self, model: &Model, opt: &Optimizer) -> (Vec<String>, Value) {
         let (compute, wait) = self.pipe_seconds.get();
         let mine = [
             self.step_seconds.get() as f32,
@@ -136,6 +144,13 @@ impl<'c> Group<'c> {
             wait as f32,
         ];
         let all = self.comm.all_gather_f32(&mine);
+        let held = [
+            model.params.len() as u64,
+            model.layout.updated() as u64,
+            (opt.m.len() + opt.v.len() + opt.momentum.len()) as u64,
+            peak_resident_bytes().unwrap_or(0),
+        ];
+        let held = self.comm.all_gather_u64(&held);
         let pct = |x: f32, of: f32| 100.0 * x / of.max(1e-9);
         let mut lines = Vec::new();
         let mut json = Vec::new();
@@ -146,7 +161,14 @@ impl<'c> Group<'c> {
                 pct(reduce, step),
                 self.reduce.name()
             );
-            let mut j = json!({"rank": r, "step_seconds": step, "reduce_seconds": reduce});
+            let h = &held[4 * r..4 * r + 4];
+            let mut j = json!({
+                "rank": r, "step_seconds": step, "reduce_seconds": reduce,
+                "parameter_values": h[0], "updated_values": h[1], "optimizer_values": h[2],
+            });
+            if h[3] > 0 {
+                j["peak_resident_bytes"] = json!(h[3]);
+            }
             if self.layout.is_pipeline() {
                 line += &format!(
                     ", {compute:.2} s ({:.1}%) computing chunks, {wait:.2} s ({:.1}%) waiting for or posting pipeline messages",
@@ -156,6 +178,17 @@ impl<'c> Group<'c> {
                 j["compute_seconds"] = json!(compute);
                 j["wait_seconds"] = json!(wait);
             }
+            line += &format!(
+                "; it held {} parameter values ({} of them updated here) and {} optimiser values{}",
+                h[0],
+                h[1],
+                h[2],
+                if h[3] > 0 {
+                    format!(", {:.1} MB at its peak", h[3] as f64 / 1e6)
+                } else {
+                    String::new()
+                }
+            );
             lines.push(line);
             json.push(j);
         }
@@ -202,13 +235,17 @@ impl<'c> Group<'c> {
             };
         }
         if let Some((step, _)) = weights {
-            if let Some(r) = (1..self.size()).find(|r| all[2 * r + 1] != all[1]) {
+            // Each rank against the rank of its pipeline stage in the first replica, which
+            // holds the same part of the model (rank 0, without a pipeline).
+            let twin = |r: usize| r % self.layout.stages;
+            if let Some(r) = (1..self.size()).find(|&r| all[2 * r + 1] != all[2 * twin(r) + 1]) {
                 self.failure_agreed.set(true);
                 if rank > 0 {
                     return Err(Reported.into());
                 }
                 bail!(
-                    "rank {r}'s weights differ from rank 0's after step {step}: every rank must run the same attnres build with the same --threads on the same kind of processor"
+                    "rank {r}'s weights differ from rank {}'s after step {step}: every rank must run the same attnres build with the same --threads on the same kind of processor",
+                    twin(r)
                 );
             }
         }
@@ -240,12 +277,57 @@ impl<'c> Group<'c> {
                 (losses, grads, Some(bytes))
             }
         };
-        let done = apply_gradients(model, opt, grads, &losses, lr, step).map(|mut o| {
+        let stage = self.stage.borrow();
+        let norms = |lay: &ParamLayout, g: &[f32]| match stage.as_ref() {
+            None => whole_norms(lay, g),
+            Some(stage) => self.gathered_norms(stage, lay, g),
+        };
+        let done = apply_gradients(model, opt, grads, &losses, lr, step, &norms).map(|mut o| {
             o.pipeline_bytes = bytes;
             o
         });
+        let done = self.agree(done, None)?;
+        if let Some(reader) = stage.as_ref().and_then(Stage::tied_reader) {
+            // The first stage reads the tied embedding that the last stage updated.
+            let embed = model.layout.embed.clone();
+            if stage.as_ref().is_some_and(Stage::is_last) {
+                self.comm.send_f32(reader, &model.params[embed]);
+            } else if self.rank() == reader {
+                let last = stage.as_ref().map_or(0, Stage::last_rank);
+                self.comm.receive_f32(last, &mut model.params[embed]);
+            }
+        }
         self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
-        self.agree(done, None)
+        Ok(done)
+    }
+
+    /// [`super::Norms`] on a pipeline stage: each tensor's sum of squares made by the stage that
+    /// updates it, and each sublayer's norm by the stage that runs it, gathered from the stages
+    /// of the first replica (their replicas hold the same values).
+    fn gathered_norms(
+        &self,
+        stage: &Stage,
+        layout: &ParamLayout,
+        grads: &[f32],
+    ) -> (Vec<f64>, Vec<f64>) {
+        let (squares, sublayers) = whole_norms(layout, grads);
+        let tensors = stage.whole_tensors();
+        // Every value in its place among the whole model's, zero where another stage makes it.
+        let mut mine = vec![0u64; tensors + sublayers.len()];
+        for (&i, sq) in stage.updated().iter().zip(&squares) {
+            mine[i] = sq.to_bits();
+        }
+        for (j, n) in sublayers.iter().enumerate() {
+            mine[tensors + j] = n.to_bits();
+        }
+        let all = self.comm.all_gather_u64(&mine);
+        // Adding the zeros of the other stages changes no value.
+        let mut whole = vec![0f64; mine.len()];
+        for part in all.chunks(mine.len()).take(self.layout.stages) {
+            whole.iter_mut().zip(part).for_each(|(w, p)| *w += f64::from_bits(*p));
+        }
+        let sublayers = whole.split_off(tensors);
+        (whole, sublayers)
     }
 
     /// Every micro-batch's loss, in the order of one process, and the sum of their gradients:
@@ -273,10 +355,9 @@ impl<'c> Group<'c> {
     }
 
     /// [`Self::data_parallel_grads`] over pipelines: this rank's passes over its replica's
-    /// micro-batches, then the losses gathered from the last stages and the gradients added,
-    /// first over the replicas of each stage (in one process's order, or by MPI's all-reduce),
-    /// then over the stages, which hold disjoint parameters (adding zeros: exact). Also the
-    /// bytes every rank sent between stages.
+    /// micro-batches, then the losses gathered from the last stages and the gradients of this
+    /// stage's tensors added over its replicas, in one process's order. Also the bytes every
+    /// rank sent between stages.
     fn pipeline_grads(
         &self,
         stage: &Stage,
@@ -286,7 +367,7 @@ impl<'c> Group<'c> {
         rows: usize,
         step: usize,
     ) -> Result<(Vec<f32>, Vec<f32>, u64)> {
-        let n = model.params.len();
+        let n = model.layout.updated();
         let mut traffic = StepTraffic::default();
         fault_point_kill(self.rank(), step + 1);
         // Nothing in the passes fails but a bug, and the other ranks may be waiting for this
@@ -302,18 +383,10 @@ impl<'c> Group<'c> {
             check_loss(loss, &opt.config, step)?;
         }
         let t = Instant::now();
-        let grads = match self.reduce {
-            Reduce::Exact => {
-                let among = stage.stage_ranks(self.size());
-                let mut g = comm::sum_in_order_among(self.comm, &among, &mine, n);
-                if stage.replica() > 0 {
-                    g.iter_mut().for_each(|x| *x = 0.0);
-                }
-                self.comm.all_reduce_sum_f32(&mut g);
-                g
-            }
-            Reduce::Mpi => comm::sum_all_reduce(self.comm, &mine, n),
-        };
+        // The stage's replicas add theirs in one process's order (in either mode: MPI's
+        // all-reduce spans every rank, and the stages hold different tensors).
+        let among = stage.stage_ranks(self.size());
+        let grads = comm::sum_in_order_among(self.comm, &among, &mine, n);
         self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
         let bytes = self.comm.all_gather_u64(&[traffic.bytes]).iter().sum();
         let (c, w) = self.pipe_seconds.get();
@@ -362,6 +435,16 @@ fn fault_point_kill(rank: usize, step: usize) {
     }
 }
 
+/// The most memory this process has held resident (Linux's `VmHWM`), in bytes; none where the
+/// system does not say.
+fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 =
+        line.trim_start_matches("VmHWM:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// A fingerprint of the weights, to check that the ranks hold the same ones.
 fn fingerprint(values: &[f32]) -> u64 {
     let fnv = |h: u64, x: u64| (h ^ x).wrapping_mul(0x100000001b3);
@@ -403,6 +486,7 @@ impl<'g> Trainer<'g> {
             let t = Trainer::start(run, opts, g.replicas())?;
             let tc = &t.run.train;
             g.layout.check_model(&t.run.model, tc.accumulation() / g.replicas())?;
+            g.set_stage(&t.run.model, tc.accumulation())?;
             let handover = serde_json::to_vec(&t.handover()?)?;
             Ok((t, handover))
         });
@@ -416,12 +500,16 @@ impl<'g> Trainer<'g> {
             None => Trainer::follow(&handover, g),
         };
         let mut t = g.agree(t, None)?;
-        for buf in [&mut t.model.params, &mut t.opt.m, &mut t.opt.v, &mut t.opt.momentum] {
-            g.comm.broadcast_f32(0, buf);
+        match g.stage.borrow().as_ref() {
+            None => {
+                for buf in [&mut t.model.params, &mut t.opt.m, &mut t.opt.v, &mut t.opt.momentum] {
+                    g.comm.broadcast_f32(0, buf);
+                }
+            }
+            Some(stage) => t.take_parts(g, stage)?,
         }
         t.group = Some(g);
         let tc = &t.run.train;
-        g.agree(g.set_stage(&t.model.config, tc.accumulation()), None)?;
         if let Some(stage) = g.stage.borrow().as_ref() {
             let (bytes, messages) =
                 stage.bytes_per_step(tc.micro_batch * tc.seq_len, t.model.config.hidden_size);
@@ -497,7 +585,15 @@ impl<'g> Trainer<'g> {
         );
         let tc = &h.run.train;
         let order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
-        let model = Model::init(h.run.model.clone(), tc.seed)?;
+        g.set_stage(&h.run.model, tc.accumulation())?;
+        // The values come from rank 0; a pipeline stage holds only its part of them.
+        let model = match g.stage.borrow().as_ref() {
+            None => Model::init(h.run.model.clone(), tc.seed)?,
+            Some(stage) => {
+                let part = stage.part().clone();
+                Model::part(h.run.model.clone(), part.clone(), vec![0.0; part.total])?
+            }
+        };
         let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
         opt.step = h.optimizer_step;
         let total = tc.steps();
@@ -534,21 +630,145 @@ impl<'g> Trainer<'g> {
         })
     }
 
-    /// Work that only rank 0 does (logging, validation, checkpoints), agreed on by every rank;
+    /// Hands every rank of a pipeline its stage's part of the model and optimiser state, which
+    /// rank 0 loaded or made whole; rank 0 then keeps its own part only.
+    fn take_parts(&mut self, g: &Group, stage: &Stage) -> Result<()> {
+        let c = &self.run.model;
+        let accumulation = self.run.train.accumulation();
+        if g.leads() {
+            for r in 1..g.size() {
+                let theirs = Stage::new(g.layout, c, accumulation / g.replicas(), r)?;
+                g.comm.send_f32(r, &theirs.take(&self.model.params));
+                for state in [&self.opt.m, &self.opt.v, &self.opt.momentum] {
+                    g.comm.send_f32(r, &theirs.take_updated(state));
+                }
+            }
+            let opt = &mut self.opt;
+            let part = |whole: &[f32]| stage.take_updated(whole);
+            (opt.m, opt.v, opt.momentum) = (part(&opt.m), part(&opt.v), part(&opt.momentum));
+            let params = stage.take(&self.model.params);
+            self.model = Model::part(c.clone(), stage.part().clone(), params)?;
+            let step = self.opt.step;
+            let (m, v, momentum) = (
+                std::mem::take(&mut self.opt.m),
+                std::mem::take(&mut self.opt.v),
+                std::mem::take(&mut self.opt.momentum),
+            );
+            self.opt = Optimizer::new(self.run.train.optim.clone(), &self.model.layout);
+            (self.opt.step, self.opt.m, self.opt.v, self.opt.momentum) = (step, m, v, momentum);
+        } else {
+            g.comm.receive_f32(0, &mut self.model.params);
+            for state in [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum] {
+                g.comm.receive_f32(0, state);
+            }
+        }
+        Ok(())
+    }
+
+    /// Under a pipeline, the whole model's weights (and with [`Whole::State`] its optimiser
+    /// state) on rank 0, put together from the parts the stages of the first replica update;
+    /// none elsewhere, or without a pipeline (every rank holds the whole model).
+    fn assemble(&self, g: &Group, whole: Whole) -> Result<Option<(Model, Option<Optimizer>)>> {
+        let stage = g.stage.borrow();
+        let Some(stage) = stage.as_ref().filter(|_| whole != Whole::Nothing) else {
+            return Ok(None);
+        };
+        let with_state = whole == Whole::State;
+        let mine = || {
+            let state = [&self.opt.m, &self.opt.v, &self.opt.momentum];
+            let n = if with_state { state.len() } else { 0 };
+            std::iter::once(&self.model.params[..self.model.layout.updated()])
+                .chain(state.into_iter().take(n).map(|s| s.as_slice()))
+        };
+        if !g.leads() {
+            if stage.replica() == 0 {
+                mine().for_each(|buf| g.comm.send_f32(0, buf));
+            }
+            return Ok(None);
+        }
+        let c = &self.run.model;
+        let mut model = Model::new(c.clone(), vec![0.0; stage.whole().total])?;
+        let mut opt = with_state.then(|| {
+            let mut o = Optimizer::new(self.run.train.optim.clone(), &model.layout);
+            o.step = self.opt.step;
+            o
+        });
+        let accumulation = self.run.train.accumulation();
+        for r in 0..g.layout.stages {
+            let theirs = Stage::new(g.layout, c, accumulation / g.replicas(), r)?;
+            let mut targets = vec![&mut model.params];
+            if let Some(o) = opt.as_mut() {
+                targets.extend([&mut o.m, &mut o.v, &mut o.momentum]);
+            }
+            let parts: Vec<Vec<f32>> = if r == 0 {
+                mine().map(|b| b.to_vec()).collect()
+            } else {
+                let n = theirs.part().updated();
+                (0..1 + 3 * with_state as usize)
+                    .map(|_| {
+                        let mut buf = vec![0.0f32; n];
+                        g.comm.receive_f32(r, &mut buf);
+                        buf
+                    })
+                    .collect()
+            };
+            for (part, whole) in parts.iter().zip(targets) {
+                theirs.put_updated(part, whole);
+            }
+        }
+        Ok(Some((model, opt)))
+    }
+
+    /// Work that only rank 0 does (logging, validation, checkpoints), agreed on by every rank,
+    /// with as much of the whole model as it needs (`whole`) in `self.model` and `self.opt`;
     /// after the first step and every validation the ranks also check that their weights agree.
-    pub(super) fn lead(&mut self, work: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+    pub(super) fn lead(
+        &mut self,
+        whole: Whole,
+        work: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let Some(g) = self.group else { return work(self) };
-        let done = if g.leads() { work(self) } else { Ok(()) };
         let check = (self.at.step <= 1 || self.evaluation_due())
             .then(|| (self.at.step, fingerprint(&self.model.params)));
+        let done = match self.assemble(g, whole) {
+            Ok(Some(assembled)) => self.with_whole(assembled, work),
+            Ok(None) if g.leads() => work(self),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
         g.agree(done, check)
     }
 
+    /// `work` with the whole model (and optimiser state, when given) in place of rank 0's part
+    /// of them.
+    fn with_whole(
+        &mut self,
+        (model, opt): (Model, Option<Optimizer>),
+        work: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
+        let part_model = std::mem::replace(&mut self.model, model);
+        let part_opt = opt.map(|o| std::mem::replace(&mut self.opt, o));
+        let done = work(self);
+        self.model = part_model;
+        if let Some(o) = part_opt {
+            self.opt = o;
+        }
+        done
+    }
+
     /// [`Trainer::finish`] on rank 0, agreed on by every rank.
-    pub(super) fn lead_finish(self) -> Result<f64> {
+    pub(super) fn lead_finish(mut self) -> Result<f64> {
         let Some(g) = self.group else { return self.finish(None) };
-        let timings = g.timings();
-        let done = if g.leads() { self.finish(Some(timings)) } else { Ok(f64::NAN) };
+        let timings = g.timings(&self.model, &self.opt);
+        let done = match self.assemble(g, Whole::Weights) {
+            Ok(Some((model, _))) => {
+                self.model = model;
+                self.finish(Some(timings))
+            }
+            Ok(None) if g.leads() => self.finish(Some(timings)),
+            Ok(None) => Ok(f64::NAN),
+            Err(e) => Err(e),
+        };
         g.agree(done, None)
     }
 }

@@ -18,6 +18,7 @@
 use super::parallel::Group;
 use crate::comm::Comm;
 use crate::model::chunk::{ChunkForward, ChunkGradIn};
+use crate::model::params::Layout as ParamLayout;
 use crate::model::residual::{ResidualForward, SourceSums};
 use crate::model::{Config, Model};
 use crate::pipeline::{self, chunk_bounds, Cache, Depth, Grads, Op, Shape, Transfer};
@@ -120,6 +121,14 @@ pub struct Stage {
     replica: usize,
     /// Whether the first and last stage share the embedding matrix as the LM head.
     tied: bool,
+    /// The whole model's tensors, and this stage's part of them ([`ParamLayout::part`]).
+    whole: ParamLayout,
+    part: ParamLayout,
+    /// Where the part's tensors lie in the whole model's buffer and in the part's: those the
+    /// stage updates first (one per tensor of `part.specs`), then its read-only copies.
+    held: Vec<(Range<usize>, usize)>,
+    /// The index in `whole.specs` of each tensor this stage updates.
+    updated: Vec<usize>,
 }
 
 impl Stage {
@@ -135,17 +144,95 @@ impl Stage {
             "--pp x --vpp = {} chunks is more than MPI's tags can name",
             shape.chunks()
         );
+        let bounds = chunk_bounds(depth.sublayers, shape.chunks());
+        let whole = ParamLayout::new(c);
+        let (owned, copied) = ownership(&whole, &shape, &bounds, stage, c.tie_word_embeddings);
+        let part = whole.part(&owned, &copied);
+        // Packed as the part packs them: the tensors it updates, then its copies.
+        let mut held = Vec::new();
+        for marks in [&owned, &copied] {
+            for s in whole.specs.iter().zip(marks.iter()).filter(|(_, m)| **m).map(|(s, _)| s) {
+                let at = held.last().map_or(0, |(r, at): &(Range<usize>, usize)| at + r.len());
+                held.push((s.range.clone(), at));
+            }
+        }
+        let updated = (0..whole.specs.len()).filter(|&i| owned[i]).collect();
         Ok(Stage {
             layout,
             shape,
             depth,
-            bounds: chunk_bounds(depth.sublayers, shape.chunks()),
+            bounds,
             transfers: pipeline::transfers(&depth, &shape, layout.cache),
             ops: pipeline::schedule(&shape)[stage].clone(),
             stage,
             replica: rank / layout.stages,
             tied: c.tie_word_embeddings,
+            whole,
+            part,
+            held,
+            updated,
         })
+    }
+
+    /// How many tensors the whole model has.
+    pub fn whole_tensors(&self) -> usize {
+        self.whole.specs.len()
+    }
+
+    /// The whole model's tensors.
+    pub fn whole(&self) -> &ParamLayout {
+        &self.whole
+    }
+
+    /// This stage's part of the model's tensors.
+    pub fn part(&self) -> &ParamLayout {
+        &self.part
+    }
+
+    /// The index in the whole model's tensors of each tensor this stage updates, in order.
+    pub fn updated(&self) -> &[usize] {
+        &self.updated
+    }
+
+    /// The values of this stage's part (its own tensors, then its read-only copies) out of the
+    /// whole model's buffer `whole`.
+    pub fn take(&self, whole: &[f32]) -> Vec<f32> {
+        let mut part = vec![0.0f32; self.part.total];
+        for (r, at) in &self.held {
+            part[*at..*at + r.len()].copy_from_slice(&whole[r.clone()]);
+        }
+        part
+    }
+
+    /// The values of the tensors this stage updates, laid out as its optimiser state is, out
+    /// of the whole model's state `whole`.
+    pub fn take_updated(&self, whole: &[f32]) -> Vec<f32> {
+        let mut part = self.take(whole);
+        part.truncate(self.part.updated());
+        part
+    }
+
+    /// Puts the values of the tensors this stage updates (`part`, laid out as
+    /// [`Self::take_updated`] makes them) into the whole model's buffer `whole`.
+    pub fn put_updated(&self, part: &[f32], whole: &mut [f32]) {
+        for (r, at) in &self.held[..self.updated.len()] {
+            whole[r.clone()].copy_from_slice(&part[*at..*at + r.len()]);
+        }
+    }
+
+    /// The rank of this replica's first stage, which reads the tied embedding that the last
+    /// stage updates (as the LM head): none for an untied head.
+    pub fn tied_reader(&self) -> Option<usize> {
+        (self.tied && self.layout.stages > 1).then(|| self.rank_of(0))
+    }
+
+    /// The rank of this replica's last stage.
+    pub fn last_rank(&self) -> usize {
+        self.rank_of(self.last_chunk())
+    }
+
+    pub fn stage(&self) -> usize {
+        self.stage
     }
 
     /// The rank of the job that runs chunk `c` of this rank's pipeline.
@@ -192,8 +279,9 @@ impl Stage {
     }
 
     /// This rank's passes of one step over its replica's `micro_batches` (`rows` sequences
-    /// each): the loss of each micro-batch (last stage; NaN elsewhere) and each micro-batch's
-    /// gradient of this stage's parameters (zero elsewhere).
+    /// each) on `model`, this stage's part of the model ([`Self::take`]): the loss of each
+    /// micro-batch (last stage; NaN elsewhere) and each micro-batch's gradient of the tensors
+    /// this stage updates (laid out as its optimiser state is).
     pub fn run(
         &self,
         comm: &dyn Comm,
@@ -265,7 +353,7 @@ impl Stage {
                         ChunkGradIn::Sent { acc, sums }
                     };
                     while grads.len() <= micro {
-                        grads.push(crate::kernels::zeros(model.params.len()));
+                        grads.push(crate::kernels::zeros(model.layout.updated()));
                     }
                     let t = Instant::now();
                     let out = model.backward_chunk(f, start, &mut grads[micro])?;
@@ -301,7 +389,7 @@ impl Stage {
                 model.embedding_backward(&mut grads[m], &de, ids);
             }
         }
-        grads.resize_with(m_count, || crate::kernels::zeros(model.params.len()));
+        grads.resize_with(m_count, || crate::kernels::zeros(model.layout.updated()));
         Ok((losses, grads))
     }
 
@@ -425,6 +513,45 @@ impl Io<'_> {
     }
 }
 
+/// Which tensors of the whole model (`layout`) stage `stage` updates and which it holds as
+/// read-only copies: the tensors of the sublayers of its chunks, the embedding on the first
+/// stage and the final norm, output aggregation and LM head on the last. A tied embedding is the
+/// last stage's (the LM head's gradient and the embedding's meet there, see [`Stage::run`]);
+/// the first stage reads a copy of it, which the last stage sends after every update.
+fn ownership(
+    layout: &ParamLayout,
+    shape: &Shape,
+    bounds: &[Range<usize>],
+    stage: usize,
+    tied: bool,
+) -> (Vec<bool>, Vec<bool>) {
+    let last = stage == shape.stages - 1;
+    let mut mine: Vec<Range<usize>> = Vec::new();
+    for (_, b) in bounds.iter().enumerate().filter(|(c, _)| shape.rank_of(*c) == stage) {
+        for l in b.clone() {
+            mine.extend(layout.sublayer_ranges(l));
+        }
+    }
+    if stage == 0 && !tied {
+        mine.push(layout.embed.clone());
+    }
+    if last {
+        mine.push(layout.final_norm.clone());
+        mine.push(layout.head.clone());
+        if let Some(p) = &layout.output_depth {
+            mine.push(p.query.clone());
+            mine.extend(p.gain.clone());
+        }
+    }
+    let within = |r: &Range<usize>, of: &[Range<usize>]| {
+        of.iter().any(|m| m.start <= r.start && r.end <= m.end)
+    };
+    let owned = layout.specs.iter().map(|s| within(&s.range, &mine)).collect();
+    let copies = if stage == 0 && tied && !last { vec![layout.embed.clone()] } else { Vec::new() };
+    let copied = layout.specs.iter().map(|s| within(&s.range, &copies)).collect();
+    (owned, copied)
+}
+
 /// The pipeline's part of [`Group`]: set once the run's settings are known.
 pub(super) fn stage_of(g: &Group, c: &Config, accumulation: usize) -> Result<Option<Stage>> {
     let layout = g.layout;
@@ -505,9 +632,21 @@ mod tests {
                 .map(|c| {
                     s.spawn(move || {
                         let stage = Stage::new(layout, &model.config, mbs.len(), c.rank()).unwrap();
+                        let (config, part) = (model.config.clone(), stage.part().clone());
+                        let mine = Model::part(config, part, stage.take(&model.params)).unwrap();
                         let mut traffic = StepTraffic::default();
-                        let r = stage.run(&c, model, mbs, rows, &mut traffic).unwrap();
-                        (r, traffic.bytes)
+                        let (losses, grads) =
+                            stage.run(&c, &mine, mbs, rows, &mut traffic).unwrap();
+                        // Each stage's gradients in the whole model's places, zero elsewhere.
+                        let grads = grads
+                            .iter()
+                            .map(|g| {
+                                let mut whole = kernels::zeros(model.params.len());
+                                stage.put_updated(g, &mut whole);
+                                whole
+                            })
+                            .collect::<Vec<_>>();
+                        ((losses, grads), traffic.bytes)
                     })
                 })
                 .collect();
@@ -521,6 +660,53 @@ mod tests {
             }
         }
         (losses, grads, out.iter().map(|o| o.1).sum())
+    }
+
+    /// Every tensor is updated by exactly one stage, each stage's part holds the tensors of
+    /// its sublayers by name, and the first stage reads a tied embedding it does not update.
+    #[test]
+    fn the_stages_update_disjoint_parts_that_cover_the_model() {
+        use ResidualKind::*;
+        for (residual, tied, p, v) in
+            [(Block, true, 2, 2), (Full, false, 3, 1), (Standard, true, 3, 2), (Block, false, 2, 3)]
+        {
+            let m = model(residual, 3, tied);
+            let layout = Layout { stages: p, virtual_stages: v, ..Layout::none() };
+            let stages: Vec<Stage> =
+                (0..p).map(|r| Stage::new(layout, &m.config, 2 * p, r).unwrap()).collect();
+            let mut owner = vec![None; m.layout.specs.len()];
+            for st in &stages {
+                for &i in st.updated() {
+                    assert_eq!(owner[i], None, "{} updated twice", m.layout.specs[i].name);
+                    owner[i] = Some(st.stage);
+                }
+                assert_eq!(
+                    st.part().updated(),
+                    st.updated().iter().map(|&i| m.layout.specs[i].range.len()).sum::<usize>()
+                );
+            }
+            let bounds = chunk_bounds(6, p * v);
+            for (i, s) in m.layout.specs.iter().enumerate() {
+                let want = if s.name.starts_with("model.layers.") {
+                    let layer: usize = s.name.split('.').nth(2).unwrap().parse().unwrap();
+                    let mlp = s.name.contains(".mlp") || s.name.contains("post_attention");
+                    let l = 2 * layer + mlp as usize;
+                    bounds.iter().position(|b| b.contains(&l)).unwrap() % p
+                } else if s.name == "model.embed_tokens.weight" && !tied {
+                    0
+                } else {
+                    p - 1
+                };
+                assert_eq!(owner[i], Some(want), "{residual:?} P {p} V {v}: {}", s.name);
+            }
+            // Only the tied embedding is held without being updated, and only by stage 0.
+            let embed = m.layout.embed.len();
+            assert_eq!(
+                stages[0].part().total - stages[0].part().updated(),
+                if tied { embed } else { 0 }
+            );
+            assert!(stages[1..].iter().all(|s| s.part().total == s.part().updated()));
+        }
     }
 
     fn same_bits(a: &[f32], b: &[f32]) -> bool {
