@@ -310,6 +310,62 @@ fn pipelines_train_bit_for_bit_what_one_process_trains() {
         };
         let want = planned_bytes(block, p, v, ranks / p, cache, false);
         assert_eq!(pipeline_bytes(&env.path(&run)), vec![want; 8], "{run}: bytes per step");
+        each_rank_holds_its_stages_share(&env.path(&run), p, v);
+    }
+}
+
+/// The parameter and optimiser values every rank of a pipeline run reported holding
+/// (`summary.json`) against its stage's share, worked out here from the tensors' names and
+/// shapes in the run's `model.safetensors`: the tensors of the sublayers of the stage's chunks
+/// (chunk `c` on stage `c mod P`), the embedding on the first stage, the final norm, output
+/// aggregation and LM head on the last; a tied embedding is the last stage's (as the LM head),
+/// with a copy on the first. Three optimiser values (AdamW's two moments, Muon's momentum) per
+/// parameter a stage updates.
+fn each_rank_holds_its_stages_share(run: &Path, p: usize, v: usize) {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("config.json")).unwrap()).unwrap();
+    let tied = config["tie_word_embeddings"].as_bool().unwrap();
+    let sublayers = 2 * config["num_hidden_layers"].as_u64().unwrap() as usize;
+    let bytes = weights(run);
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let chunks = attnres::pipeline::chunk_bounds(sublayers, p * v);
+    let (mut updated, mut embedding, mut total) = (vec![0u64; p], 0, 0);
+    for (name, t) in tensors.tensors() {
+        let size = t.shape().iter().product::<usize>() as u64;
+        total += size;
+        let stage = if let Some(rest) = name.strip_prefix("model.layers.") {
+            let layer: usize = rest.split('.').next().unwrap().parse().unwrap();
+            let mlp = rest.contains(".mlp") || rest.contains("post_attention_layernorm");
+            let l = 2 * layer + mlp as usize;
+            chunks.iter().position(|c| c.contains(&l)).unwrap() % p
+        } else if name == "model.embed_tokens.weight" {
+            embedding = size;
+            if tied {
+                p - 1
+            } else {
+                0
+            }
+        } else {
+            p - 1
+        };
+        updated[stage] += size;
+    }
+    assert_eq!(updated.iter().sum::<u64>(), total);
+    let ranks = summary(run)["rank_seconds"].as_array().unwrap().clone();
+    for r in &ranks {
+        let stage = r["rank"].as_u64().unwrap() as usize % p;
+        let copy = if tied && stage == 0 { embedding } else { 0 };
+        let got = [&r["updated_values"], &r["parameter_values"], &r["optimizer_values"]]
+            .map(|x| x.as_u64().unwrap());
+        let want = [updated[stage], updated[stage] + copy, 3 * updated[stage]];
+        assert_eq!(
+            got,
+            want,
+            "{}: rank {} (updated, held, optimiser values)",
+            run.display(),
+            r["rank"]
+        );
+        assert!(got[2] < 3 * total, "a stage holds less optimiser state than one process");
     }
 }
 
