@@ -9,7 +9,7 @@ use super::config::RunConfig;
 use super::optim::Optimizer;
 use super::tokenizer::Bpe;
 use crate::fs::write_atomic;
-use crate::model::checkpoint::{self, f32_values, safetensors_parts};
+use crate::model::checkpoint::{self, f32_values, le_bytes, safetensors_header};
 use crate::model::Model;
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
@@ -221,6 +221,35 @@ pub(super) fn checkpoint_dir(out: &Path) -> Result<PathBuf> {
     )
 }
 
+/// The optimiser state a checkpoint holds, by name: AdamW's moments and Muon's momentum, each
+/// laid out like the whole model's parameters.
+pub(super) const STATE_TENSORS: [&str; 3] = ["adam.m", "adam.v", "muon.momentum"];
+
+/// Where [`save`] takes the optimiser state from: its step and the values of its
+/// [`STATE_TENSORS`], handed over one at a time as they are written (so that state put together
+/// from the stages of a pipeline is whole one tensor at a time).
+pub(super) trait StateSource {
+    fn step(&self) -> u64;
+    /// Values per tensor.
+    fn len(&self) -> usize;
+    /// The values of tensor `i` of [`STATE_TENSORS`]; asked for in order, each at most once.
+    fn tensor(&mut self, i: usize) -> &[f32];
+}
+
+impl StateSource for &Optimizer {
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn len(&self) -> usize {
+        self.m.len()
+    }
+
+    fn tensor(&mut self, i: usize) -> &[f32] {
+        [&self.m, &self.v, &self.momentum][i]
+    }
+}
+
 /// Writes a checkpoint of the run into `ckpt/` (swapped in whole) and the latest model beside it.
 /// If writing or swapping fails (a full or read-only disk), `.ckpt.tmp/` is removed, so the disk
 /// is not left full and `--resume` continues from the previous checkpoint (`ckpt/`, or
@@ -230,7 +259,7 @@ pub(super) fn save(
     model: &Model,
     bpe: &Bpe,
     tokenizer_files: &[(String, String)],
-    opt: &Optimizer,
+    state: &mut dyn StateSource,
     st: &TrainState,
 ) -> Result<()> {
     let tmp = out.join(".ckpt.tmp");
@@ -243,21 +272,22 @@ pub(super) fn save(
             .with_context(|| format!("cannot rename {} to {}", from.display(), to.display()))
     };
     let tok = bpe.to_json()?;
-    let write_and_swap = || -> Result<()> {
+    let mut write_and_swap = || -> Result<()> {
         if tmp.exists() {
             remove_dir(&tmp)?;
         }
         checkpoint::save(model, &tmp)?;
         write_tokenizer(&tmp, &tok, tokenizer_files)?;
-        let meta = std::collections::HashMap::from([("step".to_string(), opt.step.to_string())]);
-        let n = opt.m.len();
-        let tensors: Vec<(String, Vec<usize>, &[f32])> = vec![
-            ("adam.m".into(), vec![n], &opt.m),
-            ("adam.v".into(), vec![n], &opt.v),
-            ("muon.momentum".into(), vec![n], &opt.momentum),
-        ];
-        let optimizer = safetensors_parts(&tensors, Some(meta))?;
-        crate::fs::write_atomic_parts(&tmp.join("optimizer.safetensors"), &optimizer)?;
+        let meta =
+            std::collections::HashMap::from([("step".to_string(), state.step().to_string())]);
+        let n = state.len();
+        let shapes: Vec<(String, Vec<usize>)> =
+            STATE_TENSORS.iter().map(|t| (t.to_string(), vec![n])).collect();
+        let header = safetensors_header(&shapes, Some(meta))?;
+        crate::fs::write_atomic_with(&tmp.join("optimizer.safetensors"), |w| {
+            w.write_all(&header)?;
+            (0..STATE_TENSORS.len()).try_for_each(|i| w.write_all(&le_bytes(state.tensor(i))))
+        })?;
         write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
         // Without `ckpt/`, `.ckpt.old/` is the last complete checkpoint: kept until the new
         // one is in place.
@@ -314,9 +344,7 @@ pub(super) fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
         .and_then(|m| m.get("step"))
         .and_then(|s| s.parse().ok())
         .with_context(|| format!("{} has no step", path.display()))?;
-    for (name, buf) in
-        [("adam.m", &mut opt.m), ("adam.v", &mut opt.v), ("muon.momentum", &mut opt.momentum)]
-    {
+    for (name, buf) in STATE_TENSORS.into_iter().zip([&mut opt.m, &mut opt.v, &mut opt.momentum]) {
         let t = st.tensor(name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let vals = f32_values(name, &t)?;
         ensure!(

@@ -192,6 +192,9 @@ struct Trainer<'g> {
     _lock: Option<File>,
     /// The ranks this one trains with (none: training alone).
     group: Option<&'g Group<'g>>,
+    /// On rank 0 of a pipeline, while it writes a checkpoint: the optimiser state, put
+    /// together from the stages as it is written.
+    streamed: Option<parallel::StagesState<'g>>,
     /// When the last checkpoint was written.
     last_checkpoint: Instant,
     progress: Progress,
@@ -391,6 +394,7 @@ impl<'g> Trainer<'g> {
             metrics: None,
             _lock: Some(lock),
             group: None,
+            streamed: None,
             last_checkpoint: Instant::now(),
             progress,
             started: Instant::now(),
@@ -534,7 +538,12 @@ impl<'g> Trainer<'g> {
             code_versions: self.code_versions.clone(),
             init: self.init.clone(),
         };
-        run_dir::save(&self.out, &self.model, &self.bpe, &self.tokenizer_files, &self.opt, &state)?;
+        let mut held = &self.opt;
+        let source: &mut dyn run_dir::StateSource = match self.streamed.as_mut() {
+            Some(s) => s,
+            None => &mut held,
+        };
+        run_dir::save(&self.out, &self.model, &self.bpe, &self.tokenizer_files, source, &state)?;
         self.last_checkpoint = Instant::now();
         Ok(())
     }

@@ -14,6 +14,7 @@ use super::{
 use super::{Model, Optimizer, Progress, TrainOptions, Whole};
 use crate::comm::{self, Comm};
 use crate::model::params::Layout as ParamLayout;
+use crate::train::checkpoint::StateSource;
 use crate::train::config::{RunConfig, TrainConfig};
 use crate::train::data::Corpus;
 use crate::train::tokenizer::Bpe;
@@ -76,6 +77,8 @@ pub struct Group<'c> {
     pub layout: Layout,
     /// This rank's stage, once the run's model is known.
     stage: RefCell<Option<Stage>>,
+    /// On rank 0 of a pipeline: the stages of the first replica, whose parts it puts together.
+    first_replica: RefCell<Vec<Stage>>,
     /// Seconds this session's steps spent computing chunks and waiting for messages.
     pipe_seconds: Cell<(f64, f64)>,
     /// Set once the ranks have agreed on a failure (so all of them stop together).
@@ -93,6 +96,7 @@ impl<'c> Group<'c> {
             reduce,
             layout: Layout::none(),
             stage: RefCell::new(None),
+            first_replica: RefCell::new(Vec::new()),
             pipe_seconds: Cell::new((0.0, 0.0)),
             failure_agreed: Cell::new(false),
             step_seconds: Cell::new(0.0),
@@ -215,6 +219,12 @@ impl<'c> Group<'c> {
     /// Sets this rank's pipeline stage up for the run's model and step.
     pub(super) fn set_stage(&self, c: &crate::model::Config, accumulation: usize) -> Result<()> {
         *self.stage.borrow_mut() = super::pipeline::stage_of(self, c, accumulation)?;
+        if self.leads() && self.layout.is_pipeline() {
+            let m = accumulation / self.replicas();
+            *self.first_replica.borrow_mut() = (0..self.layout.stages)
+                .map(|r| Stage::new(self.layout, c, m, r))
+                .collect::<Result<_>>()?;
+        }
         Ok(())
     }
 
@@ -435,6 +445,63 @@ fn fault_point_kill(rank: usize, step: usize) {
     }
 }
 
+/// The optimiser state of a pipeline's first replica for a checkpoint on rank 0, put together
+/// one tensor at a time as the checkpoint writes it: rank 0's own part and the other stages'
+/// parts, which they send after their weights ([`Trainer::assemble`]).
+pub(super) struct StagesState<'g> {
+    g: &'g Group<'g>,
+    /// Rank 0's own part of each tensor.
+    own: [Vec<f32>; 3],
+    step: u64,
+    /// The tensor being written, whole.
+    whole: Vec<f32>,
+    /// Tensors taken so far.
+    taken: usize,
+}
+
+impl<'g> StagesState<'g> {
+    fn new(g: &'g Group<'g>, own: [Vec<f32>; 3], step: u64) -> StagesState<'g> {
+        StagesState { g, own, step, whole: Vec::new(), taken: 0 }
+    }
+
+    /// Takes what the checkpoint did not (when writing it failed), so that no stage is left
+    /// waiting to send; returns rank 0's own part.
+    fn finish(mut self) -> [Vec<f32>; 3] {
+        while self.taken < self.own.len() {
+            self.tensor(self.taken);
+        }
+        self.own
+    }
+}
+
+impl StateSource for StagesState<'_> {
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn len(&self) -> usize {
+        self.g.first_replica.borrow().first().map_or(0, |s| s.whole().total)
+    }
+
+    fn tensor(&mut self, i: usize) -> &[f32] {
+        assert_eq!(i, self.taken, "the optimiser state is taken in order, each tensor once");
+        if self.whole.is_empty() {
+            self.whole = vec![0.0; self.len()];
+        }
+        for (r, theirs) in self.g.first_replica.borrow().iter().enumerate() {
+            if r == 0 {
+                theirs.put_updated(&self.own[i], &mut self.whole);
+            } else {
+                let mut buf = vec![0.0f32; theirs.part().updated()];
+                self.g.comm.receive_f32(r, &mut buf);
+                theirs.put_updated(&buf, &mut self.whole);
+            }
+        }
+        self.taken += 1;
+        &self.whole
+    }
+}
+
 /// The most memory this process has held resident (Linux's `VmHWM`), in bytes; none where the
 /// system does not say.
 fn peak_resident_bytes() -> Option<u64> {
@@ -622,6 +689,7 @@ impl<'g> Trainer<'g> {
             metrics: None,
             _lock: None,
             group: Some(g),
+            streamed: None,
             last_checkpoint: Instant::now(),
             progress: Progress::new(None, false, total as u64, h.step as u64),
             started: Instant::now(),
@@ -634,10 +702,11 @@ impl<'g> Trainer<'g> {
     /// rank 0 loaded or made whole; rank 0 then keeps its own part only.
     fn take_parts(&mut self, g: &Group, stage: &Stage) -> Result<()> {
         let c = &self.run.model;
-        let accumulation = self.run.train.accumulation();
         if g.leads() {
+            let stages = g.first_replica.borrow();
             for r in 1..g.size() {
-                let theirs = Stage::new(g.layout, c, accumulation / g.replicas(), r)?;
+                // The same stage in every replica holds the same part.
+                let theirs = &stages[r % g.layout.stages];
                 g.comm.send_f32(r, &theirs.take(&self.model.params));
                 for state in [&self.opt.m, &self.opt.v, &self.opt.momentum] {
                     g.comm.send_f32(r, &theirs.take_updated(state));
@@ -665,63 +734,45 @@ impl<'g> Trainer<'g> {
         Ok(())
     }
 
-    /// Under a pipeline, the whole model's weights (and with [`Whole::State`] its optimiser
-    /// state) on rank 0, put together from the parts the stages of the first replica update;
-    /// none elsewhere, or without a pipeline (every rank holds the whole model).
-    fn assemble(&self, g: &Group, whole: Whole) -> Result<Option<(Model, Option<Optimizer>)>> {
+    /// Under a pipeline, the whole model's weights on rank 0, put together from the parts the
+    /// stages of the first replica update; none elsewhere, or without a pipeline (every rank
+    /// holds the whole model). With [`Whole::State`] those stages then send their optimiser
+    /// state too, which rank 0 takes one tensor at a time as it writes the checkpoint
+    /// ([`StagesState`]).
+    fn assemble(&self, g: &Group, whole: Whole) -> Result<Option<Model>> {
         let stage = g.stage.borrow();
         let Some(stage) = stage.as_ref().filter(|_| whole != Whole::Nothing) else {
             return Ok(None);
         };
-        let with_state = whole == Whole::State;
-        let mine = || {
-            let state = [&self.opt.m, &self.opt.v, &self.opt.momentum];
-            let n = if with_state { state.len() } else { 0 };
-            std::iter::once(&self.model.params[..self.model.layout.updated()])
-                .chain(state.into_iter().take(n).map(|s| s.as_slice()))
-        };
+        let mine = &self.model.params[..self.model.layout.updated()];
         if !g.leads() {
             if stage.replica() == 0 {
-                mine().for_each(|buf| g.comm.send_f32(0, buf));
+                g.comm.send_f32(0, mine);
+                if whole == Whole::State {
+                    for buf in [&self.opt.m, &self.opt.v, &self.opt.momentum] {
+                        g.comm.send_f32(0, buf);
+                    }
+                }
             }
             return Ok(None);
         }
-        let c = &self.run.model;
-        let mut model = Model::new(c.clone(), vec![0.0; stage.whole().total])?;
-        let mut opt = with_state.then(|| {
-            let mut o = Optimizer::new(self.run.train.optim.clone(), &model.layout);
-            o.step = self.opt.step;
-            o
-        });
-        let accumulation = self.run.train.accumulation();
-        for r in 0..g.layout.stages {
-            let theirs = Stage::new(g.layout, c, accumulation / g.replicas(), r)?;
-            let mut targets = vec![&mut model.params];
-            if let Some(o) = opt.as_mut() {
-                targets.extend([&mut o.m, &mut o.v, &mut o.momentum]);
-            }
-            let parts: Vec<Vec<f32>> = if r == 0 {
-                mine().map(|b| b.to_vec()).collect()
+        let mut params = vec![0.0f32; stage.whole().total];
+        for (r, theirs) in g.first_replica.borrow().iter().enumerate() {
+            if r == 0 {
+                theirs.put_updated(mine, &mut params);
             } else {
-                let n = theirs.part().updated();
-                (0..1 + 3 * with_state as usize)
-                    .map(|_| {
-                        let mut buf = vec![0.0f32; n];
-                        g.comm.receive_f32(r, &mut buf);
-                        buf
-                    })
-                    .collect()
-            };
-            for (part, whole) in parts.iter().zip(targets) {
-                theirs.put_updated(part, whole);
+                let mut buf = vec![0.0f32; theirs.part().updated()];
+                g.comm.receive_f32(r, &mut buf);
+                theirs.put_updated(&buf, &mut params);
             }
         }
-        Ok(Some((model, opt)))
+        Model::new(self.run.model.clone(), params).map(Some)
     }
 
     /// Work that only rank 0 does (logging, validation, checkpoints), agreed on by every rank,
-    /// with as much of the whole model as it needs (`whole`) in `self.model` and `self.opt`;
-    /// after the first step and every validation the ranks also check that their weights agree.
+    /// with as much of the whole model as it needs (`whole`) in `self.model` and, for a
+    /// checkpoint, the optimiser state in `self.streamed`; after the first step and every
+    /// validation the ranks also check that their weights agree.
     pub(super) fn lead(
         &mut self,
         whole: Whole,
@@ -731,7 +782,21 @@ impl<'g> Trainer<'g> {
         let check = (self.at.step <= 1 || self.evaluation_due())
             .then(|| (self.at.step, fingerprint(&self.model.params)));
         let done = match self.assemble(g, whole) {
-            Ok(Some(assembled)) => self.with_whole(assembled, work),
+            Ok(Some(model)) => {
+                if whole == Whole::State {
+                    let own = [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum]
+                        .map(std::mem::take);
+                    self.streamed = Some(StagesState::new(g, own, self.opt.step));
+                }
+                let part = std::mem::replace(&mut self.model, model);
+                let done = work(self);
+                self.model = part;
+                if let Some(s) = self.streamed.take() {
+                    // Whatever the checkpoint did not take is still on its way: take it.
+                    [self.opt.m, self.opt.v, self.opt.momentum] = s.finish();
+                }
+                done
+            }
             Ok(None) if g.leads() => work(self),
             Ok(None) => Ok(()),
             Err(e) => Err(e),
@@ -739,29 +804,12 @@ impl<'g> Trainer<'g> {
         g.agree(done, check)
     }
 
-    /// `work` with the whole model (and optimiser state, when given) in place of rank 0's part
-    /// of them.
-    fn with_whole(
-        &mut self,
-        (model, opt): (Model, Option<Optimizer>),
-        work: impl FnOnce(&mut Self) -> Result<()>,
-    ) -> Result<()> {
-        let part_model = std::mem::replace(&mut self.model, model);
-        let part_opt = opt.map(|o| std::mem::replace(&mut self.opt, o));
-        let done = work(self);
-        self.model = part_model;
-        if let Some(o) = part_opt {
-            self.opt = o;
-        }
-        done
-    }
-
     /// [`Trainer::finish`] on rank 0, agreed on by every rank.
     pub(super) fn lead_finish(mut self) -> Result<f64> {
         let Some(g) = self.group else { return self.finish(None) };
         let timings = g.timings(&self.model, &self.opt);
         let done = match self.assemble(g, Whole::Weights) {
-            Ok(Some((model, _))) => {
+            Ok(Some(model)) => {
                 self.model = model;
                 self.finish(Some(timings))
             }
