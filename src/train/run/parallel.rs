@@ -702,33 +702,34 @@ impl<'g> Trainer<'g> {
     /// rank 0 loaded or made whole; rank 0 then keeps its own part only.
     fn take_parts(&mut self, g: &Group, stage: &Stage) -> Result<()> {
         let c = &self.run.model;
+        // Before the first update the state is all zeros: nothing to send, and a stage's own
+        // zeros, never written, take no memory until it updates them.
+        let moved = self.opt.step > 0;
         if g.leads() {
             let stages = g.first_replica.borrow();
             for r in 1..g.size() {
                 // The same stage in every replica holds the same part.
                 let theirs = &stages[r % g.layout.stages];
                 g.comm.send_f32(r, &theirs.take(&self.model.params));
-                for state in [&self.opt.m, &self.opt.v, &self.opt.momentum] {
+                for state in [&self.opt.m, &self.opt.v, &self.opt.momentum].iter().filter(|_| moved)
+                {
                     g.comm.send_f32(r, &theirs.take_updated(state));
                 }
             }
-            let opt = &mut self.opt;
-            let part = |whole: &[f32]| stage.take_updated(whole);
-            (opt.m, opt.v, opt.momentum) = (part(&opt.m), part(&opt.v), part(&opt.momentum));
             let params = stage.take(&self.model.params);
             self.model = Model::part(c.clone(), stage.part().clone(), params)?;
-            let step = self.opt.step;
-            let (m, v, momentum) = (
-                std::mem::take(&mut self.opt.m),
-                std::mem::take(&mut self.opt.v),
-                std::mem::take(&mut self.opt.momentum),
-            );
-            self.opt = Optimizer::new(self.run.train.optim.clone(), &self.model.layout);
-            (self.opt.step, self.opt.m, self.opt.v, self.opt.momentum) = (step, m, v, momentum);
+            let mut opt = Optimizer::new(self.run.train.optim.clone(), &self.model.layout);
+            opt.step = self.opt.step;
+            if moved {
+                let whole = [&self.opt.m, &self.opt.v, &self.opt.momentum];
+                [opt.m, opt.v, opt.momentum] = whole.map(|w| stage.take_updated(w));
+            }
+            self.opt = opt;
         } else {
             g.comm.receive_f32(0, &mut self.model.params);
-            for state in [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum] {
-                g.comm.receive_f32(0, state);
+            let state = [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum];
+            for buf in state.into_iter().filter(|_| moved) {
+                g.comm.receive_f32(0, buf);
             }
         }
         Ok(())
@@ -808,6 +809,11 @@ impl<'g> Trainer<'g> {
     pub(super) fn lead_finish(mut self) -> Result<f64> {
         let Some(g) = self.group else { return self.finish(None) };
         let timings = g.timings(&self.model, &self.opt);
+        if g.layout.is_pipeline() {
+            // Training is over: rank 0 needs the whole weights alone, its stage's state no more.
+            let opt = &mut self.opt;
+            [opt.m, opt.v, opt.momentum] = [Vec::new(), Vec::new(), Vec::new()];
+        }
         let done = match self.assemble(g, Whole::Weights) {
             Ok(Some(model)) => {
                 self.model = model;

@@ -207,8 +207,10 @@ impl Stage {
     /// The values of the tensors this stage updates, laid out as its optimiser state is, out
     /// of the whole model's state `whole`.
     pub fn take_updated(&self, whole: &[f32]) -> Vec<f32> {
-        let mut part = self.take(whole);
-        part.truncate(self.part.updated());
+        let mut part = vec![0.0f32; self.part.updated()];
+        for (r, at) in &self.held[..self.updated.len()] {
+            part[*at..*at + r.len()].copy_from_slice(&whole[r.clone()]);
+        }
         part
     }
 
