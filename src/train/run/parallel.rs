@@ -382,7 +382,10 @@ impl<'c> Group<'c> {
         fault_point_kill(self.rank(), step + 1);
         // Nothing in the passes fails but a bug, and the other ranks may be waiting for this
         // one's messages: such an error is not agreed on, so the job ends through MPI_Abort.
-        let (losses, mine) = stage.run(self.comm, model, micro_batches, rows, &mut traffic)?;
+        // The first replica's sum starts from zero: it adds its micro-batches as they complete.
+        let first = stage.replica() == 0;
+        let (losses, mine) =
+            stage.run(self.comm, model, micro_batches, rows, &mut traffic, first)?;
         // The last stages' losses, in replica order.
         let all = self.comm.all_gather_f32(&losses);
         let (p, m) = (self.layout.stages, losses.len());

@@ -282,8 +282,9 @@ impl Stage {
 
     /// This rank's passes of one step over its replica's `micro_batches` (`rows` sequences
     /// each) on `model`, this stage's part of the model ([`Self::take`]): the loss of each
-    /// micro-batch (last stage; NaN elsewhere) and each micro-batch's gradient of the tensors
-    /// this stage updates (laid out as its optimiser state is).
+    /// micro-batch (last stage; NaN elsewhere) and the gradients of the tensors this stage
+    /// updates (laid out as its optimiser state is): each micro-batch's, or with `sum` their
+    /// sum in micro-batch order, added as each is complete ([`StepGrads`]).
     pub fn run(
         &self,
         comm: &dyn Comm,
@@ -291,6 +292,7 @@ impl Stage {
         micro_batches: &[(Vec<u32>, Vec<u32>)],
         rows: usize,
         traffic: &mut StepTraffic,
+        sum: bool,
     ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
         let m_count = micro_batches.len();
         ensure!(
@@ -300,7 +302,12 @@ impl Stage {
         );
         let d = model.config.hidden_size;
         let mut losses = vec![f32::NAN; m_count];
-        let mut grads: Vec<Vec<f32>> = Vec::with_capacity(m_count);
+        let passes = self.ops.iter().filter(|op| matches!(op, Op::Backward { micro: 0, .. }));
+        // The tied embedding's gradient on the last stage is complete only once the first
+        // stage's part of it arrived, at the end of the step.
+        let late = (self.tied && self.layout.stages > 1 && self.is_last())
+            .then(|| model.layout.embed.clone());
+        let mut grads = StepGrads::new(model.layout.updated(), passes.count(), sum, late);
         let mut fwd: HashMap<(usize, usize), ChunkForward> = HashMap::new();
         // With `Grads::Once`: the gradient sums of the sources each micro-batch's chunk here
         // kept from this rank's chunk before, for that chunk's backward.
@@ -354,11 +361,8 @@ impl Stage {
                         }
                         ChunkGradIn::Sent { acc, sums }
                     };
-                    while grads.len() <= micro {
-                        grads.push(crate::kernels::zeros(model.layout.updated()));
-                    }
                     let t = Instant::now();
-                    let out = model.backward_chunk(f, start, &mut grads[micro])?;
+                    let out = model.backward_chunk(f, start, grads.of(micro))?;
                     io.traffic.compute_seconds += t.elapsed().as_secs_f64();
                     if let Some((acc, sums)) = out.handed {
                         let t = &self.transfers[chunk - 1];
@@ -377,22 +381,22 @@ impl Stage {
                         if self.tied && self.layout.stages > 1 {
                             io.post(self.rank_of(self.last_chunk()), TIED_TAG, &de);
                         } else {
-                            model.embedding_backward(&mut grads[micro], &de, ids);
+                            model.embedding_backward(grads.of(micro), &de, ids);
                         }
                     }
+                    grads.pass_done(micro);
                 }
             }
         }
-        if self.tied && self.layout.stages > 1 && self.is_last() {
+        if grads.late.is_some() {
             // The embedding output's gradient after the head's, as one process adds them.
             for (m, (ids, _)) in micro_batches.iter().enumerate() {
                 let mut de = vec![0.0f32; ids.len() * d];
                 io.receive(self.rank_of(0), TIED_TAG, &mut de);
-                model.embedding_backward(&mut grads[m], &de, ids);
+                grads.finish_late(m, &de, ids, d);
             }
         }
-        grads.resize_with(m_count, || crate::kernels::zeros(model.layout.updated()));
-        Ok((losses, grads))
+        Ok((losses, grads.into_result()?))
     }
 
     /// The residual state before chunk `c`: the sources and partial sum (or hidden state) the
@@ -489,6 +493,105 @@ impl Stage {
             buf.extend_from_slice(&s.coef);
         }
         io.post(self.rank_of(c - 1), backward_tag(c), &buf);
+    }
+}
+
+/// A stage's gradients of one step, made micro-batch by micro-batch, each from zero as one
+/// process makes it: either kept apart (for the running sum over the replicas of the stage,
+/// which continues another rank's sum) or added up in micro-batch order as each is complete,
+/// so that a rank holds the gradients of the micro-batches under way only, not of all.
+struct StepGrads {
+    /// Values of a gradient.
+    n: usize,
+    /// Backward passes a micro-batch takes here (one per chunk of this rank).
+    passes: usize,
+    /// Micro-batches under way: passes done and gradient so far.
+    open: HashMap<usize, (usize, Vec<f32>)>,
+    /// Micro-batches complete but not yet added (one completing before an earlier one).
+    complete: std::collections::BTreeMap<usize, Vec<f32>>,
+    /// The next micro-batch to add or keep.
+    next: usize,
+    /// The running sum; none: each micro-batch's gradient kept in `kept`.
+    sum: Option<Vec<f32>>,
+    kept: Vec<Vec<f32>>,
+    /// A range completed only at the end of the step (the tied embedding on the last stage),
+    /// and each micro-batch's values there until then (when summing).
+    late: Option<Range<usize>>,
+    late_parts: Vec<Vec<f32>>,
+}
+
+impl StepGrads {
+    fn new(n: usize, passes: usize, sum: bool, late: Option<Range<usize>>) -> StepGrads {
+        StepGrads {
+            n,
+            passes,
+            open: HashMap::new(),
+            complete: Default::default(),
+            next: 0,
+            sum: sum.then(|| crate::kernels::zeros(n)),
+            kept: Vec::new(),
+            late,
+            late_parts: Vec::new(),
+        }
+    }
+
+    /// The gradient of micro-batch `m` so far, for its next backward pass.
+    fn of(&mut self, m: usize) -> &mut [f32] {
+        let n = self.n;
+        &mut self.open.entry(m).or_insert_with(|| (0, crate::kernels::zeros(n))).1
+    }
+
+    /// One backward pass of micro-batch `m` is done; after its last, its gradient (but for a
+    /// late range) is complete, and the complete ones are added in order.
+    fn pass_done(&mut self, m: usize) {
+        let Some(entry) = self.open.get_mut(&m) else { return };
+        entry.0 += 1;
+        if entry.0 < self.passes {
+            return;
+        }
+        let Some((_, g)) = self.open.remove(&m) else { return };
+        self.complete.insert(m, g);
+        while let Some(g) = self.complete.remove(&self.next) {
+            match &mut self.sum {
+                Some(sum) => {
+                    // All but the late range now, element by element as one process adds.
+                    let late = self.late.clone().unwrap_or(0..0);
+                    crate::kernels::add_assign(&mut sum[..late.start], &g[..late.start]);
+                    crate::kernels::add_assign(&mut sum[late.end..], &g[late.end..]);
+                    if !late.is_empty() {
+                        self.late_parts.push(g[late].to_vec());
+                    }
+                }
+                None => self.kept.push(g),
+            }
+            self.next += 1;
+        }
+    }
+
+    /// Adds micro-batch `m`'s embedding-output gradient `de` (of token ids `ids`, width `d`)
+    /// into the late range, completing it (micro-batches in order).
+    fn finish_late(&mut self, m: usize, de: &[f32], ids: &[u32], d: usize) {
+        let Some(late) = self.late.clone() else { return };
+        match &mut self.sum {
+            Some(sum) => {
+                let part = &mut self.late_parts[m];
+                crate::kernels::embedding::backward(part, de, ids, d);
+                crate::kernels::add_assign(&mut sum[late], part);
+            }
+            None => crate::kernels::embedding::backward(&mut self.kept[m][late], de, ids, d),
+        }
+    }
+
+    /// The sum, or every micro-batch's gradient.
+    fn into_result(self) -> Result<Vec<Vec<f32>>> {
+        ensure!(
+            self.open.is_empty() && self.complete.is_empty(),
+            "a micro-batch's backward passes are missing"
+        );
+        Ok(match self.sum {
+            Some(sum) => vec![sum],
+            None => self.kept,
+        })
     }
 }
 
@@ -620,12 +723,13 @@ mod tests {
     }
 
     /// One pipeline over threads: every micro-batch's loss (from the last stage), gradient (the
-    /// stages' disjoint parts added) and the bytes sent.
+    /// stages' disjoint parts added; with `sum`, one: their sum) and the bytes sent.
     fn pipelined(
         model: &Model,
         layout: Layout,
         mbs: &[(Vec<u32>, Vec<u32>)],
         rows: usize,
+        sum: bool,
     ) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
         let p = layout.stages;
         let out: Vec<_> = std::thread::scope(|s| {
@@ -638,7 +742,7 @@ mod tests {
                         let mine = Model::part(config, part, stage.take(&model.params)).unwrap();
                         let mut traffic = StepTraffic::default();
                         let (losses, grads) =
-                            stage.run(&c, &mine, mbs, rows, &mut traffic).unwrap();
+                            stage.run(&c, &mine, mbs, rows, &mut traffic, sum).unwrap();
                         // Each stage's gradients in the whole model's places, zero elsewhere.
                         let grads = grads
                             .iter()
@@ -655,7 +759,7 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         let losses = out[p - 1].0 .0.clone();
-        let mut grads = vec![kernels::zeros(model.params.len()); mbs.len()];
+        let mut grads = vec![kernels::zeros(model.params.len()); out[0].0 .1.len()];
         for ((_, g), _) in &out {
             for (total, part) in grads.iter_mut().zip(g) {
                 kernels::add_assign(total, part);
@@ -746,7 +850,14 @@ mod tests {
                 let what = format!(
                     "{residual:?} blocks {blocks} tied {tied} P {p} V {v} {cache:?} {grads:?}"
                 );
-                let (loss, got, bytes) = pipelined(&m, layout, &mbs, rows);
+                let (loss, got, bytes) = pipelined(&m, layout, &mbs, rows, false);
+                // Added as each micro-batch completes: one process's sum, in its order.
+                let (_, sum, _) = pipelined(&m, layout, &mbs, rows, true);
+                let mut want_sum = kernels::zeros(m.params.len());
+                want.iter().for_each(|g| kernels::add_assign(&mut want_sum, g));
+                if grads == Grads::InOrder {
+                    assert!(same_bits(&sum[0], &want_sum), "{what}: the step's summed gradient");
+                }
                 assert!(same_bits(&loss, &want_loss), "{what}: losses {loss:?} vs {want_loss:?}");
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     if grads == Grads::InOrder {
