@@ -728,6 +728,8 @@ impl<'g> Trainer<'g> {
                 [opt.m, opt.v, opt.momentum] = whole.map(|w| stage.take_updated(w));
             }
             self.opt = opt;
+            // The whole model rank 0 loaded or made is not needed again.
+            crate::alloc::release_kept();
         } else {
             g.comm.receive_f32(0, &mut self.model.params);
             let state = [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum];
@@ -785,6 +787,10 @@ impl<'g> Trainer<'g> {
         let Some(g) = self.group else { return work(self) };
         let check = (self.at.step <= 1 || self.evaluation_due())
             .then(|| (self.at.step, fingerprint(&self.model.params)));
+        if g.leads() && whole != Whole::Nothing && g.layout.is_pipeline() {
+            // The step's freed buffers make room for the whole model, and it for the steps.
+            crate::alloc::release_kept();
+        }
         let done = match self.assemble(g, whole) {
             Ok(Some(model)) => {
                 if whole == Whole::State {
@@ -799,6 +805,7 @@ impl<'g> Trainer<'g> {
                     // Whatever the checkpoint did not take is still on its way: take it.
                     [self.opt.m, self.opt.v, self.opt.momentum] = s.finish();
                 }
+                crate::alloc::release_kept();
                 done
             }
             Ok(None) if g.leads() => work(self),
