@@ -1,7 +1,10 @@
 //! Data-parallel training (docs/distributed.md). Every rank holds the whole model and
 //! optimiser state and takes a consecutive share of the micro-batches of each step; the ranks
-//! then add their gradients, so every rank takes the same update. Rank 0 alone reads and writes
-//! the run directory: it sets the run up and hands its state to the others.
+//! then add their gradients, so every rank takes the same update. Under a pipeline a rank holds
+//! its stage's part instead, and the replicas of each stage add theirs. Rank 0 alone reads and
+//! writes the run directory: it sets the run up and hands its state (or each rank's part) to
+//! the others, and puts the whole model together from the stages when it validates or writes
+//! a checkpoint.
 //!
 //! A failure on any rank is agreed on at fixed points ([`Group::agree`]): every rank stops
 //! there, and only the first failing rank prints its error (and exits with status 1).

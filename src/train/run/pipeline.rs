@@ -1,9 +1,10 @@
 //! Pipeline-parallel training (docs/pipeline.md): the ranks of a job form `N / P` replicas of
 //! a pipeline of `P` stages; rank `replica · P + stage` runs the chunks of its stage
 //! ([`crate::pipeline`]: the same chunks, transfers and interleaved 1F1B order that `attnres
-//! plan` prints) on the micro-batches of its replica. Every rank still holds the whole model
-//! and optimiser, and after the step's passes the ranks add up the gradients so that every
-//! one takes the same update, the one a single process takes.
+//! plan` prints) on the micro-batches of its replica. A rank holds, updates and keeps optimiser
+//! state for its stage's part of the model only ([`Stage::part`]); after the step's passes each
+//! stage adds its gradients over its replicas and takes the update a single process takes of
+//! its tensors.
 //!
 //! Exactness: a chunk runs exactly the operations one process runs on its sublayers, and what
 //! crosses a transition is bit for bit what one process holds there, with two kinds of values
