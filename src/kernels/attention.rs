@@ -25,9 +25,10 @@ impl AttnShape {
     pub fn out_width(&self) -> usize {
         self.heads * self.head_dim
     }
-    /// Length of the saved probabilities buffer `[B, H, T, T]`.
-    pub fn probs_len(&self) -> usize {
-        self.batch * self.heads * self.seq * self.seq
+    /// Length of the softmax statistics the forward pass saves: two values (the row's largest
+    /// score and the reciprocal of its sum of exponentials) per row of each head, `[B, H, T, 2]`.
+    pub fn stats_len(&self) -> usize {
+        self.batch * self.heads * self.seq * 2
     }
     fn k_col(&self, kvh: usize) -> usize {
         (self.heads + kvh) * self.head_dim
@@ -54,51 +55,72 @@ impl AttnShape {
 /// half of the score matrix is never computed.
 const TILE: usize = 64;
 
-/// Forward: writes `out[B·T, H·hd]` and the softmax probabilities `probs[B,H,T,T]`
-/// (zero above the diagonal).
-pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
+/// Writes into `tile` (rows of stride `s.seq`) the scaled scores of query rows `r0..r1` of head
+/// `h` in sequence `b` against keys `0..r1`. Forward and backward both call it, with the same
+/// arguments, so backward recomputes the very bits forward had.
+fn score_tile(
+    tile: &mut [f32],
+    qkv: &[f32],
+    s: AttnShape,
+    b: usize,
+    h: usize,
+    r0: usize,
+    r1: usize,
+) {
+    let (t, hd, w) = (s.seq, s.head_dim, s.qkv_width());
+    let row0 = b * t * w;
+    assert!(r1 <= t && r0 < r1 && tile.len() >= (r1 - r0) * t && qkv.len() >= (b + 1) * t * w);
+    let kt = Strided { ptr: qkv[row0 + s.k_col(h / s.group())..].as_ptr(), rs: 1, cs: w as isize };
+    let q = Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
+    // SAFETY: writes rows 0..r1-r0, columns 0..r1 of `tile` (length checked); `q` and `kt` read
+    // rows of sequence b inside `qkv` (checked), at columns of head h and its kv head.
+    unsafe {
+        gemm_strided(
+            r1 - r0,
+            r1,
+            hd,
+            tile.as_mut_ptr(),
+            t as isize,
+            1,
+            false,
+            q,
+            kt,
+            1.0 / (hd as f32).sqrt(),
+            Parallelism::None,
+        );
+    }
+}
+
+/// Forward: writes `out[B·T, H·hd]` and the softmax statistics `stats[B, H, T, 2]` (each row's
+/// largest score and the reciprocal of its sum of exponentials). The probabilities themselves
+/// live only one tile of rows at a time, so memory grows with T, not T²: backward recomputes
+/// them from the statistics.
+pub fn forward(out: &mut [f32], stats: &mut [f32], qkv: &[f32], s: AttnShape) {
     let (t, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
     s.check();
     assert!(
         qkv.len() == s.batch * t * w
             && out.len() == s.batch * t * ow
-            && probs.len() == s.probs_len()
+            && stats.len() == s.stats_len()
     );
-    let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = SendPtr(out.as_mut_ptr());
-    probs.par_chunks_mut(t * t).enumerate().for_each(|(bh, p)| {
+    stats.par_chunks_mut(2 * t).enumerate().for_each(|(bh, st)| {
         let (b, h) = (bh / s.heads, bh % s.heads);
-        let kvh = h / s.group();
-        let row0 = b * t * w;
-        let kt = Strided { ptr: qkv[row0 + s.k_col(kvh)..].as_ptr(), rs: 1, cs: w as isize };
-        let v = Strided { ptr: qkv[row0 + s.v_col(kvh)..].as_ptr(), rs: w as isize, cs: 1 };
+        let v = Strided {
+            ptr: qkv[b * t * w + s.v_col(h / s.group())..].as_ptr(),
+            rs: w as isize,
+            cs: 1,
+        };
+        let mut tile = vec![0.0f32; TILE.min(t) * t];
         for r0 in (0..t).step_by(TILE) {
             let r1 = (r0 + TILE).min(t);
-            let q = Strided { ptr: qkv[row0 + r0 * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
-            let pt = &mut p[r0 * t..r1 * t];
-            // SAFETY: writes rows r0..r1, keys 0..r1 of this task's own `pt`; `q` and `kt` read
-            // inside `qkv` (lengths and head grouping checked above).
-            unsafe {
-                // Scores of rows r0..r1 against keys 0..r1.
-                gemm_strided(
-                    r1 - r0,
-                    r1,
-                    hd,
-                    pt.as_mut_ptr(),
-                    t as isize,
-                    1,
-                    false,
-                    q,
-                    kt,
-                    scale,
-                    Parallelism::None,
-                );
-            }
-            for (i, row) in (r0..r1).zip(pt.chunks_mut(t)) {
+            score_tile(&mut tile, qkv, s, b, h, r0, r1);
+            for (i, row) in (r0..r1).zip(tile.chunks_mut(t)) {
                 let m = simd::max(&row[..=i]);
-                let z = simd::exp_shift_sum(&mut row[..=i], m);
-                simd::scale(&mut row[..=i], 1.0 / z);
-                row[i + 1..].fill(0.0);
+                let inv_z = 1.0 / simd::exp_shift_sum(&mut row[..=i], m);
+                simd::scale(&mut row[..=i], inv_z);
+                row[i + 1..r1].fill(0.0);
+                st[2 * i..2 * i + 2].copy_from_slice(&[m, inv_z]);
             }
             // SAFETY: writes rows r0..r1 of sequence b, columns h·hd..(h + 1)·hd of `out`
             // (inside it; length checked above), which no other task touches: tasks are one per
@@ -113,7 +135,7 @@ pub fn forward(out: &mut [f32], probs: &mut [f32], qkv: &[f32], s: AttnShape) {
                     ow as isize,
                     1,
                     false,
-                    Strided::rows(pt, t),
+                    Strided::rows(&tile, t),
                     v,
                     1.0,
                     Parallelism::None,
@@ -231,15 +253,17 @@ pub fn forward_cached(
 }
 
 /// Backward: overwrites `dqkv[B·T, (H+2KV)·hd]` from `dout[B·T, H·hd]`, using the saved `qkv`
-/// (after rotary embedding) and `probs`.
-pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: AttnShape) {
+/// (after rotary embedding) and `stats`. Each tile of probabilities is recomputed from the
+/// statistics exactly as forward computed it (the same products, the same exponentials), so
+/// the gradient is the one the saved probabilities would give, bit for bit.
+pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], stats: &[f32], s: AttnShape) {
     let (t, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
     s.check();
     assert!(
         qkv.len() == s.batch * t * w
             && dqkv.len() == qkv.len()
             && dout.len() == s.batch * t * ow
-            && probs.len() == s.probs_len()
+            && stats.len() == s.stats_len()
     );
     let scale = 1.0 / (hd as f32).sqrt();
     // The tasks of one sequence share its rows, each writing its own columns: no task may hold
@@ -259,14 +283,20 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
                 unsafe { dptr.slice(row0 + r * w + col, hd) }.fill(0.0);
             }
         }
-        let mut ds = vec![0.0f32; TILE * t];
+        let (mut pt, mut ds) = (vec![0.0f32; TILE.min(t) * t], vec![0.0f32; TILE.min(t) * t]);
         let k = Strided { ptr: qkv[row0 + s.k_col(kvh)..].as_ptr(), rs: w as isize, cs: 1 };
         let vt = Strided { ptr: qkv[row0 + s.v_col(kvh)..].as_ptr(), rs: 1, cs: w as isize };
         for h in kvh * s.group()..(kvh + 1) * s.group() {
-            let p = &probs[(b * s.heads + h) * t * t..(b * s.heads + h + 1) * t * t];
+            let st = &stats[(b * s.heads + h) * 2 * t..(b * s.heads + h + 1) * 2 * t];
             for r0 in (0..t).step_by(TILE) {
                 let (r1, rows) = ((r0 + TILE).min(t), (r0 + TILE).min(t) - r0);
-                let pt = &p[r0 * t..r1 * t];
+                score_tile(&mut pt, qkv, s, b, h, r0, r1);
+                for (i, row) in (r0..r1).zip(pt.chunks_mut(t)) {
+                    let (m, inv_z) = (st[2 * i], st[2 * i + 1]);
+                    simd::exp_shift_sum(&mut row[..=i], m);
+                    simd::scale(&mut row[..=i], inv_z);
+                    row[i + 1..r1].fill(0.0);
+                }
                 let dout_h = Strided {
                     ptr: dout[b * t * ow + r0 * ow + h * hd..].as_ptr(),
                     rs: ow as isize,
@@ -341,7 +371,7 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], probs: &[f32], s: A
                         w as isize,
                         1,
                         true,
-                        Strided::transposed(pt, t),
+                        Strided::transposed(&pt, t),
                         dout_h,
                         1.0,
                         Parallelism::None,
@@ -397,7 +427,7 @@ mod tests {
         let s = SHAPE;
         let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 11, 1.5);
         let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![0.0; s.probs_len()];
+        let mut p = vec![0.0; s.stats_len()];
         forward(&mut out, &mut p, &qkv, s);
         assert_close(&out, &naive(&qkv, s), 1e-5, "attention forward");
     }
@@ -407,7 +437,7 @@ mod tests {
         let s = LONG;
         let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 14, 1.5);
         let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![f32::NAN; s.probs_len()];
+        let mut p = vec![f32::NAN; s.stats_len()];
         forward(&mut out, &mut p, &qkv, s);
         assert_close(&out, &naive(&qkv, s), 1e-5, "attention forward (long)");
     }
@@ -418,13 +448,13 @@ mod tests {
         let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 15, 1.0);
         let dout = rand_vec(s.batch * s.seq * s.out_width(), 16, 1.0);
         let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![0.0; s.probs_len()];
+        let mut p = vec![0.0; s.stats_len()];
         forward(&mut out, &mut p, &qkv, s);
         let mut d = vec![f32::NAN; qkv.len()];
         backward(&mut d, &dout, &qkv, &p, s);
         let loss = |x: &[f32]| {
             let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-            let mut p = vec![0.0; s.probs_len()];
+            let mut p = vec![0.0; s.stats_len()];
             forward(&mut out, &mut p, x, s);
             out.iter().zip(&dout).map(|(a, b)| (a * b) as f64).sum::<f64>()
         };
@@ -477,12 +507,12 @@ mod tests {
         let dout = rand_vec(s.batch * s.seq * s.out_width(), 13, 1.0);
         let loss = |x: &[f32]| {
             let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-            let mut p = vec![0.0; s.probs_len()];
+            let mut p = vec![0.0; s.stats_len()];
             forward(&mut out, &mut p, x, s);
             out.iter().zip(&dout).map(|(a, b)| (a * b) as f64).sum::<f64>()
         };
         let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![0.0; s.probs_len()];
+        let mut p = vec![0.0; s.stats_len()];
         forward(&mut out, &mut p, &qkv, s);
         let mut d = vec![f32::NAN; qkv.len()];
         backward(&mut d, &dout, &qkv, &p, s);

@@ -20,13 +20,13 @@ pub struct Model {
 }
 
 /// What the attention sublayer saved: its input, norm statistics, normed input, rotated q/k
-/// with v, the attention probabilities and the attention output.
+/// with v, the attention's softmax statistics and the attention output.
 pub(super) struct AttnSaved {
     h: Vec<f32>,
     rstd: Vec<f32>,
     xn: Vec<f32>,
     qkv: Vec<f32>,
-    probs: Vec<f32>,
+    stats: Vec<f32>,
     o: Vec<f32>,
 }
 
@@ -283,13 +283,13 @@ impl Model {
         let (n, ow) = (sh.batch * sh.seq, sh.out_width());
         let h = phase("fwd residual", || res.input(l, p, &self.layout));
         let (xn, rstd, qkv) = self.attn_project(lp, &h, Positions::Packed(sh.seq));
-        let (mut o, mut probs) = (zeros(n * ow), zeros(sh.probs_len()));
-        phase("fwd attention", || attention::forward(&mut o, &mut probs, &qkv, sh));
+        let (mut o, mut stats) = (zeros(n * ow), zeros(sh.stats_len()));
+        phase("fwd attention", || attention::forward(&mut o, &mut stats, &qkv, sh));
         let mut out = zeros(n * d);
         phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d));
         record(&out);
         phase("fwd residual", || res.push_output(l, out));
-        AttnSaved { h, rstd, xn, qkv, probs, o }
+        AttnSaved { h, rstd, xn, qkv, stats, o }
     }
 
     /// MLP sublayer `l` on the residual state, as [`Self::attn_forward`].
@@ -482,7 +482,7 @@ impl Model {
                 false,
             );
         });
-        phase("bwd attention", || attention::backward(&mut sc.dqkv, &sc.do_, &s.qkv, &s.probs, sh));
+        phase("bwd attention", || attention::backward(&mut sc.dqkv, &sc.do_, &s.qkv, &s.stats, sh));
         phase("bwd rope", || {
             rope::apply(
                 &mut sc.dqkv,

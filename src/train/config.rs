@@ -62,7 +62,7 @@ impl TrainConfig {
     /// checks (`None`: beyond 128 bits). Six f32 copies of the parameters (weights, the step's
     /// gradient and a micro-batch's, the Adam moments, Muon's momentum), and per token of a
     /// micro-batch what the forward pass keeps for backward: per layer the inputs, norms and
-    /// q/k/v, the attention probabilities over the sequence, the MLP's three projections; the
+    /// q/k/v, two softmax statistics per attention head, the MLP's three projections; the
     /// depth sources of every sublayer; the logits and their gradient; backward's buffers —
     /// times 3/2 for the gradients backward holds beside them. On the `small` preset this came
     /// within 10% of the peak resident memory of `train` at micro_batch 8 and 32 (`/usr/bin/time`).
@@ -72,12 +72,12 @@ impl TrainConfig {
             (n(model.hidden_size), n(model.intermediate_size), n(model.num_hidden_layers));
         let qd = n(model.num_attention_heads).checked_mul(n(model.head_dim))?;
         let kvd = n(model.num_key_value_heads).checked_mul(n(model.head_dim))?;
-        let probs = n(model.num_attention_heads).checked_mul(n(self.seq_len))?;
+        let softmax_stats = n(model.num_attention_heads).checked_mul(2)?;
         let layer = d
             .checked_mul(4)?
             .checked_add(qd.checked_mul(2)?)?
             .checked_add(kvd.checked_mul(2)?)?
-            .checked_add(probs)?
+            .checked_add(softmax_stats)?
             .checked_add(f.checked_mul(3)?)?
             .checked_add(2)?;
         let sources = l.checked_mul(2)?.checked_add(2)?.checked_mul(d)?;
