@@ -17,7 +17,7 @@
 //! output's gradient to the last stage, which adds it after the head's, as one process does.
 
 use super::parallel::Group;
-use crate::comm::Comm;
+use crate::comm::{Comm, Receiving};
 use crate::model::chunk::{ChunkForward, ChunkGradIn};
 use crate::model::params::Layout as ParamLayout;
 use crate::model::residual::{ResidualForward, SourceSums};
@@ -313,7 +313,7 @@ impl Stage {
         // With `Grads::Once`: the gradient sums of the sources each micro-batch's chunk here
         // kept from this rank's chunk before, for that chunk's backward.
         let mut held: HashMap<(usize, usize), SourceSums> = HashMap::new();
-        let mut io = Io { comm, traffic, tokens: 0 };
+        let mut io = Io::new(comm, traffic, self.receives(micro_batches, d), self.receives_ahead());
         for &op in &self.ops {
             match op {
                 Op::Forward { chunk, micro } => {
@@ -350,7 +350,7 @@ impl Stage {
                     let start = if chunk == self.last_chunk() {
                         ChunkGradIn::Loss(targets)
                     } else {
-                        let (acc, mut sums) = self.receive_backward(&mut io, chunk + 1, d);
+                        let (acc, mut sums) = self.receive_backward(&mut io, chunk + 1, d)?;
                         for (n, s) in sums.iter_mut().enumerate() {
                             // A rank adds the gradient of what it kept to what came back.
                             if let Some(h) = held.remove(&(micro, n)) {
@@ -392,8 +392,7 @@ impl Stage {
         if grads.late.is_some() {
             // The embedding output's gradient after the head's, as one process adds them.
             for (m, (ids, _)) in micro_batches.iter().enumerate() {
-                let mut de = vec![0.0f32; ids.len() * d];
-                io.receive(self.rank_of(0), TIED_TAG, &mut de);
+                let de = io.receive(self.rank_of(0), TIED_TAG, ids.len() * d)?;
                 grads.finish_late(m, &de, ids, d);
             }
         }
@@ -412,8 +411,7 @@ impl Stage {
     ) -> Result<ResidualForward> {
         let t = &self.transfers[c - 1];
         let n = io.tokens * d;
-        let mut buf = vec![0.0f32; t.vectors() * n];
-        io.receive(self.rank_of(c - 1), forward_tag(c), &mut buf);
+        let buf = io.receive(self.rank_of(c - 1), forward_tag(c), t.vectors() * n)?;
         let mut parts = buf.chunks(n.max(1));
         let k = self.bounds[c].start;
         let cfg = &model.config;
@@ -461,11 +459,11 @@ impl Stage {
         io: &mut Io,
         c: usize,
         d: usize,
-    ) -> (Vec<f32>, Vec<Option<SourceSums>>) {
+    ) -> Result<(Vec<f32>, Vec<Option<SourceSums>>)> {
         let t = &self.transfers[c - 1];
         let (n, rows) = (io.tokens * d, io.tokens);
-        let mut buf = vec![0.0f32; t.backward_values(d, self.layout.grads) * rows];
-        io.receive(self.rank_of(c), backward_tag(c), &mut buf);
+        let len = t.backward_values(d, self.layout.grads) * rows;
+        let buf = io.receive(self.rank_of(c), backward_tag(c), len)?;
         let (acc, mut rest) = if t.hidden || t.partial {
             (buf[..n].to_vec(), &buf[n..])
         } else {
@@ -478,7 +476,52 @@ impl Stage {
             sums[s] = Some(SourceSums { acc: a.to_vec(), coef: coef.to_vec() });
             rest = r;
         }
-        (acc, sums)
+        Ok((acc, sums))
+    }
+
+    /// Every message this rank receives in a step over `micro_batches` (hidden size `d`), in
+    /// the order its passes take them: rank, tag and values.
+    fn receives(
+        &self,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        d: usize,
+    ) -> Vec<(usize, u16, usize)> {
+        let mut out = Vec::new();
+        for op in &self.ops {
+            match *op {
+                Op::Forward { chunk, micro } if chunk > 0 => {
+                    let n = micro_batches[micro].0.len() * d;
+                    out.push((
+                        self.rank_of(chunk - 1),
+                        forward_tag(chunk),
+                        self.transfers[chunk - 1].vectors() * n,
+                    ));
+                }
+                Op::Backward { chunk, micro } if chunk < self.last_chunk() => {
+                    let rows = micro_batches[micro].0.len();
+                    let t = &self.transfers[chunk];
+                    out.push((
+                        self.rank_of(chunk + 1),
+                        backward_tag(chunk + 1),
+                        t.backward_values(d, self.layout.grads) * rows,
+                    ));
+                }
+                _ => {}
+            }
+        }
+        if self.tied && self.layout.stages > 1 && self.is_last() {
+            for (ids, _) in micro_batches {
+                out.push((self.rank_of(0), TIED_TAG, ids.len() * d));
+            }
+        }
+        out
+    }
+
+    /// How many receives a rank keeps started ahead of the pass that needs the first of them:
+    /// two per chunk it runs, the next forward input and the next returned gradient of each
+    /// (one message's buffer each).
+    fn receives_ahead(&self) -> usize {
+        2 * self.layout.virtual_stages
     }
 
     /// Sends back out of chunk `c` what its backward pass handed on.
@@ -596,15 +639,49 @@ impl StepGrads {
     }
 }
 
-/// A rank's messages in a step, counted and timed.
+/// A rank's messages in a step, counted and timed. Receives start ahead of the passes that
+/// need them ([`Comm::start_receive`]), so that messages arrive while the rank computes.
 struct Io<'a> {
     comm: &'a dyn Comm,
     traffic: &'a mut StepTraffic,
     /// Tokens of the micro-batch under way.
     tokens: usize,
+    /// Receives started, in the order the passes take them, and those still to start.
+    started: std::collections::VecDeque<Receiving>,
+    upcoming: std::vec::IntoIter<(usize, u16, usize)>,
+    ahead: usize,
 }
 
-impl Io<'_> {
+impl<'a> Io<'a> {
+    /// The messages of a step: `receives`, in order ([`Stage::receives`]), `ahead` of them
+    /// started at a time.
+    fn new(
+        comm: &'a dyn Comm,
+        traffic: &'a mut StepTraffic,
+        receives: Vec<(usize, u16, usize)>,
+        ahead: usize,
+    ) -> Io<'a> {
+        let mut io = Io {
+            comm,
+            traffic,
+            tokens: 0,
+            started: Default::default(),
+            upcoming: receives.into_iter(),
+            ahead: ahead.max(1),
+        };
+        let t = Instant::now();
+        io.start_ahead();
+        io.traffic.wait_seconds += t.elapsed().as_secs_f64();
+        io
+    }
+
+    fn start_ahead(&mut self) {
+        while self.started.len() < self.ahead {
+            let Some((from, tag, len)) = self.upcoming.next() else { break };
+            self.started.push_back(self.comm.start_receive(from, tag, len));
+        }
+    }
+
     fn post(&mut self, to: usize, tag: u16, buf: &[f32]) {
         let t = Instant::now();
         self.comm.post_f32(to, tag, buf);
@@ -612,10 +689,21 @@ impl Io<'_> {
         self.traffic.wait_seconds += t.elapsed().as_secs_f64();
     }
 
-    fn receive(&mut self, from: usize, tag: u16, buf: &mut [f32]) {
+    /// The `len` values rank `from` posted under `tag`: the next receive started.
+    fn receive(&mut self, from: usize, tag: u16, len: usize) -> Result<Vec<f32>> {
         let t = Instant::now();
-        self.comm.receive_posted_f32(from, tag, buf);
+        let r = self.started.pop_front().context("a receive the step's plan does not hold")?;
+        ensure!(
+            (r.from, r.tag, r.len) == (from, tag, len),
+            "a pass takes {len} values under tag {tag} from rank {from}, but the plan's next receive is {} values under tag {} from rank {}",
+            r.len,
+            r.tag,
+            r.from
+        );
+        let values = self.comm.finish_receive(r);
+        self.start_ahead();
         self.traffic.wait_seconds += t.elapsed().as_secs_f64();
+        Ok(values)
     }
 }
 
