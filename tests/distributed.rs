@@ -434,7 +434,8 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     // Rank 1 of a pipeline of 2 stages kills itself (SIGKILL) in step 6, while rank 0 waits
     // for its messages: the job ends, promptly and with a failure that names the signal, after
     // the checkpoint of step 3 and the metrics of step 5.
-    let args = env.train_args("pp", "block", &["--pp", "2", "--vpp", "2"]);
+    let args_of = |env: &Env, out: &str| env.train_args(out, "block", &["--pp", "2", "--vpp", "2"]);
+    let args = args_of(&env, "pp");
     let died = dies(&env, 2, &args, "ATTNRES_TEST_KILL_AT", "1:6");
     let err = String::from_utf8_lossy(&died.stderr);
     assert!(err.contains("signal 9"), "{err}");
@@ -442,6 +443,14 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     // One process continues it from step 3 exactly.
     env.train(0, &env.resume_args("pp"));
     same_run(&env, "alone", "pp");
+
+    // Killed again, it continues as a pipeline of another shape: each stage takes its part of
+    // the checkpoint the stages of the other shape put together.
+    dies(&env, 2, &args_of(&env, "pp-again"), "ATTNRES_TEST_KILL_AT", "1:6");
+    let mut resume = env.resume_args("pp-again");
+    resume.extend(["--pp", "4"].map(String::from));
+    env.train(4, &resume);
+    same_run(&env, "alone", "pp-again");
 
     // A run in one process dies; two pipelines of two stages continue it.
     one_process_dies_and_ranks_resume(&env, 4, &["--pp", "2"]);
