@@ -359,6 +359,101 @@ pub(super) fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
     Ok(())
 }
 
+/// A checkpoint's optimiser state read one tensor at a time, so that a whole tensor is the most
+/// it holds: a pipeline's rank 0 hands every stage its part of one before it reads the next.
+/// The file is checked as [`load_optimizer`] checks it: every error names it.
+pub(super) struct StateFile {
+    path: PathBuf,
+    file: std::fs::File,
+    step: u64,
+    /// Where each of [`STATE_TENSORS`] starts, in bytes from the start of the file.
+    starts: Vec<u64>,
+    /// Values per tensor.
+    len: usize,
+}
+
+impl StateFile {
+    /// Opens `path`, whose tensors must hold `len` values each (the model's parameters).
+    pub(super) fn open(path: &Path, len: usize) -> Result<StateFile> {
+        use std::io::Read;
+        let corrupt = |why: String| anyhow::anyhow!("{} is corrupt: {why}", path.display());
+        let mut file =
+            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let size =
+            file.metadata().with_context(|| format!("cannot read {}", path.display()))?.len();
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n).map_err(|e| corrupt(format!("its header: {e}")))?;
+        let n = u64::from_le_bytes(n);
+        // The safetensors crate's own bound on a header (100 MB), and the file's size.
+        ensure!(
+            n <= 100_000_000 && 8 + n <= size,
+            "{} is corrupt: a header of {n} bytes in a file of {size}",
+            path.display()
+        );
+        let mut head = vec![0u8; n as usize];
+        file.read_exact(&mut head).map_err(|e| corrupt(format!("its header: {e}")))?;
+        let head: Value =
+            serde_json::from_slice(&head).map_err(|e| corrupt(format!("its header: {e}")))?;
+        let step = head["__metadata__"]["step"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("{} has no step", path.display()))?;
+        let mut starts = Vec::new();
+        for name in STATE_TENSORS {
+            let t = &head[name];
+            let offsets: Vec<u64> = t["data_offsets"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            ensure!(
+                t["dtype"] == "F32" && offsets.len() == 2,
+                "{}: {name} is missing or not an f32 tensor",
+                path.display()
+            );
+            let (a, b) = (offsets[0], offsets[1]);
+            ensure!(
+                a <= b && 8 + n + b <= size,
+                "{} is corrupt: {name} lies outside the file",
+                path.display()
+            );
+            ensure!(
+                (b - a) as usize == 4 * len,
+                "{}: {name} has {} values, the model needs {len}",
+                path.display(),
+                (b - a) / 4
+            );
+            starts.push(8 + n + a);
+        }
+        Ok(StateFile { path: path.to_path_buf(), file, step, starts, len })
+    }
+
+    pub(super) fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The values of tensor `i` of [`STATE_TENSORS`].
+    pub(super) fn read(&mut self, i: usize) -> Result<Vec<f32>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let failed = |e: std::io::Error| {
+            anyhow::anyhow!("cannot read {} from {}: {e}", STATE_TENSORS[i], self.path.display())
+        };
+        self.file.seek(SeekFrom::Start(self.starts[i])).map_err(failed)?;
+        let mut values = Vec::with_capacity(self.len);
+        // A piece at a time: no second copy of the tensor as bytes.
+        let mut piece = vec![0u8; 1 << 20];
+        while values.len() < self.len {
+            let bytes = (4 * (self.len - values.len())).min(piece.len());
+            self.file.read_exact(&mut piece[..bytes]).map_err(failed)?;
+            values.extend(
+                piece[..bytes]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+        }
+        Ok(values)
+    }
+}
+
 /// Drops metric lines after `step` (written after the checkpoint the run resumes from).
 pub(super) fn truncate_metrics(path: &Path, step: usize) -> Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };

@@ -68,7 +68,7 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
 /// final validation loss (NaN on the other ranks).
 pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Group>) -> Result<f64> {
     let mut trainer = match group {
-        None => Trainer::start(run, opts, 1)?,
+        None => Trainer::start(run, opts, 1, true)?,
         Some(g) => Trainer::start_group(run, opts, g)?,
     };
     if trainer.at.step == 0 {
@@ -190,6 +190,9 @@ struct Trainer<'g> {
     /// The run directory's lock, held until the trainer is dropped (none on ranks other than
     /// 0, which do not write the run directory).
     _lock: Option<File>,
+    /// A resumed checkpoint's optimiser state not loaded yet: a pipeline's rank 0 reads it
+    /// tensor by tensor as it hands every stage its part.
+    state_file: Option<PathBuf>,
     /// The ranks this one trains with (none: training alone).
     group: Option<&'g Group<'g>>,
     /// On rank 0 of a pipeline, while it writes a checkpoint: the optimiser state, put
@@ -264,8 +267,15 @@ impl Resume {
 
 impl Position {
     /// Where a resumed run stopped (its optimiser state restored into `opt`, metrics after its
-    /// checkpoint dropped), or the start of a new run in a new directory.
-    fn restore(resume: Option<&Resume>, opt: &mut Optimizer, out: &Path) -> Result<Position> {
+    /// checkpoint dropped), or the start of a new run in a new directory. Without `load`, only
+    /// the state's step is restored (and its file checked): a pipeline's rank 0 reads the rest
+    /// as it hands it out ([`Trainer::state_file`]).
+    fn restore(
+        resume: Option<&Resume>,
+        opt: &mut Optimizer,
+        out: &Path,
+        load: bool,
+    ) -> Result<Position> {
         let Some(r) = resume else {
             return Ok(Position {
                 step: 0,
@@ -275,7 +285,12 @@ impl Position {
                 earlier_seconds: 0.0,
             });
         };
-        run_dir::load_optimizer(opt, &r.dir.join("optimizer.safetensors"))?;
+        let path = r.dir.join("optimizer.safetensors");
+        if load {
+            run_dir::load_optimizer(opt, &path)?;
+        } else {
+            opt.step = run_dir::StateFile::open(&path, opt.m.len())?.step();
+        }
         let s = &r.state;
         ensure!(
             opt.step as usize == s.step,
@@ -297,7 +312,13 @@ impl Position {
 impl<'g> Trainer<'g> {
     /// Checks the request against the run directory, loads or builds settings, tokenizer, data,
     /// model and optimiser, and announces the run, which `ranks` ranks will train.
-    fn start(run: Option<RunConfig>, opts: &TrainOptions, ranks: usize) -> Result<Trainer<'g>> {
+    /// Without `load_state` a resumed run's optimiser state stays in its file (`state_file`).
+    fn start(
+        run: Option<RunConfig>,
+        opts: &TrainOptions,
+        ranks: usize,
+        load_state: bool,
+    ) -> Result<Trainer<'g>> {
         let out = &opts.out;
         ensure!(
             !opts.resume || out.is_dir(),
@@ -347,7 +368,9 @@ impl<'g> Trainer<'g> {
         }
 
         let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
-        let at = Position::restore(resume.as_ref(), &mut opt, out)?;
+        let at = Position::restore(resume.as_ref(), &mut opt, out, load_state)?;
+        let state_file =
+            resume.as_ref().filter(|_| !load_state).map(|r| r.dir.join("optimizer.safetensors"));
 
         let total = tc.steps();
         let progress =
@@ -393,6 +416,7 @@ impl<'g> Trainer<'g> {
             at,
             metrics: None,
             _lock: Some(lock),
+            state_file,
             group: None,
             streamed: None,
             last_checkpoint: Instant::now(),

@@ -17,7 +17,7 @@ use super::{
 use super::{Model, Optimizer, Progress, TrainOptions, Whole};
 use crate::comm::{self, Comm};
 use crate::model::params::Layout as ParamLayout;
-use crate::train::checkpoint::StateSource;
+use crate::train::checkpoint::{self as run_dir, StateSource};
 use crate::train::config::{RunConfig, TrainConfig};
 use crate::train::data::Corpus;
 use crate::train::tokenizer::Bpe;
@@ -556,7 +556,8 @@ impl<'g> Trainer<'g> {
         g: &'g Group<'g>,
     ) -> Result<Trainer<'g>> {
         let leader = g.leads().then(|| {
-            let t = Trainer::start(run, opts, g.replicas())?;
+            // A pipeline's rank 0 reads a resumed optimiser state as it hands it out.
+            let t = Trainer::start(run, opts, g.replicas(), !g.layout.is_pipeline())?;
             let tc = &t.run.train;
             g.layout.check_model(&t.run.model, tc.accumulation() / g.replicas())?;
             g.set_stage(&t.run.model, tc.accumulation())?;
@@ -694,6 +695,7 @@ impl<'g> Trainer<'g> {
             at,
             metrics: None,
             _lock: None,
+            state_file: None,
             group: Some(g),
             streamed: None,
             last_checkpoint: Instant::now(),
@@ -713,22 +715,34 @@ impl<'g> Trainer<'g> {
         let moved = self.opt.step > 0;
         if g.leads() {
             let stages = g.first_replica.borrow();
+            // The same stage in every replica holds the same part.
+            let theirs = |r: usize| &stages[r % g.layout.stages];
             for r in 1..g.size() {
-                // The same stage in every replica holds the same part.
-                let theirs = &stages[r % g.layout.stages];
-                g.comm.send_f32(r, &theirs.take(&self.model.params));
-                for state in [&self.opt.m, &self.opt.v, &self.opt.momentum].iter().filter(|_| moved)
-                {
-                    g.comm.send_f32(r, &theirs.take_updated(state));
-                }
+                g.comm.send_f32(r, &theirs(r).take(&self.model.params));
             }
             let params = stage.take(&self.model.params);
             self.model = Model::part(c.clone(), stage.part().clone(), params)?;
             let mut opt = Optimizer::new(self.run.train.optim.clone(), &self.model.layout);
             opt.step = self.opt.step;
-            if moved {
-                let whole = [&self.opt.m, &self.opt.v, &self.opt.momentum];
-                [opt.m, opt.v, opt.momentum] = whole.map(|w| stage.take_updated(w));
+            // A resumed state is read one tensor at a time, each handed out before the next.
+            let whole = self.opt.m.len();
+            let mut file = match self.state_file.take() {
+                Some(path) if moved => Some(run_dir::StateFile::open(&path, whole)?),
+                _ => None,
+            };
+            for i in (0..3).filter(|_| moved) {
+                let read;
+                let values: &[f32] = match file.as_mut() {
+                    Some(f) => {
+                        read = f.read(i)?;
+                        &read
+                    }
+                    None => [&self.opt.m, &self.opt.v, &self.opt.momentum][i],
+                };
+                for r in 1..g.size() {
+                    g.comm.send_f32(r, &theirs(r).take_updated(values));
+                }
+                *[&mut opt.m, &mut opt.v, &mut opt.momentum][i] = stage.take_updated(values);
             }
             self.opt = opt;
             // The whole model rank 0 loaded or made is not needed again.
