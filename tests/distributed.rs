@@ -451,6 +451,14 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     resume.extend(["--pp", "4"].map(String::from));
     env.train(4, &resume);
     same_run(&env, "alone", "pp-again");
+    // Its optimiser state, read tensor by tensor on rank 0 of a pipeline, is checked as one
+    // process checks it: a damaged file is one error line.
+    let state = env.path("pp-again/ckpt/optimizer.safetensors");
+    let bytes = std::fs::read(&state).unwrap();
+    std::fs::write(&state, &bytes[..bytes.len() / 2]).unwrap();
+    let mut resume = env.resume_args("pp-again");
+    resume.extend(["--pp", "2"].map(String::from));
+    fails_with_one_error(&env.run(2, &resume), "optimizer.safetensors is corrupt");
 
     // A run in one process dies; two pipelines of two stages continue it.
     one_process_dies_and_ranks_resume(&env, 4, &["--pp", "2"]);

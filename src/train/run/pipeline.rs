@@ -234,10 +234,6 @@ impl Stage {
         self.rank_of(self.last_chunk())
     }
 
-    pub fn stage(&self) -> usize {
-        self.stage
-    }
-
     /// The rank of the job that runs chunk `c` of this rank's pipeline.
     fn rank_of(&self, c: usize) -> usize {
         self.replica * self.layout.stages + self.shape.rank_of(c)
