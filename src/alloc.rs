@@ -73,6 +73,21 @@ impl Free {
     }
 }
 
+/// Hands every kept block back to the system: after work whose large buffers the coming steps
+/// will not ask for again (on a pipeline's rank 0, the whole model it puts together for a
+/// checkpoint or a validation), so that they do not stay resident. Without [`Recycling`]
+/// installed, nothing is kept and this does nothing.
+pub fn release_kept() {
+    let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
+    for &(s, a, p) in &f.blocks[..f.len] {
+        // SAFETY: as in `dealloc`: a kept block came from `System` with this size and
+        // alignment and nobody holds it; the list is emptied below, so none goes back twice.
+        unsafe { System.dealloc(p as *mut u8, Layout::from_size_align_unchecked(s, a)) };
+    }
+    f.len = 0;
+    f.bytes = 0;
+}
+
 pub struct Recycling;
 
 impl Recycling {

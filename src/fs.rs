@@ -23,13 +23,22 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 /// [`write_atomic`] of the concatenation of `parts`, written one after another (a large file
 /// need not be one buffer first).
 pub fn write_atomic_parts<B: AsRef<[u8]>>(path: &Path, parts: &[B]) -> Result<()> {
+    write_atomic_with(path, |w| parts.iter().try_for_each(|p| w.write_all(p.as_ref())))
+}
+
+/// [`write_atomic`] of what `write` writes, in order (parts made one at a time, as they are
+/// written).
+pub fn write_atomic_with(
+    path: &Path,
+    write: impl FnOnce(&mut dyn std::io::Write) -> std::io::Result<()>,
+) -> Result<()> {
     use std::io::Write;
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
     let tmp = path.with_file_name(format!(".{name}{TEMPORARY}{}", std::process::id()));
     let written = std::fs::File::create(&tmp)
         .and_then(|f| {
             let mut w = std::io::BufWriter::new(f);
-            parts.iter().try_for_each(|p| w.write_all(p.as_ref()))?;
+            write(&mut w)?;
             w.flush()
         })
         .with_context(|| format!("cannot write {}", path.display()))

@@ -310,6 +310,62 @@ fn pipelines_train_bit_for_bit_what_one_process_trains() {
         };
         let want = planned_bytes(block, p, v, ranks / p, cache, false);
         assert_eq!(pipeline_bytes(&env.path(&run)), vec![want; 8], "{run}: bytes per step");
+        each_rank_holds_its_stages_share(&env.path(&run), p, v);
+    }
+}
+
+/// The parameter and optimiser values every rank of a pipeline run reported holding
+/// (`summary.json`) against its stage's share, worked out here from the tensors' names and
+/// shapes in the run's `model.safetensors`: the tensors of the sublayers of the stage's chunks
+/// (chunk `c` on stage `c mod P`), the embedding on the first stage, the final norm, output
+/// aggregation and LM head on the last; a tied embedding is the last stage's (as the LM head),
+/// with a copy on the first. Three optimiser values (AdamW's two moments, Muon's momentum) per
+/// parameter a stage updates.
+fn each_rank_holds_its_stages_share(run: &Path, p: usize, v: usize) {
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run.join("config.json")).unwrap()).unwrap();
+    let tied = config["tie_word_embeddings"].as_bool().unwrap();
+    let sublayers = 2 * config["num_hidden_layers"].as_u64().unwrap() as usize;
+    let bytes = weights(run);
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let chunks = attnres::pipeline::chunk_bounds(sublayers, p * v);
+    let (mut updated, mut embedding, mut total) = (vec![0u64; p], 0, 0);
+    for (name, t) in tensors.tensors() {
+        let size = t.shape().iter().product::<usize>() as u64;
+        total += size;
+        let stage = if let Some(rest) = name.strip_prefix("model.layers.") {
+            let layer: usize = rest.split('.').next().unwrap().parse().unwrap();
+            let mlp = rest.contains(".mlp") || rest.contains("post_attention_layernorm");
+            let l = 2 * layer + mlp as usize;
+            chunks.iter().position(|c| c.contains(&l)).unwrap() % p
+        } else if name == "model.embed_tokens.weight" {
+            embedding = size;
+            if tied {
+                p - 1
+            } else {
+                0
+            }
+        } else {
+            p - 1
+        };
+        updated[stage] += size;
+    }
+    assert_eq!(updated.iter().sum::<u64>(), total);
+    let ranks = summary(run)["rank_seconds"].as_array().unwrap().clone();
+    for r in &ranks {
+        let stage = r["rank"].as_u64().unwrap() as usize % p;
+        let copy = if tied && stage == 0 { embedding } else { 0 };
+        let got = [&r["updated_values"], &r["parameter_values"], &r["optimizer_values"]]
+            .map(|x| x.as_u64().unwrap());
+        let want = [updated[stage], updated[stage] + copy, 3 * updated[stage]];
+        assert_eq!(
+            got,
+            want,
+            "{}: rank {} (updated, held, optimiser values)",
+            run.display(),
+            r["rank"]
+        );
+        assert!(got[2] < 3 * total, "a stage holds less optimiser state than one process");
     }
 }
 
@@ -378,7 +434,8 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     // Rank 1 of a pipeline of 2 stages kills itself (SIGKILL) in step 6, while rank 0 waits
     // for its messages: the job ends, promptly and with a failure that names the signal, after
     // the checkpoint of step 3 and the metrics of step 5.
-    let args = env.train_args("pp", "block", &["--pp", "2", "--vpp", "2"]);
+    let args_of = |env: &Env, out: &str| env.train_args(out, "block", &["--pp", "2", "--vpp", "2"]);
+    let args = args_of(&env, "pp");
     let died = dies(&env, 2, &args, "ATTNRES_TEST_KILL_AT", "1:6");
     let err = String::from_utf8_lossy(&died.stderr);
     assert!(err.contains("signal 9"), "{err}");
@@ -386,6 +443,22 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     // One process continues it from step 3 exactly.
     env.train(0, &env.resume_args("pp"));
     same_run(&env, "alone", "pp");
+
+    // Killed again, it continues as a pipeline of another shape: each stage takes its part of
+    // the checkpoint the stages of the other shape put together.
+    dies(&env, 2, &args_of(&env, "pp-again"), "ATTNRES_TEST_KILL_AT", "1:6");
+    let mut resume = env.resume_args("pp-again");
+    resume.extend(["--pp", "4"].map(String::from));
+    env.train(4, &resume);
+    same_run(&env, "alone", "pp-again");
+    // Its optimiser state, read tensor by tensor on rank 0 of a pipeline, is checked as one
+    // process checks it: a damaged file is one error line.
+    let state = env.path("pp-again/ckpt/optimizer.safetensors");
+    let bytes = std::fs::read(&state).unwrap();
+    std::fs::write(&state, &bytes[..bytes.len() / 2]).unwrap();
+    let mut resume = env.resume_args("pp-again");
+    resume.extend(["--pp", "2"].map(String::from));
+    fails_with_one_error(&env.run(2, &resume), "optimizer.safetensors is corrupt");
 
     // A run in one process dies; two pipelines of two stages continue it.
     one_process_dies_and_ranks_resume(&env, 4, &["--pp", "2"]);

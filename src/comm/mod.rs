@@ -41,6 +41,28 @@ pub trait Comm {
     fn receive_posted_f32(&self, from: usize, tag: u16, buf: &mut [f32]);
     /// Makes room for `bytes` of posted messages not yet received, plus `messages` headers.
     fn reserve_posts(&self, _bytes: usize, _messages: usize) {}
+    /// Starts receiving the next message of `len` values that rank `from` posts under `tag`,
+    /// so that it can arrive while this rank computes; [`Comm::finish_receive`] waits for it.
+    /// Receives started from one rank under one tag take its messages in the order started.
+    /// By default nothing starts before the finish (a blocking receive then).
+    fn start_receive(&self, from: usize, tag: u16, len: usize) -> Receiving {
+        Receiving { from, tag, len, started: None }
+    }
+    /// The values of a receive started by [`Comm::start_receive`], once they are here.
+    fn finish_receive(&self, r: Receiving) -> Vec<f32> {
+        let mut buf = vec![0.0f32; r.len];
+        self.receive_posted_f32(r.from, r.tag, &mut buf);
+        buf
+    }
+}
+
+/// A receive of a posted message under way ([`Comm::start_receive`]).
+pub struct Receiving {
+    pub from: usize,
+    pub tag: u16,
+    pub len: usize,
+    /// What the implementation started (none: nothing yet).
+    pub started: Option<Box<dyn std::any::Any>>,
 }
 
 /// Where a launcher (`mpirun`, `srun`) started this process as one of several ranks: how many

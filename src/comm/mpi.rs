@@ -1,10 +1,11 @@
 //! [`Comm`] over MPI (the `mpi` crate, on the system's MPI library). Only the thread that
 //! initialised MPI calls it; the worker threads of the kernels never do.
 
-use super::Comm;
+use super::{Comm, Receiving};
 use anyhow::{Context, Result};
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
+use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
@@ -91,6 +92,32 @@ impl Comm for Mpi {
         self.world.process_at_rank(from as i32).receive_into_with_tag(buf, tag as i32);
     }
 
+    fn start_receive(&self, from: usize, tag: u16, len: usize) -> Receiving {
+        // The buffer lives on the heap until the request completes (`Immediate`'s drop).
+        let buf: &'static mut [f32] = Box::leak(vec![0.0f32; len].into_boxed_slice());
+        let ptr: *mut [f32] = buf;
+        let request = self.world.process_at_rank(from as i32).immediate_receive_into_with_tag(
+            StaticScope,
+            buf,
+            tag as i32,
+        );
+        let started = Immediate { request: Some(request), buf: Some(ptr) };
+        Receiving { from, tag, len, started: Some(Box::new(started)) }
+    }
+
+    fn finish_receive(&self, r: Receiving) -> Vec<f32> {
+        let started = r.started.and_then(|s| s.downcast::<Immediate>().ok());
+        let Some(mut started) = started else {
+            let mut buf = vec![0.0f32; r.len];
+            self.receive_posted_f32(r.from, r.tag, &mut buf);
+            return buf;
+        };
+        if let Some(request) = started.request.take() {
+            request.wait_without_status();
+        }
+        started.take_values()
+    }
+
     fn reserve_posts(&self, bytes: usize, messages: usize) {
         // MPI_BSEND_OVERHEAD is about a hundred bytes in Open MPI; leave room for more.
         let want = bytes + messages * 1024 + (1 << 20);
@@ -99,5 +126,34 @@ impl Comm for Mpi {
             // Detaching waits for the messages posted into the old buffer to go out.
             u.set_buffer_size(want);
         }
+    }
+}
+
+/// An immediate receive (`MPI_Irecv`) and the buffer it fills.
+struct Immediate {
+    request: Option<Request<'static, [f32], StaticScope>>,
+    /// Leaked for the request; taken back once it completed (or was cancelled).
+    buf: Option<*mut [f32]>,
+}
+
+impl Immediate {
+    /// The values received, once the request completed.
+    fn take_values(&mut self) -> Vec<f32> {
+        // SAFETY: `buf` came from `Box::leak` in `start_receive` and its request completed (or
+        // was cancelled and waited for), so nothing else refers to it; `take` hands it back
+        // once.
+        self.buf.take().map(|b| unsafe { Box::from_raw(b) }.into_vec()).unwrap_or_default()
+    }
+}
+
+impl Drop for Immediate {
+    fn drop(&mut self) {
+        // A receive never finished (a step that ended in an error): cancel it, so that its
+        // buffer can go.
+        if let Some(request) = self.request.take() {
+            request.cancel();
+            request.wait_without_status();
+        }
+        self.take_values();
     }
 }

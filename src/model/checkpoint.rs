@@ -34,18 +34,33 @@ pub fn safetensors_parts<'a>(
     tensors: &'a [(String, Vec<usize>, &'a [f32])],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<Vec<Cow<'a, [u8]>>> {
-    let mut header = serde_json::Map::new();
-    if let Some(m) = metadata {
-        header.insert("__metadata__".into(), serde_json::to_value(m)?);
-    }
-    let mut offset = 0usize;
     for (name, shape, data) in tensors {
         ensure!(
             shape.iter().product::<usize>() == data.len(),
             "tensor {name:?}: shape {shape:?} does not hold {} values",
             data.len()
         );
-        let end = offset + 4 * data.len();
+    }
+    let shapes: Vec<(String, Vec<usize>)> =
+        tensors.iter().map(|(n, s, _)| (n.clone(), s.clone())).collect();
+    let mut parts = vec![Cow::Owned(safetensors_header(&shapes, metadata)?)];
+    parts.extend(tensors.iter().map(|(_, _, d)| le_bytes(d)));
+    Ok(parts)
+}
+
+/// The start of a safetensors file of f32 tensors of these names and shapes, whose values
+/// follow it one tensor after another: the header's length, then the header.
+pub fn safetensors_header(
+    tensors: &[(String, Vec<usize>)],
+    metadata: Option<HashMap<String, String>>,
+) -> Result<Vec<u8>> {
+    let mut header = serde_json::Map::new();
+    if let Some(m) = metadata {
+        header.insert("__metadata__".into(), serde_json::to_value(m)?);
+    }
+    let mut offset = 0usize;
+    for (name, shape) in tensors {
+        let end = offset + 4 * shape.iter().product::<usize>();
         let info =
             serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, end]});
         ensure!(header.insert(name.clone(), info).is_none(), "tensor {name:?} appears twice");
@@ -54,13 +69,13 @@ pub fn safetensors_parts<'a>(
     // The format pads the header with spaces to a multiple of 8 bytes.
     let mut head = serde_json::to_vec(&header)?;
     head.resize(head.len().next_multiple_of(8), b' ');
-    let mut parts = vec![Cow::Owned((head.len() as u64).to_le_bytes().to_vec()), Cow::Owned(head)];
-    parts.extend(tensors.iter().map(|(_, _, d)| le_bytes(d)));
-    Ok(parts)
+    let mut out = (head.len() as u64).to_le_bytes().to_vec();
+    out.extend(head);
+    Ok(out)
 }
 
 /// The little-endian bytes of `values`.
-fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
+pub fn le_bytes(values: &[f32]) -> Cow<'_, [u8]> {
     if cfg!(target_endian = "little") {
         // SAFETY: the same memory read as bytes: f32 has no padding, every byte is a valid u8,
         // and u8 needs no alignment.

@@ -139,6 +139,87 @@ impl Layout {
         Layout { specs: b.specs, total: b.total, embed, layers, final_norm, output_depth, head }
     }
 
+    /// Values of the tensors in `specs`, which come first in the buffer: what an optimiser
+    /// updates. The whole model's is [`Layout::total`]; a pipeline stage's part ([`Layout::part`])
+    /// may hold read-only copies of other tensors after them.
+    pub fn updated(&self) -> usize {
+        self.specs.last().map_or(0, |s| s.range.end)
+    }
+
+    /// The part of this layout that a pipeline stage holds: the tensors `owned[i]` marks (by
+    /// index into `specs`), packed in order, then read-only copies of those `copied` marks
+    /// (values the stage reads but another stage updates). The part's `specs` are the owned
+    /// tensors alone; every range of a tensor not held is empty, so that nothing can read it
+    /// by mistake.
+    pub fn part(&self, owned: &[bool], copied: &[bool]) -> Layout {
+        let mut start: Vec<Option<usize>> = vec![None; self.specs.len()];
+        let mut at = 0;
+        for pass in [owned, copied] {
+            for (i, s) in self.specs.iter().enumerate() {
+                if pass[i] && start[i].is_none() {
+                    start[i] = Some(at);
+                    at += s.range.len();
+                }
+            }
+        }
+        // A range starts where a tensor starts (adjacent tensors of one sublayer, as qkv, are
+        // held together, so they stay adjacent).
+        let map = |r: &Range<usize>| -> Range<usize> {
+            let i = self.specs.iter().position(|s| s.range.start == r.start);
+            match i.and_then(|i| start[i]) {
+                Some(s) => s..s + r.len(),
+                None => 0..0,
+            }
+        };
+        let depth = |p: &Option<DepthParams>| {
+            p.as_ref().map(|p| DepthParams { query: map(&p.query), gain: p.gain.as_ref().map(map) })
+        };
+        let specs = self
+            .specs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| owned[*i])
+            .map(|(_, s)| ParamSpec { range: map(&s.range), ..s.clone() })
+            .collect();
+        let layers = self
+            .layers
+            .iter()
+            .map(|lp| LayerParams {
+                input_norm: map(&lp.input_norm),
+                qkv: map(&lp.qkv),
+                o_proj: map(&lp.o_proj),
+                post_norm: map(&lp.post_norm),
+                gate_up: map(&lp.gate_up),
+                down: map(&lp.down),
+                attn_depth: depth(&lp.attn_depth),
+                mlp_depth: depth(&lp.mlp_depth),
+            })
+            .collect();
+        Layout {
+            specs,
+            total: at,
+            embed: map(&self.embed),
+            layers,
+            final_norm: map(&self.final_norm),
+            output_depth: depth(&self.output_depth),
+            head: map(&self.head),
+        }
+    }
+
+    /// The ranges of sublayer `l`'s own tensors (attention of layer l/2 when l is even, its
+    /// MLP when odd): depth parameters, norm and projections.
+    pub fn sublayer_ranges(&self, l: usize) -> Vec<Range<usize>> {
+        let lp = &self.layers[l / 2];
+        let depth =
+            self.depth_params(l).into_iter().flat_map(|p| [Some(p.query.clone()), p.gain.clone()]);
+        let own = if l.is_multiple_of(2) {
+            [lp.input_norm.clone(), lp.qkv.clone(), lp.o_proj.clone()]
+        } else {
+            [lp.post_norm.clone(), lp.gate_up.clone(), lp.down.clone()]
+        };
+        depth.flatten().chain(own).collect()
+    }
+
     /// The depth parameters read by sublayer `l` (attention of layer l/2 when l is even, its
     /// MLP when odd), or by the output aggregation when `l == L`.
     pub fn depth_params(&self, l: usize) -> Option<&DepthParams> {

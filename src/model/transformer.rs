@@ -93,6 +93,20 @@ impl Model {
         Ok(Model { config, layout, params, rope })
     }
 
+    /// A pipeline stage's part of a model: the tensors of `layout` (a [`Layout::part`] of the
+    /// config's), whose values `params` holds.
+    pub fn part(config: Config, layout: Layout, params: Vec<f32>) -> Result<Model> {
+        ensure!(
+            params.len() == layout.total,
+            "the stage's parameter buffer has {} values, its part of the model {}",
+            params.len(),
+            layout.total
+        );
+        let rope =
+            RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
+        Ok(Model { config, layout, params, rope })
+    }
+
     /// A freshly initialised model (see [`Layout::init`]).
     pub fn init(config: Config, seed: u64) -> Result<Model> {
         config.validate()?;

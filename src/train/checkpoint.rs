@@ -9,7 +9,7 @@ use super::config::RunConfig;
 use super::optim::Optimizer;
 use super::tokenizer::Bpe;
 use crate::fs::write_atomic;
-use crate::model::checkpoint::{self, f32_values, safetensors_parts};
+use crate::model::checkpoint::{self, f32_values, le_bytes, safetensors_header};
 use crate::model::Model;
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
@@ -221,6 +221,35 @@ pub(super) fn checkpoint_dir(out: &Path) -> Result<PathBuf> {
     )
 }
 
+/// The optimiser state a checkpoint holds, by name: AdamW's moments and Muon's momentum, each
+/// laid out like the whole model's parameters.
+pub(super) const STATE_TENSORS: [&str; 3] = ["adam.m", "adam.v", "muon.momentum"];
+
+/// Where [`save`] takes the optimiser state from: its step and the values of its
+/// [`STATE_TENSORS`], handed over one at a time as they are written (so that state put together
+/// from the stages of a pipeline is whole one tensor at a time).
+pub(super) trait StateSource {
+    fn step(&self) -> u64;
+    /// Values per tensor.
+    fn len(&self) -> usize;
+    /// The values of tensor `i` of [`STATE_TENSORS`]; asked for in order, each at most once.
+    fn tensor(&mut self, i: usize) -> &[f32];
+}
+
+impl StateSource for &Optimizer {
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn len(&self) -> usize {
+        self.m.len()
+    }
+
+    fn tensor(&mut self, i: usize) -> &[f32] {
+        [&self.m, &self.v, &self.momentum][i]
+    }
+}
+
 /// Writes a checkpoint of the run into `ckpt/` (swapped in whole) and the latest model beside it.
 /// If writing or swapping fails (a full or read-only disk), `.ckpt.tmp/` is removed, so the disk
 /// is not left full and `--resume` continues from the previous checkpoint (`ckpt/`, or
@@ -230,7 +259,7 @@ pub(super) fn save(
     model: &Model,
     bpe: &Bpe,
     tokenizer_files: &[(String, String)],
-    opt: &Optimizer,
+    state: &mut dyn StateSource,
     st: &TrainState,
 ) -> Result<()> {
     let tmp = out.join(".ckpt.tmp");
@@ -243,21 +272,22 @@ pub(super) fn save(
             .with_context(|| format!("cannot rename {} to {}", from.display(), to.display()))
     };
     let tok = bpe.to_json()?;
-    let write_and_swap = || -> Result<()> {
+    let mut write_and_swap = || -> Result<()> {
         if tmp.exists() {
             remove_dir(&tmp)?;
         }
         checkpoint::save(model, &tmp)?;
         write_tokenizer(&tmp, &tok, tokenizer_files)?;
-        let meta = std::collections::HashMap::from([("step".to_string(), opt.step.to_string())]);
-        let n = opt.m.len();
-        let tensors: Vec<(String, Vec<usize>, &[f32])> = vec![
-            ("adam.m".into(), vec![n], &opt.m),
-            ("adam.v".into(), vec![n], &opt.v),
-            ("muon.momentum".into(), vec![n], &opt.momentum),
-        ];
-        let optimizer = safetensors_parts(&tensors, Some(meta))?;
-        crate::fs::write_atomic_parts(&tmp.join("optimizer.safetensors"), &optimizer)?;
+        let meta =
+            std::collections::HashMap::from([("step".to_string(), state.step().to_string())]);
+        let n = state.len();
+        let shapes: Vec<(String, Vec<usize>)> =
+            STATE_TENSORS.iter().map(|t| (t.to_string(), vec![n])).collect();
+        let header = safetensors_header(&shapes, Some(meta))?;
+        crate::fs::write_atomic_with(&tmp.join("optimizer.safetensors"), |w| {
+            w.write_all(&header)?;
+            (0..STATE_TENSORS.len()).try_for_each(|i| w.write_all(&le_bytes(state.tensor(i))))
+        })?;
         write_atomic(&tmp.join("train_state.json"), serde_json::to_string_pretty(st)?.as_bytes())?;
         // Without `ckpt/`, `.ckpt.old/` is the last complete checkpoint: kept until the new
         // one is in place.
@@ -314,9 +344,7 @@ pub(super) fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
         .and_then(|m| m.get("step"))
         .and_then(|s| s.parse().ok())
         .with_context(|| format!("{} has no step", path.display()))?;
-    for (name, buf) in
-        [("adam.m", &mut opt.m), ("adam.v", &mut opt.v), ("muon.momentum", &mut opt.momentum)]
-    {
+    for (name, buf) in STATE_TENSORS.into_iter().zip([&mut opt.m, &mut opt.v, &mut opt.momentum]) {
         let t = st.tensor(name).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let vals = f32_values(name, &t)?;
         ensure!(
@@ -329,6 +357,101 @@ pub(super) fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
         buf.copy_from_slice(&vals);
     }
     Ok(())
+}
+
+/// A checkpoint's optimiser state read one tensor at a time, so that a whole tensor is the most
+/// it holds: a pipeline's rank 0 hands every stage its part of one before it reads the next.
+/// The file is checked as [`load_optimizer`] checks it: every error names it.
+pub(super) struct StateFile {
+    path: PathBuf,
+    file: std::fs::File,
+    step: u64,
+    /// Where each of [`STATE_TENSORS`] starts, in bytes from the start of the file.
+    starts: Vec<u64>,
+    /// Values per tensor.
+    len: usize,
+}
+
+impl StateFile {
+    /// Opens `path`, whose tensors must hold `len` values each (the model's parameters).
+    pub(super) fn open(path: &Path, len: usize) -> Result<StateFile> {
+        use std::io::Read;
+        let corrupt = |why: String| anyhow::anyhow!("{} is corrupt: {why}", path.display());
+        let mut file =
+            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+        let size =
+            file.metadata().with_context(|| format!("cannot read {}", path.display()))?.len();
+        let mut n = [0u8; 8];
+        file.read_exact(&mut n).map_err(|e| corrupt(format!("its header: {e}")))?;
+        let n = u64::from_le_bytes(n);
+        // The safetensors crate's own bound on a header (100 MB), and the file's size.
+        ensure!(
+            n <= 100_000_000 && 8 + n <= size,
+            "{} is corrupt: a header of {n} bytes in a file of {size}",
+            path.display()
+        );
+        let mut head = vec![0u8; n as usize];
+        file.read_exact(&mut head).map_err(|e| corrupt(format!("its header: {e}")))?;
+        let head: Value =
+            serde_json::from_slice(&head).map_err(|e| corrupt(format!("its header: {e}")))?;
+        let step = head["__metadata__"]["step"]
+            .as_str()
+            .and_then(|s| s.parse().ok())
+            .with_context(|| format!("{} has no step", path.display()))?;
+        let mut starts = Vec::new();
+        for name in STATE_TENSORS {
+            let t = &head[name];
+            let offsets: Vec<u64> = t["data_offsets"]
+                .as_array()
+                .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                .unwrap_or_default();
+            ensure!(
+                t["dtype"] == "F32" && offsets.len() == 2,
+                "{}: {name} is missing or not an f32 tensor",
+                path.display()
+            );
+            let (a, b) = (offsets[0], offsets[1]);
+            ensure!(
+                a <= b && 8 + n + b <= size,
+                "{} is corrupt: {name} lies outside the file",
+                path.display()
+            );
+            ensure!(
+                (b - a) as usize == 4 * len,
+                "{}: {name} has {} values, the model needs {len}",
+                path.display(),
+                (b - a) / 4
+            );
+            starts.push(8 + n + a);
+        }
+        Ok(StateFile { path: path.to_path_buf(), file, step, starts, len })
+    }
+
+    pub(super) fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The values of tensor `i` of [`STATE_TENSORS`].
+    pub(super) fn read(&mut self, i: usize) -> Result<Vec<f32>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let failed = |e: std::io::Error| {
+            anyhow::anyhow!("cannot read {} from {}: {e}", STATE_TENSORS[i], self.path.display())
+        };
+        self.file.seek(SeekFrom::Start(self.starts[i])).map_err(failed)?;
+        let mut values = Vec::with_capacity(self.len);
+        // A piece at a time: no second copy of the tensor as bytes.
+        let mut piece = vec![0u8; 1 << 20];
+        while values.len() < self.len {
+            let bytes = (4 * (self.len - values.len())).min(piece.len());
+            self.file.read_exact(&mut piece[..bytes]).map_err(failed)?;
+            values.extend(
+                piece[..bytes]
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+        }
+        Ok(values)
+    }
 }
 
 /// Drops metric lines after `step` (written after the checkpoint the run resumes from).

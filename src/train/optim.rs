@@ -130,7 +130,8 @@ impl Optimizer {
     pub fn new(config: OptimConfig, layout: &Layout) -> Optimizer {
         let rules =
             layout.specs.iter().map(|s| (s.range.clone(), rule(s, config.optimizer))).collect();
-        let n = layout.total;
+        // A pipeline stage's part of the layout may hold copies after the tensors it updates.
+        let n = layout.updated();
         Optimizer {
             config,
             step: 0,
@@ -141,24 +142,14 @@ impl Optimizer {
         }
     }
 
-    /// Global L2 norm of `grads`.
-    pub fn grad_norm(grads: &[f32]) -> f64 {
-        grads
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().map(|g| (*g as f64) * (*g as f64)).sum::<f64>())
-            .sum::<f64>()
-            .sqrt()
-    }
-
-    /// Clips `grads` to the configured global norm; returns the norm before clipping.
-    pub fn clip(&self, grads: &mut [f32]) -> f64 {
-        let norm = Self::grad_norm(grads);
+    /// Scales `grads` down to the configured global norm when `norm` (theirs, [`global_norm`])
+    /// exceeds it.
+    pub fn clip(&self, grads: &mut [f32], norm: f64) {
         let max = self.config.grad_clip;
         if max > 0.0 && norm > max {
             let s = (max / (norm + 1e-12)) as f32;
             grads.par_chunks_mut(1 << 16).for_each(|c| c.iter_mut().for_each(|g| *g *= s));
         }
-        norm
     }
 
     /// One update of `params` with learning rate `lr`.
@@ -209,6 +200,29 @@ impl Optimizer {
             }
         }
     }
+}
+
+/// Each tensor's sum of squared gradients, in `layout` order: over pieces of 2^16 values
+/// (summed in parallel), then the pieces added in order. The same bits for any number of threads,
+/// and for a tensor wherever it lies, so that pipeline stages holding different tensors get the
+/// bits one process gets.
+pub fn tensor_squares(layout: &Layout, grads: &[f32]) -> Vec<f64> {
+    layout
+        .specs
+        .iter()
+        .map(|s| {
+            let pieces: Vec<f64> = grads[s.range.clone()]
+                .par_chunks(1 << 16)
+                .map(|c| c.iter().map(|g| (*g as f64) * (*g as f64)).sum::<f64>())
+                .collect();
+            pieces.iter().sum::<f64>()
+        })
+        .collect()
+}
+
+/// The global L2 norm of the gradients whose [`tensor_squares`] are `squares`: added in order.
+pub fn global_norm(squares: &[f64]) -> f64 {
+    squares.iter().sum::<f64>().sqrt()
 }
 
 /// Approximate orthogonalisation `U Vᵀ` of `g` (`[rows, cols]`) by five quintic Newton–Schulz
@@ -559,10 +573,12 @@ mod tests {
             num_hidden_layers: 1,
             ..Config::default()
         };
-        let opt = Optimizer::new(cfg(OptimizerKind::Muon), &Layout::new(&c));
-        let mut g = vec![1.0f32; Layout::new(&c).total];
-        let before = opt.clip(&mut g);
+        let layout = Layout::new(&c);
+        let opt = Optimizer::new(cfg(OptimizerKind::Muon), &layout);
+        let mut g = vec![1.0f32; layout.total];
+        let before = global_norm(&tensor_squares(&layout, &g));
         assert!((before - (g.len() as f64).sqrt()).abs() < 1e-6);
-        assert!((Optimizer::grad_norm(&g) - 1.0).abs() < 1e-4);
+        opt.clip(&mut g, before);
+        assert!((global_norm(&tensor_squares(&layout, &g)) - 1.0).abs() < 1e-4);
     }
 }

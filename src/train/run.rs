@@ -11,13 +11,14 @@ pub mod pipeline;
 use super::checkpoint::{self as run_dir, TrainState, METRICS};
 use super::config::RunConfig;
 use super::data::{Corpus, Split};
-use super::optim::{lr_at, Optimizer};
+use super::optim::{global_norm, lr_at, tensor_squares, Optimizer};
 use super::progress::{Progress, SharedBar};
 use super::tokenizer::Bpe;
 use super::tokens::{cache_dir, content_key, Tokens, WindowOrder};
 use super::validation::{unigram_bits_per_byte, validate};
 use crate::fs::write_atomic;
 use crate::kernels;
+use crate::model::params::Layout as ParamLayout;
 use crate::model::{checkpoint, Model};
 use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
@@ -67,34 +68,49 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
 /// final validation loss (NaN on the other ranks).
 pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Group>) -> Result<f64> {
     let mut trainer = match group {
-        None => Trainer::start(run, opts, 1)?,
+        None => Trainer::start(run, opts, 1, true)?,
         Some(g) => Trainer::start_group(run, opts, g)?,
     };
     if trainer.at.step == 0 {
         // A run is resumable from its first moment: a kill before the first regular checkpoint
         // resumes at step 0 instead of leaving a directory that can only be overwritten.
-        trainer.lead(|t| t.checkpoint())?;
+        trainer.lead(Whole::State, |t| t.checkpoint())?;
         if trainer.init.is_some() {
             // A run from a checkpoint starts where that model is: its loss before any step.
-            trainer.lead(|t| t.evaluate_start())?;
+            trainer.lead(Whole::Weights, |t| t.evaluate_start())?;
         }
     }
     while trainer.at.step < trainer.total {
         let outcome = trainer.step()?;
-        trainer.lead(|t| {
+        let (evaluated, checkpointed) = (trainer.evaluation_due(), trainer.agreed_checkpoint_due());
+        let whole = match (evaluated, checkpointed) {
+            (_, true) => Whole::State,
+            (true, false) => Whole::Weights,
+            (false, false) => Whole::Nothing,
+        };
+        trainer.lead(whole, |t| {
             let mut record = outcome.record(&t.at, t.run.train.batch_tokens);
-            let evaluated = t.evaluation_due();
             if evaluated {
                 t.evaluate(&outcome, &mut record)?;
             }
             t.log(&outcome, record, evaluated)?;
-            if t.checkpoint_due() {
+            if checkpointed {
                 t.checkpoint()?;
             }
             Ok(())
         })?;
     }
     trainer.lead_finish()
+}
+
+/// What of the whole model rank 0's work after a step needs, where the ranks of a pipeline
+/// hold parts of it ([`Trainer::lead`]): nothing, the weights (to validate) or the weights and
+/// optimiser state (to write a checkpoint).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Whole {
+    Nothing,
+    Weights,
+    State,
 }
 
 /// How far a run has got; saved in every checkpoint.
@@ -174,8 +190,14 @@ struct Trainer<'g> {
     /// The run directory's lock, held until the trainer is dropped (none on ranks other than
     /// 0, which do not write the run directory).
     _lock: Option<File>,
+    /// A resumed checkpoint's optimiser state not loaded yet: a pipeline's rank 0 reads it
+    /// tensor by tensor as it hands every stage its part.
+    state_file: Option<PathBuf>,
     /// The ranks this one trains with (none: training alone).
     group: Option<&'g Group<'g>>,
+    /// On rank 0 of a pipeline, while it writes a checkpoint: the optimiser state, put
+    /// together from the stages as it is written.
+    streamed: Option<parallel::StagesState<'g>>,
     /// When the last checkpoint was written.
     last_checkpoint: Instant,
     progress: Progress,
@@ -245,8 +267,15 @@ impl Resume {
 
 impl Position {
     /// Where a resumed run stopped (its optimiser state restored into `opt`, metrics after its
-    /// checkpoint dropped), or the start of a new run in a new directory.
-    fn restore(resume: Option<&Resume>, opt: &mut Optimizer, out: &Path) -> Result<Position> {
+    /// checkpoint dropped), or the start of a new run in a new directory. Without `load`, only
+    /// the state's step is restored (and its file checked): a pipeline's rank 0 reads the rest
+    /// as it hands it out ([`Trainer::state_file`]).
+    fn restore(
+        resume: Option<&Resume>,
+        opt: &mut Optimizer,
+        out: &Path,
+        load: bool,
+    ) -> Result<Position> {
         let Some(r) = resume else {
             return Ok(Position {
                 step: 0,
@@ -256,7 +285,12 @@ impl Position {
                 earlier_seconds: 0.0,
             });
         };
-        run_dir::load_optimizer(opt, &r.dir.join("optimizer.safetensors"))?;
+        let path = r.dir.join("optimizer.safetensors");
+        if load {
+            run_dir::load_optimizer(opt, &path)?;
+        } else {
+            opt.step = run_dir::StateFile::open(&path, opt.m.len())?.step();
+        }
         let s = &r.state;
         ensure!(
             opt.step as usize == s.step,
@@ -278,7 +312,13 @@ impl Position {
 impl<'g> Trainer<'g> {
     /// Checks the request against the run directory, loads or builds settings, tokenizer, data,
     /// model and optimiser, and announces the run, which `ranks` ranks will train.
-    fn start(run: Option<RunConfig>, opts: &TrainOptions, ranks: usize) -> Result<Trainer<'g>> {
+    /// Without `load_state` a resumed run's optimiser state stays in its file (`state_file`).
+    fn start(
+        run: Option<RunConfig>,
+        opts: &TrainOptions,
+        ranks: usize,
+        load_state: bool,
+    ) -> Result<Trainer<'g>> {
         let out = &opts.out;
         ensure!(
             !opts.resume || out.is_dir(),
@@ -328,7 +368,9 @@ impl<'g> Trainer<'g> {
         }
 
         let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
-        let at = Position::restore(resume.as_ref(), &mut opt, out)?;
+        let at = Position::restore(resume.as_ref(), &mut opt, out, load_state)?;
+        let state_file =
+            resume.as_ref().filter(|_| !load_state).map(|r| r.dir.join("optimizer.safetensors"));
 
         let total = tc.steps();
         let progress =
@@ -374,7 +416,9 @@ impl<'g> Trainer<'g> {
             at,
             metrics: None,
             _lock: Some(lock),
+            state_file,
             group: None,
+            streamed: None,
             last_checkpoint: Instant::now(),
             progress,
             started: Instant::now(),
@@ -417,6 +461,16 @@ impl<'g> Trainer<'g> {
 
     fn evaluation_due(&self) -> bool {
         self.at.step.is_multiple_of(self.run.train.eval_every) || self.at.step == self.total
+    }
+
+    /// [`Self::checkpoint_due`] as rank 0, which writes checkpoints, sees it, on every rank
+    /// (the time since the last checkpoint is rank 0's).
+    fn agreed_checkpoint_due(&self) -> bool {
+        let mut due = [self.checkpoint_due() as u8];
+        if let Some(g) = self.group {
+            g.broadcast_from_leader(&mut due);
+        }
+        due[0] != 0
     }
 
     fn checkpoint_due(&self) -> bool {
@@ -508,7 +562,12 @@ impl<'g> Trainer<'g> {
             code_versions: self.code_versions.clone(),
             init: self.init.clone(),
         };
-        run_dir::save(&self.out, &self.model, &self.bpe, &self.tokenizer_files, &self.opt, &state)?;
+        let mut held = &self.opt;
+        let source: &mut dyn run_dir::StateSource = match self.streamed.as_mut() {
+            Some(s) => s,
+            None => &mut held,
+        };
+        run_dir::save(&self.out, &self.model, &self.bpe, &self.tokenizer_files, source, &state)?;
         self.last_checkpoint = Instant::now();
         Ok(())
     }
@@ -707,7 +766,17 @@ pub fn optimizer_step(
     let losses = backward_each(model, &opt.config, micro_batches, rows, step, |g| {
         kernels::add_assign(&mut grads, &g)
     })?;
-    apply_gradients(model, opt, grads, &losses, lr, step)
+    apply_gradients(model, opt, grads, &losses, lr, step, &whole_norms)
+}
+
+/// Each tensor's sum of squared gradients and each sublayer's gradient norm, of the whole
+/// model, from the gradients `grads` of the tensors of `layout`: in one process these are all
+/// of them; a pipeline stage gathers the other stages' ([`Group`]).
+type Norms<'a> = &'a dyn Fn(&ParamLayout, &[f32]) -> (Vec<f64>, Vec<f64>);
+
+/// [`Norms`] of one process, which holds every tensor.
+fn whole_norms(layout: &ParamLayout, grads: &[f32]) -> (Vec<f64>, Vec<f64>) {
+    (tensor_squares(layout, grads), crate::diagnostics::sublayer_grad_norms(layout, grads))
 }
 
 /// Forward and backward over each micro-batch in order: hands each gradient to `take` and
@@ -744,7 +813,8 @@ fn check_loss(loss: f32, o: &super::optim::OptimConfig, step: usize) -> Result<(
 }
 
 /// The rest of a step once `grads` holds the sum of the gradients of the step's micro-batches
-/// (`losses`: theirs, in order): the mean, clipping, the update.
+/// (`losses`: theirs, in order): the mean, clipping (by the whole model's norm, from
+/// `norms`), the update.
 fn apply_gradients(
     model: &mut Model,
     opt: &mut Optimizer,
@@ -752,6 +822,7 @@ fn apply_gradients(
     losses: &[f32],
     lr: f64,
     step: usize,
+    norms: Norms,
 ) -> Result<StepOutcome> {
     let loss_sum: f64 = losses.iter().fold(0.0, |s, &l| s + l as f64);
     let n = step + 1;
@@ -760,12 +831,13 @@ fn apply_gradients(
         let s = 1.0 / accum as f32;
         grads.iter_mut().for_each(|g| *g *= s);
     }
-    let sublayer_grad_norms = crate::diagnostics::sublayer_grad_norms(&model.layout, &grads);
-    let grad_norm = opt.clip(&mut grads);
+    let (squares, sublayer_grad_norms) = norms(&model.layout, &grads);
+    let grad_norm = global_norm(&squares);
+    opt.clip(&mut grads, grad_norm);
     if !grad_norm.is_finite() {
         bail!(
             "the gradient norm became {grad_norm} at step {n} (first in {}); {}",
-            first_non_finite(&model.layout, &grads).unwrap_or("?"),
+            first_non_finite(&model.layout, &grads).unwrap_or("another pipeline stage's tensors"),
             non_finite_advice(&opt.config, step, false)
         );
     }

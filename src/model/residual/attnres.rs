@@ -313,10 +313,18 @@ fn consumer_phase2(
 pub(super) fn effective_queries(params: &[f32], layout: &Layout) -> Vec<f32> {
     let sublayers = 2 * layout.layers.len();
     let consumers =
-        (0..sublayers).map(|l| depth_params(layout, l)).chain(layout.output_depth.as_ref());
-    let d = layout.output_depth.as_ref().map_or(0, |p| p.query.len());
+        || (0..sublayers).map(|l| depth_params(layout, l)).chain(layout.output_depth.as_ref());
+    // Every query is `[1, d]` (a pipeline stage's part leaves those it does not hold empty).
+    let d = consumers().map(|p| p.query.len()).max().unwrap_or(0);
     let mut out = Vec::with_capacity((sublayers + 1) * d);
-    for p in consumers {
+    for p in consumers() {
+        if p.query.is_empty() {
+            // A pipeline stage holds only its own consumers' queries; where its chunk starts
+            // inside a block, phase 1 scores the block's earlier consumers too, but their rows
+            // (each its own query's alone) are never read here.
+            out.resize(out.len() + d, 0.0);
+            continue;
+        }
         let gain = p.gain.clone().expect("the method's depth attention has key-norm gains");
         out.extend(params[p.query.clone()].iter().zip(&params[gain]).map(|(q, g)| q * g));
     }

@@ -1,17 +1,23 @@
 //! Data-parallel training (docs/distributed.md). Every rank holds the whole model and
 //! optimiser state and takes a consecutive share of the micro-batches of each step; the ranks
-//! then add their gradients, so every rank takes the same update. Rank 0 alone reads and writes
-//! the run directory: it sets the run up and hands its state to the others.
+//! then add their gradients, so every rank takes the same update. Under a pipeline a rank holds
+//! its stage's part instead, and the replicas of each stage add theirs. Rank 0 alone reads and
+//! writes the run directory: it sets the run up and hands its state (or each rank's part) to
+//! the others, and puts the whole model together from the stages when it validates or writes
+//! a checkpoint.
 //!
 //! A failure on any rank is agreed on at fixed points ([`Group::agree`]): every rank stops
 //! there, and only the first failing rank prints its error (and exits with status 1).
 
 use super::pipeline::{Layout, Stage, StepTraffic};
 use super::{
-    apply_gradients, backward_each, check_loss, Position, StepOutcome, Throughput, Trainer,
+    apply_gradients, backward_each, check_loss, whole_norms, Position, StepOutcome, Throughput,
+    Trainer,
 };
-use super::{Model, Optimizer, Progress, TrainOptions};
+use super::{Model, Optimizer, Progress, TrainOptions, Whole};
 use crate::comm::{self, Comm};
+use crate::model::params::Layout as ParamLayout;
+use crate::train::checkpoint::{self as run_dir, StateSource};
 use crate::train::config::{RunConfig, TrainConfig};
 use crate::train::data::Corpus;
 use crate::train::tokenizer::Bpe;
@@ -74,6 +80,8 @@ pub struct Group<'c> {
     pub layout: Layout,
     /// This rank's stage, once the run's model is known.
     stage: RefCell<Option<Stage>>,
+    /// On rank 0 of a pipeline: the stages of the first replica, whose parts it puts together.
+    first_replica: RefCell<Vec<Stage>>,
     /// Seconds this session's steps spent computing chunks and waiting for messages.
     pipe_seconds: Cell<(f64, f64)>,
     /// Set once the ranks have agreed on a failure (so all of them stop together).
@@ -91,6 +99,7 @@ impl<'c> Group<'c> {
             reduce,
             layout: Layout::none(),
             stage: RefCell::new(None),
+            first_replica: RefCell::new(Vec::new()),
             pipe_seconds: Cell::new((0.0, 0.0)),
             failure_agreed: Cell::new(false),
             step_seconds: Cell::new(0.0),
@@ -118,6 +127,11 @@ impl<'c> Group<'c> {
         self.comm.size()
     }
 
+    /// `buf` of rank 0 on every rank.
+    pub(super) fn broadcast_from_leader(&self, buf: &mut [u8]) {
+        self.comm.broadcast_u8(0, buf);
+    }
+
     /// Whether this is rank 0, which writes the run directory and prints the run's progress.
     pub fn leads(&self) -> bool {
         self.rank() == 0
@@ -127,7 +141,8 @@ impl<'c> Group<'c> {
     /// gradients over the ranks (waiting for the others included) and, in a pipeline, into
     /// computing chunks and into waiting for (or posting) messages: the log's lines and the
     /// figures for `summary.json`. Every rank calls this; rank 0 uses the result.
-    fn timings(&self) -> (Vec<String>, Value) {
+    /// Also what each rank holds (`model`, `opt`: its own) and its peak resident memory.
+    fn timings(&self, model: &Model, opt: &Optimizer) -> (Vec<String>, Value) {
         let (compute, wait) = self.pipe_seconds.get();
         let mine = [
             self.step_seconds.get() as f32,
@@ -136,6 +151,13 @@ impl<'c> Group<'c> {
             wait as f32,
         ];
         let all = self.comm.all_gather_f32(&mine);
+        let held = [
+            model.params.len() as u64,
+            model.layout.updated() as u64,
+            (opt.m.len() + opt.v.len() + opt.momentum.len()) as u64,
+            peak_resident_bytes().unwrap_or(0),
+        ];
+        let held = self.comm.all_gather_u64(&held);
         let pct = |x: f32, of: f32| 100.0 * x / of.max(1e-9);
         let mut lines = Vec::new();
         let mut json = Vec::new();
@@ -146,7 +168,14 @@ impl<'c> Group<'c> {
                 pct(reduce, step),
                 self.reduce.name()
             );
-            let mut j = json!({"rank": r, "step_seconds": step, "reduce_seconds": reduce});
+            let h = &held[4 * r..4 * r + 4];
+            let mut j = json!({
+                "rank": r, "step_seconds": step, "reduce_seconds": reduce,
+                "parameter_values": h[0], "updated_values": h[1], "optimizer_values": h[2],
+            });
+            if h[3] > 0 {
+                j["peak_resident_bytes"] = json!(h[3]);
+            }
             if self.layout.is_pipeline() {
                 line += &format!(
                     ", {compute:.2} s ({:.1}%) computing chunks, {wait:.2} s ({:.1}%) waiting for or posting pipeline messages",
@@ -156,6 +185,17 @@ impl<'c> Group<'c> {
                 j["compute_seconds"] = json!(compute);
                 j["wait_seconds"] = json!(wait);
             }
+            line += &format!(
+                "; it held {} parameter values ({} of them updated here) and {} optimiser values{}",
+                h[0],
+                h[1],
+                h[2],
+                if h[3] > 0 {
+                    format!(", {:.1} MB at its peak", h[3] as f64 / 1e6)
+                } else {
+                    String::new()
+                }
+            );
             lines.push(line);
             json.push(j);
         }
@@ -182,6 +222,12 @@ impl<'c> Group<'c> {
     /// Sets this rank's pipeline stage up for the run's model and step.
     pub(super) fn set_stage(&self, c: &crate::model::Config, accumulation: usize) -> Result<()> {
         *self.stage.borrow_mut() = super::pipeline::stage_of(self, c, accumulation)?;
+        if self.leads() && self.layout.is_pipeline() {
+            let m = accumulation / self.replicas();
+            *self.first_replica.borrow_mut() = (0..self.layout.stages)
+                .map(|r| Stage::new(self.layout, c, m, r))
+                .collect::<Result<_>>()?;
+        }
         Ok(())
     }
 
@@ -202,13 +248,17 @@ impl<'c> Group<'c> {
             };
         }
         if let Some((step, _)) = weights {
-            if let Some(r) = (1..self.size()).find(|r| all[2 * r + 1] != all[1]) {
+            // Each rank against the rank of its pipeline stage in the first replica, which
+            // holds the same part of the model (rank 0, without a pipeline).
+            let twin = |r: usize| r % self.layout.stages;
+            if let Some(r) = (1..self.size()).find(|&r| all[2 * r + 1] != all[2 * twin(r) + 1]) {
                 self.failure_agreed.set(true);
                 if rank > 0 {
                     return Err(Reported.into());
                 }
                 bail!(
-                    "rank {r}'s weights differ from rank 0's after step {step}: every rank must run the same attnres build with the same --threads on the same kind of processor"
+                    "rank {r}'s weights differ from rank {}'s after step {step}: every rank must run the same attnres build with the same --threads on the same kind of processor",
+                    twin(r)
                 );
             }
         }
@@ -240,12 +290,57 @@ impl<'c> Group<'c> {
                 (losses, grads, Some(bytes))
             }
         };
-        let done = apply_gradients(model, opt, grads, &losses, lr, step).map(|mut o| {
+        let stage = self.stage.borrow();
+        let norms = |lay: &ParamLayout, g: &[f32]| match stage.as_ref() {
+            None => whole_norms(lay, g),
+            Some(stage) => self.gathered_norms(stage, lay, g),
+        };
+        let done = apply_gradients(model, opt, grads, &losses, lr, step, &norms).map(|mut o| {
             o.pipeline_bytes = bytes;
             o
         });
+        let done = self.agree(done, None)?;
+        if let Some(reader) = stage.as_ref().and_then(Stage::tied_reader) {
+            // The first stage reads the tied embedding that the last stage updated.
+            let embed = model.layout.embed.clone();
+            if stage.as_ref().is_some_and(Stage::is_last) {
+                self.comm.send_f32(reader, &model.params[embed]);
+            } else if self.rank() == reader {
+                let last = stage.as_ref().map_or(0, Stage::last_rank);
+                self.comm.receive_f32(last, &mut model.params[embed]);
+            }
+        }
         self.step_seconds.set(self.step_seconds.get() + t_step.elapsed().as_secs_f64());
-        self.agree(done, None)
+        Ok(done)
+    }
+
+    /// [`super::Norms`] on a pipeline stage: each tensor's sum of squares made by the stage that
+    /// updates it, and each sublayer's norm by the stage that runs it, gathered from the stages
+    /// of the first replica (their replicas hold the same values).
+    fn gathered_norms(
+        &self,
+        stage: &Stage,
+        layout: &ParamLayout,
+        grads: &[f32],
+    ) -> (Vec<f64>, Vec<f64>) {
+        let (squares, sublayers) = whole_norms(layout, grads);
+        let tensors = stage.whole_tensors();
+        // Every value in its place among the whole model's, zero where another stage makes it.
+        let mut mine = vec![0u64; tensors + sublayers.len()];
+        for (&i, sq) in stage.updated().iter().zip(&squares) {
+            mine[i] = sq.to_bits();
+        }
+        for (j, n) in sublayers.iter().enumerate() {
+            mine[tensors + j] = n.to_bits();
+        }
+        let all = self.comm.all_gather_u64(&mine);
+        // Adding the zeros of the other stages changes no value.
+        let mut whole = vec![0f64; mine.len()];
+        for part in all.chunks(mine.len()).take(self.layout.stages) {
+            whole.iter_mut().zip(part).for_each(|(w, p)| *w += f64::from_bits(*p));
+        }
+        let sublayers = whole.split_off(tensors);
+        (whole, sublayers)
     }
 
     /// Every micro-batch's loss, in the order of one process, and the sum of their gradients:
@@ -273,10 +368,9 @@ impl<'c> Group<'c> {
     }
 
     /// [`Self::data_parallel_grads`] over pipelines: this rank's passes over its replica's
-    /// micro-batches, then the losses gathered from the last stages and the gradients added,
-    /// first over the replicas of each stage (in one process's order, or by MPI's all-reduce),
-    /// then over the stages, which hold disjoint parameters (adding zeros: exact). Also the
-    /// bytes every rank sent between stages.
+    /// micro-batches, then the losses gathered from the last stages and the gradients of this
+    /// stage's tensors added over its replicas, in one process's order. Also the bytes every
+    /// rank sent between stages.
     fn pipeline_grads(
         &self,
         stage: &Stage,
@@ -286,12 +380,15 @@ impl<'c> Group<'c> {
         rows: usize,
         step: usize,
     ) -> Result<(Vec<f32>, Vec<f32>, u64)> {
-        let n = model.params.len();
+        let n = model.layout.updated();
         let mut traffic = StepTraffic::default();
         fault_point_kill(self.rank(), step + 1);
         // Nothing in the passes fails but a bug, and the other ranks may be waiting for this
         // one's messages: such an error is not agreed on, so the job ends through MPI_Abort.
-        let (losses, mine) = stage.run(self.comm, model, micro_batches, rows, &mut traffic)?;
+        // The first replica's sum starts from zero: it adds its micro-batches as they complete.
+        let first = stage.replica() == 0;
+        let (losses, mine) =
+            stage.run(self.comm, model, micro_batches, rows, &mut traffic, first)?;
         // The last stages' losses, in replica order.
         let all = self.comm.all_gather_f32(&losses);
         let (p, m) = (self.layout.stages, losses.len());
@@ -302,18 +399,10 @@ impl<'c> Group<'c> {
             check_loss(loss, &opt.config, step)?;
         }
         let t = Instant::now();
-        let grads = match self.reduce {
-            Reduce::Exact => {
-                let among = stage.stage_ranks(self.size());
-                let mut g = comm::sum_in_order_among(self.comm, &among, &mine, n);
-                if stage.replica() > 0 {
-                    g.iter_mut().for_each(|x| *x = 0.0);
-                }
-                self.comm.all_reduce_sum_f32(&mut g);
-                g
-            }
-            Reduce::Mpi => comm::sum_all_reduce(self.comm, &mine, n),
-        };
+        // The stage's replicas add theirs in one process's order (in either mode: MPI's
+        // all-reduce spans every rank, and the stages hold different tensors).
+        let among = stage.stage_ranks(self.size());
+        let grads = comm::sum_in_order_among(self.comm, &among, &mine, n);
         self.reduce_seconds.set(self.reduce_seconds.get() + t.elapsed().as_secs_f64());
         let bytes = self.comm.all_gather_u64(&[traffic.bytes]).iter().sum();
         let (c, w) = self.pipe_seconds.get();
@@ -362,6 +451,73 @@ fn fault_point_kill(rank: usize, step: usize) {
     }
 }
 
+/// The optimiser state of a pipeline's first replica for a checkpoint on rank 0, put together
+/// one tensor at a time as the checkpoint writes it: rank 0's own part and the other stages'
+/// parts, which they send after their weights ([`Trainer::assemble`]).
+pub(super) struct StagesState<'g> {
+    g: &'g Group<'g>,
+    /// Rank 0's own part of each tensor.
+    own: [Vec<f32>; 3],
+    step: u64,
+    /// The tensor being written, whole.
+    whole: Vec<f32>,
+    /// Tensors taken so far.
+    taken: usize,
+}
+
+impl<'g> StagesState<'g> {
+    fn new(g: &'g Group<'g>, own: [Vec<f32>; 3], step: u64) -> StagesState<'g> {
+        StagesState { g, own, step, whole: Vec::new(), taken: 0 }
+    }
+
+    /// Takes what the checkpoint did not (when writing it failed), so that no stage is left
+    /// waiting to send; returns rank 0's own part.
+    fn finish(mut self) -> [Vec<f32>; 3] {
+        while self.taken < self.own.len() {
+            self.tensor(self.taken);
+        }
+        self.own
+    }
+}
+
+impl StateSource for StagesState<'_> {
+    fn step(&self) -> u64 {
+        self.step
+    }
+
+    fn len(&self) -> usize {
+        self.g.first_replica.borrow().first().map_or(0, |s| s.whole().total)
+    }
+
+    fn tensor(&mut self, i: usize) -> &[f32] {
+        assert_eq!(i, self.taken, "the optimiser state is taken in order, each tensor once");
+        if self.whole.is_empty() {
+            self.whole = vec![0.0; self.len()];
+        }
+        for (r, theirs) in self.g.first_replica.borrow().iter().enumerate() {
+            if r == 0 {
+                theirs.put_updated(&self.own[i], &mut self.whole);
+            } else {
+                let mut buf = vec![0.0f32; theirs.part().updated()];
+                self.g.comm.receive_f32(r, &mut buf);
+                theirs.put_updated(&buf, &mut self.whole);
+            }
+        }
+        self.taken += 1;
+        &self.whole
+    }
+}
+
+/// The most memory this process has held resident (Linux's `VmHWM`), in bytes; none where the
+/// system does not say.
+fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 =
+        line.trim_start_matches("VmHWM:").trim().trim_end_matches("kB").trim().parse().ok()?;
+    Some(kb * 1024)
+}
+
 /// A fingerprint of the weights, to check that the ranks hold the same ones.
 fn fingerprint(values: &[f32]) -> u64 {
     let fnv = |h: u64, x: u64| (h ^ x).wrapping_mul(0x100000001b3);
@@ -400,9 +556,11 @@ impl<'g> Trainer<'g> {
         g: &'g Group<'g>,
     ) -> Result<Trainer<'g>> {
         let leader = g.leads().then(|| {
-            let t = Trainer::start(run, opts, g.replicas())?;
+            // A pipeline's rank 0 reads a resumed optimiser state as it hands it out.
+            let t = Trainer::start(run, opts, g.replicas(), !g.layout.is_pipeline())?;
             let tc = &t.run.train;
             g.layout.check_model(&t.run.model, tc.accumulation() / g.replicas())?;
+            g.set_stage(&t.run.model, tc.accumulation())?;
             let handover = serde_json::to_vec(&t.handover()?)?;
             Ok((t, handover))
         });
@@ -416,12 +574,16 @@ impl<'g> Trainer<'g> {
             None => Trainer::follow(&handover, g),
         };
         let mut t = g.agree(t, None)?;
-        for buf in [&mut t.model.params, &mut t.opt.m, &mut t.opt.v, &mut t.opt.momentum] {
-            g.comm.broadcast_f32(0, buf);
+        match g.stage.borrow().as_ref() {
+            None => {
+                for buf in [&mut t.model.params, &mut t.opt.m, &mut t.opt.v, &mut t.opt.momentum] {
+                    g.comm.broadcast_f32(0, buf);
+                }
+            }
+            Some(stage) => t.take_parts(g, stage)?,
         }
         t.group = Some(g);
         let tc = &t.run.train;
-        g.agree(g.set_stage(&t.model.config, tc.accumulation()), None)?;
         if let Some(stage) = g.stage.borrow().as_ref() {
             let (bytes, messages) =
                 stage.bytes_per_step(tc.micro_batch * tc.seq_len, t.model.config.hidden_size);
@@ -497,7 +659,15 @@ impl<'g> Trainer<'g> {
         );
         let tc = &h.run.train;
         let order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
-        let model = Model::init(h.run.model.clone(), tc.seed)?;
+        g.set_stage(&h.run.model, tc.accumulation())?;
+        // The values come from rank 0; a pipeline stage holds only its part of them.
+        let model = match g.stage.borrow().as_ref() {
+            None => Model::init(h.run.model.clone(), tc.seed)?,
+            Some(stage) => {
+                let part = stage.part().clone();
+                Model::part(h.run.model.clone(), part.clone(), vec![0.0; part.total])?
+            }
+        };
         let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
         opt.step = h.optimizer_step;
         let total = tc.steps();
@@ -525,7 +695,9 @@ impl<'g> Trainer<'g> {
             at,
             metrics: None,
             _lock: None,
+            state_file: None,
             group: Some(g),
+            streamed: None,
             last_checkpoint: Instant::now(),
             progress: Progress::new(None, false, total as u64, h.step as u64),
             started: Instant::now(),
@@ -534,21 +706,150 @@ impl<'g> Trainer<'g> {
         })
     }
 
-    /// Work that only rank 0 does (logging, validation, checkpoints), agreed on by every rank;
-    /// after the first step and every validation the ranks also check that their weights agree.
-    pub(super) fn lead(&mut self, work: impl FnOnce(&mut Self) -> Result<()>) -> Result<()> {
+    /// Hands every rank of a pipeline its stage's part of the model and optimiser state, which
+    /// rank 0 loaded or made whole; rank 0 then keeps its own part only.
+    fn take_parts(&mut self, g: &Group, stage: &Stage) -> Result<()> {
+        let c = &self.run.model;
+        // Before the first update the state is all zeros: nothing to send, and a stage's own
+        // zeros, never written, take no memory until it updates them.
+        let moved = self.opt.step > 0;
+        if g.leads() {
+            let stages = g.first_replica.borrow();
+            // The same stage in every replica holds the same part.
+            let theirs = |r: usize| &stages[r % g.layout.stages];
+            for r in 1..g.size() {
+                g.comm.send_f32(r, &theirs(r).take(&self.model.params));
+            }
+            let params = stage.take(&self.model.params);
+            self.model = Model::part(c.clone(), stage.part().clone(), params)?;
+            let mut opt = Optimizer::new(self.run.train.optim.clone(), &self.model.layout);
+            opt.step = self.opt.step;
+            // A resumed state is read one tensor at a time, each handed out before the next.
+            let whole = self.opt.m.len();
+            let mut file = match self.state_file.take() {
+                Some(path) if moved => Some(run_dir::StateFile::open(&path, whole)?),
+                _ => None,
+            };
+            for i in (0..3).filter(|_| moved) {
+                let read;
+                let values: &[f32] = match file.as_mut() {
+                    Some(f) => {
+                        read = f.read(i)?;
+                        &read
+                    }
+                    None => [&self.opt.m, &self.opt.v, &self.opt.momentum][i],
+                };
+                for r in 1..g.size() {
+                    g.comm.send_f32(r, &theirs(r).take_updated(values));
+                }
+                *[&mut opt.m, &mut opt.v, &mut opt.momentum][i] = stage.take_updated(values);
+            }
+            self.opt = opt;
+            // The whole model rank 0 loaded or made is not needed again.
+            crate::alloc::release_kept();
+        } else {
+            g.comm.receive_f32(0, &mut self.model.params);
+            let state = [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum];
+            for buf in state.into_iter().filter(|_| moved) {
+                g.comm.receive_f32(0, buf);
+            }
+        }
+        Ok(())
+    }
+
+    /// Under a pipeline, the whole model's weights on rank 0, put together from the parts the
+    /// stages of the first replica update; none elsewhere, or without a pipeline (every rank
+    /// holds the whole model). With [`Whole::State`] those stages then send their optimiser
+    /// state too, which rank 0 takes one tensor at a time as it writes the checkpoint
+    /// ([`StagesState`]).
+    fn assemble(&self, g: &Group, whole: Whole) -> Result<Option<Model>> {
+        let stage = g.stage.borrow();
+        let Some(stage) = stage.as_ref().filter(|_| whole != Whole::Nothing) else {
+            return Ok(None);
+        };
+        let mine = &self.model.params[..self.model.layout.updated()];
+        if !g.leads() {
+            if stage.replica() == 0 {
+                g.comm.send_f32(0, mine);
+                if whole == Whole::State {
+                    for buf in [&self.opt.m, &self.opt.v, &self.opt.momentum] {
+                        g.comm.send_f32(0, buf);
+                    }
+                }
+            }
+            return Ok(None);
+        }
+        let mut params = vec![0.0f32; stage.whole().total];
+        for (r, theirs) in g.first_replica.borrow().iter().enumerate() {
+            if r == 0 {
+                theirs.put_updated(mine, &mut params);
+            } else {
+                let mut buf = vec![0.0f32; theirs.part().updated()];
+                g.comm.receive_f32(r, &mut buf);
+                theirs.put_updated(&buf, &mut params);
+            }
+        }
+        Model::new(self.run.model.clone(), params).map(Some)
+    }
+
+    /// Work that only rank 0 does (logging, validation, checkpoints), agreed on by every rank,
+    /// with as much of the whole model as it needs (`whole`) in `self.model` and, for a
+    /// checkpoint, the optimiser state in `self.streamed`; after the first step and every
+    /// validation the ranks also check that their weights agree.
+    pub(super) fn lead(
+        &mut self,
+        whole: Whole,
+        work: impl FnOnce(&mut Self) -> Result<()>,
+    ) -> Result<()> {
         let Some(g) = self.group else { return work(self) };
-        let done = if g.leads() { work(self) } else { Ok(()) };
         let check = (self.at.step <= 1 || self.evaluation_due())
             .then(|| (self.at.step, fingerprint(&self.model.params)));
+        if g.leads() && whole != Whole::Nothing && g.layout.is_pipeline() {
+            // The step's freed buffers make room for the whole model, and it for the steps.
+            crate::alloc::release_kept();
+        }
+        let done = match self.assemble(g, whole) {
+            Ok(Some(model)) => {
+                if whole == Whole::State {
+                    let own = [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum]
+                        .map(std::mem::take);
+                    self.streamed = Some(StagesState::new(g, own, self.opt.step));
+                }
+                let part = std::mem::replace(&mut self.model, model);
+                let done = work(self);
+                self.model = part;
+                if let Some(s) = self.streamed.take() {
+                    // Whatever the checkpoint did not take is still on its way: take it.
+                    [self.opt.m, self.opt.v, self.opt.momentum] = s.finish();
+                }
+                crate::alloc::release_kept();
+                done
+            }
+            Ok(None) if g.leads() => work(self),
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
+        };
         g.agree(done, check)
     }
 
     /// [`Trainer::finish`] on rank 0, agreed on by every rank.
-    pub(super) fn lead_finish(self) -> Result<f64> {
+    pub(super) fn lead_finish(mut self) -> Result<f64> {
         let Some(g) = self.group else { return self.finish(None) };
-        let timings = g.timings();
-        let done = if g.leads() { self.finish(Some(timings)) } else { Ok(f64::NAN) };
+        let timings = g.timings(&self.model, &self.opt);
+        if g.layout.is_pipeline() {
+            // Training is over: rank 0 needs the whole weights alone, its stage's state no more.
+            let opt = &mut self.opt;
+            [opt.m, opt.v, opt.momentum] = [Vec::new(), Vec::new(), Vec::new()];
+        }
+        let done = match self.assemble(g, Whole::Weights) {
+            Ok(Some(model)) => {
+                self.model = model;
+                self.finish(Some(timings))
+            }
+            Ok(None) if g.leads() => self.finish(Some(timings)),
+            Ok(None) => Ok(f64::NAN),
+            Err(e) => Err(e),
+        };
         g.agree(done, None)
     }
 }
