@@ -132,7 +132,17 @@ def main():
     head = "| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | vs eager (range over rounds) |"
     if compiled:
         head += " torch.compile step (ms) | vs torch.compile (range) |"
-    head += " attnres vs its standard |"
+    head += " attnres vs its standard | attnres GFLOP/s (% of peak) |"
+    if compiled:
+        head += " torch.compile GFLOP/s (% of peak) |"
+    # Useful FLOPs of one step (the products and attention, as `attnres bench` counts them).
+    flops = {m["residual"]: m["gflops"] * 1e9 * m["step_seconds"] for m in report["modes"]}
+    peak = report["matmul_peak_gflops"]
+
+    def rate(seconds, m):
+        g = flops[m] / seconds / 1e9
+        return f"{g:.0f} ({100 * g / peak:.0f}%)"
+
     print(head)
     print("|---|" + "---:|" * (head.count("|") - 2))
 
@@ -147,11 +157,14 @@ def main():
         if compiled:
             c = med([t[f"compiled_{m}"] for t in rounds_t])
             row += f" {c * 1e3:.0f} | {speedup(f'compiled_{m}', m)} |"
-        print(row + f" {rel:.3f}x |")
+        row += f" {rel:.3f}x | {rate(ours, m)} |"
+        if compiled:
+            row += f" {rate(c, m)} |"
+        print(row)
     if "hf_standard" in rounds_t[0]:
         hf = med([t["hf_standard"] for t in rounds_t])
         row = f"| standard (transformers LlamaForCausalLM) | | | {hf * 1e3:.0f} | {speedup('hf_standard', 'standard')} |"
-        print(row + (" | |" if compiled else "") + " |")
+        print(row + (" | |" if compiled else "") + " | |" + (" |" if compiled else ""))
 
 
 if __name__ == "__main__":

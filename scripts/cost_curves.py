@@ -5,9 +5,10 @@ exponent k of time ~ x^k fitted by least squares on log-log axes. Every point co
 
     cargo build --release
     python scripts/cost_curves.py --attnres target/release/attnres --out docs/cost-curves [--quick]
+    python scripts/cost_curves.py --out docs/cost-curves --replot
 
 Writes OUT/curves.json (every measurement), OUT/*.svg (one log-log plot per curve) and prints
-the Markdown tables. Needs only the Python standard library.
+the Markdown tables; --replot redraws them from OUT/curves.json without measuring. Needs only the Python standard library.
 """
 import argparse
 import json
@@ -23,7 +24,14 @@ def bench(binary, args, threads=None):
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         sys.exit(f"failed: {' '.join(cmd)}\n{res.stderr[-2000:]}")
-    return json.loads(res.stdout)
+    report = json.loads(res.stdout)
+    if "matmul_peak_gflops" in report:
+        PEAKS.append(report["matmul_peak_gflops"])
+    return report
+
+
+# The matrix-product peak (GFLOP/s) each training benchmark measured: how fast the machine was.
+PEAKS = []
 
 
 def fit(xs, ys):
@@ -39,7 +47,7 @@ COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
 
 def svg_loglog(path, title, xlabel, ylabel, series):
     """A log-log line plot: `series` is [(name, xs, ys)], each drawn with its points and fit."""
-    W, H, L, R, T, B = 640, 400, 70, 200, 40, 50
+    W, H, L, R, T, B = 700, 400, 70, 250, 40, 50
     xs = [x for _, sx, _ in series for x in sx]
     ys = [y for _, _, sy in series for y in sy]
     x0, x1 = math.log10(min(xs)), math.log10(max(xs))
@@ -52,16 +60,12 @@ def svg_loglog(path, title, xlabel, ylabel, series):
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{L}" y="22" font-size="14" font-weight="bold">{title}</text>',
            f'<rect x="{L}" y="{T}" width="{W - L - R}" height="{H - T - B}" fill="none" stroke="#888"/>']
-    for e in range(math.floor(x0), math.ceil(x1) + 1):
-        for m in (1, 2, 5):
-            v = m * 10 ** e
-            if x0 <= math.log10(v) <= x1 and (v in xs or m == 1):
-                x = px(v)
-                out.append(f'<line x1="{x:.1f}" y1="{T}" x2="{x:.1f}" y2="{H - B}" stroke="#eee"/>')
-                out.append(f'<text x="{x:.1f}" y="{H - B + 15}" text-anchor="middle">{v:g}</text>')
-    for x in sorted(set(xs)):
-        if not any(x == m * 10 ** e for e in range(-3, 9) for m in (1, 2, 5)):
-            out.append(f'<text x="{px(x):.1f}" y="{H - B + 15}" text-anchor="middle">{x:g}</text>')
+    # The x axis is labelled at the measured sizes only (powers of two, mostly), which keeps
+    # round-number labels from colliding with them.
+    for v in sorted(set(xs)):
+        x = px(v)
+        out.append(f'<line x1="{x:.1f}" y1="{T}" x2="{x:.1f}" y2="{H - B}" stroke="#eee"/>')
+        out.append(f'<text x="{x:.1f}" y="{H - B + 15}" text-anchor="middle">{v:g}</text>')
     for e in range(math.floor(y0), math.ceil(y1) + 1):
         for m in (1, 2, 5):
             v = m * 10 ** e
@@ -97,22 +101,29 @@ def table(title, xname, series, unit, scale):
             cells.append(f"{sy[sx.index(x)] * scale:.4g}" if x in sx else "")
         lines.append(f"| {x} | " + " | ".join(cells) + " |")
     lines.append("| k (time ~ x^k) | " + " | ".join(f"{fit(sx, sy)[0]:.2f}" for _, sx, sy in series) + " |")
+    if len(xs) > 2:
+        # Where a curve mixes terms of different order, its largest sizes show the leading one.
+        lines.append("| k over the last two points | "
+                     + " | ".join(f"{fit(sx[-2:], sy[-2:])[0]:.2f}" for _, sx, sy in series) + " |")
     return "\n".join(lines) + "\n"
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--attnres", required=True)
-    ap.add_argument("--out", required=True, help="directory for curves.json and the SVG plots")
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="small sizes only: checks the script, not the machine")
-    ap.add_argument("--curves", default="context,depth,threads,decode")
-    a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
-    want = a.curves.split(",")
+# Per curve: the plot's title and axes (None: a table only) and the table's title and x heading.
+CURVES = {
+    "context": (("Training step against context (batch 1)", "tokens per sequence T", "seconds per step"),
+                "Training step against context, one sequence per step", "T"),
+    "depth": (("Training step against depth (batch 8 x 256)", "sublayers L", "seconds per step"),
+              "Training step against depth, batch 8 × 256", "sublayers L"),
+    "threads": (None, "Training step against threads, batch 8 × 256", "threads"),
+    "decode": (("Decoding step latency against context", "tokens in context (prompt)", "seconds per decoding step"),
+               "Decoding step latency against context (prompt length)", "context"),
+}
+
+
+def measure(a, want):
+    """Runs the benchmarks: {curve: [(series name, xs, seconds)]}."""
     steps = ["--steps", str(a.steps), "--warmup", "1", "--preset", a.preset]
-    results, md = {}, []
+    results = {}
 
     def modes_of(report):
         return {m["residual"]: m for m in report["modes"]}
@@ -126,11 +137,7 @@ def main():
             for m, (xs, ys) in series.items():
                 xs.append(t)
                 ys.append(r[m]["step_seconds"])
-        s = [(m, xs, ys) for m, (xs, ys) in series.items()]
-        results["context"] = s
-        svg_loglog(os.path.join(a.out, "context.svg"), "Training step against context (batch 1)",
-                   "tokens per sequence T", "seconds per step", s)
-        md.append(table("Training step against context, one sequence per step", "T", s, "ms", 1e3))
+        results["context"] = [(m, xs, ys) for m, (xs, ys) in series.items()]
 
     if "depth" in want:
         layers = [2, 4, 8] if a.quick else [4, 8, 16, 32]
@@ -142,11 +149,7 @@ def main():
             for m, (xs, ys) in series.items():
                 xs.append(2 * n)
                 ys.append(r[m]["step_seconds"])
-        s = [(m if m != "block" else "block (8 blocks)", xs, ys) for m, (xs, ys) in series.items()]
-        results["depth"] = s
-        svg_loglog(os.path.join(a.out, "depth.svg"), "Training step against depth (batch 8 x 256)",
-                   "sublayers L", "seconds per step", s)
-        md.append(table("Training step against depth, batch 8 × 256", "sublayers L", s, "ms", 1e3))
+        results["depth"] = [(m if m != "block" else "block (8 blocks)", xs, ys) for m, (xs, ys) in series.items()]
 
     if "threads" in want:
         series = {"standard": ([], []), "block": ([], [])}
@@ -155,9 +158,7 @@ def main():
             for m, (xs, ys) in series.items():
                 xs.append(th)
                 ys.append(r[m]["step_seconds"])
-        s = list((m, xs, ys) for m, (xs, ys) in series.items())
-        results["threads"] = s
-        md.append(table("Training step against threads, batch 8 × 256", "threads", s, "ms", 1e3))
+        results["threads"] = [(m, xs, ys) for m, (xs, ys) in series.items()]
 
     if "decode" in want:
         prompts = [64, 128, 256] if a.quick else [128, 512, 1024, 2048, 4096]
@@ -173,16 +174,51 @@ def main():
                 row = next(x for x in r[m]["batches"] if x["batch"] == b)
                 xs.append(p)
                 ys.append(row["step_seconds"])
-        s = [(f"{m}, batch {b}", xs, ys) for (m, b), (xs, ys) in series.items()]
-        results["decode"] = s
-        svg_loglog(os.path.join(a.out, "decode.svg"), "Decoding step latency against context",
-                   "tokens in context (prompt)", "seconds per decoding step", s)
-        md.append(table("Decoding step latency against context (prompt length)", "context", s, "ms", 1e3))
+        results["decode"] = [(f"{m}, batch {b}", xs, ys) for (m, b), (xs, ys) in series.items()]
+    return results
 
-    with open(os.path.join(a.out, "curves.json"), "w") as f:
-        json.dump({k: [{"series": n, "x": xs, "seconds": ys, "exponent": fit(xs, ys)[0]} for n, xs, ys in v]
-                   for k, v in results.items()}, f, indent=1)
-    print("\n".join(md))
+
+def render(results, peaks, out):
+    """Writes the plots and returns the Markdown tables."""
+    md = []
+    for key, (plot, title, xname) in CURVES.items():
+        if key not in results:
+            continue
+        if plot:
+            svg_loglog(os.path.join(out, f"{key}.svg"), *plot, results[key])
+        md.append(table(title, xname, results[key], "ms", 1e3))
+    if peaks:
+        md.append(f"Matrix-product peak measured by the training benchmarks: {min(peaks):.0f}–{max(peaks):.0f} GFLOP/s.\n")
+    return "\n".join(md)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--attnres", help="the attnres binary (not needed with --replot)")
+    ap.add_argument("--out", required=True, help="directory for curves.json and the SVG plots")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="small sizes only: checks the script, not the machine")
+    ap.add_argument("--curves", default="context,depth,threads,decode")
+    ap.add_argument("--replot", action="store_true", help="redraw plots and tables from OUT/curves.json")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "curves.json")
+    if a.replot:
+        saved = json.load(open(path))
+        peaks = saved.pop("matmul_peak_gflops", [])
+        results = {k: [(s["series"], s["x"], s["seconds"]) for s in v] for k, v in saved.items()}
+    else:
+        if not a.attnres:
+            sys.exit("--attnres is required to measure")
+        results, peaks = measure(a, a.curves.split(",")), PEAKS
+        saved = {k: [{"series": n, "x": xs, "seconds": ys, "exponent": fit(xs, ys)[0]} for n, xs, ys in v]
+                 for k, v in results.items()}
+        if peaks:
+            saved["matmul_peak_gflops"] = [min(peaks), max(peaks)]
+        with open(path, "w") as f:
+            json.dump(saved, f, indent=1)
+    print(render(results, peaks, a.out))
 
 
 if __name__ == "__main__":
