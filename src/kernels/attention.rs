@@ -202,6 +202,27 @@ pub fn forward_cached(
         let r1 = (r0 + TILE).min(sp.len);
         let keys = sp.start + r1;
         let kv0 = sp.slot * cap * kvw + (h / s.group()) * hd;
+        if r1 - r0 == 1 {
+            // One query row (a decoding step): its scores and its mix read each cached key and
+            // value row once, straight from the cache, where `gemm` would first pack them.
+            let at = (sp.row0 + r0) * w + h * hd;
+            let q = &qkv[at..at + hd];
+            let mut scores = vec![0.0f32; keys];
+            simd::scores(&mut scores, &[q], &cache_k[kv0..], kvw);
+            simd::scale(&mut scores, scale);
+            let m = simd::max(&scores);
+            let z = simd::exp_shift_sum(&mut scores, m);
+            simd::scale(&mut scores, 1.0 / z);
+            // SAFETY: row sp.row0 + r0, columns h·hd..(h + 1)·hd of `out`: inside it (checked
+            // above) and this task's alone, as below. Viewing initialised f32s as maybe-
+            // uninitialised ones is sound: `mixes` only writes them.
+            let dst = unsafe {
+                let p = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
+                std::slice::from_raw_parts_mut(p.cast::<std::mem::MaybeUninit<f32>>(), hd)
+            };
+            simd::mixes(&mut [dst], &scores, &cache_v[kv0..], kvw);
+            return;
+        }
         let q = Strided { ptr: qkv[(sp.row0 + r0) * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
         let kt = Strided { ptr: cache_k[kv0..].as_ptr(), rs: 1, cs: kvw as isize };
         let v = Strided { ptr: cache_v[kv0..].as_ptr(), rs: kvw as isize, cs: 1 };
