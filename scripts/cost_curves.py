@@ -8,7 +8,8 @@ exponent k of time ~ x^k fitted by least squares on log-log axes. Every point co
     python scripts/cost_curves.py --out docs/cost-curves --replot
 
 Writes OUT/curves.json (every measurement), OUT/*.svg (one log-log plot per curve) and prints
-the Markdown tables; --replot redraws them from OUT/curves.json without measuring. Needs only the Python standard library.
+the Markdown tables; --replot redraws them from OUT/curves.json without measuring. Needs only
+the Python standard library.
 """
 import argparse
 import json
