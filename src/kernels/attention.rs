@@ -91,6 +91,15 @@ fn score_tile(
     }
 }
 
+/// Turns `row`'s scores into probabilities in place; returns the statistics that recompute
+/// them (see [`backward`]): the largest score and the reciprocal of the sum of exponentials.
+fn softmax_row(row: &mut [f32]) -> (f32, f32) {
+    let m = simd::max(row);
+    let inv_z = 1.0 / simd::exp_shift_sum(row, m);
+    simd::scale(row, inv_z);
+    (m, inv_z)
+}
+
 /// Forward: writes `out[B·T, H·hd]` and the softmax statistics `stats[B, H, T, 2]` (each row's
 /// largest score and the reciprocal of its sum of exponentials). The probabilities themselves
 /// live only one tile of rows at a time, so memory grows with T, not T²: backward recomputes
@@ -116,9 +125,7 @@ pub fn forward(out: &mut [f32], stats: &mut [f32], qkv: &[f32], s: AttnShape) {
             let r1 = (r0 + TILE).min(t);
             score_tile(&mut tile, qkv, s, b, h, r0, r1);
             for (i, row) in (r0..r1).zip(tile.chunks_mut(t)) {
-                let m = simd::max(&row[..=i]);
-                let inv_z = 1.0 / simd::exp_shift_sum(&mut row[..=i], m);
-                simd::scale(&mut row[..=i], inv_z);
+                let (m, inv_z) = softmax_row(&mut row[..=i]);
                 row[i + 1..r1].fill(0.0);
                 st[2 * i..2 * i + 2].copy_from_slice(&[m, inv_z]);
             }
@@ -210,9 +217,7 @@ pub fn forward_cached(
             let mut scores = vec![0.0f32; keys];
             simd::scores(&mut scores, &[q], &cache_k[kv0..], kvw);
             simd::scale(&mut scores, scale);
-            let m = simd::max(&scores);
-            let z = simd::exp_shift_sum(&mut scores, m);
-            simd::scale(&mut scores, 1.0 / z);
+            softmax_row(&mut scores);
             // SAFETY: row sp.row0 + r0, columns h·hd..(h + 1)·hd of `out`: inside it (checked
             // above) and this task's alone, as below. Viewing initialised f32s as maybe-
             // uninitialised ones is sound: `mixes` only writes them.
@@ -246,9 +251,7 @@ pub fn forward_cached(
         }
         for (i, row) in scores.chunks_mut(keys).enumerate() {
             let visible = sp.start + r0 + i + 1;
-            let m = simd::max(&row[..visible]);
-            let z = simd::exp_shift_sum(&mut row[..visible], m);
-            simd::scale(&mut row[..visible], 1.0 / z);
+            softmax_row(&mut row[..visible]);
             row[visible..].fill(0.0);
         }
         // SAFETY: writes rows sp.row0 + r0..r1, columns h·hd..(h + 1)·hd of `out` (inside it,

@@ -88,9 +88,7 @@ impl Model {
             params.len(),
             layout.total
         );
-        let rope =
-            RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
-        Ok(Model { config, layout, params, rope })
+        Ok(Model::assemble(config, layout, params))
     }
 
     /// A pipeline stage's part of a model: the tensors of `layout` (a [`Layout::part`] of the
@@ -102,9 +100,14 @@ impl Model {
             params.len(),
             layout.total
         );
+        Ok(Model::assemble(config, layout, params))
+    }
+
+    /// The model of checked parts, with the rotary table its config asks for.
+    fn assemble(config: Config, layout: Layout, params: Vec<f32>) -> Model {
         let rope =
             RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
-        Ok(Model { config, layout, params, rope })
+        Model { config, layout, params, rope }
     }
 
     /// A freshly initialised model (see [`Layout::init`]).
