@@ -33,6 +33,8 @@ pub struct ModeResult {
 pub struct BenchReport {
     pub batch: usize,
     pub seq: usize,
+    /// Activation recomputation on.
+    pub recompute: bool,
     pub threads: usize,
     pub steps: usize,
     /// Best GFLOP/s of a large square f32 matrix product on this machine.
@@ -67,11 +69,13 @@ pub fn matmul_peak(size: usize) -> f64 {
     2.0 * (size as f64).powi(3) / best / 1e9
 }
 
-/// Runs `warmup` + `steps` interleaved rounds over the given configs.
+/// Runs `warmup` + `steps` interleaved rounds over the given configs (with `recompute`,
+/// backward recomputes each sublayer's work: [`Model::forward_with`]).
 pub fn run(
     configs: &[Config],
     batch: usize,
     seq: usize,
+    recompute: bool,
     warmup: usize,
     steps: usize,
     mut progress: impl FnMut(&str),
@@ -90,7 +94,7 @@ pub fn run(
             let i = (k + round) % models.len();
             let m = &models[i];
             let t = Instant::now();
-            let f = m.forward(&ids, batch, seq)?;
+            let f = m.forward_with(&ids, batch, seq, recompute)?;
             let (loss, grads) = m.backward(&f, &targets)?;
             let dt = t.elapsed().as_secs_f64();
             std::hint::black_box((loss, grads));
@@ -149,6 +153,7 @@ pub fn run(
     Ok(BenchReport {
         batch,
         seq,
+        recompute,
         threads: rayon::current_num_threads(),
         steps,
         matmul_peak_gflops: peak,

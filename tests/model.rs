@@ -361,10 +361,9 @@ fn bad_batches_are_rejected_with_names() {
     assert!(m.loss(&f, &[1, 2]).unwrap_err().to_string().contains("targets"));
 }
 
-#[test]
-fn results_are_bitwise_deterministic_on_a_parallel_sized_model() {
-    // Large enough that every kernel splits its work across threads.
-    let cfg = Config {
+/// Large enough that every kernel splits its work across threads.
+fn parallel_sized(residual: ResidualKind) -> Config {
+    Config {
         vocab_size: 300,
         hidden_size: 128,
         intermediate_size: 256,
@@ -373,13 +372,23 @@ fn results_are_bitwise_deterministic_on_a_parallel_sized_model() {
         num_key_value_heads: 2,
         head_dim: 32,
         max_position_embeddings: 128,
-        residual: ResidualKind::Block,
+        residual,
         num_blocks: 2,
         ..Config::default()
-    };
-    let m = perturbed(cfg);
+    }
+}
+
+/// Four sequences of 100 token ids for [`parallel_sized`], and their targets.
+fn parallel_batch() -> (Vec<u32>, Vec<u32>) {
     let ids: Vec<u32> = (0..4 * 100).map(|i| (noise(i, 9).abs() * 299.0) as u32).collect();
     let targets: Vec<u32> = ids.iter().map(|t| (t + 1) % 300).collect();
+    (ids, targets)
+}
+
+#[test]
+fn results_are_bitwise_deterministic_on_a_parallel_sized_model() {
+    let m = perturbed(parallel_sized(ResidualKind::Block));
+    let (ids, targets) = parallel_batch();
     let run = || {
         let f = m.forward(&ids, 4, 100).unwrap();
         let (loss, g) = m.backward(&f, &targets).unwrap();
@@ -387,4 +396,30 @@ fn results_are_bitwise_deterministic_on_a_parallel_sized_model() {
     };
     let (a, b) = (run(), run());
     assert!(a.0 == b.0 && a.1 == b.1 && a.2 == b.2, "two identical runs differ");
+}
+
+/// Activation recomputation changes what a step keeps, not what it computes: the same loss
+/// and gradient, bit for bit, for every residual and an ablation.
+#[test]
+fn recomputation_gives_the_same_bits() {
+    let (ids, targets) = parallel_batch();
+    let input_query = parallel_sized(ResidualKind::Block)
+        .with_overrides(&["attn_res_query=input".to_string()])
+        .unwrap();
+    for cfg in [
+        parallel_sized(ResidualKind::Standard),
+        parallel_sized(ResidualKind::Full),
+        parallel_sized(ResidualKind::Block),
+        input_query,
+    ] {
+        let what = format!("{} {:?}", cfg.residual_label(), cfg.attn_res_query);
+        let m = perturbed(cfg);
+        let kept = m.forward(&ids, 4, 100).unwrap();
+        let recomputed = m.forward_with(&ids, 4, 100, true).unwrap();
+        assert!(kept.logits == recomputed.logits, "{what}: logits");
+        let (a, b) =
+            (m.backward(&kept, &targets).unwrap(), m.backward(&recomputed, &targets).unwrap());
+        let same = a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(a.0.to_bits() == b.0.to_bits() && same, "{what}: loss or gradient differs");
+    }
 }

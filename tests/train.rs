@@ -495,6 +495,44 @@ fn resume_accepts_the_command_that_started_the_run() {
     assert_eq!(losses(&env.path("s")), want);
 }
 
+/// `recompute=true` trains the same run bit for bit (losses and weights), and a run may be
+/// resumed with or without it.
+#[test]
+fn recomputation_trains_the_same_run() {
+    use attnres::train::run::{train, TrainOptions};
+    let env = &RunEnv::new(12_000, 2);
+    std::env::set_var("ATTNRES_CACHE", env.path("cache"));
+    let cfg = |sets: &[&str]| {
+        attnres::presets::run_config("tiny")
+            .unwrap()
+            .with_overrides(&SETS.map(String::from))
+            .unwrap()
+            .with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .unwrap()
+    };
+    let opts = |out: &str, resume: bool| TrainOptions {
+        out: env.path(out),
+        data: Some(env.path("corpus.txt")),
+        tokenizer: None,
+        init: None,
+        resume,
+        overwrite: false,
+        progress: false,
+        shared_bar: None,
+    };
+    let (kept, recomputed) =
+        (cfg(&["max_tokens=5120"]), cfg(&["max_tokens=5120", "recompute=true"]));
+    train(Some(kept.clone()), &opts("kept", false)).unwrap();
+    train(Some(recomputed), &opts("recomputed", false)).unwrap();
+    let want = losses(&env.path("kept"));
+    assert_eq!(want.len(), 10);
+    assert_eq!(losses(&env.path("recomputed")), want);
+    let weights = |run: &str| std::fs::read(env.path(run).join("model.safetensors")).unwrap();
+    assert!(weights("recomputed") == weights("kept"), "the trained weights differ");
+    // Resumed with the other setting: accepted, not "other settings".
+    train(Some(kept), &opts("recomputed", true)).unwrap();
+}
+
 /// A non-finite loss, gradient norm or weight is an error naming the step, what became
 /// non-finite and the suspect setting; the run keeps its last good (step 0) checkpoint.
 #[test]

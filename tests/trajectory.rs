@@ -10,7 +10,7 @@ mod common;
 
 use attnres::model::checkpoint::{self, f32_values};
 use attnres::train::optim::{lr_at, OptimConfig, Optimizer};
-use attnres::train::run::optimizer_step;
+use attnres::train::run::{optimizer_step, Pass};
 use common::id_rows as rows;
 use safetensors::SafeTensors;
 use std::path::Path;
@@ -36,7 +36,8 @@ fn check(name: &str) {
         let b = batch["input_ids"].as_array().unwrap().len();
         let lr = lr_at(&config, step, total);
         assert!((lr - want_lr[step] as f64).abs() < 1e-6 * lr, "{name} step {step}: lr {lr}");
-        let done = optimizer_step(&mut model, &mut opt, &[(ids, targets)], b, lr, step).unwrap();
+        let done = optimizer_step(&mut model, &mut opt, &[(ids, targets)], Pass::rows(b), lr, step)
+            .unwrap();
         // Losses: f32 forward against float64, after `step` updates that each carry their f32
         // rounding forward; seen: at most 1.3e-7 relative.
         let (loss, wl) = (done.train_loss, want_loss[step] as f64);

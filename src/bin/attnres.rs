@@ -330,6 +330,10 @@ struct BenchArgs {
     /// residual connection, ...).
     #[arg(long)]
     profile: bool,
+    /// Activation recomputation (train's `recompute` setting): backward recomputes each
+    /// sublayer's work from its input instead of keeping it from forward.
+    #[arg(long, conflicts_with = "generate")]
+    recompute: bool,
     /// Benchmark generation instead: prefill and decode throughput, decode latency per mode.
     #[arg(long)]
     generate: bool,
@@ -820,16 +824,19 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         base.max_position_embeddings
     );
     log(&format!(
-        "bench: {} layers, hidden {}, {} heads, batch {} x seq {}, {} threads",
+        "bench: {} layers, hidden {}, {} heads, batch {} x seq {}, {} threads{}",
         base.num_hidden_layers,
         base.hidden_size,
         base.num_attention_heads,
         a.batch,
         a.seq,
-        rayon::current_num_threads()
+        rayon::current_num_threads(),
+        if a.recompute { ", recomputing activations" } else { "" }
     ));
-    let report =
-        bench::run(&configs, a.batch, a.seq, a.warmup, a.steps, |line| log(&format!("  {line}")))?;
+    let (batch, seq, recompute) = (a.batch, a.seq, a.recompute);
+    let report = bench::run(&configs, batch, seq, recompute, a.warmup, a.steps, |line| {
+        log(&format!("  {line}"))
+    })?;
     if a.json {
         return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     }

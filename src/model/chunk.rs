@@ -70,21 +70,24 @@ impl Model {
     }
 
     /// Forward over sublayers `range` from `res`, the state before `range.start` ([`Self::embed`]
-    /// or [`ResidualForward::resume`]); a chunk that ends the model also runs the head.
+    /// or [`ResidualForward::resume`]); a chunk that ends the model also runs the head. With
+    /// `recompute`, backward recomputes each sublayer's work from its input (see
+    /// [`Model::forward_with`]).
     pub fn forward_chunk(
         &self,
         range: Range<usize>,
         mut res: ResidualForward,
         batch: usize,
         seq: usize,
+        recompute: bool,
     ) -> ChunkForward {
         let sh = self.attn_shape(batch, seq);
         let mut saved = Vec::with_capacity(range.len());
         for l in range.clone() {
             saved.push(if l % 2 == 0 {
-                Saved::Attn(self.attn_forward(l, &mut res, sh, &mut |_| ()))
+                Saved::Attn(self.attn_forward(l, &mut res, sh, recompute, &mut |_| ()))
             } else {
-                Saved::Mlp(self.mlp_forward(l, &mut res, &mut |_| ()))
+                Saved::Mlp(self.mlp_forward(l, &mut res, recompute, &mut |_| ()))
             });
         }
         let head = (range.end == self.config.sublayers()).then(|| {

@@ -19,10 +19,16 @@ pub struct Model {
     pub(crate) rope: RopeTable,
 }
 
-/// What the attention sublayer saved: its input, norm statistics, normed input, rotated q/k
-/// with v, the attention's softmax statistics and the attention output.
+/// What the attention sublayer saved: its input, and what it computed from it unless
+/// backward is to recompute that (`recompute`).
 pub(super) struct AttnSaved {
     h: Vec<f32>,
+    inner: Option<AttnInner>,
+}
+
+/// The attention sublayer's work on its input up to the output projection: norm statistics,
+/// normed input, rotated q/k with v, the attention's softmax statistics and its output.
+pub(super) struct AttnInner {
     rstd: Vec<f32>,
     xn: Vec<f32>,
     qkv: Vec<f32>,
@@ -30,10 +36,15 @@ pub(super) struct AttnSaved {
     o: Vec<f32>,
 }
 
-/// What the MLP sublayer saved: input, norm statistics, normed input, gate/up pre-activations
-/// and the activation fed to `down_proj`.
+/// What the MLP sublayer saved, as [`AttnSaved`].
 pub(crate) struct MlpSaved {
     h: Vec<f32>,
+    inner: Option<MlpInner>,
+}
+
+/// The MLP's work on its input up to the down projection: norm statistics, normed input,
+/// gate/up pre-activations and the activation fed to `down_proj`.
+pub(crate) struct MlpInner {
     rstd: Vec<f32>,
     xn: Vec<f32>,
     gu: Vec<f32>,
@@ -184,13 +195,25 @@ impl Model {
         let c = &self.config;
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let n = h.len() / d;
+        let inner = self.mlp_inner(lp, &h);
+        let mut out = zeros(n * d);
+        let down = &self.params[lp.down.clone()];
+        phase("fwd linear", || linear_forward(&mut out, &inner.act, down, n, f, d));
+        (MlpSaved { h, inner: Some(inner) }, out)
+    }
+
+    /// The MLP on its input `h` up to the down projection.
+    fn mlp_inner(&self, lp: &LayerParams, h: &[f32]) -> MlpInner {
+        let c = &self.config;
+        let (d, f) = (c.hidden_size, c.intermediate_size);
+        let n = h.len() / d;
         let p = &self.params;
         let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
         phase("fwd rmsnorm", || {
             rmsnorm::forward(
                 &mut xn,
                 &mut rstd,
-                &h,
+                h,
                 &p[lp.post_norm.clone()],
                 d,
                 c.rms_norm_eps as f32,
@@ -200,9 +223,7 @@ impl Model {
         phase("fwd linear", || linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f));
         let mut act = zeros(n * f);
         phase("fwd swiglu", || swiglu::forward(&mut act, &gu, f));
-        let mut out = zeros(n * d);
-        phase("fwd linear", || linear_forward(&mut out, &act, &p[lp.down.clone()], n, f, d));
-        (MlpSaved { h, rstd, xn, gu, act }, out)
+        MlpInner { rstd, xn, gu, act }
     }
 
     /// Final RMSNorm and LM head on `h` (`[rows, d]`): the normed input, its 1/rms, and the
@@ -231,16 +252,37 @@ impl Model {
     }
 
     pub fn forward(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
-        self.forward_inner(ids, batch, seq, false)
+        self.forward_inner(ids, batch, seq, false, false)
+    }
+
+    /// [`Self::forward`] that keeps, with `recompute`, only each sublayer's input: backward
+    /// then recomputes the sublayer's work from it (activation recomputation; the same bits,
+    /// about one more forward pass of the sublayers, and per layer two `[rows, d]` buffers
+    /// held instead of everything the sublayers computed).
+    pub fn forward_with(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+        recompute: bool,
+    ) -> Result<Forward> {
+        self.forward_inner(ids, batch, seq, false, recompute)
     }
 
     /// [`Self::forward`] that also records each sublayer output's RMS
     /// ([`Forward::output_rms`]), for diagnostics.
     pub fn forward_probed(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
-        self.forward_inner(ids, batch, seq, true)
+        self.forward_inner(ids, batch, seq, true, false)
     }
 
-    fn forward_inner(&self, ids: &[u32], batch: usize, seq: usize, probe: bool) -> Result<Forward> {
+    fn forward_inner(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+        probe: bool,
+        recompute: bool,
+    ) -> Result<Forward> {
         let d = self.config.hidden_size;
         let p = &self.params;
         let sh = self.attn_shape(batch, seq);
@@ -253,8 +295,8 @@ impl Model {
         };
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
         for i in 0..self.layout.layers.len() {
-            attn.push(self.attn_forward(2 * i, &mut res, sh, &mut record));
-            mlp.push(self.mlp_forward(2 * i + 1, &mut res, &mut record));
+            attn.push(self.attn_forward(2 * i, &mut res, sh, recompute, &mut record));
+            mlp.push(self.mlp_forward(2 * i + 1, &mut res, recompute, &mut record));
         }
         let h_final = phase("fwd residual", || res.output(p, &self.layout));
         let (xn_final, rstd_final, logits) = self.head(&h_final);
@@ -274,25 +316,33 @@ impl Model {
     }
 
     /// Attention sublayer `l` on the residual state: its input, the sublayer, its output back
-    /// into the state. `record` sees the raw output.
+    /// into the state. `record` sees the raw output. With `recompute`, only the input is kept.
     pub(super) fn attn_forward(
         &self,
         l: usize,
         res: &mut ResidualForward,
         sh: AttnShape,
+        recompute: bool,
         record: &mut impl FnMut(&[f32]),
     ) -> AttnSaved {
         let (p, lp, d) = (&self.params, &self.layout.layers[l / 2], self.config.hidden_size);
         let (n, ow) = (sh.batch * sh.seq, sh.out_width());
         let h = phase("fwd residual", || res.input(l, p, &self.layout));
-        let (xn, rstd, qkv) = self.attn_project(lp, &h, Positions::Packed(sh.seq));
-        let (mut o, mut stats) = (zeros(n * ow), zeros(sh.stats_len()));
-        phase("fwd attention", || attention::forward(&mut o, &mut stats, &qkv, sh));
+        let inner = self.attn_inner(lp, &h, sh);
         let mut out = zeros(n * d);
-        phase("fwd linear", || linear_forward(&mut out, &o, &p[lp.o_proj.clone()], n, ow, d));
+        phase("fwd linear", || linear_forward(&mut out, &inner.o, &p[lp.o_proj.clone()], n, ow, d));
         record(&out);
         phase("fwd residual", || res.push_output(l, out));
-        AttnSaved { h, rstd, xn, qkv, stats, o }
+        AttnSaved { h, inner: (!recompute).then_some(inner) }
+    }
+
+    /// The attention sublayer on its input `h` up to the output projection.
+    fn attn_inner(&self, lp: &LayerParams, h: &[f32], sh: AttnShape) -> AttnInner {
+        let (n, ow) = (sh.batch * sh.seq, sh.out_width());
+        let (xn, rstd, qkv) = self.attn_project(lp, h, Positions::Packed(sh.seq));
+        let (mut o, mut stats) = (zeros(n * ow), zeros(sh.stats_len()));
+        phase("fwd attention", || attention::forward(&mut o, &mut stats, &qkv, sh));
+        AttnInner { rstd, xn, qkv, stats, o }
     }
 
     /// MLP sublayer `l` on the residual state, as [`Self::attn_forward`].
@@ -300,12 +350,16 @@ impl Model {
         &self,
         l: usize,
         res: &mut ResidualForward,
+        recompute: bool,
         record: &mut impl FnMut(&[f32]),
     ) -> MlpSaved {
         let h = phase("fwd residual", || res.input(l, &self.params, &self.layout));
-        let (saved, out) = self.mlp_sublayer(&self.layout.layers[l / 2], h);
+        let (mut saved, out) = self.mlp_sublayer(&self.layout.layers[l / 2], h);
         record(&out);
         phase("fwd residual", || res.push_output(l, out));
+        if recompute {
+            saved.inner = None;
+        }
         saved
     }
 
@@ -424,13 +478,21 @@ impl Model {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let n = s.h.len() / d;
         let (p, lp) = (&self.params, &self.layout.layers[l / 2]);
+        let recomputed;
+        let s_inner = match &s.inner {
+            Some(inner) => inner,
+            None => {
+                recomputed = self.mlp_inner(lp, &s.h);
+                &recomputed
+            }
+        };
         let dout = phase("bwd residual", || res.output_grad(l, fwd));
         phase("bwd linear", || {
             linear_backward(
                 &mut sc.dact,
                 &mut g[lp.down.clone()],
                 dout,
-                &s.act,
+                &s_inner.act,
                 &p[lp.down.clone()],
                 n,
                 f,
@@ -438,13 +500,13 @@ impl Model {
                 false,
             );
         });
-        phase("bwd swiglu", || swiglu::backward(&mut sc.dgu, &sc.dact, &s.gu, f));
+        phase("bwd swiglu", || swiglu::backward(&mut sc.dgu, &sc.dact, &s_inner.gu, f));
         phase("bwd linear", || {
             linear_backward(
                 &mut sc.dxn,
                 &mut g[lp.gate_up.clone()],
                 &sc.dgu,
-                &s.xn,
+                &s_inner.xn,
                 &p[lp.gate_up.clone()],
                 n,
                 d,
@@ -452,7 +514,7 @@ impl Model {
                 false,
             );
         });
-        self.norm_backward(l, lp.post_norm.clone(), &s.h, &s.rstd, res, fwd, sc, g);
+        self.norm_backward(l, lp.post_norm.clone(), &s.h, &s_inner.rstd, res, fwd, sc, g);
     }
 
     /// Backward of attention sublayer `l`, as [`Self::mlp_backward`].
@@ -471,13 +533,21 @@ impl Model {
         let d = c.hidden_size;
         let (n, qw, ow) = (sh.batch * sh.seq, sh.qkv_width(), sh.out_width());
         let (p, lp) = (&self.params, &self.layout.layers[l / 2]);
+        let recomputed;
+        let s_inner = match &s.inner {
+            Some(inner) => inner,
+            None => {
+                recomputed = self.attn_inner(lp, &s.h, sh);
+                &recomputed
+            }
+        };
         let dout = phase("bwd residual", || res.output_grad(l, fwd));
         phase("bwd linear", || {
             linear_backward(
                 &mut sc.do_,
                 &mut g[lp.o_proj.clone()],
                 dout,
-                &s.o,
+                &s_inner.o,
                 &p[lp.o_proj.clone()],
                 n,
                 ow,
@@ -485,7 +555,9 @@ impl Model {
                 false,
             );
         });
-        phase("bwd attention", || attention::backward(&mut sc.dqkv, &sc.do_, &s.qkv, &s.stats, sh));
+        phase("bwd attention", || {
+            attention::backward(&mut sc.dqkv, &sc.do_, &s_inner.qkv, &s_inner.stats, sh)
+        });
         phase("bwd rope", || {
             rope::apply(
                 &mut sc.dqkv,
@@ -502,7 +574,7 @@ impl Model {
                 &mut sc.dxn,
                 &mut g[lp.qkv.clone()],
                 &sc.dqkv,
-                &s.xn,
+                &s_inner.xn,
                 &p[lp.qkv.clone()],
                 n,
                 d,
@@ -510,7 +582,7 @@ impl Model {
                 false,
             );
         });
-        self.norm_backward(l, lp.input_norm.clone(), &s.h, &s.rstd, res, fwd, sc, g);
+        self.norm_backward(l, lp.input_norm.clone(), &s.h, &s_inner.rstd, res, fwd, sc, g);
     }
 }
 

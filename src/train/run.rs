@@ -243,7 +243,7 @@ impl Resume {
             ),
             (Err(e), None) => return Err(e),
         };
-        let state = run_dir::read_state(&dir)?;
+        let mut state = run_dir::read_state(&dir)?;
         if let Some(init) = &opts.init {
             ensure!(
                 state.init.as_deref() == Some(init.as_path()),
@@ -260,6 +260,8 @@ impl Resume {
                     out.display()
                 );
             }
+            // A run may go on with or without recomputation: the same bits either way.
+            state.run.train.recompute = want.train.recompute;
         }
         Ok((Some(Resume { dir, state }), None))
     }
@@ -448,9 +450,10 @@ impl<'g> Trainer<'g> {
             .collect();
         self.at.windows_seen += (accumulation * tc.micro_batch) as u64;
         let (model, opt, step) = (&mut self.model, &mut self.opt, self.at.step);
+        let pass = Pass { rows: tc.micro_batch, recompute: tc.recompute };
         let done = match self.group {
-            None => optimizer_step(model, opt, &micro_batches, tc.micro_batch, lr, step)?,
-            Some(g) => g.optimizer_step(model, opt, &micro_batches, tc.micro_batch, lr, step)?,
+            None => optimizer_step(model, opt, &micro_batches, pass, lr, step)?,
+            Some(g) => g.optimizer_step(model, opt, &micro_batches, pass, lr, step)?,
         };
         self.at.train_seconds += t_step.elapsed().as_secs_f64();
         self.at.step += 1;
@@ -750,20 +753,36 @@ fn fresh_model(
     Ok((run, bpe, model))
 }
 
-/// One optimiser step as training takes it: forward and backward over each micro-batch (`rows`
-/// sequences of token ids, and their targets), the mean gradient, clipping, then the update at
-/// learning rate `lr`. `step` (from 0) names the step in the error for a non-finite loss.
+/// How each micro-batch of a step goes through the model: `rows` sequences of token ids, and
+/// with `recompute`, backward recomputes each sublayer's work from its input instead of keeping
+/// it from forward ([`Model::forward_with`]; `TrainConfig::recompute`).
+#[derive(Clone, Copy, Debug)]
+pub struct Pass {
+    pub rows: usize,
+    pub recompute: bool,
+}
+
+impl Pass {
+    /// `rows` sequences per micro-batch, everything kept from forward.
+    pub fn rows(rows: usize) -> Pass {
+        Pass { rows, recompute: false }
+    }
+}
+
+/// One optimiser step as training takes it: forward and backward over each micro-batch (as
+/// `pass` says, with their targets), the mean gradient, clipping, then the update at learning
+/// rate `lr`. `step` (from 0) names the step in the error for a non-finite loss.
 pub fn optimizer_step(
     model: &mut Model,
     opt: &mut Optimizer,
     micro_batches: &[(Vec<u32>, Vec<u32>)],
-    rows: usize,
+    pass: Pass,
     lr: f64,
     step: usize,
 ) -> Result<StepOutcome> {
     ensure!(!micro_batches.is_empty(), "a step needs at least one micro-batch");
     let mut grads = kernels::zeros(model.params.len());
-    let losses = backward_each(model, &opt.config, micro_batches, rows, step, |g| {
+    let losses = backward_each(model, &opt.config, micro_batches, pass, step, |g| {
         kernels::add_assign(&mut grads, &g)
     })?;
     apply_gradients(model, opt, grads, &losses, lr, step, &whole_norms)
@@ -785,13 +804,14 @@ fn backward_each(
     model: &Model,
     o: &super::optim::OptimConfig,
     micro_batches: &[(Vec<u32>, Vec<u32>)],
-    rows: usize,
+    pass: Pass,
     step: usize,
     mut take: impl FnMut(Vec<f32>),
 ) -> Result<Vec<f32>> {
     let mut losses = Vec::with_capacity(micro_batches.len());
     for (ids, targets) in micro_batches {
-        let fwd = model.forward(ids, rows, ids.len() / rows)?;
+        let rows = pass.rows;
+        let fwd = model.forward_with(ids, rows, ids.len() / rows, pass.recompute)?;
         let (loss, g) = model.backward(&fwd, targets)?;
         check_loss(loss, o, step)?;
         losses.push(loss);

@@ -11,8 +11,8 @@
 
 use super::pipeline::{Layout, Stage, StepTraffic};
 use super::{
-    apply_gradients, backward_each, check_loss, whole_norms, Position, StepOutcome, Throughput,
-    Trainer,
+    apply_gradients, backward_each, check_loss, whole_norms, Pass, Position, StepOutcome,
+    Throughput, Trainer,
 };
 use super::{Model, Optimizer, Progress, TrainOptions, Whole};
 use crate::comm::{self, Comm};
@@ -273,7 +273,7 @@ impl<'c> Group<'c> {
         model: &mut Model,
         opt: &mut Optimizer,
         micro_batches: &[(Vec<u32>, Vec<u32>)],
-        rows: usize,
+        pass: Pass,
         lr: f64,
         step: usize,
     ) -> Result<StepOutcome> {
@@ -281,12 +281,12 @@ impl<'c> Group<'c> {
         let (losses, grads, bytes) = match self.stage.borrow().as_ref() {
             None => {
                 let (losses, grads) =
-                    self.data_parallel_grads(model, opt, micro_batches, rows, step)?;
+                    self.data_parallel_grads(model, opt, micro_batches, pass, step)?;
                 (losses, grads, None)
             }
             Some(stage) => {
                 let (losses, grads, bytes) =
-                    self.pipeline_grads(stage, model, opt, micro_batches, rows, step)?;
+                    self.pipeline_grads(stage, model, opt, micro_batches, pass, step)?;
                 (losses, grads, Some(bytes))
             }
         };
@@ -350,12 +350,12 @@ impl<'c> Group<'c> {
         model: &Model,
         opt: &Optimizer,
         micro_batches: &[(Vec<u32>, Vec<u32>)],
-        rows: usize,
+        pass: Pass,
         step: usize,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         let n = model.params.len();
         let mut mine = Vec::with_capacity(micro_batches.len());
-        let local = backward_each(model, &opt.config, micro_batches, rows, step, |g| mine.push(g));
+        let local = backward_each(model, &opt.config, micro_batches, pass, step, |g| mine.push(g));
         let losses = self.agree(local, None)?;
         let losses = self.comm.all_gather_f32(&losses);
         let t = Instant::now();
@@ -377,7 +377,7 @@ impl<'c> Group<'c> {
         model: &Model,
         opt: &Optimizer,
         micro_batches: &[(Vec<u32>, Vec<u32>)],
-        rows: usize,
+        pass: Pass,
         step: usize,
     ) -> Result<(Vec<f32>, Vec<f32>, u64)> {
         let n = model.layout.updated();
@@ -388,7 +388,7 @@ impl<'c> Group<'c> {
         // The first replica's sum starts from zero: it adds its micro-batches as they complete.
         let first = stage.replica() == 0;
         let (losses, mine) =
-            stage.run(self.comm, model, micro_batches, rows, &mut traffic, first)?;
+            stage.run(self.comm, model, micro_batches, pass, &mut traffic, first)?;
         // The last stages' losses, in replica order.
         let all = self.comm.all_gather_f32(&losses);
         let (p, m) = (self.layout.stages, losses.len());

@@ -17,6 +17,7 @@
 //! output's gradient to the last stage, which adds it after the head's, as one process does.
 
 use super::parallel::Group;
+use super::Pass;
 use crate::comm::{Comm, Receiving};
 use crate::model::chunk::{ChunkForward, ChunkGradIn};
 use crate::model::params::Layout as ParamLayout;
@@ -277,8 +278,7 @@ impl Stage {
         self.stage == self.layout.stages - 1
     }
 
-    /// This rank's passes of one step over its replica's `micro_batches` (`rows` sequences
-    /// each) on `model`, this stage's part of the model ([`Self::take`]): the loss of each
+    /// This rank's passes of one step over its replica's `micro_batches` (as `pass` says) on `model`, this stage's part of the model ([`Self::take`]): the loss of each
     /// micro-batch (last stage; NaN elsewhere) and the gradients of the tensors this stage
     /// updates (laid out as its optimiser state is): each micro-batch's, or with `sum` their
     /// sum in micro-batch order, added as each is complete ([`StepGrads`]).
@@ -287,10 +287,11 @@ impl Stage {
         comm: &dyn Comm,
         model: &Model,
         micro_batches: &[(Vec<u32>, Vec<u32>)],
-        rows: usize,
+        pass: Pass,
         traffic: &mut StepTraffic,
         sum: bool,
     ) -> Result<(Vec<f32>, Vec<Vec<f32>>)> {
+        let rows = pass.rows;
         let m_count = micro_batches.len();
         ensure!(
             m_count == self.shape.micro_batches,
@@ -326,7 +327,8 @@ impl Stage {
                         self.receive_forward(&mut io, model, chunk, kept, d)?
                     };
                     let t = Instant::now();
-                    let f = model.forward_chunk(self.bounds[chunk].clone(), res, rows, seq);
+                    let bounds = self.bounds[chunk].clone();
+                    let f = model.forward_chunk(bounds, res, rows, seq, pass.recompute);
                     if chunk == self.last_chunk() {
                         losses[micro] =
                             model.chunk_loss(&f, targets).context("the last chunk has the head")?;
@@ -813,7 +815,7 @@ mod tests {
         model: &Model,
         layout: Layout,
         mbs: &[(Vec<u32>, Vec<u32>)],
-        rows: usize,
+        pass: Pass,
         sum: bool,
     ) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
         let p = layout.stages;
@@ -827,7 +829,7 @@ mod tests {
                         let mine = Model::part(config, part, stage.take(&model.params)).unwrap();
                         let mut traffic = StepTraffic::default();
                         let (losses, grads) =
-                            stage.run(&c, &mine, mbs, rows, &mut traffic, sum).unwrap();
+                            stage.run(&c, &mine, mbs, pass, &mut traffic, sum).unwrap();
                         // Each stage's gradients in the whole model's places, zero elsewhere.
                         let grads = grads
                             .iter()
@@ -935,9 +937,13 @@ mod tests {
                 let what = format!(
                     "{residual:?} blocks {blocks} tied {tied} P {p} V {v} {cache:?} {grads:?}"
                 );
-                let (loss, got, bytes) = pipelined(&m, layout, &mbs, rows, false);
+                let (loss, got, bytes) = pipelined(&m, layout, &mbs, Pass::rows(rows), false);
                 // Added as each micro-batch completes: one process's sum, in its order.
-                let (_, sum, _) = pipelined(&m, layout, &mbs, rows, true);
+                let (_, sum, _) = pipelined(&m, layout, &mbs, Pass::rows(rows), true);
+                // Recomputing each sublayer's work in backward: the same bits again.
+                let (_, again, _) =
+                    pipelined(&m, layout, &mbs, Pass { rows, recompute: true }, true);
+                assert!(same_bits(&again[0], &sum[0]), "{what}: recomputed activations");
                 let mut want_sum = kernels::zeros(m.params.len());
                 want.iter().for_each(|g| kernels::add_assign(&mut want_sum, g));
                 if grads == Grads::InOrder {
