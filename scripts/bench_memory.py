@@ -5,11 +5,13 @@ from the kernel when it exits.
     cargo build --release
     python scripts/bench_memory.py --attnres target/release/attnres [--seqs 256,512,1024,2048,4096]
         [--batch 1] [--modes standard,block] [--threads 2] [--also OTHER_ATTNRES_BINARY]
+        [--recompute]
 
 attnres runs `attnres bench --steps 1 --warmup 0` (one forward + backward); PyTorch runs the
 reference implementation (scripts/reference.py, scaled_dot_product_attention, eager) for one
 forward, mean cross-entropy and backward. `--also` adds another attnres binary (an older build,
-say) as a third column. Prints a Markdown table of peak RSS in MiB, and each column's growth
+say) as a third column; `--recompute` adds attnres with activation recomputation
+(`bench --recompute`) as another. Prints a Markdown table of peak RSS in MiB, and each column's growth
 from the shortest context, with the exponent k of growth ~ T^k fitted over the longest three.
 """
 import argparse
@@ -60,6 +62,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--attnres", required=True)
     ap.add_argument("--also", help="another attnres binary, measured as a third column")
+    ap.add_argument("--recompute", action="store_true", help="also attnres with activation recomputation")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--seqs", default="256,512,1024,2048,4096")
@@ -85,6 +88,8 @@ def main():
             bench = ["--threads", str(a.threads), "bench", "--preset", a.preset, *sets, "--modes", mode,
                      "--batch", str(a.batch), "--seq", str(t), "--steps", "1", "--warmup", "0"]
             row = {"attnres": peak_rss_mib([a.attnres, *bench])}
+            if a.recompute:
+                row["recompute"] = peak_rss_mib([a.attnres, *bench, "--recompute"])
             if a.also:
                 row["also"] = peak_rss_mib([a.also, *bench])
             row["torch"] = peak_rss_mib([sys.executable, __file__, "--attnres", a.attnres, "--worker", ckpt,
@@ -93,8 +98,9 @@ def main():
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     print(f"preset {a.preset} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
           f"{cfg['num_attention_heads']} heads, vocab {cfg['vocab_size']}), batch {a.batch}, {a.threads} threads")
-    cols = ["attnres", "also", "torch"] if a.also else ["attnres", "torch"]
-    names = {"attnres": "attnres", "also": "attnres (--also)", "torch": "PyTorch eager"}
+    cols = ["attnres"] + ["recompute"] * a.recompute + ["also"] * bool(a.also) + ["torch"]
+    names = {"attnres": "attnres", "recompute": "attnres --recompute", "also": "attnres (--also)",
+             "torch": "PyTorch eager"}
     print("| mode | T | " + " | ".join(f"{names[c]} peak RSS (MiB) | growth from T = {seqs[0]}" for c in cols) + " |")
     print("|---|---:|" + "---:|---:|" * len(cols))
     for mode in a.modes.split(","):
@@ -110,8 +116,9 @@ def main():
             for c in cols:
                 growth = [rows[(mode, t)][c] - rows[(mode, seqs[0])][c] for t in fit]
                 ks.append(f"{exponent(fit, growth):.2f}" if all(g > 0 for g in growth) else "–")
+            # Each exponent under its column's growth.
             print(f"| {mode} | growth ~ T^k, k over T = {fit[0]}…{fit[-1]} |"
-                  + "".join(f" | {k}" for k in ks) + " |")
+                  + "".join(f"  | {k} |" for k in ks))
 
 
 if __name__ == "__main__":

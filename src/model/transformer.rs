@@ -270,9 +270,10 @@ impl Model {
     }
 
     /// [`Self::forward`] that also records each sublayer output's RMS
-    /// ([`Forward::output_rms`]), for diagnostics.
+    /// ([`Forward::output_rms`]), for diagnostics. It keeps of each sublayer only its input (as
+    /// with recomputation): diagnostics read those, and no backward pass follows.
     pub fn forward_probed(&self, ids: &[u32], batch: usize, seq: usize) -> Result<Forward> {
-        self.forward_inner(ids, batch, seq, true, false)
+        self.forward_inner(ids, batch, seq, true, true)
     }
 
     fn forward_inner(

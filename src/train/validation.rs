@@ -46,13 +46,15 @@ pub fn windowed_loss(
             x.extend_from_slice(&ids[s..s + seq]);
             y.extend_from_slice(&ids[s + 1..s + seq + 1]);
         }
-        let f = model.forward(&x, chunk.len(), seq)?;
+        // No backward follows: keep of each sublayer only its input (as recomputation does),
+        // not its work, so that validation takes less memory than a training step.
+        let f = model.forward_with(&x, chunk.len(), seq, true)?;
         nats += model.loss(&f, &y)? as f64 * y.len() as f64;
         count += y.len();
     }
     for s in last {
         let t = ids.len() - 1 - s;
-        let f = model.forward(&ids[s..s + t], 1, t)?;
+        let f = model.forward_with(&ids[s..s + t], 1, t, true)?;
         nats += model.loss(&f, &ids[s + 1..])? as f64 * t as f64;
         count += t;
     }
