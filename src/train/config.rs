@@ -118,11 +118,12 @@ impl TrainConfig {
             bytes <= limit as u128,
             "train: a training step needs about {} (micro_batch = {} x seq_len = {} tokens at once, \
              and the model's weights, gradients and optimiser state); at most {} (the machine's \
-             memory) is allowed: lower micro_batch or seq_len",
+             memory) is allowed: lower micro_batch or seq_len{}",
             format_bytes(bytes),
             self.micro_batch,
             self.seq_len,
-            format_bytes(limit as u128)
+            format_bytes(limit as u128),
+            if self.recompute { "" } else { ", or set recompute=true" }
         );
         Ok(())
     }
