@@ -39,6 +39,30 @@ const SETS: [&str; 9] = [
     "warmup_steps=3",
 ];
 
+/// The `tiny` preset with [`SETS`] and then `sets` laid over it, for runs in this process.
+fn in_process_config(sets: &[&str]) -> attnres::train::config::RunConfig {
+    attnres::presets::run_config("tiny")
+        .unwrap()
+        .with_overrides(&SETS.map(String::from))
+        .unwrap()
+        .with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+        .unwrap()
+}
+
+/// Options of a run in this process into `out` on the test corpus.
+fn in_process_options(env: &RunEnv, out: &str, resume: bool) -> attnres::train::run::TrainOptions {
+    attnres::train::run::TrainOptions {
+        out: env.path(out),
+        data: Some(env.path("corpus.txt")),
+        tokenizer: None,
+        init: None,
+        resume,
+        overwrite: false,
+        progress: false,
+        shared_bar: None,
+    }
+}
+
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(|s| s.as_str()).collect()
 }
@@ -461,26 +485,12 @@ fn one_run_has_one_writer() {
 /// refused, naming the first difference; a run without a checkpoint starts again from step 0.
 #[test]
 fn resume_accepts_the_command_that_started_the_run() {
-    use attnres::train::run::{train, TrainOptions};
+    use attnres::train::run::train;
     let env = &RunEnv::new(12_000, 2);
     // In-process runs use this cache (the other tests pass theirs to each process).
     std::env::set_var("ATTNRES_CACHE", env.path("cache"));
-    let cfg = attnres::presets::run_config("tiny")
-        .unwrap()
-        .with_overrides(&SETS.map(String::from))
-        .unwrap()
-        .with_overrides(&["max_tokens=5120".to_string()])
-        .unwrap();
-    let opts = |resume: bool| TrainOptions {
-        out: env.path("s"),
-        data: Some(env.path("corpus.txt")),
-        tokenizer: None,
-        init: None,
-        resume,
-        overwrite: false,
-        progress: false,
-        shared_bar: None,
-    };
+    let cfg = in_process_config(&["max_tokens=5120"]);
+    let opts = |resume: bool| in_process_options(env, "s", resume);
     train(Some(cfg.clone()), &opts(false)).unwrap();
     let want = losses(&env.path("s"));
     train(Some(cfg.clone()), &opts(true)).unwrap();
@@ -499,29 +509,12 @@ fn resume_accepts_the_command_that_started_the_run() {
 /// resumed with or without it.
 #[test]
 fn recomputation_trains_the_same_run() {
-    use attnres::train::run::{train, TrainOptions};
+    use attnres::train::run::train;
     let env = &RunEnv::new(12_000, 2);
     std::env::set_var("ATTNRES_CACHE", env.path("cache"));
-    let cfg = |sets: &[&str]| {
-        attnres::presets::run_config("tiny")
-            .unwrap()
-            .with_overrides(&SETS.map(String::from))
-            .unwrap()
-            .with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-            .unwrap()
-    };
-    let opts = |out: &str, resume: bool| TrainOptions {
-        out: env.path(out),
-        data: Some(env.path("corpus.txt")),
-        tokenizer: None,
-        init: None,
-        resume,
-        overwrite: false,
-        progress: false,
-        shared_bar: None,
-    };
-    let (kept, recomputed) =
-        (cfg(&["max_tokens=5120"]), cfg(&["max_tokens=5120", "recompute=true"]));
+    let opts = |out: &str, resume: bool| in_process_options(env, out, resume);
+    let kept = in_process_config(&["max_tokens=5120"]);
+    let recomputed = in_process_config(&["max_tokens=5120", "recompute=true"]);
     train(Some(kept.clone()), &opts("kept", false)).unwrap();
     train(Some(recomputed), &opts("recomputed", false)).unwrap();
     let want = losses(&env.path("kept"));

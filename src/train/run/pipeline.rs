@@ -278,10 +278,11 @@ impl Stage {
         self.stage == self.layout.stages - 1
     }
 
-    /// This rank's passes of one step over its replica's `micro_batches` (as `pass` says) on `model`, this stage's part of the model ([`Self::take`]): the loss of each
-    /// micro-batch (last stage; NaN elsewhere) and the gradients of the tensors this stage
-    /// updates (laid out as its optimiser state is): each micro-batch's, or with `sum` their
-    /// sum in micro-batch order, added as each is complete ([`StepGrads`]).
+    /// This rank's passes of one step over its replica's `micro_batches` (as `pass` says) on
+    /// `model`, this stage's part of the model ([`Self::take`]): the loss of each micro-batch
+    /// (last stage; NaN elsewhere) and the gradients of the tensors this stage updates (laid
+    /// out as its optimiser state is): each micro-batch's, or with `sum` their sum in
+    /// micro-batch order, added as each is complete ([`StepGrads`]).
     pub fn run(
         &self,
         comm: &dyn Comm,
