@@ -11,8 +11,9 @@ attnres runs `attnres bench --steps 1 --warmup 0` (one forward + backward); PyTo
 reference implementation (scripts/reference.py, scaled_dot_product_attention, eager) for one
 forward, mean cross-entropy and backward. `--also` adds another attnres binary (an older build,
 say) as a third column; `--recompute` adds attnres with activation recomputation
-(`bench --recompute`) as another. Prints a Markdown table of peak RSS in MiB, and each column's growth
-from the shortest context, with the exponent k of growth ~ T^k fitted over the longest three.
+(`bench --recompute`) as another. Prints a Markdown table of peak RSS in MiB, and each column's
+growth from the shortest context, with the exponent k of growth ~ T^k fitted over the longest
+three.
 """
 import argparse
 import json
