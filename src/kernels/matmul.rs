@@ -1,4 +1,5 @@
-//! Matrix products through the `gemm` crate. A Linear layer stores its weight as `[out, in]`
+//! Matrix products: our own kernel (`super::gemm`) on processors with AVX2 and FMA but not
+//! AVX-512, the `gemm` crate elsewhere. A Linear layer stores its weight as `[out, in]`
 //! (Hugging Face layout), so forward is `Y = X · Wᵀ`.
 
 use gemm::Parallelism;
@@ -64,6 +65,18 @@ pub unsafe fn gemm_strided(
             }
         }
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if super::gemm::available() {
+        let threads = match par {
+            Parallelism::None => 1,
+            Parallelism::Rayon(0) => rayon::current_num_threads(),
+            Parallelism::Rayon(n) => n,
+        };
+        // SAFETY: the processor qualifies (just checked), and the contract above is its own.
+        return super::gemm::gemm(
+            m, n, k, dst, dst_rs, dst_cs, accumulate, lhs, rhs, alpha, threads,
+        );
     }
     // SAFETY: `gemm` reads and writes exactly these views (the contract above).
     gemm::gemm(

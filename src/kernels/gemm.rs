@@ -1,0 +1,447 @@
+//! The f32 matrix product on processors with AVX2 and FMA but not AVX-512 (docs/performance.md,
+//! "Matrix products"): `dst = (accumulate ? dst : 0) + alpha · lhs · rhs` with any strides.
+//!
+//! The usual blocked scheme: `rhs` is packed `KC` rows at a time into panels of `NR` columns,
+//! `lhs` `MC` rows at a time into panels of `MR` rows, and a register kernel multiplies one panel
+//! of each into an `MR × NR` tile held in twelve 8-wide registers. The destination tile is
+//! prefetched before its kernel runs: without that, each tile's read-modify-write after the
+//! first `KC` block waits on memory (the rows of a tile are far apart, so the hardware does not
+//! prefetch them), which cost a third of the speed at depths over `KC`. Two or more threads take
+//! disjoint parts of the destination.
+//!
+//! Every element sums its products in the same order (`k` in blocks of `KC`, in order, each
+//! block's sum added into the destination), whatever the shape, the split and the threads: the
+//! result depends only on the operands and `k`.
+
+use super::matmul::Strided;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+/// Rows and columns of the register tile.
+const MR: usize = 6;
+const NR: usize = 16;
+/// Depth of a packed block: an `rhs` panel (`KC × NR`, 16 KiB) stays in L1 across the `lhs`
+/// panels of a block.
+const KC: usize = 256;
+/// Rows of `lhs` packed at a time (`MC × KC`, 96 KiB, in L2).
+const MC: usize = 96;
+/// Columns of `rhs` packed at a time.
+const NC: usize = 4096;
+/// Products smaller than this (m·n·k) are not split across threads.
+const SPLIT_MIN: usize = 1 << 18;
+
+/// Whether this processor runs this product: AVX2 and FMA, without AVX-512 (where the `gemm`
+/// crate's 16-wide kernels are the faster choice).
+pub fn available() -> bool {
+    use std::sync::OnceLock;
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && !is_x86_feature_detected!("avx512f")
+    })
+}
+
+/// The destination: element (r, c) at `ptr + r·rs + c·cs`.
+#[derive(Clone, Copy)]
+struct Dst {
+    ptr: *mut f32,
+    rs: isize,
+    cs: isize,
+}
+
+// SAFETY: an address only; the threads of one product write disjoint parts of the destination
+// (see `split`), as `gemm`'s contract lets them.
+unsafe impl Send for Dst {}
+unsafe impl Sync for Dst {}
+
+/// A view that may cross threads (the operands are only read).
+#[derive(Clone, Copy)]
+struct Src(Strided);
+
+// SAFETY: the operands are only read while the product runs (`gemm`'s contract).
+unsafe impl Send for Src {}
+unsafe impl Sync for Src {}
+
+impl Src {
+    /// Element (r, c) as a pointer.
+    unsafe fn at(self, r: usize, c: usize) -> *const f32 {
+        self.0.ptr.offset(r as isize * self.0.rs + c as isize * self.0.cs)
+    }
+}
+
+/// `dst[m, n] = (accumulate ? dst : 0) + alpha · lhs[m, k] · rhs[k, n]` on up to `threads`
+/// threads.
+///
+/// # Safety
+/// [`available`] must hold, and the contract of [`super::matmul::gemm_strided`]: every view
+/// lies inside a live buffer, `dst` overlaps no input, and nothing else touches `dst` meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: isize,
+    dst_cs: isize,
+    accumulate: bool,
+    lhs: Strided,
+    rhs: Strided,
+    alpha: f32,
+    threads: usize,
+) {
+    debug_assert!(available());
+    let d = Dst { ptr: dst, rs: dst_rs, cs: dst_cs };
+    split(m, n, k, d, accumulate, Src(lhs), Src(rhs), alpha, threads.max(1));
+}
+
+/// Halves the destination along its longer side (rows in multiples of `MR`, columns of `NR`)
+/// until each part has one thread.
+#[allow(clippy::too_many_arguments)]
+unsafe fn split(
+    m: usize,
+    n: usize,
+    k: usize,
+    d: Dst,
+    accumulate: bool,
+    a: Src,
+    b: Src,
+    alpha: f32,
+    threads: usize,
+) {
+    let t1 = threads / 2;
+    if threads == 1 || m * n * k < SPLIT_MIN || (m < 2 * MR && n < 2 * NR) {
+        return serial(m, n, k, d, accumulate, a, b, alpha);
+    }
+    if m >= n && m >= 2 * MR || n < 2 * NR {
+        let m1 = (m * t1 / threads).next_multiple_of(MR).min(m);
+        let d2 = Dst { ptr: d.ptr.offset(m1 as isize * d.rs), ..d };
+        let a2 = Src(Strided { ptr: a.at(m1, 0), ..a.0 });
+        rayon::join(
+            || split(m1, n, k, d, accumulate, a, b, alpha, t1),
+            || split(m - m1, n, k, d2, accumulate, a2, b, alpha, threads - t1),
+        );
+    } else {
+        let n1 = (n * t1 / threads).next_multiple_of(NR).min(n);
+        let d2 = Dst { ptr: d.ptr.offset(n1 as isize * d.cs), ..d };
+        let b2 = Src(Strided { ptr: b.at(0, n1), ..b.0 });
+        rayon::join(
+            || split(m, n1, k, d, accumulate, a, b, alpha, t1),
+            || split(m, n - n1, k, d2, accumulate, a, b2, alpha, threads - t1),
+        );
+    }
+}
+
+thread_local! {
+    /// Each thread's packing buffers for `lhs` and `rhs`, kept between products (attention
+    /// runs thousands of small ones per step).
+    static PACKED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// One thread's product.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn serial(
+    m: usize,
+    n: usize,
+    k: usize,
+    d: Dst,
+    accumulate: bool,
+    a: Src,
+    b: Src,
+    alpha: f32,
+) {
+    PACKED.with_borrow_mut(|(ap, bp)| {
+        // Every value a kernel reads is written by the packing first (padding included), so
+        // the buffers only grow, never need clearing.
+        let (a_len, b_len) =
+            (KC * MC.min(m.next_multiple_of(MR)), KC * NC.min(n.next_multiple_of(NR)));
+        if ap.len() < a_len {
+            ap.resize(a_len, 0.0);
+        }
+        if bp.len() < b_len {
+            bp.resize(b_len, 0.0);
+        }
+        let mut tile = [_mm256_setzero_ps(); 2 * MR];
+        for jc in (0..n).step_by(NC) {
+            let nc = NC.min(n - jc);
+            for pc in (0..k).step_by(KC) {
+                let kc = KC.min(k - pc);
+                for jr in (0..nc).step_by(NR) {
+                    pack_rhs(&mut bp[jr * kc..(jr + NR) * kc], b, pc, kc, jc + jr, NR.min(nc - jr));
+                }
+                let overwrite = pc == 0 && !accumulate;
+                for ic in (0..m).step_by(MC) {
+                    let mc = MC.min(m - ic);
+                    for ir in (0..mc).step_by(MR) {
+                        let rows = MR.min(mc - ir);
+                        pack_lhs(&mut ap[ir * kc..(ir + MR) * kc], a, ic + ir, rows, pc, kc);
+                    }
+                    for jr in (0..nc).step_by(NR) {
+                        for ir in (0..mc).step_by(MR) {
+                            let (rows, cols) = (MR.min(mc - ir), NR.min(nc - jr));
+                            let at = (ic + ir) as isize * d.rs + (jc + jr) as isize * d.cs;
+                            let t = Dst { ptr: d.ptr.offset(at), ..d };
+                            for i in 0..rows {
+                                // The first and the last element of the tile's row i: its one
+                                // or two cache lines.
+                                let row = t.ptr.offset(i as isize * t.rs);
+                                _mm_prefetch::<_MM_HINT_T0>(row.cast());
+                                _mm_prefetch::<_MM_HINT_T0>(
+                                    row.offset((cols - 1) as isize * t.cs).cast(),
+                                );
+                            }
+                            kernel(
+                                kc,
+                                ap.as_ptr().add(ir * kc),
+                                bp.as_ptr().add(jr * kc),
+                                &mut tile,
+                            );
+                            store(&tile, t, rows, cols, overwrite, alpha);
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// `tile = a · b` over `kc`: `a` is a packed `MR`-row panel (`kc` groups of `MR`), `b` a
+/// packed `NR`-column panel (`kc` groups of `NR`). Row i of the tile is `tile[2i], tile[2i+1]`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, tile: &mut [__m256; 2 * MR]) {
+    let mut c = [_mm256_setzero_ps(); 2 * MR];
+    for p in 0..kc {
+        let (ap, bp) = (a.add(p * MR), b.add(p * NR));
+        let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
+        for i in 0..MR {
+            let x = _mm256_broadcast_ss(&*ap.add(i));
+            c[2 * i] = _mm256_fmadd_ps(x, b0, c[2 * i]);
+            c[2 * i + 1] = _mm256_fmadd_ps(x, b1, c[2 * i + 1]);
+        }
+    }
+    *tile = c;
+}
+
+/// Writes the first `rows × cols` of `tile` into `d`: `alpha · tile`, or added to what is there.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn store(
+    tile: &[__m256; 2 * MR],
+    d: Dst,
+    rows: usize,
+    cols: usize,
+    overwrite: bool,
+    alpha: f32,
+) {
+    let al = _mm256_set1_ps(alpha);
+    if d.cs == 1 && cols == NR {
+        for i in 0..rows {
+            let p = d.ptr.offset(i as isize * d.rs);
+            for (h, v) in [(0, tile[2 * i]), (8, tile[2 * i + 1])] {
+                let out = match overwrite {
+                    true => _mm256_mul_ps(al, v),
+                    false => _mm256_fmadd_ps(al, v, _mm256_loadu_ps(p.add(h))),
+                };
+                _mm256_storeu_ps(p.add(h), out);
+            }
+        }
+        return;
+    }
+    // Edge tiles and column strides: the same operations, element by element.
+    let mut t = [0.0f32; MR * NR];
+    for (i, v) in tile.iter().enumerate() {
+        _mm256_storeu_ps(t.as_mut_ptr().add(8 * i), *v);
+    }
+    for i in 0..rows {
+        for j in 0..cols {
+            let p = d.ptr.offset(i as isize * d.rs + j as isize * d.cs);
+            let v = t[i * NR + j];
+            *p = if overwrite { alpha * v } else { alpha.mul_add(v, *p) };
+        }
+    }
+}
+
+/// The transpose of 8 rows of 8 values (`r[i]` is row i).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
+    let lo = |x, y| _mm256_unpacklo_ps(x, y);
+    let hi = |x, y| _mm256_unpackhi_ps(x, y);
+    let t = [lo(r[0], r[1]), hi(r[0], r[1]), lo(r[2], r[3]), hi(r[2], r[3])];
+    let u = [lo(r[4], r[5]), hi(r[4], r[5]), lo(r[6], r[7]), hi(r[6], r[7])];
+    let s = |x: [__m256; 4]| {
+        [
+            _mm256_shuffle_ps::<0x44>(x[0], x[2]),
+            _mm256_shuffle_ps::<0xEE>(x[0], x[2]),
+            _mm256_shuffle_ps::<0x44>(x[1], x[3]),
+            _mm256_shuffle_ps::<0xEE>(x[1], x[3]),
+        ]
+    };
+    let (t, u) = (s(t), s(u));
+    let join = |i: usize| _mm256_permute2f128_ps::<0x20>(t[i], u[i]);
+    let join_hi = |i: usize| _mm256_permute2f128_ps::<0x31>(t[i], u[i]);
+    [join(0), join(1), join(2), join(3), join_hi(0), join_hi(1), join_hi(2), join_hi(3)]
+}
+
+/// Packs rows `i0..i0 + rows` (zeros past them up to `MR`) and columns `p0..p0 + kc` of `a`
+/// into `ap` (`kc` groups of `MR`).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_lhs(ap: &mut [f32], a: Src, i0: usize, rows: usize, p0: usize, kc: usize) {
+    assert!(ap.len() >= kc * MR);
+    let out = ap.as_mut_ptr();
+    if rows == MR && a.0.rs == 1 {
+        // Each column of the panel is contiguous (a transposed operand).
+        for p in 0..kc {
+            std::ptr::copy_nonoverlapping(a.at(i0, p0 + p), out.add(p * MR), MR);
+        }
+        return;
+    }
+    let mut p = 0;
+    if rows == MR && a.0.cs == 1 {
+        // Rows contiguous along k: 8 columns at a time through a transpose (two rows unused).
+        let mut r = [_mm256_setzero_ps(); 8];
+        while p + 8 <= kc {
+            for (i, ri) in r.iter_mut().enumerate().take(MR) {
+                *ri = _mm256_loadu_ps(a.at(i0 + i, p0 + p));
+            }
+            let cols = transpose8(r);
+            let mut last = [0.0f32; 8];
+            _mm256_storeu_ps(last.as_mut_ptr(), cols[7]);
+            // Each column's MR values; the two lanes past them are overwritten by the next one
+            // (the last column is copied, so nothing is written past the panel).
+            for (q, c) in cols.iter().enumerate().take(7) {
+                _mm256_storeu_ps(out.add((p + q) * MR), *c);
+            }
+            std::ptr::copy_nonoverlapping(last.as_ptr(), out.add((p + 7) * MR), MR);
+            p += 8;
+        }
+    }
+    for p in p..kc {
+        for i in 0..MR {
+            *out.add(p * MR + i) = if i < rows { *a.at(i0 + i, p0 + p) } else { 0.0 };
+        }
+    }
+}
+
+/// Packs rows `p0..p0 + kc` and columns `j0..j0 + cols` (zeros past them up to `NR`) of `b`
+/// into `bp` (`kc` groups of `NR`).
+#[target_feature(enable = "avx2,fma")]
+unsafe fn pack_rhs(bp: &mut [f32], b: Src, p0: usize, kc: usize, j0: usize, cols: usize) {
+    assert!(bp.len() >= kc * NR);
+    let out = bp.as_mut_ptr();
+    if cols == NR && b.0.cs == 1 {
+        for p in 0..kc {
+            std::ptr::copy_nonoverlapping(b.at(p0 + p, j0), out.add(p * NR), NR);
+        }
+        return;
+    }
+    let mut p = 0;
+    if cols == NR && b.0.rs == 1 {
+        // Columns contiguous along k (`rhs` = a weight, transposed): 8 × 8 transposes.
+        while p + 8 <= kc {
+            for h in [0, 8] {
+                let r: [__m256; 8] =
+                    std::array::from_fn(|j| _mm256_loadu_ps(b.at(p0 + p, j0 + h + j)));
+                for (q, c) in transpose8(r).iter().enumerate() {
+                    _mm256_storeu_ps(out.add((p + q) * NR + h), *c);
+                }
+            }
+            p += 8;
+        }
+    }
+    for p in p..kc {
+        for j in 0..NR {
+            *out.add(p * NR + j) = if j < cols { *b.at(p0 + p, j0 + j) } else { 0.0 };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `alpha · lhs · rhs` (+ `init`) in f64, element by element.
+    fn naive(
+        m: usize,
+        n: usize,
+        k: usize,
+        a: Strided,
+        b: Strided,
+        alpha: f32,
+        init: &[f32],
+    ) -> Vec<f64> {
+        let mut out = vec![0.0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for p in 0..k {
+                    // SAFETY: inside the test's operands (m × k and k × n views).
+                    let (x, y) = unsafe { (*Src(a).at(i, p), *Src(b).at(p, j)) };
+                    s += x as f64 * y as f64;
+                }
+                out[i * n + j] = init[i * n + j] as f64 + alpha as f64 * s;
+            }
+        }
+        out
+    }
+
+    fn values(n: usize, seed: usize) -> Vec<f32> {
+        (0..n).map(|i| (((i + seed) * 7919) % 97) as f32 / 97.0 - 0.5).collect()
+    }
+
+    /// Every layout of both operands, shapes with ragged edges in each dimension, depths over
+    /// several `KC` blocks, overwrite and accumulate, a column-strided destination, 1 and 2
+    /// threads: against the f64 product, and the same bits on any number of threads.
+    #[test]
+    fn matches_the_naive_product_in_every_layout() {
+        if !available() {
+            eprintln!("skipped: this processor lacks AVX2/FMA or has AVX-512");
+            return;
+        }
+        let shapes =
+            [(1, 1, 1), (5, 17, 3), (37, 53, 29), (6, 16, 2 * KC + 9), (2 * MC + 7, 40, KC + 1)];
+        for (m, n, k) in shapes.into_iter().chain([(13, NC + 21, 8), (130, 129, 70)]) {
+            let (a, b) = (values(m * k, 1), values(k * n, 2));
+            for (a_t, b_t, accumulate, dst_t) in [
+                (false, false, false, false),
+                (true, false, true, false),
+                (false, true, false, true),
+                (true, true, true, false),
+            ] {
+                let av = match a_t {
+                    true => Strided::transposed(&a, m),
+                    false => Strided::rows(&a, k),
+                };
+                let bv = match b_t {
+                    true => Strided::transposed(&b, k),
+                    false => Strided::rows(&b, n),
+                };
+                let init = if accumulate { values(m * n, 3) } else { vec![0.0; m * n] };
+                let want = naive(m, n, k, av, bv, 0.5, &init);
+                let mut outs = Vec::new();
+                for threads in [1, 2, 3] {
+                    // Row-major, or column-major (`dst_t`) with the result read back transposed.
+                    let mut c = if dst_t { vec![f32::NAN; m * n] } else { init.clone() };
+                    let (rs, cs) = if dst_t { (1, m as isize) } else { (n as isize, 1) };
+                    // SAFETY: AVX2/FMA present (checked above); `c` holds m × n, `a` m × k,
+                    // `b` k × n, in the layouts the views describe.
+                    unsafe {
+                        gemm(m, n, k, c.as_mut_ptr(), rs, cs, accumulate, av, bv, 0.5, threads)
+                    };
+                    if dst_t {
+                        c = (0..m * n).map(|e| c[(e % n) * m + e / n]).collect();
+                    }
+                    let label = format!("{m}x{n}x{k} a_t={a_t} b_t={b_t} acc={accumulate}");
+                    for (e, (x, y)) in c.iter().zip(&want).enumerate() {
+                        let tol = 1e-6 * (1.0 + k as f64).sqrt();
+                        assert!((*x as f64 - y).abs() <= tol, "{label} [{e}]: {x} vs {y}");
+                    }
+                    outs.push(c);
+                }
+                assert!(outs.iter().all(|c| *c == outs[0]), "{m}x{n}x{k}: threads change the bits");
+            }
+        }
+    }
+}
