@@ -30,15 +30,19 @@ const NC: usize = 4096;
 /// Products smaller than this (m·n·k) are not split across threads.
 const SPLIT_MIN: usize = 1 << 18;
 
-/// Whether this processor runs this product: AVX2 and FMA, without AVX-512 (where the `gemm`
-/// crate's 16-wide kernels are the faster choice).
+/// Whether matrix products run here: on processors with AVX2 and FMA but not AVX-512 (where the
+/// `gemm` crate's 16-wide kernels are the faster choice). `ATTNRES_GEMM=crate` or `=own`
+/// overrides the choice (`own` only where AVX2 and FMA exist), for side-by-side measurements.
 pub fn available() -> bool {
     use std::sync::OnceLock;
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
     *AVAILABLE.get_or_init(|| {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && !is_x86_feature_detected!("avx512f")
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        match std::env::var("ATTNRES_GEMM").as_deref() {
+            Ok("crate") => false,
+            Ok("own") => avx2,
+            _ => avx2 && !is_x86_feature_detected!("avx512f"),
+        }
     })
 }
 
