@@ -15,7 +15,7 @@ use super::config::{format_bytes, memory_limit, Config};
 use super::residual::ResidualForward;
 use super::transformer::Model;
 use crate::kernels::attention::{self, AttnShape, Span};
-use crate::kernels::matmul::linear_forward;
+use crate::kernels::matmul::linear;
 use crate::kernels::rope::Positions;
 use crate::kernels::{embedding, zeros};
 use crate::profile::phase;
@@ -273,10 +273,7 @@ impl Model {
                     sh,
                 )
             });
-            let mut out = zeros(rows * d);
-            phase("fwd linear", || {
-                linear_forward(&mut out, &o, &p[lp.o_proj.clone()], rows, ow, d)
-            });
+            let out = phase("fwd linear", || linear(&o, &p[lp.o_proj.clone()], rows, ow, d));
             phase("fwd residual", || res.push_output(2 * i, out));
 
             let h = phase("fwd residual", || res.input(2 * i + 1, p, lay));

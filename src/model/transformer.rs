@@ -5,7 +5,7 @@ use super::config::Config;
 use super::params::{LayerParams, Layout};
 use super::residual::{ResidualBackward, ResidualForward};
 use crate::kernels::attention::{self, AttnShape};
-use crate::kernels::matmul::{linear_backward, linear_forward};
+use crate::kernels::matmul::{linear, linear_backward};
 use crate::kernels::rmsnorm::mean_rms;
 use crate::kernels::rope::{self, Positions, RopeTable};
 use crate::kernels::{cross_entropy, rmsnorm, swiglu, zeros};
@@ -183,8 +183,7 @@ impl Model {
                 c.rms_norm_eps as f32,
             )
         });
-        let mut qkv = zeros(n * qw);
-        phase("fwd linear", || linear_forward(&mut qkv, &xn, &p[lp.qkv.clone()], n, d, qw));
+        let mut qkv = phase("fwd linear", || linear(&xn, &p[lp.qkv.clone()], n, d, qw));
         let heads = c.num_attention_heads + c.num_key_value_heads;
         phase("fwd rope", || rope::apply(&mut qkv, qw, 0, heads, positions, &self.rope, false));
         (xn, rstd, qkv)
@@ -196,9 +195,8 @@ impl Model {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let n = h.len() / d;
         let inner = self.mlp_inner(lp, &h);
-        let mut out = zeros(n * d);
         let down = &self.params[lp.down.clone()];
-        phase("fwd linear", || linear_forward(&mut out, &inner.act, down, n, f, d));
+        let out = phase("fwd linear", || linear(&inner.act, down, n, f, d));
         (MlpSaved { h, inner: Some(inner) }, out)
     }
 
@@ -219,8 +217,7 @@ impl Model {
                 c.rms_norm_eps as f32,
             )
         });
-        let mut gu = zeros(n * 2 * f);
-        phase("fwd linear", || linear_forward(&mut gu, &xn, &p[lp.gate_up.clone()], n, d, 2 * f));
+        let gu = phase("fwd linear", || linear(&xn, &p[lp.gate_up.clone()], n, d, 2 * f));
         let mut act = zeros(n * f);
         phase("fwd swiglu", || swiglu::forward(&mut act, &gu, f));
         MlpInner { rstd, xn, gu, act }
@@ -244,10 +241,7 @@ impl Model {
                 c.rms_norm_eps as f32,
             )
         });
-        let mut logits = zeros(n * v);
-        phase("fwd head", || {
-            linear_forward(&mut logits, &xn, &p[self.layout.head.clone()], n, d, v)
-        });
+        let logits = phase("fwd head", || linear(&xn, &p[self.layout.head.clone()], n, d, v));
         (xn, rstd, logits)
     }
 
@@ -330,8 +324,7 @@ impl Model {
         let (n, ow) = (sh.batch * sh.seq, sh.out_width());
         let h = phase("fwd residual", || res.input(l, p, &self.layout));
         let inner = self.attn_inner(lp, &h, sh);
-        let mut out = zeros(n * d);
-        phase("fwd linear", || linear_forward(&mut out, &inner.o, &p[lp.o_proj.clone()], n, ow, d));
+        let out = phase("fwd linear", || linear(&inner.o, &p[lp.o_proj.clone()], n, ow, d));
         record(&out);
         phase("fwd residual", || res.push_output(l, out));
         AttnSaved { h, inner: (!recompute).then_some(inner) }
