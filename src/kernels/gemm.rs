@@ -6,7 +6,7 @@
 //! of each into an `MR × NR` tile held in twelve 8-wide registers. The destination tile is
 //! prefetched before its kernel runs: without that, each tile's read-modify-write after the
 //! first `KC` block waits on memory (the rows of a tile are far apart, so the hardware does not
-//! prefetch them), which cost a third of the speed at depths over `KC`. Two or more threads take
+//! prefetch them), which cost 10–30% of the speed at depths over `KC`. Two or more threads take
 //! disjoint parts of the destination.
 //!
 //! Every element sums its products in the same order (`k` in blocks of `KC`, in order, each
@@ -54,23 +54,48 @@ struct Dst {
     cs: isize,
 }
 
-// SAFETY: an address only; the threads of one product write disjoint parts of the destination
-// (see `split`), as `gemm`'s contract lets them.
-unsafe impl Send for Dst {}
-unsafe impl Sync for Dst {}
-
-/// A view that may cross threads (the operands are only read).
+/// An operand (only read).
 #[derive(Clone, Copy)]
 struct Src(Strided);
-
-// SAFETY: the operands are only read while the product runs (`gemm`'s contract).
-unsafe impl Send for Src {}
-unsafe impl Sync for Src {}
 
 impl Src {
     /// Element (r, c) as a pointer.
     unsafe fn at(self, r: usize, c: usize) -> *const f32 {
         self.0.ptr.offset(r as isize * self.0.rs + c as isize * self.0.cs)
+    }
+}
+
+/// One product, or the part of one that a thread takes: `d[m, n] = (accumulate ? d : 0) +
+/// alpha · a[m, k] · b[k, n]`.
+#[derive(Clone, Copy)]
+struct Product {
+    m: usize,
+    n: usize,
+    k: usize,
+    d: Dst,
+    accumulate: bool,
+    a: Src,
+    b: Src,
+    alpha: f32,
+}
+
+// SAFETY: addresses only. The threads of one product read the operands and write disjoint
+// parts of the destination ([`Product::rows`], [`Product::cols`]), as `gemm`'s contract lets
+// them.
+unsafe impl Send for Product {}
+unsafe impl Sync for Product {}
+
+impl Product {
+    /// Its rows `r0..r0 + m` (inside it).
+    unsafe fn rows(self, r0: usize, m: usize) -> Product {
+        let d = Dst { ptr: self.d.ptr.offset(r0 as isize * self.d.rs), ..self.d };
+        Product { m, d, a: Src(Strided { ptr: self.a.at(r0, 0), ..self.a.0 }), ..self }
+    }
+
+    /// Its columns `c0..c0 + n` (inside it).
+    unsafe fn cols(self, c0: usize, n: usize) -> Product {
+        let d = Dst { ptr: self.d.ptr.offset(c0 as isize * self.d.cs), ..self.d };
+        Product { n, d, b: Src(Strided { ptr: self.b.at(0, c0), ..self.b.0 }), ..self }
     }
 }
 
@@ -96,43 +121,24 @@ pub unsafe fn gemm(
 ) {
     debug_assert!(available());
     let d = Dst { ptr: dst, rs: dst_rs, cs: dst_cs };
-    split(m, n, k, d, accumulate, Src(lhs), Src(rhs), alpha, threads.max(1));
+    let (a, b) = (Src(lhs), Src(rhs));
+    split(Product { m, n, k, d, accumulate, a, b, alpha }, threads.max(1));
 }
 
 /// Halves the destination along its longer side (rows in multiples of `MR`, columns of `NR`)
 /// until each part has one thread.
-#[allow(clippy::too_many_arguments)]
-unsafe fn split(
-    m: usize,
-    n: usize,
-    k: usize,
-    d: Dst,
-    accumulate: bool,
-    a: Src,
-    b: Src,
-    alpha: f32,
-    threads: usize,
-) {
-    let t1 = threads / 2;
-    if threads == 1 || m * n * k < SPLIT_MIN || (m < 2 * MR && n < 2 * NR) {
-        return serial(m, n, k, d, accumulate, a, b, alpha);
+unsafe fn split(p: Product, threads: usize) {
+    let (m, n) = (p.m, p.n);
+    if threads == 1 || m * n * p.k < SPLIT_MIN || (m < 2 * MR && n < 2 * NR) {
+        return serial(p);
     }
-    if m >= n && m >= 2 * MR || n < 2 * NR {
+    let t1 = threads / 2;
+    if (m >= n && m >= 2 * MR) || n < 2 * NR {
         let m1 = (m * t1 / threads).next_multiple_of(MR).min(m);
-        let d2 = Dst { ptr: d.ptr.offset(m1 as isize * d.rs), ..d };
-        let a2 = Src(Strided { ptr: a.at(m1, 0), ..a.0 });
-        rayon::join(
-            || split(m1, n, k, d, accumulate, a, b, alpha, t1),
-            || split(m - m1, n, k, d2, accumulate, a2, b, alpha, threads - t1),
-        );
+        rayon::join(|| split(p.rows(0, m1), t1), || split(p.rows(m1, m - m1), threads - t1));
     } else {
         let n1 = (n * t1 / threads).next_multiple_of(NR).min(n);
-        let d2 = Dst { ptr: d.ptr.offset(n1 as isize * d.cs), ..d };
-        let b2 = Src(Strided { ptr: b.at(0, n1), ..b.0 });
-        rayon::join(
-            || split(m, n1, k, d, accumulate, a, b, alpha, t1),
-            || split(m, n - n1, k, d2, accumulate, a, b2, alpha, threads - t1),
-        );
+        rayon::join(|| split(p.cols(0, n1), t1), || split(p.cols(n1, n - n1), threads - t1));
     }
 }
 
@@ -143,18 +149,9 @@ thread_local! {
 }
 
 /// One thread's product.
-#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn serial(
-    m: usize,
-    n: usize,
-    k: usize,
-    d: Dst,
-    accumulate: bool,
-    a: Src,
-    b: Src,
-    alpha: f32,
-) {
+unsafe fn serial(p: Product) {
+    let Product { m, n, k, d, accumulate, a, b, alpha } = p;
     PACKED.with_borrow_mut(|(ap, bp)| {
         // Every value a kernel reads is written by the packing first (padding included), so
         // the buffers only grow, never need clearing.
