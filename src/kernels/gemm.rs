@@ -30,19 +30,21 @@ const NC: usize = 4096;
 /// Products smaller than this (m·n·k) are not split across threads.
 const SPLIT_MIN: usize = 1 << 18;
 
-/// Whether matrix products run here: on processors with AVX2 and FMA but not AVX-512 (where the
-/// `gemm` crate's 16-wide kernels are the faster choice). `ATTNRES_GEMM=crate` or `=own`
-/// overrides the choice (`own` only where AVX2 and FMA exist), for side-by-side measurements.
+/// Whether this processor can run this product: AVX2 and FMA.
+pub fn supported() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// Whether matrix products run here: where [`supported`], unless the processor has AVX-512
+/// (where the `gemm` crate's 16-wide kernels are the faster choice). `ATTNRES_GEMM=crate` or
+/// `=own` overrides the choice (`own` only where supported), for side-by-side measurements.
 pub fn available() -> bool {
     use std::sync::OnceLock;
     static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        match std::env::var("ATTNRES_GEMM").as_deref() {
-            Ok("crate") => false,
-            Ok("own") => avx2,
-            _ => avx2 && !is_x86_feature_detected!("avx512f"),
-        }
+    *AVAILABLE.get_or_init(|| match std::env::var("ATTNRES_GEMM").as_deref() {
+        Ok("crate") => false,
+        Ok("own") => supported(),
+        _ => supported() && !is_x86_feature_detected!("avx512f"),
     })
 }
 
@@ -103,7 +105,7 @@ impl Product {
 /// threads.
 ///
 /// # Safety
-/// [`available`] must hold, and the contract of [`super::matmul::gemm_strided`]: every view
+/// The processor must be [`supported`], and the contract of [`super::matmul::gemm_strided`]: every view
 /// lies inside a live buffer, `dst` overlaps no input, and nothing else touches `dst` meanwhile.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm(
@@ -119,7 +121,7 @@ pub unsafe fn gemm(
     alpha: f32,
     threads: usize,
 ) {
-    debug_assert!(available());
+    debug_assert!(supported());
     let d = Dst { ptr: dst, rs: dst_rs, cs: dst_cs };
     let (a, b) = (Src(lhs), Src(rhs));
     split(Product { m, n, k, d, accumulate, a, b, alpha }, threads.max(1));
@@ -397,8 +399,8 @@ mod tests {
     /// threads: against the f64 product, and the same bits on any number of threads.
     #[test]
     fn matches_the_naive_product_in_every_layout() {
-        if !available() {
-            eprintln!("skipped: this processor lacks AVX2/FMA or has AVX-512");
+        if !supported() {
+            eprintln!("skipped: this processor lacks AVX2 or FMA");
             return;
         }
         let shapes =
@@ -426,7 +428,7 @@ mod tests {
                     // Row-major, or column-major (`dst_t`) with the result read back transposed.
                     let mut c = if dst_t { vec![f32::NAN; m * n] } else { init.clone() };
                     let (rs, cs) = if dst_t { (1, m as isize) } else { (n as isize, 1) };
-                    // SAFETY: AVX2/FMA present (checked above); `c` holds m × n, `a` m × k,
+                    // SAFETY: AVX2 and FMA present (checked above); `c` holds m × n, `a` m × k,
                     // `b` k × n, in the layouts the views describe.
                     unsafe {
                         gemm(m, n, k, c.as_mut_ptr(), rs, cs, accumulate, av, bv, 0.5, threads)
