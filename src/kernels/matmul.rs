@@ -112,15 +112,6 @@ pub fn matmul(
     unsafe { gemm_strided(m, n, k, dst.as_mut_ptr(), n as isize, 1, accumulate, l, r, 1.0, par) }
 }
 
-/// Linear forward: `y[rows, out] = x[rows, in] · w[out, in]ᵀ` (overwrites `y`).
-pub fn linear_forward(y: &mut [f32], x: &[f32], w: &[f32], rows: usize, d_in: usize, d_out: usize) {
-    if rows <= FEW_ROWS {
-        linear_forward_few_rows(y, x, w, rows, d_in, d_out);
-    } else {
-        matmul(y, x, false, w, true, rows, d_in, d_out, false, threads());
-    }
-}
-
 /// Linear forward into a new buffer: `x[rows, in] · w[out, in]ᵀ`. The product writes every
 /// element before it reads any, so the buffer skips the zero-filling pass a `zeros` buffer would
 /// take (a training step's products write a few hundred megabytes).
@@ -146,7 +137,7 @@ pub fn linear(x: &[f32], w: &[f32], rows: usize, d_in: usize, d_out: usize) -> V
     y
 }
 
-/// Up to this many rows (token-by-token decoding), [`linear_forward`] streams the weight once
+/// Up to this many rows (token-by-token decoding), [`linear`] streams the weight once
 /// instead of calling `gemm`, whose packing of the whole weight costs more than the product
 /// (measured on two threads: 8 x 256 x 4096 in 0.3 ms against 0.55 ms; one row about as fast).
 pub const FEW_ROWS: usize = 16;
@@ -305,7 +296,7 @@ mod tests {
     }
 
     #[test]
-    fn linear_forward_matches_naive_for_few_and_many_rows() {
+    fn linear_matches_naive_for_few_and_many_rows() {
         // Small (serial) and large (split across threads) products; feature counts that are not
         // multiples of four; and a row count on each side of FEW_ROWS.
         for (rows, din, dout) in [
@@ -321,10 +312,7 @@ mod tests {
             let x: Vec<f32> = (0..rows * din).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..dout * din).map(|i| (i as f32 * 0.71).cos()).collect();
             let want = naive(&x, &transpose(&w, dout, din), rows, din, dout);
-            let mut y = vec![f32::NAN; rows * dout];
-            linear_forward(&mut y, &x, &w, rows, din, dout);
-            // Into a new buffer: the same bits.
-            assert_eq!(linear(&x, &w, rows, din, dout), y, "{rows}x{din}x{dout}: linear");
+            let y = linear(&x, &w, rows, din, dout);
             for (i, (a, b)) in y.iter().zip(&want).enumerate() {
                 assert!(
                     (a - b).abs() < 1e-4 * (1.0 + b.abs()),

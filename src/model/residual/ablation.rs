@@ -5,7 +5,7 @@
 use super::attnres::{query_grad, DepthSaved, Sources};
 use super::depth_params;
 use crate::kernels::depth::ablation::{self as depth_ablation, Gate, Options, Query};
-use crate::kernels::matmul::{linear_backward_input, linear_backward_weight, linear_forward};
+use crate::kernels::matmul::{linear, linear_backward_input, linear_backward_weight};
 use crate::kernels::{self, rmsnorm, zeros};
 use crate::model::config::{Config, DepthGate, DepthQuery};
 use crate::model::params::{DepthParams, Layout};
@@ -84,8 +84,7 @@ impl Ablation {
             DepthQuery::Static => (static_query(p, gain, params), Vec::new()),
             DepthQuery::Input => {
                 let (_, xhat, rstd) = normed_sum(&sv, d, eps);
-                let mut q = zeros(rows * d);
-                linear_forward(&mut q, &xhat, &params[p.query.clone()], rows, d, d);
+                let q = linear(&xhat, &params[p.query.clone()], rows, d, d);
                 let w = times_gain(&q, gain, d);
                 input_query = Some(InputQuery { xhat, rstd, q });
                 (w, Vec::new())
