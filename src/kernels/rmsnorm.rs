@@ -2,6 +2,8 @@
 //! as Hugging Face's `LlamaRMSNorm` computes them).
 
 use super::{dot, par_reduce_rows, par_rows_mut};
+use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Per-row reciprocal RMS, `1 / sqrt(mean(x²) + eps)`, into `rstd[rows]`.
 pub fn rstd(rstd: &mut [f32], x: &[f32], d: usize, eps: f32) {
@@ -29,6 +31,47 @@ pub fn add_assign_rstd(x: &mut [f32], y: Option<&[f32]>, rstd: &mut [f32], d: us
             unsafe { rp.slice(t, 1)[0] = 1.0 / (dot(row, row) / d as f32 + eps).sqrt() };
         }
     });
+}
+
+/// `dst = x + y` (or `x`) and the per-row reciprocal RMS of the result into `rstd[rows]`, in
+/// one pass over memory: [`add_assign_rstd`] into a new place (`dst` may start uninitialised;
+/// it is written in full).
+pub fn sum_rstd(
+    dst: &mut [MaybeUninit<f32>],
+    x: &[f32],
+    y: Option<&[f32]>,
+    rstd: &mut [f32],
+    d: usize,
+    eps: f32,
+) {
+    assert!(
+        dst.len() == x.len() && y.is_none_or(|y| y.len() == x.len()) && rstd.len() * d == x.len()
+    );
+    let chunk = super::rows_per_task(rstd.len(), d);
+    let task = |(k, (out, rs)): (usize, (&mut [MaybeUninit<f32>], &mut [f32]))| {
+        for (i, (row, r)) in out.chunks_mut(d).zip(rs.iter_mut()).enumerate() {
+            let t = (k * chunk + i) * d;
+            let xr = &x[t..t + d];
+            // Written through the cast pointer only after `row` holds the sum, so no
+            // uninitialised value is ever read.
+            match y {
+                Some(y) => row.iter_mut().zip(xr).zip(&y[t..t + d]).for_each(|((o, a), b)| {
+                    o.write(a + b);
+                }),
+                None => row.iter_mut().zip(xr).for_each(|(o, a)| {
+                    o.write(*a);
+                }),
+            }
+            // SAFETY: every element of `row` was written just above.
+            let row: &[f32] = unsafe { &*(row as *const [MaybeUninit<f32>] as *const [f32]) };
+            *r = 1.0 / (dot(row, row) / d as f32 + eps).sqrt();
+        }
+    };
+    if rstd.len() <= chunk {
+        // One task: skip the thread pool (decoding pushes a token or two at a time).
+        return task((0, (dst, rstd)));
+    }
+    dst.par_chunks_mut(chunk * d).zip(rstd.par_chunks_mut(chunk)).enumerate().for_each(task);
 }
 
 /// Forward: writes `y` and the per-row `rstd` that backward needs.
@@ -115,14 +158,27 @@ mod tests {
     use crate::testutil::{assert_close, fd_check, rand_vec};
 
     #[test]
-    fn add_assign_rstd_matches_sum_then_rstd() {
-        let (rows, d, eps) = (5, 19, 1e-5);
+    fn add_assign_rstd_and_sum_rstd_match_sum_then_rstd() {
+        // One task and several.
+        for rows in [5, 2000] {
+            sum_then_rstd_case(rows);
+        }
+    }
+
+    fn sum_then_rstd_case(rows: usize) {
+        let (d, eps) = (19, 1e-5);
         let (x, y) = (rand_vec(rows * d, 3, 1.0), rand_vec(rows * d, 4, 2.0));
         let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
         for (add, want) in [(Some(y.as_slice()), &sum), (None, &x)] {
             let (mut got, mut r) = (x.clone(), vec![0.0; rows]);
             add_assign_rstd(&mut got, add, &mut r, d, eps);
             assert_eq!(&got, want);
+            // Into a new place: the same values and the same bits of rstd.
+            let (mut dst, mut r2) = (vec![MaybeUninit::new(f32::NAN); rows * d], vec![0.0; rows]);
+            sum_rstd(&mut dst, &x, add, &mut r2, d, eps);
+            // SAFETY: initialised above (and overwritten by `sum_rstd`).
+            assert!(dst.iter().zip(want).all(|(a, b)| unsafe { a.assume_init() } == *b));
+            assert_eq!(r, r2, "sum_rstd's rstd");
             for (i, ri) in r.iter().enumerate() {
                 let row = &want[i * d..(i + 1) * d];
                 let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / d as f64;

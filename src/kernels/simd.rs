@@ -450,6 +450,150 @@ multiversion!(
     #[allow(clippy::too_many_arguments)]
     depth_source_grad => depth_source_grad_imp(dv: &mut [f32], dw: &mut [f32], g: &[f32], w: &[f32], v: &[f32], a: f32, b: f32, c: f32)
 );
+/// One consumer's share of the per-source depth backward over a tile of tokens (rows `i` of
+/// `acc`, `dh` and `v`, each `w.len()` long): `dl_i = a_i·(⟨dh_i, v_i⟩ − dhh_i)`, then
+/// `acc_i += a_i·dh_i + (dl_i·r_i)·w` and `dw += (dl_i·r_i)·v_i`, the tokens in order. Returns
+/// the `dl_i` in `dl`. `next`: the rows of `dh` the caller reads after these (prefetched; any
+/// length, empty for none).
+#[allow(clippy::too_many_arguments)]
+pub fn source_tile(
+    acc: &mut [f32],
+    dw: &mut [f32],
+    dl: &mut [f32],
+    dh: &[f32],
+    v: &[f32],
+    w: &[f32],
+    a: &[f32],
+    dhh: &[f32],
+    r: &[f32],
+    next: &[f32],
+) {
+    let (n, rows) = (w.len(), a.len());
+    assert!(
+        dw.len() == n
+            && [dl.len(), dhh.len(), r.len()] == [rows; 3]
+            && acc.len() == rows * n
+            && dh.len() == acc.len()
+            && v.len() == acc.len(),
+        "source_tile: bad operand sizes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: AVX2 and FMA were just detected; the assert gives the sizes.
+            unsafe { source_tile_avx2(acc, dw, dl, dh, v, w, a, dhh, r, next) };
+            return;
+        }
+    }
+    source_tile_portable(acc, dw, dl, dh, v, w, a, dhh, r, next)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn source_tile_portable(
+    acc: &mut [f32],
+    dw: &mut [f32],
+    dl: &mut [f32],
+    dh: &[f32],
+    v: &[f32],
+    w: &[f32],
+    a: &[f32],
+    dhh: &[f32],
+    r: &[f32],
+    _next: &[f32],
+) {
+    let n = w.len();
+    for i in 0..a.len() {
+        let row = i * n..(i + 1) * n;
+        dl[i] = a[i] * (dot_imp(&dh[row.clone()], &v[row.clone()]) - dhh[i]);
+        let c = dl[i] * r[i];
+        axpy2_imp(&mut acc[row.clone()], a[i], &dh[row.clone()], c, w);
+        axpy_imp(dw, c, &v[row]);
+    }
+}
+
+/// Rows of `dh` that [`source_tile_avx2`] prefetches ahead of the one it works on. The rows
+/// stream in from memory (they were written many layers ago), and the hardware prefetcher
+/// alone keeps too few of them in flight: 4 rows ahead made the pass about an eighth faster.
+const SOURCE_PREFETCH: usize = 4;
+
+/// [`source_tile`] with explicit AVX2/FMA, one token at a time, prefetching `dh` (and then
+/// `next`, the rows that come after the tile) [`SOURCE_PREFETCH`] rows ahead. The same bits as
+/// [`source_tile_portable`] compiled for AVX2 would give, up to the fused multiply-adds of
+/// the update.
+///
+/// # Safety
+/// The processor must support AVX2 and FMA; the sizes as [`source_tile`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn source_tile_avx2(
+    acc: &mut [f32],
+    dw: &mut [f32],
+    dl: &mut [f32],
+    dh: &[f32],
+    v: &[f32],
+    w: &[f32],
+    a: &[f32],
+    dhh: &[f32],
+    r: &[f32],
+    next: &[f32],
+) {
+    use std::arch::x86_64::*;
+    let (n, rows) = (w.len(), a.len());
+    let (ap, gp, vp, wp, dwp) =
+        (acc.as_mut_ptr(), dh.as_ptr(), v.as_ptr(), w.as_ptr(), dw.as_mut_ptr());
+    let full = n / 16 * 16;
+    for i in 0..rows {
+        let ahead = i + SOURCE_PREFETCH;
+        let row = match ahead < rows {
+            true => Some(&dh[ahead * n..(ahead + 1) * n]),
+            false => next.get((ahead - rows) * n..(ahead - rows + 1) * n),
+        };
+        for line in row.into_iter().flat_map(|r| r.chunks(16)) {
+            _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
+        }
+        let at = i * n;
+        // ⟨dh, v⟩ summed exactly as `dot` sums it (lanes of 16, multiply then add, the tail
+        // first): a consumer that reads one source has `h = v`, and then `⟨dh, v⟩ − ⟨dh, h⟩`
+        // must come out 0, as the method's gradient is.
+        let mut s = [_mm256_setzero_ps(); 2];
+        let mut j = 0;
+        while j < full {
+            let o = at + j;
+            for (h, s) in s.iter_mut().enumerate() {
+                let p = _mm256_mul_ps(
+                    _mm256_loadu_ps(gp.add(o + 8 * h)),
+                    _mm256_loadu_ps(vp.add(o + 8 * h)),
+                );
+                *s = _mm256_add_ps(*s, p);
+            }
+            j += 16;
+        }
+        let tail: f32 = (full..n).map(|j| dh[at + j] * v[at + j]).sum();
+        let mut lanes = [0.0f32; 16];
+        _mm256_storeu_ps(lanes.as_mut_ptr(), s[0]);
+        _mm256_storeu_ps(lanes.as_mut_ptr().add(8), s[1]);
+        dl[i] = a[i] * (tail + lanes.iter().sum::<f32>() - dhh[i]);
+        let c = dl[i] * r[i];
+        let (ai, ci) = (_mm256_set1_ps(a[i]), _mm256_set1_ps(c));
+        let mut j = 0;
+        while j + 8 <= n {
+            let o = at + j;
+            let x = _mm256_fmadd_ps(ai, _mm256_loadu_ps(gp.add(o)), _mm256_loadu_ps(ap.add(o)));
+            _mm256_storeu_ps(ap.add(o), _mm256_fmadd_ps(ci, _mm256_loadu_ps(wp.add(j)), x));
+            let y = _mm256_fmadd_ps(ci, _mm256_loadu_ps(vp.add(o)), _mm256_loadu_ps(dwp.add(j)));
+            _mm256_storeu_ps(dwp.add(j), y);
+            j += 8;
+        }
+        for j in j..n {
+            let o = at + j;
+            acc[o] += a[i] * dh[o] + c * w[j];
+            dw[j] += c * v[o];
+        }
+    }
+}
+
 #[inline(always)]
 fn axpy2_imp(y: &mut [f32], a: f32, x: &[f32], b: f32, z: &[f32]) {
     for ((y, x), z) in y.iter_mut().zip(x).zip(z) {
@@ -568,6 +712,46 @@ mod tests {
                         "mixes[{r}][{j}]"
                     );
                 }
+            }
+        }
+        // The per-source depth backward over 7 tokens of 37 values, both kernels, against f64.
+        type Tile = fn(
+            &mut [f32],
+            &mut [f32],
+            &mut [f32],
+            &[f32],
+            &[f32],
+            &[f32],
+            &[f32],
+            &[f32],
+            &[f32],
+            &[f32],
+        );
+        let rows = 7;
+        let val = |k: usize, s: f32| (k as f32 * s).sin();
+        let dh: Vec<f32> = (0..rows * n).map(|k| val(k, 0.13)).collect();
+        let v: Vec<f32> = (0..rows * n).map(|k| val(k, 0.29)).collect();
+        let (al, dhh, rs): (Vec<f32>, Vec<f32>, Vec<f32>) =
+            (0..rows).map(|i| (0.1 * i as f32, val(i, 0.5), 1.0 + val(i, 0.9))).collect();
+        for tile in [super::source_tile as Tile, super::source_tile_portable as Tile] {
+            let (mut acc, mut dw, mut dl) =
+                (vec![0.5f32; rows * n], vec![0.25f32; n], vec![f32::NAN; rows]);
+            tile(&mut acc, &mut dw, &mut dl, &dh, &v, &a, &al, &dhh, &rs, &b);
+            let mut want_dw: Vec<f64> = vec![0.25; n];
+            for i in 0..rows {
+                let row = |x: &[f32], j: usize| x[i * n + j] as f64;
+                let dot: f64 = (0..n).map(|j| row(&dh, j) * row(&v, j)).sum();
+                let want_dl = al[i] as f64 * (dot - dhh[i] as f64);
+                assert!((dl[i] as f64 - want_dl).abs() < 1e-5, "source_tile dl[{i}]");
+                let c = want_dl * rs[i] as f64;
+                for j in 0..n {
+                    let want = 0.5 + al[i] as f64 * row(&dh, j) + c * a[j] as f64;
+                    assert!((acc[i * n + j] as f64 - want).abs() < 1e-5, "source_tile acc[{i}]");
+                    want_dw[j] += c * row(&v, j);
+                }
+            }
+            for j in 0..n {
+                assert!((dw[j] as f64 - want_dw[j]).abs() < 1e-5, "source_tile dw[{j}]");
             }
         }
         let mut y = a.clone();

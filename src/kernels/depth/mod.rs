@@ -347,9 +347,12 @@ pub fn backward_source(
         // over consumers, per consumer over tokens), so the result is the same bits.
         let mut acc = vec![0.0f32; SOURCE_TILE * d];
         let mut coef = [0.0f32; SOURCE_TILE];
+        // Per token of the tile, for the consumer at hand: α, ⟨dh, h⟩ and dl.
+        let mut per_token = [[0.0f32; SOURCE_TILE]; 3];
         for t0 in range.clone().step_by(SOURCE_TILE) {
             let t1 = (t0 + SOURCE_TILE).min(range.end);
-            let (acc, coef) = (&mut acc[..(t1 - t0) * d], &mut coef[..t1 - t0]);
+            let n = t1 - t0;
+            let (acc, coef) = (&mut acc[..n * d], &mut coef[..n]);
             match from {
                 Some(f) => {
                     acc.copy_from_slice(&f.acc[t0 * d..t1 * d]);
@@ -360,16 +363,33 @@ pub fn backward_source(
                     coef.fill(0.0);
                 }
             }
+            let (vt, rt) = (&v[t0 * d..t1 * d], &rstd[t0..t1]);
             for (j, g) in consumers.iter().enumerate() {
-                let dw = &mut dw[j * d..(j + 1) * d];
-                for t in t0..t1 {
-                    let (vrow, r, i) = (&v[t * d..(t + 1) * d], rstd[t], t - t0);
-                    let (a, l) = (g.alpha[t * g.n_sources + col], g.logits[t * g.n_sources + col]);
-                    let dh = &g.dh[t * d..(t + 1) * d];
-                    let dl = a * (dot(dh, vrow) - g.dh_dot_h[t]);
-                    simd::axpy2(&mut acc[i * d..(i + 1) * d], a, dh, dl * r, g.w);
-                    simd::axpy(dw, dl * r, vrow);
-                    coef[i] += dl * l;
+                let [alphas, dhh, dls] = &mut per_token;
+                for (i, t) in (t0..t1).enumerate() {
+                    (alphas[i], dhh[i]) = (g.alpha[t * g.n_sources + col], g.dh_dot_h[t]);
+                }
+                let (dh, dw) = (&g.dh[t0 * d..t1 * d], &mut dw[j * d..(j + 1) * d]);
+                // What this task reads after these rows, for the kernel to prefetch: the next
+                // consumer's rows of the tile, or the first consumer's of the next tile.
+                let next = match consumers.get(j + 1) {
+                    Some(g) => &g.dh[t0 * d..t1 * d],
+                    None => &consumers[0].dh[t1 * d..(t1 + n).min(range.end) * d],
+                };
+                simd::source_tile(
+                    acc,
+                    dw,
+                    &mut dls[..n],
+                    dh,
+                    vt,
+                    g.w,
+                    &alphas[..n],
+                    &dhh[..n],
+                    rt,
+                    next,
+                );
+                for (i, t) in (t0..t1).enumerate() {
+                    coef[i] += dls[i] * g.logits[t * g.n_sources + col];
                 }
             }
             for t in t0..t1 {

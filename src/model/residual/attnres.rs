@@ -57,9 +57,12 @@ impl Blocks {
     /// Appends `a + b` (or `a`) and its per-token 1/rms.
     fn push(&mut self, a: &[f32], b: Option<&[f32]>) {
         let (n, r) = (self.values.len(), self.rstd.len());
-        self.values.extend_from_slice(a);
+        self.values.reserve(a.len());
         self.rstd.resize(r + self.rows, 0.0);
-        rmsnorm::add_assign_rstd(&mut self.values[n..], b, &mut self.rstd[r..], self.d, self.eps);
+        let dst = &mut self.values.spare_capacity_mut()[..a.len()];
+        rmsnorm::sum_rstd(dst, a, b, &mut self.rstd[r..], self.d, self.eps);
+        // SAFETY: `sum_rstd` wrote all `a.len()` values past the old length.
+        unsafe { self.values.set_len(n + a.len()) };
     }
 
     /// Source `i`, `[rows, d]`.
