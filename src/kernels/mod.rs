@@ -64,15 +64,7 @@ pub(crate) fn par_reduce_rows<F>(rows: usize, cols: usize, n: usize, f: F) -> Ve
 where
     F: Fn(std::ops::Range<usize>, &mut [f32]) + Sync + Send,
 {
-    par_reduce_chunks(rows, rows_per_task(rows, cols).max(64), n, f)
-}
-
-/// [`par_reduce_rows`] with tasks of `chunk` rows (the last one shorter).
-pub(crate) fn par_reduce_chunks<F>(rows: usize, chunk: usize, n: usize, f: F) -> Vec<f32>
-where
-    F: Fn(std::ops::Range<usize>, &mut [f32]) + Sync + Send,
-{
-    let chunk = chunk.clamp(1, rows.max(1));
+    let chunk = rows_per_task(rows, cols).max(64.min(rows.max(1)));
     let n_tasks = rows.div_ceil(chunk);
     if n_tasks <= 1 {
         let mut acc = vec![0.0f32; n];

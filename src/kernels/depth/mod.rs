@@ -20,7 +20,7 @@ pub mod ablation;
 #[cfg(test)]
 pub mod reference;
 
-use super::{dot, par_reduce_chunks, par_reduce_rows, par_rows_mut, simd, SendPtr};
+use super::{dot, par_reduce_rows, par_rows_mut, simd, SendPtr};
 use std::mem::MaybeUninit;
 
 /// What phase 1 produced for the `S` consumers of one block (docs/method.md §7), per consumer
@@ -309,130 +309,117 @@ impl SourceSums {
     }
 }
 
-/// Tokens per task and tile in [`backward_sources`]. The split of the rows is fixed, so each
-/// consumer's `dw` sums its tokens in the same order whichever consumers and sources a pass
-/// takes (a pipeline stage takes only its own consumers).
+/// Tokens per tile in [`backward_source`].
 const SOURCE_TILE: usize = 64;
 
-/// One completed source of a [`backward_sources`] pass.
-pub struct SourcePass<'a> {
-    /// The column of the source in its consumers' weights.
-    pub col: usize,
-    /// Its values `[rows, d]` and per-token 1/rms.
-    pub v: &'a [f32],
-    pub rstd: &'a [f32],
-    /// Sums over consumers taken earlier (by later pipeline stages, or carried by an earlier
-    /// pass), to continue.
-    pub from: Option<SourceSums>,
-    /// Return the gradient in `acc` (and no `coef`); else the running sums, to continue later.
-    pub finish: bool,
-}
-
-/// Backward into one or more completed sources, taken at once for every consumer given (each
-/// of which read all of them): returns, per source, its whole gradient or its running sums
-/// (see [`SourcePass::finish`]), and accumulates into each consumer's effective-query gradient
-/// `dws[c]` (source by source, in the order given). Taking a source's gradient once, when the
-/// backward pass reaches it, reads the source once and writes its gradient once, instead of
-/// updating it after every block; taking two sources in one pass reads each consumer's `dh`
-/// once for both.
-pub fn backward_sources(
+/// Backward into one completed source `v` (with per-token 1/rms `rstd`), taken at once for
+/// every consumer that read it, where it sat at column `col` of their weights: returns the
+/// source's whole gradient (in `acc`) and accumulates into each consumer's effective-query gradient
+/// `dws[c]`. Taking a source's gradient once, when the backward pass reaches it, reads the
+/// source once and writes its gradient once, instead of updating it after every block.
+///
+/// `from`: the sums over consumers taken earlier (by later pipeline stages), to continue.
+/// `pass`: how many consumers the whole model's pass takes here, which sets the split of the
+/// rows into tasks, so that each `dws[c]` is the same whichever consumers come along.
+/// `finish`: the gradient in `acc` (and no `coef`); else the running sums, for the stage
+/// before.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_source(
     dws: &mut [&mut [f32]],
     consumers: &[ConsumerGrad],
-    sources: Vec<SourcePass>,
+    col: usize,
+    v: &[f32],
+    rstd: &[f32],
     d: usize,
-) -> Vec<SourceSums> {
-    let (s, k) = (consumers.len(), sources.len());
-    let rows = sources.first().map_or(0, |p| p.rstd.len());
-    assert!(sources.iter().all(|p| p.rstd.len() == rows && p.v.len() == rows * d));
-    let mut outs: Vec<SourceSums> = sources
-        .iter()
-        .map(|p| SourceSums {
-            acc: Vec::with_capacity(rows * d),
-            coef: if p.finish { Vec::new() } else { vec![0.0f32; rows] },
-        })
-        .collect();
-    let ptrs: Vec<(SendPtr, SendPtr)> = outs
-        .iter_mut()
-        .map(|o| (SendPtr(o.acc.as_mut_ptr()), SendPtr(o.coef.as_mut_ptr())))
-        .collect();
-    let part = par_reduce_chunks(rows, SOURCE_TILE, k * s * d, |range, dw| {
-        // Consumer by consumer within the tile: each consumer's `dh` is read as one run of
-        // rows (which the hardware prefetches) rather than one row among many streams, and
-        // from memory only for the first source. Every sum still adds its terms in one order
-        // (per token over consumers, per consumer over tokens).
-        let (t0, t1) = (range.start, range.end);
-        let n = t1 - t0;
-        let mut acc = vec![0.0f32; k * n * d];
-        let mut coef = vec![0.0f32; k * n];
-        for (q, p) in sources.iter().enumerate() {
-            let (acc, coef) = (&mut acc[q * n * d..(q + 1) * n * d], &mut coef[q * n..(q + 1) * n]);
-            if let Some(f) = &p.from {
-                acc.copy_from_slice(&f.acc[t0 * d..t1 * d]);
-                coef.copy_from_slice(&f.coef[t0..t1]);
-            }
-        }
-        // Per token of the tile, for the consumer and source at hand: α, ⟨dh, h⟩ and dl.
+    pass: usize,
+    from: Option<&SourceSums>,
+    finish: bool,
+) -> SourceSums {
+    let (rows, s) = (rstd.len(), consumers.len());
+    let mut dv: Vec<f32> = Vec::with_capacity(rows * d);
+    let mut coefs = if finish { Vec::new() } else { vec![0.0f32; rows] };
+    let dptr = SendPtr(dv.as_mut_ptr());
+    let cptr = SendPtr(coefs.as_mut_ptr());
+    let part = par_reduce_rows(rows, (pass.max(s) + 1) * d, s * d, |range, dw| {
+        // Tokens go in tiles, consumer by consumer within a tile: each consumer's `dh` is then
+        // read as one run of `SOURCE_TILE` rows rather than one row among many streams, which
+        // the hardware prefetches. Every sum still adds its terms in the same order (per token
+        // over consumers, per consumer over tokens), so the result is the same bits.
+        let mut acc = vec![0.0f32; SOURCE_TILE * d];
+        let mut coef = [0.0f32; SOURCE_TILE];
+        // Per token of the tile, for the consumer at hand: α, ⟨dh, h⟩ and dl.
         let mut per_token = [[0.0f32; SOURCE_TILE]; 3];
-        for (j, g) in consumers.iter().enumerate() {
-            let dh = &g.dh[t0 * d..t1 * d];
-            // The next consumer's rows of the tile, for the kernel to prefetch.
-            let next = consumers.get(j + 1).map_or(&[][..], |g| &g.dh[t0 * d..t1 * d]);
-            for (q, p) in sources.iter().enumerate() {
+        for t0 in range.clone().step_by(SOURCE_TILE) {
+            let t1 = (t0 + SOURCE_TILE).min(range.end);
+            let n = t1 - t0;
+            let (acc, coef) = (&mut acc[..n * d], &mut coef[..n]);
+            match from {
+                Some(f) => {
+                    acc.copy_from_slice(&f.acc[t0 * d..t1 * d]);
+                    coef.copy_from_slice(&f.coef[t0..t1]);
+                }
+                None => {
+                    acc.fill(0.0);
+                    coef.fill(0.0);
+                }
+            }
+            let (vt, rt) = (&v[t0 * d..t1 * d], &rstd[t0..t1]);
+            for (j, g) in consumers.iter().enumerate() {
                 let [alphas, dhh, dls] = &mut per_token;
                 for (i, t) in (t0..t1).enumerate() {
-                    (alphas[i], dhh[i]) = (g.alpha[t * g.n_sources + p.col], g.dh_dot_h[t]);
+                    (alphas[i], dhh[i]) = (g.alpha[t * g.n_sources + col], g.dh_dot_h[t]);
                 }
+                let (dh, dw) = (&g.dh[t0 * d..t1 * d], &mut dw[j * d..(j + 1) * d]);
+                // What this task reads after these rows, for the kernel to prefetch: the next
+                // consumer's rows of the tile, or the first consumer's of the next tile.
+                let next = match consumers.get(j + 1) {
+                    Some(g) => &g.dh[t0 * d..t1 * d],
+                    None => &consumers[0].dh[t1 * d..(t1 + n).min(range.end) * d],
+                };
                 simd::source_tile(
-                    &mut acc[q * n * d..(q + 1) * n * d],
-                    &mut dw[(q * s + j) * d..(q * s + j + 1) * d],
+                    acc,
+                    dw,
                     &mut dls[..n],
                     dh,
-                    &p.v[t0 * d..t1 * d],
+                    vt,
                     g.w,
                     &alphas[..n],
                     &dhh[..n],
-                    &p.rstd[t0..t1],
+                    rt,
                     next,
                 );
                 for (i, t) in (t0..t1).enumerate() {
-                    coef[q * n + i] += dls[i] * g.logits[t * g.n_sources + p.col];
+                    coef[i] += dls[i] * g.logits[t * g.n_sources + col];
                 }
             }
-        }
-        for (q, p) in sources.iter().enumerate() {
-            let (dptr, cptr) = ptrs[q];
             for t in t0..t1 {
-                let (vrow, i) = (&p.v[t * d..(t + 1) * d], t - t0);
-                let acc = &acc[(q * n + i) * d..(q * n + i + 1) * d];
-                let coef = coef[q * n + i];
-                // SAFETY: row t of this source's output (capacity rows·d), written by this task
-                // only (tasks cover disjoint row ranges); its `coef` likewise at t, when kept.
+                let (vrow, i) = (&v[t * d..(t + 1) * d], t - t0);
+                let acc = &acc[i * d..(i + 1) * d];
+                // SAFETY: row t of `dv` (capacity rows·d), written by this task only (tasks
+                // cover disjoint row ranges); `coefs` likewise at t, when kept.
                 unsafe {
                     let out = dptr.get().add(t * d);
-                    if p.finish {
+                    if finish {
                         // value path + key path: dv = Σ_c (α·dh + dl·r·w) − (r²/d)·Σ_c dl·logit · v
-                        let c = coef * p.rstd[t] * p.rstd[t] / d as f32;
+                        let c = coef[i] * rstd[t] * rstd[t] / d as f32;
                         for (k, (x, y)) in acc.iter().zip(vrow).enumerate() {
                             out.add(k).write(x - c * y);
                         }
                     } else {
                         std::ptr::copy_nonoverlapping(acc.as_ptr(), out, d);
-                        cptr.get().add(t).write(coef);
+                        cptr.get().add(t).write(coef[i]);
                     }
                 }
             }
         }
     });
-    for (q, out) in outs.iter_mut().enumerate() {
-        // SAFETY: the capacity is rows·d and every row was written above (a panic in a task
-        // would have ended this function first).
-        unsafe { out.acc.set_len(rows * d) };
-        for (j, dw) in dws.iter_mut().enumerate() {
-            let part = &part[(q * s + j) * d..(q * s + j + 1) * d];
-            dw.iter_mut().zip(part).for_each(|(a, b)| *a += b);
-        }
+    // SAFETY: the capacity is rows·d and every row was written above (a panic in a task would
+    // have ended this function first).
+    unsafe { dv.set_len(rows * d) };
+    for (j, dw) in dws.iter_mut().enumerate() {
+        dw.iter_mut().zip(&part[j * d..(j + 1) * d]).for_each(|(a, b)| *a += b);
     }
-    outs
+    SourceSums { acc: dv, coef: coefs }
 }
 
 #[cfg(test)]
@@ -595,50 +582,15 @@ mod tests {
                 d,
             );
         }
-        let pass = |i: usize, from: Option<SourceSums>, finish: bool| SourcePass {
-            col: i,
-            v: &cs.srcs[i],
-            rstd: &cs.rs[i],
-            from,
-            finish,
-        };
-        fn views(x: &mut [Vec<f32>]) -> Vec<&mut [f32]> {
-            x.iter_mut().map(|x| x.as_mut_slice()).collect()
-        }
-        // Sources one at a time, from the last (the model's order), over every consumer.
-        let mut one_dws = dws.clone();
-        let mut after_two = Vec::new();
-        let mut got_src = vec![Vec::new(); c];
-        for i in (0..c).rev() {
-            let mut dw = views(&mut one_dws);
-            got_src[i] =
-                backward_sources(&mut dw, &grads, vec![pass(i, None, true)], d).remove(0).acc;
-            if i == c - 2 {
-                after_two = one_dws.clone();
-            }
-        }
+        let got_src: Vec<Vec<f32>> = (0..c)
+            .map(|i| {
+                let mut dw: Vec<&mut [f32]> = dws.iter_mut().map(|x| x.as_mut_slice()).collect();
+                backward_source(&mut dw, &grads, i, &cs.srcs[i], &cs.rs[i], d, s, None, true).acc
+            })
+            .collect();
         for i in 0..c {
             assert_close(&got_src[i], &want_src[i], 1e-4, "completed source grad");
         }
-        // The last two sources in one pass over the first two consumers, continued in one pass
-        // over the third: the same bits, gradients and query gradients.
-        let mut dw = views(&mut dws);
-        let (first, rest) = dw.split_at_mut(2);
-        let sums = backward_sources(
-            first,
-            &grads[..2],
-            vec![pass(c - 1, None, false), pass(c - 2, None, false)],
-            d,
-        );
-        let cont: Vec<SourcePass> =
-            sums.into_iter().zip([c - 1, c - 2]).map(|(f, i)| pass(i, Some(f), true)).collect();
-        let two = backward_sources(rest, &grads[2..], cont, d);
-        assert!(
-            two[0].acc == got_src[c - 1] && two[1].acc == got_src[c - 2],
-            "two sources at once"
-        );
-        assert!(dws == after_two, "query gradients of two sources at once");
-        let dws = one_dws;
         for j in 1..s {
             assert_close(&got_part[j], &want_part[j], 1e-4, "partial grad");
         }

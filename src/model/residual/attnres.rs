@@ -15,14 +15,11 @@
 //! earlier outputs need it), while its gradients into the completed blocks wait: when the
 //! backward pass reaches block n, the gradient of `b_n` is taken in one pass from every
 //! consumer that read it (all later sublayers and the output), so each completed block is read
-//! once and its gradient written once. The passes go in pairs: the pass over `b_n` (n odd) also
-//! takes the sums of `b_{n−1}`'s gradient over the same consumers, so that the pass over
-//! `b_{n−1}` reads only the consumers owed since, and each consumer's `dh` comes from memory
-//! about half as often.
+//! once and its gradient written once.
 
 use super::ablation::InputQuery;
 use super::depth_params;
-use crate::kernels::depth::{self, ConsumerGrad, Phase1, SourcePass, SourceSums};
+use crate::kernels::depth::{self, ConsumerGrad, Phase1, SourceSums};
 use crate::kernels::{rmsnorm, zeros};
 use crate::model::config::Config;
 use crate::model::params::{DepthParams, Layout};
@@ -120,6 +117,8 @@ pub(super) struct Sources {
     pub saved: Vec<DepthSaved>,
     /// Number of distinct sources (`Config::depth_sources`).
     pub depth_sources: usize,
+    /// Sublayers of the model.
+    sublayers: usize,
 }
 
 impl Sources {
@@ -139,6 +138,7 @@ impl Sources {
             first: 0,
             saved: Vec::new(),
             depth_sources: c.depth_sources(),
+            sublayers: c.sublayers(),
         }
     }
 
@@ -367,9 +367,6 @@ struct Pending {
 pub(super) struct PendingGrads {
     owed: Vec<Pending>,
     pub from: Vec<Option<SourceSums>>,
-    /// The sums of block `n`'s gradient over the first `k` consumers owed, taken in the pass
-    /// over block `n + 1`: `(n, k, sums)`.
-    carried: Option<(usize, usize, SourceSums)>,
 }
 
 impl PendingGrads {
@@ -409,42 +406,19 @@ impl PendingGrads {
     }
 
     fn source_pass(&mut self, n: usize, src: &Sources, finish: bool) -> SourceSums {
-        // Continue the sums carried here by the pass over block n + 1, over the consumers
-        // owed since; else start from those of later stages (if any), over every consumer.
-        let (start, from) = match self.carried.take() {
-            Some((m, k, sums)) if m == n => (k, Some(sums)),
-            other => {
-                self.carried = other;
-                (0, self.from.get_mut(n).and_then(Option::take))
-            }
-        };
-        let (blocks, d) = (&src.blocks, src.blocks.d);
-        let pass = |m: usize, from, finish| SourcePass {
-            col: m,
-            v: blocks.get(m),
-            rstd: blocks.rstd(m),
-            from,
-            finish,
-        };
-        let mut sources = vec![pass(n, from, finish)];
-        // Every consumer of block n also read block n − 1 (and every consumer of n − 1 that is
-        // not owed yet comes from block n − 1 itself): while their `dh` stream by, take n − 1's
-        // sums too. In pairs (n odd), so that each `dh` is read from memory about half as often.
-        let carry = finish && start == 0 && n % 2 == 1;
-        if carry {
-            sources.push(pass(n - 1, self.from.get_mut(n - 1).and_then(Option::take), false));
-        }
-        let (consumers, mut dws): (Vec<ConsumerGrad>, Vec<&mut [f32]>) = self.owed[start..]
+        let from = self.from.get_mut(n).and_then(Option::take);
+        let (consumers, mut dws): (Vec<ConsumerGrad>, Vec<&mut [f32]>) = self
+            .owed
             .iter_mut()
             .map(|Pending { l, dh, dh_dot_h, w, dw }| {
                 (consumer_grad(src.saved(*l), dh, dh_dot_h, w), dw.as_mut_slice())
             })
             .unzip();
-        let mut sums = depth::backward_sources(&mut dws, &consumers, sources, d);
-        if carry {
-            self.carried = Some((n - 1, self.owed.len(), sums.pop().expect("two sources")));
-        }
-        sums.pop().expect("one source")
+        let (blocks, d) = (&src.blocks, src.blocks.d);
+        // The whole model's pass over block n takes every consumer after it and the output.
+        let pass = src.sublayers - n * src.block_size + 1;
+        let (v, r) = (blocks.get(n), blocks.rstd(n));
+        depth::backward_source(&mut dws, &consumers, n, v, r, d, pass, from.as_ref(), finish)
     }
 
     /// Adds the query gradients of the consumers owed into `grads`, once every source they read
