@@ -52,8 +52,7 @@ pub fn sum_rstd(
         for (i, (row, r)) in out.chunks_mut(d).zip(rs.iter_mut()).enumerate() {
             let t = (k * chunk + i) * d;
             let xr = &x[t..t + d];
-            // Written through the cast pointer only after `row` holds the sum, so no
-            // uninitialised value is ever read.
+            // Every element of `row` is written here, before the cast below reads it.
             match y {
                 Some(y) => row.iter_mut().zip(xr).zip(&y[t..t + d]).for_each(|((o, a), b)| {
                     o.write(a + b);

@@ -518,9 +518,8 @@ fn source_tile_portable(
 const SOURCE_PREFETCH: usize = 4;
 
 /// [`source_tile`] with explicit AVX2/FMA, one token at a time, prefetching `dh` (and then
-/// `next`, the rows that come after the tile) [`SOURCE_PREFETCH`] rows ahead. The same bits as
-/// [`source_tile_portable`] compiled for AVX2 would give, up to the fused multiply-adds of
-/// the update.
+/// `next`, the rows that come after the tile) [`SOURCE_PREFETCH`] rows ahead. `dl` has the same
+/// bits as [`source_tile_portable`]'s; the updates use fused multiply-adds.
 ///
 /// # Safety
 /// The processor must support AVX2 and FMA; the sizes as [`source_tile`] asserts.
