@@ -44,9 +44,9 @@ pub(crate) fn rows_per_task(rows: usize, cols: usize) -> usize {
 }
 
 /// Runs `f(first_row, rows_chunk)` over disjoint chunks of the rows of `out` (`cols` wide), in parallel.
-pub(crate) fn par_rows_mut<F>(out: &mut [f32], cols: usize, f: F)
+pub(crate) fn par_rows_mut<T: Send, F>(out: &mut [T], cols: usize, f: F)
 where
-    F: Fn(usize, &mut [f32]) + Sync + Send,
+    F: Fn(usize, &mut [T]) + Sync + Send,
 {
     let rows = out.len() / cols.max(1);
     let chunk = rows_per_task(rows, cols);

@@ -2,15 +2,19 @@
 //! as Hugging Face's `LlamaRMSNorm` computes them).
 
 use super::{dot, par_reduce_rows, par_rows_mut};
-use rayon::prelude::*;
 use std::mem::MaybeUninit;
+
+/// The reciprocal RMS of one row, `1 / sqrt(mean(x²) + eps)`: every pass that takes it computes
+/// it here, so that they all give the same bits.
+fn row_rstd(row: &[f32], eps: f32) -> f32 {
+    1.0 / (dot(row, row) / row.len() as f32 + eps).sqrt()
+}
 
 /// Per-row reciprocal RMS, `1 / sqrt(mean(x²) + eps)`, into `rstd[rows]`.
 pub fn rstd(rstd: &mut [f32], x: &[f32], d: usize, eps: f32) {
     par_rows_mut(rstd, 1, |r0, out| {
         for (i, o) in out.iter_mut().enumerate() {
-            let row = &x[(r0 + i) * d..(r0 + i + 1) * d];
-            *o = 1.0 / (dot(row, row) / d as f32 + eps).sqrt();
+            *o = row_rstd(&x[(r0 + i) * d..(r0 + i + 1) * d], eps);
         }
     });
 }
@@ -28,7 +32,7 @@ pub fn add_assign_rstd(x: &mut [f32], y: Option<&[f32]>, rstd: &mut [f32], d: us
             }
             // SAFETY: entry t of `rstd` (inside it: length checked above) goes with row t of
             // `x`, which is this task's alone.
-            unsafe { rp.slice(t, 1)[0] = 1.0 / (dot(row, row) / d as f32 + eps).sqrt() };
+            unsafe { rp.slice(t, 1)[0] = row_rstd(row, eps) };
         }
     });
 }
@@ -47,14 +51,13 @@ pub fn sum_rstd(
     assert!(
         dst.len() == x.len() && y.is_none_or(|y| y.len() == x.len()) && rstd.len() * d == x.len()
     );
-    let chunk = super::rows_per_task(rstd.len(), d);
-    let task = |(k, (out, rs)): (usize, (&mut [MaybeUninit<f32>], &mut [f32]))| {
-        for (i, (row, r)) in out.chunks_mut(d).zip(rs.iter_mut()).enumerate() {
-            let t = (k * chunk + i) * d;
-            let xr = &x[t..t + d];
-            // Every element of `row` is written here, before the cast below reads it.
+    let rp = super::SendPtr(rstd.as_mut_ptr());
+    par_rows_mut(dst, d, |r0, chunk| {
+        for (i, row) in chunk.chunks_mut(d).enumerate() {
+            let t = r0 + i;
+            let xr = &x[t * d..(t + 1) * d];
             match y {
-                Some(y) => row.iter_mut().zip(xr).zip(&y[t..t + d]).for_each(|((o, a), b)| {
+                Some(y) => row.iter_mut().zip(xr).zip(&y[t * d..]).for_each(|((o, a), b)| {
                     o.write(a + b);
                 }),
                 None => row.iter_mut().zip(xr).for_each(|(o, a)| {
@@ -63,14 +66,11 @@ pub fn sum_rstd(
             }
             // SAFETY: every element of `row` was written just above.
             let row: &[f32] = unsafe { &*(row as *const [MaybeUninit<f32>] as *const [f32]) };
-            *r = 1.0 / (dot(row, row) / d as f32 + eps).sqrt();
+            // SAFETY: entry t of `rstd` (inside it: length checked above) goes with row t of
+            // `dst`, which is this task's alone.
+            unsafe { rp.slice(t, 1)[0] = row_rstd(row, eps) };
         }
-    };
-    if rstd.len() <= chunk {
-        // One task: skip the thread pool (decoding pushes a token or two at a time).
-        return task((0, (dst, rstd)));
-    }
-    dst.par_chunks_mut(chunk * d).zip(rstd.par_chunks_mut(chunk)).enumerate().for_each(task);
+    });
 }
 
 /// Forward: writes `y` and the per-row `rstd` that backward needs.
