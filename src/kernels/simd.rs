@@ -450,31 +450,30 @@ multiversion!(
     #[allow(clippy::too_many_arguments)]
     depth_source_grad => depth_source_grad_imp(dv: &mut [f32], dw: &mut [f32], g: &[f32], w: &[f32], v: &[f32], a: f32, b: f32, c: f32)
 );
-/// One consumer's share of the per-source depth backward over a tile of tokens (rows `i` of
-/// `acc`, `dh` and `v`, each `w.len()` long): `dl_i = a_i·(⟨dh_i, v_i⟩ − dhh_i)`, then
-/// `acc_i += a_i·dh_i + (dl_i·r_i)·w` and `dw += (dl_i·r_i)·v_i`, the tokens in order. Returns
-/// the `dl_i` in `dl`. `next`: the rows of `dh` the caller reads after these (prefetched; any
-/// length, empty for none).
-#[allow(clippy::too_many_arguments)]
-pub fn source_tile(
-    acc: &mut [f32],
-    dw: &mut [f32],
-    dl: &mut [f32],
-    dh: &[f32],
-    v: &[f32],
-    w: &[f32],
-    a: &[f32],
-    dhh: &[f32],
-    r: &[f32],
-    next: &[f32],
-) {
-    let (n, rows) = (w.len(), a.len());
+/// What one consumer's tile of the per-source depth backward reads ([`source_tile`]): rows `i`
+/// of `dh` and `v` (each `w.len()` long), and per token `a_i`, `dhh_i` and `r_i`.
+pub struct SourceRows<'a> {
+    pub dh: &'a [f32],
+    pub v: &'a [f32],
+    pub w: &'a [f32],
+    pub a: &'a [f32],
+    pub dhh: &'a [f32],
+    pub r: &'a [f32],
+    /// The rows of `dh` the caller reads after these (prefetched; any length, empty for none).
+    pub next: &'a [f32],
+}
+
+/// One consumer's share of the per-source depth backward over a tile of tokens:
+/// `dl_i = a_i·(⟨dh_i, v_i⟩ − dhh_i)`, then `acc_i += a_i·dh_i + (dl_i·r_i)·w` and
+/// `dw += (dl_i·r_i)·v_i`, the tokens in order. Returns the `dl_i` in `dl`.
+pub fn source_tile(acc: &mut [f32], dw: &mut [f32], dl: &mut [f32], x: &SourceRows) {
+    let (n, rows) = (x.w.len(), x.a.len());
     assert!(
         dw.len() == n
-            && [dl.len(), dhh.len(), r.len()] == [rows; 3]
+            && [dl.len(), x.dhh.len(), x.r.len()] == [rows; 3]
             && acc.len() == rows * n
-            && dh.len() == acc.len()
-            && v.len() == acc.len(),
+            && x.dh.len() == acc.len()
+            && x.v.len() == acc.len(),
         "source_tile: bad operand sizes"
     );
     #[cfg(target_arch = "x86_64")]
@@ -482,33 +481,21 @@ pub fn source_tile(
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
             // SAFETY: AVX2 and FMA were just detected; the assert gives the sizes.
-            unsafe { source_tile_avx2(acc, dw, dl, dh, v, w, a, dhh, r, next) };
+            unsafe { source_tile_avx2(acc, dw, dl, x) };
             return;
         }
     }
-    source_tile_portable(acc, dw, dl, dh, v, w, a, dhh, r, next)
+    source_tile_portable(acc, dw, dl, x)
 }
 
-#[allow(clippy::too_many_arguments)]
-fn source_tile_portable(
-    acc: &mut [f32],
-    dw: &mut [f32],
-    dl: &mut [f32],
-    dh: &[f32],
-    v: &[f32],
-    w: &[f32],
-    a: &[f32],
-    dhh: &[f32],
-    r: &[f32],
-    _next: &[f32],
-) {
-    let n = w.len();
-    for i in 0..a.len() {
+fn source_tile_portable(acc: &mut [f32], dw: &mut [f32], dl: &mut [f32], x: &SourceRows) {
+    let n = x.w.len();
+    for i in 0..x.a.len() {
         let row = i * n..(i + 1) * n;
-        dl[i] = a[i] * (dot_imp(&dh[row.clone()], &v[row.clone()]) - dhh[i]);
-        let c = dl[i] * r[i];
-        axpy2_imp(&mut acc[row.clone()], a[i], &dh[row.clone()], c, w);
-        axpy_imp(dw, c, &v[row]);
+        dl[i] = x.a[i] * (dot_imp(&x.dh[row.clone()], &x.v[row.clone()]) - x.dhh[i]);
+        let c = dl[i] * x.r[i];
+        axpy2_imp(&mut acc[row.clone()], x.a[i], &x.dh[row.clone()], c, x.w);
+        axpy_imp(dw, c, &x.v[row]);
     }
 }
 
@@ -525,20 +512,9 @@ const SOURCE_PREFETCH: usize = 4;
 /// The processor must support AVX2 and FMA; the sizes as [`source_tile`] asserts.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn source_tile_avx2(
-    acc: &mut [f32],
-    dw: &mut [f32],
-    dl: &mut [f32],
-    dh: &[f32],
-    v: &[f32],
-    w: &[f32],
-    a: &[f32],
-    dhh: &[f32],
-    r: &[f32],
-    next: &[f32],
-) {
+unsafe fn source_tile_avx2(acc: &mut [f32], dw: &mut [f32], dl: &mut [f32], x: &SourceRows) {
     use std::arch::x86_64::*;
+    let SourceRows { dh, v, w, a, dhh, r, next } = *x;
     let (n, rows) = (w.len(), a.len());
     let (ap, gp, vp, wp, dwp) =
         (acc.as_mut_ptr(), dh.as_ptr(), v.as_ptr(), w.as_ptr(), dw.as_mut_ptr());
@@ -714,18 +690,7 @@ mod tests {
             }
         }
         // The per-source depth backward over 7 tokens of 37 values, both kernels, against f64.
-        type Tile = fn(
-            &mut [f32],
-            &mut [f32],
-            &mut [f32],
-            &[f32],
-            &[f32],
-            &[f32],
-            &[f32],
-            &[f32],
-            &[f32],
-            &[f32],
-        );
+        type Tile = fn(&mut [f32], &mut [f32], &mut [f32], &super::SourceRows);
         let rows = 7;
         let val = |k: usize, s: f32| (k as f32 * s).sin();
         let dh: Vec<f32> = (0..rows * n).map(|k| val(k, 0.13)).collect();
@@ -735,7 +700,9 @@ mod tests {
         for tile in [super::source_tile as Tile, super::source_tile_portable as Tile] {
             let (mut acc, mut dw, mut dl) =
                 (vec![0.5f32; rows * n], vec![0.25f32; n], vec![f32::NAN; rows]);
-            tile(&mut acc, &mut dw, &mut dl, &dh, &v, &a, &al, &dhh, &rs, &b);
+            let x =
+                super::SourceRows { dh: &dh, v: &v, w: &a, a: &al, dhh: &dhh, r: &rs, next: &b };
+            tile(&mut acc, &mut dw, &mut dl, &x);
             let mut want_dw: Vec<f64> = vec![0.25; n];
             for i in 0..rows {
                 let row = |x: &[f32], j: usize| x[i * n + j] as f64;

@@ -376,18 +376,16 @@ pub fn backward_source(
                     Some(g) => &g.dh[t0 * d..t1 * d],
                     None => &consumers[0].dh[t1 * d..(t1 + n).min(range.end) * d],
                 };
-                simd::source_tile(
-                    acc,
-                    dw,
-                    &mut dls[..n],
+                let x = simd::SourceRows {
                     dh,
-                    vt,
-                    g.w,
-                    &alphas[..n],
-                    &dhh[..n],
-                    rt,
+                    v: vt,
+                    w: g.w,
+                    a: &alphas[..n],
+                    dhh: &dhh[..n],
+                    r: rt,
                     next,
-                );
+                };
+                simd::source_tile(acc, dw, &mut dls[..n], &x);
                 for (i, t) in (t0..t1).enumerate() {
                     coef[i] += dls[i] * g.logits[t * g.n_sources + col];
                 }
