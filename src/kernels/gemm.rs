@@ -214,8 +214,8 @@ unsafe fn serial(p: Product) {
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, tile: &mut [__m256; 2 * MR]) {
-    let mut c = [_mm256_setzero_ps(); 2 * MR];
-    for p in 0..kc {
+    // One step of `k`: the rank-1 update of the tile by column p of `a` and row p of `b`.
+    let step = |c: &mut [__m256; 2 * MR], p: usize| {
         let (ap, bp) = (a.add(p * MR), b.add(p * NR));
         let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
         for i in 0..MR {
@@ -223,6 +223,20 @@ unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, tile: &mut [__m256; 2 
             c[2 * i] = _mm256_fmadd_ps(x, b0, c[2 * i]);
             c[2 * i + 1] = _mm256_fmadd_ps(x, b1, c[2 * i + 1]);
         }
+    };
+    let mut c = [_mm256_setzero_ps(); 2 * MR];
+    // Four steps per iteration, so the loop's own instructions cost a quarter as much: in a
+    // throwaway timing test, 1.05x for the kernel alone on cached panels, 1.01x for whole
+    // products (where packing and memory take their share).
+    let mut p = 0;
+    while p + 4 <= kc {
+        for q in p..p + 4 {
+            step(&mut c, q);
+        }
+        p += 4;
+    }
+    for q in p..kc {
+        step(&mut c, q);
     }
     *tile = c;
 }
