@@ -10,7 +10,9 @@ for every mode, eager and (--compile) compiled by inductor, and transformers' Ll
 (sdpa, eager) for `standard`. One step is forward,
 mean cross-entropy and backward, in f32. Rounds alternate PyTorch and attnres; times are
 medians over rounds of per-round medians, and each speed-up is the median of the per-round ratios
-(its range over rounds beside it).
+(its range over rounds beside it). PyTorch goes first in even rounds and second in odd ones, its
+compiled variants always next to attnres, so that the ratio against torch.compile compares steps
+taken minutes apart at most and a drift of the machine's speed favours neither side.
 """
 import argparse
 import json
@@ -78,8 +80,11 @@ def torch_steps(ckpts, ids, targets, compile_):
     return steps
 
 
-def torch_round(steps, warmup, n):
-    return {name: time_steps(step, warmup, n) for name, step in steps.items()}
+def torch_round(steps, warmup, n, compiled_last):
+    """Times every PyTorch variant; the compiled ones last (or first), so that they run right
+    next to attnres, whose run follows (or precedes) this one."""
+    names = sorted(steps, key=lambda k: k.startswith("compiled_") == compiled_last)
+    return {name: time_steps(steps[name], warmup, n) for name in names}
 
 
 def main():
@@ -111,16 +116,24 @@ def main():
     targets = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
     steps = torch_steps(ckpts, ids, targets, a.compile)
     rounds_t, rounds_r, report = [], [], None
-    for r in range(a.rounds):
-        print(f"round {r + 1}/{a.rounds}: PyTorch", file=sys.stderr)
-        rounds_t.append(torch_round(steps, a.warmup, a.steps))
-        print(f"round {r + 1}/{a.rounds}: attnres", file=sys.stderr)
+    def attnres_round():
         res = subprocess.run([a.attnres, "--threads", str(a.threads), "bench", "--json", "--preset", a.preset,
                               "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
                               "--warmup", str(a.warmup), "--modes", ",".join(modes), *sets],
                              check=True, capture_output=True, text=True)
-        report = json.loads(res.stdout)
-        rounds_r.append({m["residual"]: m["step_seconds"] for m in report["modes"]})
+        return json.loads(res.stdout)
+
+    for r in range(a.rounds):
+        # PyTorch first in even rounds, attnres first in odd ones, so that a drift of the
+        # machine's speed over a run favours neither side.
+        torch_first = r % 2 == 0
+        for side in ["PyTorch", "attnres"] if torch_first else ["attnres", "PyTorch"]:
+            print(f"round {r + 1}/{a.rounds}: {side}", file=sys.stderr)
+            if side == "PyTorch":
+                rounds_t.append(torch_round(steps, a.warmup, a.steps, compiled_last=torch_first))
+            else:
+                report = attnres_round()
+                rounds_r.append({m["residual"]: m["step_seconds"] for m in report["modes"]})
     med = statistics.median
     n = a.batch * a.seq
     print(f"config: preset {a.preset} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
