@@ -116,6 +116,7 @@ def main():
     targets = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
     steps = torch_steps(ckpts, ids, targets, a.compile)
     rounds_t, rounds_r, report = [], [], None
+
     def attnres_round():
         res = subprocess.run([a.attnres, "--threads", str(a.threads), "bench", "--json", "--preset", a.preset,
                               "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
