@@ -518,7 +518,6 @@ unsafe fn source_tile_avx2(acc: &mut [f32], dw: &mut [f32], dl: &mut [f32], x: &
     let (n, rows) = (w.len(), a.len());
     let (ap, gp, vp, wp, dwp) =
         (acc.as_mut_ptr(), dh.as_ptr(), v.as_ptr(), w.as_ptr(), dw.as_mut_ptr());
-    let full = n / 16 * 16;
     for i in 0..rows {
         let ahead = i + SOURCE_PREFETCH;
         let row = match ahead < rows {
@@ -529,27 +528,10 @@ unsafe fn source_tile_avx2(acc: &mut [f32], dw: &mut [f32], dl: &mut [f32], x: &
             _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast());
         }
         let at = i * n;
-        // ⟨dh, v⟩ summed exactly as `dot` sums it (lanes of 16, multiply then add, the tail
-        // first): a consumer that reads one source has `h = v`, and then `⟨dh, v⟩ − ⟨dh, h⟩`
-        // must come out 0, as the method's gradient is.
-        let mut s = [_mm256_setzero_ps(); 2];
-        let mut j = 0;
-        while j < full {
-            let o = at + j;
-            for (h, s) in s.iter_mut().enumerate() {
-                let p = _mm256_mul_ps(
-                    _mm256_loadu_ps(gp.add(o + 8 * h)),
-                    _mm256_loadu_ps(vp.add(o + 8 * h)),
-                );
-                *s = _mm256_add_ps(*s, p);
-            }
-            j += 16;
-        }
-        let tail: f32 = (full..n).map(|j| dh[at + j] * v[at + j]).sum();
-        let mut lanes = [0.0f32; 16];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), s[0]);
-        _mm256_storeu_ps(lanes.as_mut_ptr().add(8), s[1]);
-        dl[i] = a[i] * (tail + lanes.iter().sum::<f32>() - dhh[i]);
+        // ⟨dh, v⟩ through `dot`'s own loop (inlined here, so compiled for AVX2), which gives its
+        // bits: a consumer that reads one source has `h = v`, and then `⟨dh, v⟩ − ⟨dh, h⟩` must
+        // come out 0, as the method's gradient is.
+        dl[i] = a[i] * (dot_imp(&dh[at..at + n], &v[at..at + n]) - dhh[i]);
         let c = dl[i] * r[i];
         let (ai, ci) = (_mm256_set1_ps(a[i]), _mm256_set1_ps(c));
         let mut j = 0;
