@@ -1,7 +1,7 @@
 //! Rotary position embedding in the "rotate half" layout of Hugging Face Llama: dimension `i`
 //! of a head pairs with `i + head_dim/2`, frequency `theta^(-2i/head_dim)`, positions from 0.
 
-use super::par_rows_mut;
+use super::{par_rows_mut, simd};
 
 /// Positions below this many have their cos/sin precomputed; later ones are computed when
 /// used (with the same arithmetic, so the values are identical). This keeps the table small
@@ -93,16 +93,7 @@ pub fn apply(
         let mut buf = vec![0.0; 2 * half];
         for (i, row) in chunk.chunks_mut(width).enumerate() {
             let (c, s) = table.at(positions.of(r0 + i), &mut buf);
-            for h in 0..n_heads {
-                let head = &mut row[col0 + h * hd..col0 + (h + 1) * hd];
-                let (a, b) = head.split_at_mut(half);
-                for j in 0..half {
-                    let (x1, x2) = (a[j], b[j]);
-                    let sj = sign * s[j];
-                    a[j] = x1 * c[j] - x2 * sj;
-                    b[j] = x2 * c[j] + x1 * sj;
-                }
-            }
+            simd::rotate_halves(&mut row[col0..col0 + n_heads * hd], c, s, sign);
         }
     });
 }

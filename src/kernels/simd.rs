@@ -600,6 +600,29 @@ multiversion!(
     swiglu_backward_row => swiglu_bwd_imp(dg: &mut [f32], du: &mut [f32], da: &[f32], g: &[f32], u: &[f32])
 );
 
+#[inline(always)]
+fn rotate_halves_imp(heads: &mut [f32], cos: &[f32], sin: &[f32], sign: f32) {
+    let half = cos.len();
+    let sin = &sin[..half];
+    for head in heads.chunks_exact_mut(2 * half) {
+        let (a, b) = head.split_at_mut(half);
+        for j in 0..half {
+            // Two products and a sum, as `x·cos + rotate_half(x)·sin` rounds them: no fused
+            // multiply-add, so every path gives the same bits.
+            let (x1, x2, s) = (a[j], b[j], sign * sin[j]);
+            a[j] = x1 * cos[j] - x2 * s;
+            b[j] = x2 * cos[j] + x1 * s;
+        }
+    }
+}
+
+multiversion!(
+    /// Rotary embedding of consecutive heads (`heads`, each `2·cos.len()` wide) in the "rotate
+    /// half" layout: the pair `(x_j, x_{j+half})` turns by the angle with `cos[j]` and
+    /// `sign·sin[j]` (`sign` −1: the inverse rotation).
+    rotate_halves => rotate_halves_imp(heads: &mut [f32], cos: &[f32], sin: &[f32], sign: f32)
+);
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -615,6 +638,28 @@ mod tests {
         assert!(worst < 4e-7, "max relative error {worst}");
         assert_eq!(super::exp(-1000.0), 0.0);
         assert_eq!(super::exp(f32::NEG_INFINITY), 0.0);
+    }
+
+    #[test]
+    fn rotate_halves_has_the_bits_of_the_scalar_rotation() {
+        // Two heads of 2·20 (a vector part and a remainder), forward and inverse: the vector
+        // path must round as the plain products and sums do (no fused multiply-add).
+        let half = 20;
+        let x: Vec<f32> = (0..4 * half).map(|i| (i as f32 * 0.37).sin() * 3.0).collect();
+        let cos: Vec<f32> = (0..half).map(|j| (j as f32 * 0.9).cos()).collect();
+        let sin: Vec<f32> = (0..half).map(|j| (j as f32 * 0.9).sin()).collect();
+        for sign in [1.0f32, -1.0] {
+            let mut got = x.clone();
+            super::rotate_halves(&mut got, &cos, &sin, sign);
+            for (head, want) in x.chunks(2 * half).zip(got.chunks(2 * half)) {
+                for j in 0..half {
+                    let (x1, x2, s) = (head[j], head[j + half], sign * sin[j]);
+                    let a = (x1 * cos[j]) - (x2 * s);
+                    let b = (x2 * cos[j]) + (x1 * s);
+                    assert_eq!((want[j], want[j + half]), (a, b), "sign {sign}, pair {j}");
+                }
+            }
+        }
     }
 
     #[test]
