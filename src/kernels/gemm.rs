@@ -150,6 +150,18 @@ thread_local! {
     static PACKED: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
+/// `len` floats of `buf` from its first 64-byte boundary on, growing it as needed. A packed
+/// row of `rhs` (`NR` floats) is then one cache line, and the kernel's two 32-byte loads of it
+/// never straddle two (the system allocator places large blocks 16 bytes past a boundary): in
+/// a throwaway timing test at the step's shapes, products 1–3% faster.
+fn line_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    if buf.len() < len + 15 {
+        buf.resize(len + 15, 0.0);
+    }
+    let skip = buf.as_ptr().align_offset(64);
+    &mut buf[skip..skip + len]
+}
+
 /// One thread's product.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn serial(p: Product) {
@@ -157,14 +169,8 @@ unsafe fn serial(p: Product) {
     PACKED.with_borrow_mut(|(ap, bp)| {
         // Every value a kernel reads is written by the packing first (padding included), so
         // the buffers only grow, never need clearing.
-        let (a_len, b_len) =
-            (KC * MC.min(m.next_multiple_of(MR)), KC * NC.min(n.next_multiple_of(NR)));
-        if ap.len() < a_len {
-            ap.resize(a_len, 0.0);
-        }
-        if bp.len() < b_len {
-            bp.resize(b_len, 0.0);
-        }
+        let ap = line_aligned(ap, KC * MC.min(m.next_multiple_of(MR)));
+        let bp = line_aligned(bp, KC * NC.min(n.next_multiple_of(NR)));
         let mut tile = [_mm256_setzero_ps(); 2 * MR];
         for jc in (0..n).step_by(NC) {
             let nc = NC.min(n - jc);
