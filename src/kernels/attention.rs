@@ -317,8 +317,7 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], stats: &[f32], s: A
                 score_tile(&mut pt, qkv, s, b, h, r0, r1);
                 for (i, row) in (r0..r1).zip(pt.chunks_mut(t)) {
                     let (m, inv_z) = (st[2 * i], st[2 * i + 1]);
-                    simd::exp_shift_sum(&mut row[..=i], m);
-                    simd::scale(&mut row[..=i], inv_z);
+                    simd::exp_shift_scale(&mut row[..=i], m, inv_z);
                     row[i + 1..r1].fill(0.0);
                 }
                 let dout_h = Strided {
@@ -347,10 +346,7 @@ pub fn backward(dqkv: &mut [f32], dout: &[f32], qkv: &[f32], stats: &[f32], s: A
                     );
                 }
                 for (i, (prow, drow)) in (r0..r1).zip(pt.chunks(t).zip(ds.chunks_mut(t))) {
-                    let dot = simd::dot(&prow[..=i], &drow[..=i]);
-                    for j in 0..=i {
-                        drow[j] = prow[j] * (drow[j] - dot) * scale;
-                    }
+                    simd::softmax_grad(&mut drow[..=i], prow, scale);
                     drow[i + 1..r1].fill(0.0);
                 }
                 // SAFETY: the three products write, in rows of sequence b only, the columns of

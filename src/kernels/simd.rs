@@ -601,6 +601,30 @@ multiversion!(
 );
 
 #[inline(always)]
+fn exp_shift_scale_imp(row: &mut [f32], m: f32, s: f32) {
+    row.iter_mut().for_each(|x| *x = exp(*x - m) * s);
+}
+
+multiversion!(
+    /// `row_i = e^(row_i − m) · s`: a softmax row again from its statistics, with the bits of
+    /// [`exp_shift_sum`] followed by [`scale`].
+    exp_shift_scale => exp_shift_scale_imp(row: &mut [f32], m: f32, s: f32)
+);
+#[inline(always)]
+fn softmax_grad_imp(ds: &mut [f32], p: &[f32], scale: f32) {
+    let p = &p[..ds.len()];
+    let dot = dot_imp(p, ds);
+    for (d, p) in ds.iter_mut().zip(p) {
+        *d = p * (*d - dot) * scale;
+    }
+}
+
+multiversion!(
+    /// The gradient of a softmax row's scores from that of its probabilities `p`, in place:
+    /// `ds_j = p_j · (ds_j − ⟨p, ds⟩) · scale`, with `⟨p, ds⟩` summed as [`dot`] sums it.
+    softmax_grad => softmax_grad_imp(ds: &mut [f32], p: &[f32], scale: f32)
+);
+#[inline(always)]
 fn rotate_halves_imp(heads: &mut [f32], cos: &[f32], sin: &[f32], sign: f32) {
     let half = cos.len();
     let sin = &sin[..half];
@@ -757,5 +781,17 @@ mod tests {
         let s = super::exp_shift_sum(&mut r, 1.0);
         let want: f32 = a.iter().map(|x| (x - 1.0).exp()).sum();
         assert!((s - want).abs() < 1e-5 * want);
+        // Attention's backward recomputes its probabilities in one pass: the bits of the two
+        // passes forward made.
+        super::scale(&mut r, 0.3);
+        let mut one = a.clone();
+        super::exp_shift_scale(&mut one, 1.0, 0.3);
+        assert_eq!(one, r, "exp_shift_scale");
+        // The softmax gradient: the bits of dot then the elementwise products in plain order.
+        let mut ds = b.clone();
+        super::softmax_grad(&mut ds, &a, 0.3);
+        let dot = super::dot(&a, &b);
+        let want: Vec<f32> = a.iter().zip(&b).map(|(p, d)| p * (d - dot) * 0.3).collect();
+        assert_eq!(ds, want, "softmax_grad");
     }
 }
