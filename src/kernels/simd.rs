@@ -610,6 +610,7 @@ multiversion!(
     /// [`exp_shift_sum`] followed by [`scale`].
     exp_shift_scale => exp_shift_scale_imp(row: &mut [f32], m: f32, s: f32)
 );
+
 #[inline(always)]
 fn softmax_grad_imp(ds: &mut [f32], p: &[f32], scale: f32) {
     let p = &p[..ds.len()];
@@ -624,6 +625,7 @@ multiversion!(
     /// `ds_j = p_j · (ds_j − ⟨p, ds⟩) · scale`, with `⟨p, ds⟩` summed as [`dot`] sums it.
     softmax_grad => softmax_grad_imp(ds: &mut [f32], p: &[f32], scale: f32)
 );
+
 #[inline(always)]
 fn rotate_halves_imp(heads: &mut [f32], cos: &[f32], sin: &[f32], sign: f32) {
     let half = cos.len();
