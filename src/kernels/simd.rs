@@ -629,6 +629,10 @@ multiversion!(
 #[inline(always)]
 fn rotate_halves_imp(heads: &mut [f32], cos: &[f32], sin: &[f32], sign: f32) {
     let half = cos.len();
+    if half == 0 {
+        // Heads of no dimensions: nothing turns (and `chunks_exact_mut` takes no zero width).
+        return;
+    }
     let sin = &sin[..half];
     for head in heads.chunks_exact_mut(2 * half) {
         let (a, b) = head.split_at_mut(half);
@@ -686,6 +690,10 @@ mod tests {
                 }
             }
         }
+        // Heads of no dimensions leave the row as it is.
+        let mut row = x.clone();
+        super::rotate_halves(&mut row, &[], &[], 1.0);
+        assert_eq!(row, x);
     }
 
     #[test]
