@@ -1,50 +1,95 @@
-//! The f32 matrix product on processors with AVX2 and FMA but not AVX-512 (docs/performance.md,
-//! "Matrix products"): `dst = (accumulate ? dst : 0) + alpha · lhs · rhs` with any strides.
+//! The f32 matrix product on processors with AVX2 and FMA, with wider kernels where there is
+//! AVX-512 (docs/performance.md, "Matrix products"): `dst = (accumulate ? dst : 0) + alpha ·
+//! lhs · rhs` with any strides.
 //!
 //! The usual blocked scheme: `rhs` is packed `KC` rows at a time into panels of `NR` columns,
 //! `lhs` `MC` rows at a time into panels of `MR` rows, and a register kernel multiplies one panel
-//! of each into an `MR × NR` tile held in twelve 8-wide registers. The destination tile is
-//! prefetched before its kernel runs: without that, each tile's read-modify-write after the
-//! first `KC` block waits on memory (the rows of a tile are far apart, so the hardware does not
-//! prefetch them), which cost 10–30% of the speed at depths over `KC`. Two or more threads take
-//! disjoint parts of the destination.
+//! of each into an `MR × NR` tile held in registers: 6 × 16 in twelve 8-wide registers with
+//! AVX2, 8 × 48 in twenty-four 16-wide ones with AVX-512. The destination tile is prefetched
+//! before its kernel runs: without that, each tile's read-modify-write after the first `KC`
+//! block waits on memory (the rows of a tile are far apart, so the hardware does not prefetch
+//! them), which cost 10–30% of the speed at depths over `KC`. Two or more threads take disjoint
+//! parts of the destination.
 //!
-//! Every element sums its products in the same order (`k` in blocks of `KC`, in order, each
-//! block's sum added into the destination), whatever the shape, the split and the threads: the
-//! result depends only on the operands and `k`.
+//! Every element sums its products in the same order (`k` in blocks of `KC`, in order; within a
+//! block one fused multiply-add per step from zero; each block's sum added into the
+//! destination), whatever the shape, the split, the threads and the kernel: the result depends
+//! only on the operands and `k`, so both kernels give the same bits.
 
 use super::matmul::Strided;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-/// Rows and columns of the register tile.
-const MR: usize = 6;
-const NR: usize = 16;
-/// Depth of a packed block: an `rhs` panel (`KC × NR`, 16 KiB) stays in L1 across the `lhs`
-/// panels of a block.
+/// Depth of a packed block: an `rhs` panel (`KC × NR`: 16 KiB with AVX2, 48 KiB with AVX-512)
+/// stays in L1 or L2 across the `lhs` panels of a block. The same for both kernels, so that they
+/// give the same bits.
 const KC: usize = 256;
-/// Rows of `lhs` packed at a time (`MC × KC`, 96 KiB, in L2).
-const MC: usize = 96;
-/// Columns of `rhs` packed at a time.
+/// Columns of `rhs` packed at a time (rounded down to whole panels).
 const NC: usize = 4096;
+/// The AVX-512 tile: rows, and 16-wide registers per row. On a 2-core Xeon with AVX-512, 8 × 48
+/// (and 6 × 64) ran the step's products as fast as the `gemm` crate or faster, 12 × 32 and
+/// 14 × 32 slower (docs/performance.md).
+const AVX512_MR: usize = 8;
+const AVX512_NV: usize = 3;
 /// Products smaller than this (m·n·k) are not split across threads.
 const SPLIT_MIN: usize = 1 << 18;
 
-/// Whether this processor can run this product: AVX2 and FMA.
-pub fn supported() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+/// The register kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// 6 × 16 tiles in 8-wide registers (AVX2 and FMA).
+    Avx2,
+    /// 8 × 48 tiles in 16-wide registers (AVX-512F).
+    Avx512,
 }
 
-/// Whether matrix products run here: where [`supported`], unless the processor has AVX-512
-/// (where the `gemm` crate's 16-wide kernels are the faster choice). `ATTNRES_GEMM=crate` or
-/// `=own` overrides the choice (`own` only where supported), for side-by-side measurements.
-pub fn available() -> bool {
+impl Kernel {
+    /// Rows of the register tile.
+    const fn mr(self) -> usize {
+        match self {
+            Kernel::Avx2 => 6,
+            Kernel::Avx512 => AVX512_MR,
+        }
+    }
+
+    /// Columns of the register tile.
+    const fn nr(self) -> usize {
+        match self {
+            Kernel::Avx2 => 16,
+            Kernel::Avx512 => 16 * AVX512_NV,
+        }
+    }
+
+    /// Rows of `lhs` packed at a time (`MC × KC` floats, in L2: 96 KiB with AVX2, 128 KiB with
+    /// AVX-512).
+    const fn mc(self) -> usize {
+        16 * self.mr()
+    }
+
+    /// Whether this processor can run it.
+    pub fn supported(self) -> bool {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        match self {
+            Kernel::Avx2 => avx2,
+            Kernel::Avx512 => avx2 && is_x86_feature_detected!("avx512f"),
+        }
+    }
+}
+
+/// The kernel matrix products run on: the widest this processor supports, or none (then the
+/// `gemm` crate runs them). `ATTNRES_GEMM=crate`, `=avx2` or `=avx512` overrides the choice
+/// (a kernel only where supported), for side-by-side measurements.
+pub fn chosen() -> Option<Kernel> {
     use std::sync::OnceLock;
-    static AVAILABLE: OnceLock<bool> = OnceLock::new();
-    *AVAILABLE.get_or_init(|| match std::env::var("ATTNRES_GEMM").as_deref() {
-        Ok("crate") => false,
-        Ok("own") => supported(),
-        _ => supported() && !is_x86_feature_detected!("avx512f"),
+    static CHOSEN: OnceLock<Option<Kernel>> = OnceLock::new();
+    *CHOSEN.get_or_init(|| {
+        let widest = [Kernel::Avx512, Kernel::Avx2].into_iter().find(|k| k.supported());
+        match std::env::var("ATTNRES_GEMM").as_deref() {
+            Ok("crate") => None,
+            Ok("avx2") => Some(Kernel::Avx2).filter(|k| k.supported()),
+            Ok("avx512") => Some(Kernel::Avx512).filter(|k| k.supported()),
+            _ => widest,
+        }
     })
 }
 
@@ -101,14 +146,16 @@ impl Product {
     }
 }
 
-/// `dst[m, n] = (accumulate ? dst : 0) + alpha · lhs[m, k] · rhs[k, n]` on up to `threads`
-/// threads.
+/// `dst[m, n] = (accumulate ? dst : 0) + alpha · lhs[m, k] · rhs[k, n]` with `kernel` on up to
+/// `threads` threads.
 ///
 /// # Safety
-/// The processor must be [`supported`], and the contract of [`super::matmul::gemm_strided`]: every view
-/// lies inside a live buffer, `dst` overlaps no input, and nothing else touches `dst` meanwhile.
+/// `kernel` must be [`Kernel::supported`], and the contract of [`super::matmul::gemm_strided`]
+/// holds: every view lies inside a live buffer, `dst` overlaps no input, and nothing else touches
+/// `dst` meanwhile.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn gemm(
+    kernel: Kernel,
     m: usize,
     n: usize,
     k: usize,
@@ -121,26 +168,35 @@ pub unsafe fn gemm(
     alpha: f32,
     threads: usize,
 ) {
-    debug_assert!(supported());
+    debug_assert!(kernel.supported());
     let d = Dst { ptr: dst, rs: dst_rs, cs: dst_cs };
     let (a, b) = (Src(lhs), Src(rhs));
-    split(Product { m, n, k, d, accumulate, a, b, alpha }, threads.max(1));
+    split(kernel, Product { m, n, k, d, accumulate, a, b, alpha }, threads.max(1));
 }
 
 /// Halves the destination along its longer side (rows in multiples of `MR`, columns of `NR`)
 /// until each part has one thread.
-unsafe fn split(p: Product, threads: usize) {
-    let (m, n) = (p.m, p.n);
-    if threads == 1 || m * n * p.k < SPLIT_MIN || (m < 2 * MR && n < 2 * NR) {
-        return serial(p);
+unsafe fn split(kernel: Kernel, p: Product, threads: usize) {
+    let (m, n, mr, nr) = (p.m, p.n, kernel.mr(), kernel.nr());
+    if threads == 1 || m * n * p.k < SPLIT_MIN || (m < 2 * mr && n < 2 * nr) {
+        return match kernel {
+            Kernel::Avx2 => serial_avx2(p),
+            Kernel::Avx512 => serial_avx512(p),
+        };
     }
     let t1 = threads / 2;
-    if (m >= n && m >= 2 * MR) || n < 2 * NR {
-        let m1 = (m * t1 / threads).next_multiple_of(MR).min(m);
-        rayon::join(|| split(p.rows(0, m1), t1), || split(p.rows(m1, m - m1), threads - t1));
+    if (m >= n && m >= 2 * mr) || n < 2 * nr {
+        let m1 = (m * t1 / threads).next_multiple_of(mr).min(m);
+        rayon::join(
+            || split(kernel, p.rows(0, m1), t1),
+            || split(kernel, p.rows(m1, m - m1), threads - t1),
+        );
     } else {
-        let n1 = (n * t1 / threads).next_multiple_of(NR).min(n);
-        rayon::join(|| split(p.cols(0, n1), t1), || split(p.cols(n1, n - n1), threads - t1));
+        let n1 = (n * t1 / threads).next_multiple_of(nr).min(n);
+        rayon::join(
+            || split(kernel, p.cols(0, n1), t1),
+            || split(kernel, p.cols(n1, n - n1), threads - t1),
+        );
     }
 }
 
@@ -151,9 +207,9 @@ thread_local! {
 }
 
 /// `len` floats of `buf` from its first 64-byte boundary on, growing it as needed. A packed
-/// row of `rhs` (`NR` floats) is then one cache line, and the kernel's two 32-byte loads of it
-/// never straddle two (the system allocator places large blocks 16 bytes past a boundary): in
-/// a throwaway timing test at the step's shapes, products 1–3% faster.
+/// row of `rhs` (`NR` floats) then starts a cache line, and the kernel's loads of it never
+/// straddle two (the system allocator places large blocks 16 bytes past a boundary): in a
+/// throwaway timing test at the step's shapes, products 1–3% faster.
 fn line_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     // Floats to skip: at most 15, since a float's address is a multiple of 4. (Computed here
     // rather than by `align_offset`, whose contract lets it give up.)
@@ -165,29 +221,53 @@ fn line_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     &mut buf[skip..skip + len]
 }
 
-/// One thread's product.
+/// One register tile: `d[tile] = (overwrite ? 0 : d) + alpha · a · b` over `kc` steps, for
+/// the first `rows × cols` of it. `a` is a packed `MR`-row panel (`kc` groups of `MR`), `b` a
+/// packed `NR`-column panel (`kc` groups of `NR`).
+type TileFn = unsafe fn(usize, *const f32, *const f32, Dst, usize, usize, bool, f32);
+
+/// One thread's product with the AVX2 kernel.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn serial(p: Product) {
+unsafe fn serial_avx2(p: Product) {
+    serial::<6, 16>(p, Kernel::Avx2.mc(), tile_avx2)
+}
+
+/// One thread's product with the AVX-512 kernel.
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn serial_avx512(p: Product) {
+    serial::<AVX512_MR, { 16 * AVX512_NV }>(
+        p,
+        Kernel::Avx512.mc(),
+        tile_avx512::<AVX512_MR, AVX512_NV>,
+    )
+}
+
+/// One thread's product: the blocked loops around `tile`, an `MR × NR` kernel.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn serial<const MR: usize, const NR: usize>(p: Product, mc_max: usize, tile: TileFn) {
     let Product { m, n, k, d, accumulate, a, b, alpha } = p;
     PACKED.with_borrow_mut(|(ap, bp)| {
         // Every value a kernel reads is written by the packing first (padding included), so
         // the buffers only grow, never need clearing.
-        let ap = line_aligned(ap, KC * MC.min(m.next_multiple_of(MR)));
-        let bp = line_aligned(bp, KC * NC.min(n.next_multiple_of(NR)));
-        let mut tile = [_mm256_setzero_ps(); 2 * MR];
-        for jc in (0..n).step_by(NC) {
-            let nc = NC.min(n - jc);
+        let ap = line_aligned(ap, KC * mc_max.min(m.next_multiple_of(MR)));
+        // Whole panels of `rhs` at a time.
+        let nc_max = NC / NR * NR;
+        let bp = line_aligned(bp, KC * nc_max.min(n.next_multiple_of(NR)));
+        for jc in (0..n).step_by(nc_max) {
+            let nc = nc_max.min(n - jc);
             for pc in (0..k).step_by(KC) {
                 let kc = KC.min(k - pc);
                 for jr in (0..nc).step_by(NR) {
-                    pack_rhs(&mut bp[jr * kc..(jr + NR) * kc], b, pc, kc, jc + jr, NR.min(nc - jr));
+                    let cols = NR.min(nc - jr);
+                    pack_rhs::<NR>(&mut bp[jr * kc..(jr + NR) * kc], b, pc, kc, jc + jr, cols);
                 }
                 let overwrite = pc == 0 && !accumulate;
-                for ic in (0..m).step_by(MC) {
-                    let mc = MC.min(m - ic);
+                for ic in (0..m).step_by(mc_max) {
+                    let mc = mc_max.min(m - ic);
                     for ir in (0..mc).step_by(MR) {
                         let rows = MR.min(mc - ir);
-                        pack_lhs(&mut ap[ir * kc..(ir + MR) * kc], a, ic + ir, rows, pc, kc);
+                        pack_lhs::<MR>(&mut ap[ir * kc..(ir + MR) * kc], a, ic + ir, rows, pc, kc);
                     }
                     for jr in (0..nc).step_by(NR) {
                         for ir in (0..mc).step_by(MR) {
@@ -195,21 +275,17 @@ unsafe fn serial(p: Product) {
                             let at = (ic + ir) as isize * d.rs + (jc + jr) as isize * d.cs;
                             let t = Dst { ptr: d.ptr.offset(at), ..d };
                             for i in 0..rows {
-                                // The first and the last element of the tile's row i: its one
-                                // or two cache lines.
+                                // Every cache line of the tile's row i: every 16th element
+                                // and the last (a row of `NR` spans up to `NR / 16 + 1`).
                                 let row = t.ptr.offset(i as isize * t.rs);
-                                _mm_prefetch::<_MM_HINT_T0>(row.cast());
-                                _mm_prefetch::<_MM_HINT_T0>(
-                                    row.offset((cols - 1) as isize * t.cs).cast(),
-                                );
+                                for j in (0..cols).step_by(16).chain([cols - 1]) {
+                                    _mm_prefetch::<_MM_HINT_T0>(
+                                        row.offset(j as isize * t.cs).cast(),
+                                    );
+                                }
                             }
-                            kernel(
-                                kc,
-                                ap.as_ptr().add(ir * kc),
-                                bp.as_ptr().add(jr * kc),
-                                &mut tile,
-                            );
-                            store(&tile, t, rows, cols, overwrite, alpha);
+                            let (ap, bp) = (ap.as_ptr().add(ir * kc), bp.as_ptr().add(jr * kc));
+                            tile(kc, ap, bp, t, rows, cols, overwrite, alpha);
                         }
                     }
                 }
@@ -218,14 +294,22 @@ unsafe fn serial(p: Product) {
     });
 }
 
-/// `tile = a · b` over `kc`: `a` is a packed `MR`-row panel (`kc` groups of `MR`), `b` a
-/// packed `NR`-column panel (`kc` groups of `NR`). Row i of the tile is `tile[2i], tile[2i+1]`.
-#[inline]
+/// The AVX2 kernel ([`TileFn`]): 6 × 16, row i of the tile in registers `2i` and `2i + 1`.
 #[target_feature(enable = "avx2,fma")]
-unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, tile: &mut [__m256; 2 * MR]) {
+unsafe fn tile_avx2(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    d: Dst,
+    rows: usize,
+    cols: usize,
+    overwrite: bool,
+    alpha: f32,
+) {
+    const MR: usize = 6;
     // One step of `k`: the rank-1 update of the tile by column p of `a` and row p of `b`.
     let step = |c: &mut [__m256; 2 * MR], p: usize| {
-        let (ap, bp) = (a.add(p * MR), b.add(p * NR));
+        let (ap, bp) = (a.add(p * MR), b.add(p * 16));
         let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
         for i in 0..MR {
             let x = _mm256_broadcast_ss(&*ap.add(i));
@@ -247,25 +331,11 @@ unsafe fn kernel(kc: usize, a: *const f32, b: *const f32, tile: &mut [__m256; 2 
     for q in p..kc {
         step(&mut c, q);
     }
-    *tile = c;
-}
-
-/// Writes the first `rows × cols` of `tile` into `d`: `alpha · tile`, or added to what is there.
-#[inline]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn store(
-    tile: &[__m256; 2 * MR],
-    d: Dst,
-    rows: usize,
-    cols: usize,
-    overwrite: bool,
-    alpha: f32,
-) {
     let al = _mm256_set1_ps(alpha);
-    if d.cs == 1 && cols == NR {
+    if d.cs == 1 && cols == 16 {
         for i in 0..rows {
             let p = d.ptr.offset(i as isize * d.rs);
-            for (h, v) in [(0, tile[2 * i]), (8, tile[2 * i + 1])] {
+            for (h, v) in [(0, c[2 * i]), (8, c[2 * i + 1])] {
                 let out = match overwrite {
                     true => _mm256_mul_ps(al, v),
                     false => _mm256_fmadd_ps(al, v, _mm256_loadu_ps(p.add(h))),
@@ -275,15 +345,91 @@ unsafe fn store(
         }
         return;
     }
-    // Edge tiles and column strides: the same operations, element by element.
-    let mut t = [0.0f32; MR * NR];
-    for (i, v) in tile.iter().enumerate() {
+    let mut t = [0.0f32; MR * 16];
+    for (i, v) in c.iter().enumerate() {
         _mm256_storeu_ps(t.as_mut_ptr().add(8 * i), *v);
     }
+    store_by_element(&t, 16, d, rows, cols, overwrite, alpha);
+}
+
+/// The AVX-512 kernel ([`TileFn`]): `MR × 16·NV`, row i of the tile in registers `c[i]`.
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512<const MR: usize, const NV: usize>(
+    kc: usize,
+    a: *const f32,
+    b: *const f32,
+    d: Dst,
+    rows: usize,
+    cols: usize,
+    overwrite: bool,
+    alpha: f32,
+) {
+    let step = |c: &mut [[__m512; NV]; MR], p: usize| {
+        let (ap, bp) = (a.add(p * MR), b.add(p * 16 * NV));
+        let bv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(bp.add(16 * v)));
+        for i in 0..MR {
+            let x = _mm512_set1_ps(*ap.add(i));
+            for v in 0..NV {
+                c[i][v] = _mm512_fmadd_ps(x, bv[v], c[i][v]);
+            }
+        }
+    };
+    let mut c = [[_mm512_setzero_ps(); NV]; MR];
+    let mut p = 0;
+    while p + 4 <= kc {
+        step(&mut c, p);
+        step(&mut c, p + 1);
+        step(&mut c, p + 2);
+        step(&mut c, p + 3);
+        p += 4;
+    }
+    for q in p..kc {
+        step(&mut c, q);
+    }
+    let al = _mm512_set1_ps(alpha);
+    if d.cs == 1 {
+        // Full rows, or the first `cols` of each through a mask.
+        let masks: [__mmask16; NV] = std::array::from_fn(|v| {
+            let n = cols.saturating_sub(16 * v).min(16);
+            ((1u32 << n) - 1) as __mmask16
+        });
+        for i in 0..rows {
+            let p = d.ptr.offset(i as isize * d.rs);
+            for v in 0..NV {
+                let (q, m) = (p.add(16 * v), masks[v]);
+                let out = match overwrite {
+                    true => _mm512_mul_ps(al, c[i][v]),
+                    false => _mm512_fmadd_ps(al, c[i][v], _mm512_maskz_loadu_ps(m, q)),
+                };
+                _mm512_mask_storeu_ps(q, m, out);
+            }
+        }
+        return;
+    }
+    let mut t = [[[0.0f32; 16]; NV]; MR];
+    for i in 0..MR {
+        for v in 0..NV {
+            _mm512_storeu_ps(t[i][v].as_mut_ptr(), c[i][v]);
+        }
+    }
+    store_by_element(t.as_flattened().as_flattened(), 16 * NV, d, rows, cols, overwrite, alpha);
+}
+
+/// Edge tiles and column strides: the first `rows × cols` of `t` (rows of `nr`) into `d`, with
+/// the operations of the vector stores, element by element.
+unsafe fn store_by_element(
+    t: &[f32],
+    nr: usize,
+    d: Dst,
+    rows: usize,
+    cols: usize,
+    overwrite: bool,
+    alpha: f32,
+) {
     for i in 0..rows {
         for j in 0..cols {
             let p = d.ptr.offset(i as isize * d.rs + j as isize * d.cs);
-            let v = t[i * NR + j];
+            let v = t[i * nr + j];
             *p = if overwrite { alpha * v } else { alpha.mul_add(v, *p) };
         }
     }
@@ -314,7 +460,14 @@ unsafe fn transpose8(r: [__m256; 8]) -> [__m256; 8] {
 /// Packs rows `i0..i0 + rows` (zeros past them up to `MR`) and columns `p0..p0 + kc` of `a`
 /// into `ap` (`kc` groups of `MR`).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_lhs(ap: &mut [f32], a: Src, i0: usize, rows: usize, p0: usize, kc: usize) {
+unsafe fn pack_lhs<const MR: usize>(
+    ap: &mut [f32],
+    a: Src,
+    i0: usize,
+    rows: usize,
+    p0: usize,
+    kc: usize,
+) {
     assert!(ap.len() >= kc * MR);
     let out = ap.as_mut_ptr();
     if rows == MR && a.0.rs == 1 {
@@ -326,20 +479,22 @@ unsafe fn pack_lhs(ap: &mut [f32], a: Src, i0: usize, rows: usize, p0: usize, kc
     }
     let mut p = 0;
     if rows == MR && a.0.cs == 1 {
-        // Rows contiguous along k: 8 columns at a time through a transpose (two rows unused).
+        // Rows contiguous along k: 8 columns at a time through a transpose (the rows past `MR`
+        // unused; the kernels have at most 8).
+        const { assert!(MR <= 8) };
         let mut r = [_mm256_setzero_ps(); 8];
         while p + 8 <= kc {
             for (i, ri) in r.iter_mut().enumerate().take(MR) {
                 *ri = _mm256_loadu_ps(a.at(i0 + i, p0 + p));
             }
             let cols = transpose8(r);
-            let mut last = [0.0f32; 8];
-            _mm256_storeu_ps(last.as_mut_ptr(), cols[7]);
-            // Each column's MR values; the two lanes past them are overwritten by the next one
-            // (the last column is copied, so nothing is written past the panel).
+            // Each column's MR values; the lanes past them are overwritten by the next one (the
+            // last column is copied, so nothing is written past the panel).
             for (q, c) in cols.iter().enumerate().take(7) {
                 _mm256_storeu_ps(out.add((p + q) * MR), *c);
             }
+            let mut last = [0.0f32; 8];
+            _mm256_storeu_ps(last.as_mut_ptr(), cols[7]);
             std::ptr::copy_nonoverlapping(last.as_ptr(), out.add((p + 7) * MR), MR);
             p += 8;
         }
@@ -354,7 +509,14 @@ unsafe fn pack_lhs(ap: &mut [f32], a: Src, i0: usize, rows: usize, p0: usize, kc
 /// Packs rows `p0..p0 + kc` and columns `j0..j0 + cols` (zeros past them up to `NR`) of `b`
 /// into `bp` (`kc` groups of `NR`).
 #[target_feature(enable = "avx2,fma")]
-unsafe fn pack_rhs(bp: &mut [f32], b: Src, p0: usize, kc: usize, j0: usize, cols: usize) {
+unsafe fn pack_rhs<const NR: usize>(
+    bp: &mut [f32],
+    b: Src,
+    p0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+) {
     assert!(bp.len() >= kc * NR);
     let out = bp.as_mut_ptr();
     if cols == NR && b.0.cs == 1 {
@@ -367,7 +529,7 @@ unsafe fn pack_rhs(bp: &mut [f32], b: Src, p0: usize, kc: usize, j0: usize, cols
     if cols == NR && b.0.rs == 1 {
         // Columns contiguous along k (`rhs` = a weight, transposed): 8 × 8 transposes.
         while p + 8 <= kc {
-            for h in [0, 8] {
+            for h in (0..NR).step_by(8) {
                 let r: [__m256; 8] =
                     std::array::from_fn(|j| _mm256_loadu_ps(b.at(p0 + p, j0 + h + j)));
                 for (q, c) in transpose8(r).iter().enumerate() {
@@ -418,17 +580,21 @@ mod tests {
     }
 
     /// Every layout of both operands, shapes with ragged edges in each dimension, depths over
-    /// several `KC` blocks, overwrite and accumulate, a column-strided destination, 1 and 2
-    /// threads: against the f64 product, and the same bits on any number of threads.
+    /// several `KC` blocks, overwrite and accumulate, a column-strided destination, 1 to 3
+    /// threads, each kernel the processor supports: against the f64 product, and the same bits
+    /// on any number of threads and with either kernel.
     #[test]
     fn matches_the_naive_product_in_every_layout() {
-        if !supported() {
+        let kernels: Vec<Kernel> =
+            [Kernel::Avx2, Kernel::Avx512].into_iter().filter(|k| k.supported()).collect();
+        if kernels.is_empty() {
             eprintln!("skipped: this processor lacks AVX2 or FMA");
             return;
         }
-        let shapes =
-            [(1, 1, 1), (5, 17, 3), (37, 53, 29), (6, 16, 2 * KC + 9), (2 * MC + 7, 40, KC + 1)];
-        for (m, n, k) in shapes.into_iter().chain([(13, NC + 21, 8), (130, 129, 70)]) {
+        let mc = Kernel::Avx512.mc();
+        let shapes = [(1, 1, 1), (5, 17, 3), (37, 53, 29), (6, 16, 2 * KC + 9), (12, 32, 9)];
+        let more = [(2 * mc + 7, 40, KC + 1), (13, NC + 21, 8), (130, 129, 70), (25, 70, 17)];
+        for (m, n, k) in shapes.into_iter().chain(more) {
             let (a, b) = (values(m * k, 1), values(k * n, 2));
             for (a_t, b_t, accumulate, dst_t) in [
                 (false, false, false, false),
@@ -447,26 +613,41 @@ mod tests {
                 let init = if accumulate { values(m * n, 3) } else { vec![0.0; m * n] };
                 let want = naive(m, n, k, av, bv, 0.5, &init);
                 let mut outs = Vec::new();
-                for threads in [1, 2, 3] {
+                for (kernel, threads) in kernels.iter().flat_map(|&g| [(g, 1), (g, 2), (g, 3)]) {
                     // Row-major, or column-major (`dst_t`) with the result read back transposed.
                     let mut c = if dst_t { vec![f32::NAN; m * n] } else { init.clone() };
                     let (rs, cs) = if dst_t { (1, m as isize) } else { (n as isize, 1) };
-                    // SAFETY: AVX2 and FMA present (checked above); `c` holds m × n, `a` m × k,
-                    // `b` k × n, in the layouts the views describe.
+                    // SAFETY: the kernel is supported (filtered above); `c` holds m × n, `a`
+                    // m × k, `b` k × n, in the layouts the views describe.
                     unsafe {
-                        gemm(m, n, k, c.as_mut_ptr(), rs, cs, accumulate, av, bv, 0.5, threads)
+                        gemm(
+                            kernel,
+                            m,
+                            n,
+                            k,
+                            c.as_mut_ptr(),
+                            rs,
+                            cs,
+                            accumulate,
+                            av,
+                            bv,
+                            0.5,
+                            threads,
+                        )
                     };
                     if dst_t {
                         c = (0..m * n).map(|e| c[(e % n) * m + e / n]).collect();
                     }
-                    let label = format!("{m}x{n}x{k} a_t={a_t} b_t={b_t} acc={accumulate}");
+                    let label =
+                        format!("{kernel:?} {m}x{n}x{k} a_t={a_t} b_t={b_t} acc={accumulate}");
                     for (e, (x, y)) in c.iter().zip(&want).enumerate() {
                         let tol = 1e-6 * (1.0 + k as f64).sqrt();
                         assert!((*x as f64 - y).abs() <= tol, "{label} [{e}]: {x} vs {y}");
                     }
                     outs.push(c);
                 }
-                assert!(outs.iter().all(|c| *c == outs[0]), "{m}x{n}x{k}: threads change the bits");
+                let same = outs.iter().all(|c| *c == outs[0]);
+                assert!(same, "{m}x{n}x{k}: threads or kernels change the bits");
             }
         }
     }

@@ -1,5 +1,5 @@
-//! Matrix products: our own kernel (`super::gemm`) on processors with AVX2 and FMA but not
-//! AVX-512, the `gemm` crate elsewhere. A Linear layer stores its weight as `[out, in]`
+//! Matrix products: our own kernels (`super::gemm`) on processors with AVX2 and FMA (and
+//! AVX-512 where present), the `gemm` crate elsewhere. A Linear layer stores its weight as `[out, in]`
 //! (Hugging Face layout), so forward is `Y = X · Wᵀ`.
 
 use gemm::Parallelism;
@@ -67,7 +67,7 @@ pub unsafe fn gemm_strided(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if super::gemm::available() {
+    if let Some(kernel) = super::gemm::chosen() {
         let threads = match par {
             Parallelism::None => 1,
             Parallelism::Rayon(0) => rayon::current_num_threads(),
@@ -75,7 +75,7 @@ pub unsafe fn gemm_strided(
         };
         // SAFETY: the processor qualifies (just checked), and the contract above is its own.
         return super::gemm::gemm(
-            m, n, k, dst, dst_rs, dst_cs, accumulate, lhs, rhs, alpha, threads,
+            kernel, m, n, k, dst, dst_rs, dst_cs, accumulate, lhs, rhs, alpha, threads,
         );
     }
     // SAFETY: `gemm` reads and writes exactly these views (the contract above).
