@@ -5,7 +5,7 @@
 //! The usual blocked scheme: `rhs` is packed `KC` rows at a time into panels of `NR` columns,
 //! `lhs` `MC` rows at a time into panels of `MR` rows, and a register kernel multiplies one panel
 //! of each into an `MR × NR` tile held in registers: 6 × 16 in twelve 8-wide registers with
-//! AVX2, 8 × 48 in twenty-four 16-wide ones with AVX-512. The destination tile is prefetched
+//! AVX2, 6 × 64 in twenty-four 16-wide ones with AVX-512. The destination tile is prefetched
 //! before its kernel runs: without that, each tile's read-modify-write after the first `KC`
 //! block waits on memory (the rows of a tile are far apart, so the hardware does not prefetch
 //! them), which cost 10–30% of the speed at depths over `KC`. Two or more threads take disjoint
@@ -20,17 +20,18 @@ use super::matmul::Strided;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
-/// Depth of a packed block: an `rhs` panel (`KC × NR`: 16 KiB with AVX2, 48 KiB with AVX-512)
+/// Depth of a packed block: an `rhs` panel (`KC × NR`: 16 KiB with AVX2, 64 KiB with AVX-512)
 /// stays in L1 or L2 across the `lhs` panels of a block. The same for both kernels, so that they
 /// give the same bits.
 const KC: usize = 256;
 /// Columns of `rhs` packed at a time (rounded down to whole panels).
 const NC: usize = 4096;
-/// The AVX-512 tile: rows, and 16-wide registers per row. On a 2-core Xeon with AVX-512, 8 × 48
-/// (and 6 × 64) ran the step's products as fast as the `gemm` crate or faster, 12 × 32 and
-/// 14 × 32 slower (docs/performance.md).
-const AVX512_MR: usize = 8;
-const AVX512_NV: usize = 3;
+/// The AVX-512 tile: rows, and 16-wide registers per row. On a 2-core Xeon with AVX-512, 6 × 64
+/// ran training steps 4–7% faster than 8 × 48 (which pads the model's many widths that are
+/// multiples of 64 but not of 48, such as a head's 64), 8 × 48 about as fast as the `gemm` crate,
+/// 12 × 32 slower (docs/performance.md).
+const AVX512_MR: usize = 6;
+const AVX512_NV: usize = 4;
 /// Products smaller than this (m·n·k) are not split across threads.
 const SPLIT_MIN: usize = 1 << 18;
 
@@ -39,7 +40,7 @@ const SPLIT_MIN: usize = 1 << 18;
 pub enum Kernel {
     /// 6 × 16 tiles in 8-wide registers (AVX2 and FMA).
     Avx2,
-    /// 8 × 48 tiles in 16-wide registers (AVX-512F).
+    /// 6 × 64 tiles in 16-wide registers (AVX-512F).
     Avx512,
 }
 
@@ -60,8 +61,7 @@ impl Kernel {
         }
     }
 
-    /// Rows of `lhs` packed at a time (`MC × KC` floats, in L2: 96 KiB with AVX2, 128 KiB with
-    /// AVX-512).
+    /// Rows of `lhs` packed at a time (`MC × KC` floats, 96 KiB, in L2).
     const fn mc(self) -> usize {
         16 * self.mr()
     }
