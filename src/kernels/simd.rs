@@ -1,11 +1,11 @@
-//! Row kernels that dominate the non-matmul time (exponentials, dot products), compiled twice:
-//! once for the baseline target and once with AVX2+FMA, chosen at run time. The binary stays
-//! portable and still uses 8-wide vectors where the processor has them.
+//! Row kernels that dominate the non-matmul time (exponentials, dot products), compiled three
+//! times: for the baseline target, with AVX2+FMA, and with AVX-512F as well, chosen at run time.
+//! The binary stays portable and still uses 8- or 16-wide vectors where the processor has them.
 
 use std::mem::MaybeUninit;
 
 /// Defines `pub fn $name` that runs `$imp` (an `#[inline(always)]` function with the same
-/// signature) under AVX2+FMA when available.
+/// signature) under AVX-512F or AVX2+FMA when available.
 macro_rules! multiversion {
     ($(#[$m:meta])* $name:ident => $imp:ident ( $($arg:ident : $ty:ty),* ) $(-> $ret:ty)?) => {
         $(#[$m])*
@@ -14,8 +14,14 @@ macro_rules! multiversion {
             #[cfg(target_arch = "x86_64")]
             {
                 // Unsafe only because of `target_feature`: `$imp` itself is safe code.
+                #[target_feature(enable = "avx2,fma,avx512f")]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? { $imp($($arg),*) }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn fast($($arg: $ty),*) $(-> $ret)? { $imp($($arg),*) }
+                if wide_vectors() {
+                    // SAFETY: the processor has AVX-512F, AVX2 and FMA (just detected).
+                    return unsafe { wide($($arg),*) };
+                }
                 if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
                     // SAFETY: the processor has AVX2 and FMA (just detected), `fast`'s only
                     // requirement.
@@ -25,6 +31,15 @@ macro_rules! multiversion {
             $imp($($arg),*)
         }
     };
+}
+
+/// Whether the row kernels run with 16-wide vectors: the processor has AVX-512F (and AVX2 and
+/// FMA). The kernels' sums keep one accumulator per lane of a fixed count, so the width changes
+/// the speed, not the bits.
+#[cfg(target_arch = "x86_64")]
+fn wide_vectors() -> bool {
+    use std::arch::is_x86_feature_detected as has;
+    has!("avx512f") && has!("avx2") && has!("fma")
 }
 
 /// `e^x` for f32 to within ~2 ulp, branch-free so that loops over it vectorise: `x = n·ln2 + r`
