@@ -141,7 +141,9 @@ def main():
           f"{cfg['num_attention_heads']} heads, MLP {cfg['intermediate_size']}, vocab {cfg['vocab_size']}, "
           f"num_blocks {cfg.get('num_blocks')}), "
           f"batch {a.batch} x seq {a.seq}, {a.threads} threads, torch {torch.__version__}, {a.rounds} rounds")
-    print(f"attnres matrix-product peak: {report['matmul_peak_gflops']:.0f} GFLOP/s")
+    ceiling = report.get("fma_ceiling_gflops")
+    print(f"attnres matrix-product peak: {report['matmul_peak_gflops']:.0f} GFLOP/s"
+          + (f"; FMA ceiling of {a.threads} threads: {ceiling:.0f} GFLOP/s" if ceiling else ""))
     compiled = "compiled_standard" in rounds_t[0]
     head = "| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | vs eager (range over rounds) |"
     if compiled:

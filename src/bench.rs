@@ -39,6 +39,9 @@ pub struct BenchReport {
     pub steps: usize,
     /// Best GFLOP/s of a large square f32 matrix product on this machine.
     pub matmul_peak_gflops: f64,
+    /// The hardware's f32 ceiling on these threads: fused multiply-adds on registers only
+    /// ([`fma_ceiling`]); absent where it is not measured (no AVX2+FMA).
+    pub fma_ceiling_gflops: Option<f64>,
     pub modes: Vec<ModeResult>,
 }
 
@@ -67,6 +70,93 @@ pub fn matmul_peak(size: usize) -> f64 {
         best = best.min(t.elapsed().as_secs_f64());
     }
     2.0 * (size as f64).powi(3) / best / 1e9
+}
+
+/// The f32 arithmetic ceiling of this machine on all of rayon's threads at once, in GFLOP/s:
+/// every thread runs a loop of fused multiply-adds on registers only (16-wide with AVX-512,
+/// 8-wide with AVX2), no memory in the loop; the best of three runs. No product can run faster,
+/// so it is the yardstick for the matrix kernels and the step (docs/performance.md). `None`
+/// without AVX2 and FMA.
+pub fn fma_ceiling() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let wide = has!("avx512f");
+        if !(has!("avx2") && has!("fma")) {
+            return None;
+        }
+        const ITERS: usize = 2_000_000;
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t = Instant::now();
+            // SAFETY: the features each loop needs were detected above.
+            rayon::broadcast(|_| unsafe {
+                std::hint::black_box(if wide {
+                    fma_loop_avx512(ITERS)
+                } else {
+                    fma_loop_avx2(ITERS)
+                })
+            });
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        // Per iteration: 24 registers of 16 lanes, or 12 of 8, two operations per lane.
+        let per_iter = if wide { 24 * 16 * 2 } else { 12 * 8 * 2 };
+        let threads = rayon::current_num_threads();
+        Some((per_iter * ITERS * threads) as f64 / best / 1e9)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
+/// `iters` (even) rounds of 24 independent 16-wide fused multiply-adds (enough chains to keep two
+/// FMA units busy through their latency); returns a value that depends on all of them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_loop_avx512(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let (a, b) = (_mm512_set1_ps(0.999_9), _mm512_set1_ps(1e-6));
+    let mut c = [_mm512_setzero_ps(); 24];
+    // Written as in the matrix kernels (a step on the array, called by name), which keeps the
+    // array in registers; a plain loop over it left it in memory.
+    let step = |c: &mut [__m512; 24]| {
+        for i in 0..24 {
+            c[i] = _mm512_fmadd_ps(c[i], a, b);
+        }
+    };
+    for _ in 0..iters / 2 {
+        step(&mut c);
+        step(&mut c);
+    }
+    let mut out = [[0.0f32; 16]; 24];
+    for (o, x) in out.iter_mut().zip(c) {
+        _mm512_storeu_ps(o.as_mut_ptr(), x);
+    }
+    out.as_flattened().iter().sum()
+}
+
+/// [`fma_loop_avx512`] with twelve 8-wide chains (AVX2 and FMA).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_loop_avx2(iters: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let (a, b) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-6));
+    let mut c = [_mm256_setzero_ps(); 12];
+    let step = |c: &mut [__m256; 12]| {
+        for i in 0..12 {
+            c[i] = _mm256_fmadd_ps(c[i], a, b);
+        }
+    };
+    for _ in 0..iters / 2 {
+        step(&mut c);
+        step(&mut c);
+    }
+    let mut out = [0.0f32; 8];
+    c.iter()
+        .map(|x| {
+            _mm256_storeu_ps(out.as_mut_ptr(), *x);
+            out.iter().sum::<f32>()
+        })
+        .sum()
 }
 
 /// Runs `warmup` + `steps` interleaved rounds over the given configs (with `recompute`,
@@ -116,6 +206,7 @@ pub fn run(
         }
     }
     let peak = matmul_peak(1024);
+    let fma_ceiling_gflops = fma_ceiling();
     let raw = times.clone();
     let mut modes: Vec<ModeResult> = models
         .iter()
@@ -157,6 +248,7 @@ pub fn run(
         threads: rayon::current_num_threads(),
         steps,
         matmul_peak_gflops: peak,
+        fma_ceiling_gflops,
         modes,
     })
 }
@@ -416,11 +508,14 @@ impl BenchReport {
     /// The matrix-product peak, a table of modes and, when profiled, each mode's phases.
     pub fn table(&self) -> String {
         let mut t = String::new();
-        let _ = writeln!(
-            t,
-            "matrix-product peak (1024^3, f32): {:.1} GFLOP/s",
-            self.matmul_peak_gflops
-        );
+        let _ =
+            write!(t, "matrix-product peak (1024^3, f32): {:.1} GFLOP/s", self.matmul_peak_gflops);
+        match self.fma_ceiling_gflops {
+            Some(c) => {
+                let _ = writeln!(t, "; FMA ceiling of these threads: {c:.1} GFLOP/s");
+            }
+            None => t.push('\n'),
+        }
         t.push_str("| mode | step (ms) | tokens/s | GFLOP/s | % of peak | vs standard | fastest step (ms) | fastest vs standard |\n");
         t.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
         for m in &self.modes {
