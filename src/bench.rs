@@ -150,13 +150,11 @@ unsafe fn fma_loop_avx2(iters: usize) -> f32 {
         step(&mut c);
         step(&mut c);
     }
-    let mut out = [0.0f32; 8];
-    c.iter()
-        .map(|x| {
-            _mm256_storeu_ps(out.as_mut_ptr(), *x);
-            out.iter().sum::<f32>()
-        })
-        .sum()
+    let mut out = [[0.0f32; 8]; 12];
+    for (o, x) in out.iter_mut().zip(c) {
+        _mm256_storeu_ps(o.as_mut_ptr(), x);
+    }
+    out.as_flattened().iter().sum()
 }
 
 /// Runs `warmup` + `steps` interleaved rounds over the given configs (with `recompute`,

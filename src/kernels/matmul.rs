@@ -1,6 +1,6 @@
 //! Matrix products: our own kernels (`super::gemm`) on processors with AVX2 and FMA (and
-//! AVX-512 where present), the `gemm` crate elsewhere. A Linear layer stores its weight as `[out, in]`
-//! (Hugging Face layout), so forward is `Y = X · Wᵀ`.
+//! AVX-512 where present), the `gemm` crate elsewhere. A Linear layer stores its weight as
+//! `[out, in]` (Hugging Face layout), so forward is `Y = X · Wᵀ`.
 
 use gemm::Parallelism;
 
