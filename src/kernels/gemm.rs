@@ -26,12 +26,18 @@ use std::cell::RefCell;
 const KC: usize = 256;
 /// Columns of `rhs` packed at a time (rounded down to whole panels).
 const NC: usize = 4096;
+/// The AVX2 tile: rows and columns (two 8-wide registers per row).
+const AVX2_MR: usize = 6;
+const AVX2_NR: usize = 16;
 /// The AVX-512 tile: rows, and 16-wide registers per row. On a 2-core Xeon with AVX-512, 6 × 64
 /// ran training steps 4–7% faster than 8 × 48 (which pads the model's many widths that are
 /// multiples of 64 but not of 48, such as a head's 64), 8 × 48 about as fast as the `gemm` crate,
 /// 12 × 32 slower (docs/performance.md).
 const AVX512_MR: usize = 6;
 const AVX512_NV: usize = 4;
+/// Panels of `lhs` packed at a time: `MC = MC_PANELS · MR` rows (`MC × KC` floats, 96 KiB, in
+/// L2).
+const MC_PANELS: usize = 16;
 /// Products smaller than this (m·n·k) are not split across threads.
 const SPLIT_MIN: usize = 1 << 18;
 
@@ -48,7 +54,7 @@ impl Kernel {
     /// Rows of the register tile.
     const fn mr(self) -> usize {
         match self {
-            Kernel::Avx2 => 6,
+            Kernel::Avx2 => AVX2_MR,
             Kernel::Avx512 => AVX512_MR,
         }
     }
@@ -56,14 +62,9 @@ impl Kernel {
     /// Columns of the register tile.
     const fn nr(self) -> usize {
         match self {
-            Kernel::Avx2 => 16,
+            Kernel::Avx2 => AVX2_NR,
             Kernel::Avx512 => 16 * AVX512_NV,
         }
-    }
-
-    /// Rows of `lhs` packed at a time (`MC × KC` floats, 96 KiB, in L2).
-    const fn mc(self) -> usize {
-        16 * self.mr()
     }
 
     /// Whether this processor can run it.
@@ -229,24 +230,21 @@ type TileFn = unsafe fn(usize, *const f32, *const f32, Dst, usize, usize, bool, 
 /// One thread's product with the AVX2 kernel.
 #[target_feature(enable = "avx2,fma")]
 unsafe fn serial_avx2(p: Product) {
-    serial::<6, 16>(p, Kernel::Avx2.mc(), tile_avx2)
+    serial::<AVX2_MR, AVX2_NR>(p, tile_avx2)
 }
 
 /// One thread's product with the AVX-512 kernel.
 #[target_feature(enable = "avx2,fma,avx512f")]
 unsafe fn serial_avx512(p: Product) {
-    serial::<AVX512_MR, { 16 * AVX512_NV }>(
-        p,
-        Kernel::Avx512.mc(),
-        tile_avx512::<AVX512_MR, AVX512_NV>,
-    )
+    serial::<AVX512_MR, { 16 * AVX512_NV }>(p, tile_avx512::<AVX512_MR, AVX512_NV>)
 }
 
 /// One thread's product: the blocked loops around `tile`, an `MR × NR` kernel.
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn serial<const MR: usize, const NR: usize>(p: Product, mc_max: usize, tile: TileFn) {
+unsafe fn serial<const MR: usize, const NR: usize>(p: Product, tile: TileFn) {
     let Product { m, n, k, d, accumulate, a, b, alpha } = p;
+    let mc_max = MC_PANELS * MR;
     PACKED.with_borrow_mut(|(ap, bp)| {
         // Every value a kernel reads is written by the packing first (padding included), so
         // the buffers only grow, never need clearing.
@@ -306,10 +304,10 @@ unsafe fn tile_avx2(
     overwrite: bool,
     alpha: f32,
 ) {
-    const MR: usize = 6;
+    const MR: usize = AVX2_MR;
     // One step of `k`: the rank-1 update of the tile by column p of `a` and row p of `b`.
     let step = |c: &mut [__m256; 2 * MR], p: usize| {
-        let (ap, bp) = (a.add(p * MR), b.add(p * 16));
+        let (ap, bp) = (a.add(p * MR), b.add(p * AVX2_NR));
         let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
         for i in 0..MR {
             let x = _mm256_broadcast_ss(&*ap.add(i));
@@ -332,7 +330,7 @@ unsafe fn tile_avx2(
         step(&mut c, q);
     }
     let al = _mm256_set1_ps(alpha);
-    if d.cs == 1 && cols == 16 {
+    if d.cs == 1 && cols == AVX2_NR {
         for i in 0..rows {
             let p = d.ptr.offset(i as isize * d.rs);
             for (h, v) in [(0, c[2 * i]), (8, c[2 * i + 1])] {
@@ -345,11 +343,11 @@ unsafe fn tile_avx2(
         }
         return;
     }
-    let mut t = [0.0f32; MR * 16];
+    let mut t = [0.0f32; MR * AVX2_NR];
     for (i, v) in c.iter().enumerate() {
         _mm256_storeu_ps(t.as_mut_ptr().add(8 * i), *v);
     }
-    store_by_element(&t, 16, d, rows, cols, overwrite, alpha);
+    store_by_element(&t, AVX2_NR, d, rows, cols, overwrite, alpha);
 }
 
 /// The AVX-512 kernel ([`TileFn`]): `MR × 16·NV`, row i of the tile in registers `c[i]`.
@@ -591,7 +589,7 @@ mod tests {
             eprintln!("skipped: this processor lacks AVX2 or FMA");
             return;
         }
-        let mc = Kernel::Avx512.mc();
+        let mc = MC_PANELS * Kernel::Avx512.mr();
         let shapes = [(1, 1, 1), (5, 17, 3), (37, 53, 29), (6, 16, 2 * KC + 9), (12, 32, 9)];
         let more = [(2 * mc + 7, 40, KC + 1), (13, NC + 21, 8), (130, 129, 70), (25, 70, 17)];
         for (m, n, k) in shapes.into_iter().chain(more) {
