@@ -100,18 +100,18 @@ fn softmax_row(row: &mut [f32]) -> (f32, f32) {
     (m, inv_z)
 }
 
-/// Forward: writes `out[B·T, H·hd]` and the softmax statistics `stats[B, H, T, 2]` (each row's
+/// Forward: returns `out[B·T, H·hd]` and the softmax statistics `stats[B, H, T, 2]` (each row's
 /// largest score and the reciprocal of its sum of exponentials). The probabilities themselves
 /// live only one tile of rows at a time, so memory grows with T, not T²: backward recomputes
 /// them from the statistics.
-pub fn forward(out: &mut [f32], stats: &mut [f32], qkv: &[f32], s: AttnShape) {
+pub fn forward(qkv: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
     let (t, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
     s.check();
-    assert!(
-        qkv.len() == s.batch * t * w
-            && out.len() == s.batch * t * ow
-            && stats.len() == s.stats_len()
-    );
+    assert_eq!(qkv.len(), s.batch * t * w);
+    // `out` is written in full by the products below, through raw pointers (no zeroing pass);
+    // its length is set after.
+    let mut out: Vec<f32> = Vec::with_capacity(s.batch * t * ow);
+    let mut stats = super::zeros(s.stats_len());
     let out_ptr = SendPtr(out.as_mut_ptr());
     stats.par_chunks_mut(2 * t).enumerate().for_each(|(bh, st)| {
         let (b, h) = (bh / s.heads, bh % s.heads);
@@ -130,8 +130,8 @@ pub fn forward(out: &mut [f32], stats: &mut [f32], qkv: &[f32], s: AttnShape) {
                 st[2 * i..2 * i + 2].copy_from_slice(&[m, inv_z]);
             }
             // SAFETY: writes rows r0..r1 of sequence b, columns h·hd..(h + 1)·hd of `out`
-            // (inside it; length checked above), which no other task touches: tasks are one per
-            // (b, h), and no `&mut` to `out` exists while they run. `v` reads inside `qkv`.
+            // (inside its capacity, B·T·H·hd), which no other task touches: tasks are one per
+            // (b, h), and nothing reads `out` while they run. `v` reads inside `qkv`.
             unsafe {
                 let dst = out_ptr.get().add(b * t * ow + r0 * ow + h * hd);
                 gemm_strided(
@@ -150,6 +150,10 @@ pub fn forward(out: &mut [f32], stats: &mut [f32], qkv: &[f32], s: AttnShape) {
             }
         }
     });
+    // SAFETY: the capacity is B·T·H·hd, and the tasks above wrote every row of every head (a
+    // panic in one would have ended this function first).
+    unsafe { out.set_len(s.batch * t * ow) };
+    (out, stats)
 }
 
 /// New tokens of one sequence, as [`forward_cached`] reads them: rows `row0..row0 + len` of the
@@ -446,9 +450,7 @@ mod tests {
     fn forward_matches_naive_with_gqa() {
         let s = SHAPE;
         let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 11, 1.5);
-        let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![0.0; s.stats_len()];
-        forward(&mut out, &mut p, &qkv, s);
+        let (out, _) = forward(&qkv, s);
         assert_close(&out, &naive(&qkv, s), 1e-5, "attention forward");
     }
 
@@ -456,9 +458,7 @@ mod tests {
     fn tiled_forward_matches_naive_beyond_one_tile() {
         let s = LONG;
         let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 14, 1.5);
-        let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![f32::NAN; s.stats_len()];
-        forward(&mut out, &mut p, &qkv, s);
+        let (out, _) = forward(&qkv, s);
         assert_close(&out, &naive(&qkv, s), 1e-5, "attention forward (long)");
     }
 
@@ -467,15 +467,11 @@ mod tests {
         let s = LONG;
         let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 15, 1.0);
         let dout = rand_vec(s.batch * s.seq * s.out_width(), 16, 1.0);
-        let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![0.0; s.stats_len()];
-        forward(&mut out, &mut p, &qkv, s);
+        let (_, p) = forward(&qkv, s);
         let mut d = vec![f32::NAN; qkv.len()];
         backward(&mut d, &dout, &qkv, &p, s);
         let loss = |x: &[f32]| {
-            let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-            let mut p = vec![0.0; s.stats_len()];
-            forward(&mut out, &mut p, x, s);
+            let (out, _) = forward(x, s);
             out.iter().zip(&dout).map(|(a, b)| (a * b) as f64).sum::<f64>()
         };
         let idx: Vec<usize> = (0..qkv.len()).step_by(37).collect();
@@ -526,14 +522,10 @@ mod tests {
         let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 12, 1.0);
         let dout = rand_vec(s.batch * s.seq * s.out_width(), 13, 1.0);
         let loss = |x: &[f32]| {
-            let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-            let mut p = vec![0.0; s.stats_len()];
-            forward(&mut out, &mut p, x, s);
+            let (out, _) = forward(x, s);
             out.iter().zip(&dout).map(|(a, b)| (a * b) as f64).sum::<f64>()
         };
-        let mut out = vec![0.0; s.batch * s.seq * s.out_width()];
-        let mut p = vec![0.0; s.stats_len()];
-        forward(&mut out, &mut p, &qkv, s);
+        let (_, p) = forward(&qkv, s);
         let mut d = vec![f32::NAN; qkv.len()];
         backward(&mut d, &dout, &qkv, &p, s);
         fd_check(&qkv, &d, loss, "attention dqkv");

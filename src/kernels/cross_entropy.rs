@@ -3,35 +3,38 @@
 
 use super::{par_reduce_rows, simd, SendPtr};
 
-/// Mean cross-entropy of `logits[rows, V]` against `targets[rows]`. When `dlogits` is given it
-/// receives `(softmax − onehot) / rows`, the gradient of the mean loss.
+/// Mean cross-entropy of `logits[rows, V]` against `targets[rows]`; with `grad`, also its
+/// gradient `(softmax − onehot) / rows`, `[rows, V]`.
 pub fn forward_backward(
     logits: &[f32],
     targets: &[u32],
     v: usize,
-    dlogits: Option<&mut [f32]>,
-) -> f32 {
+    grad: bool,
+) -> (f32, Option<Vec<f32>>) {
     let rows = targets.len();
     assert_eq!(logits.len(), rows * v);
     let inv = 1.0 / rows as f32;
-    let dptr = dlogits.map(|d| {
-        assert_eq!(d.len(), rows * v);
-        SendPtr(d.as_mut_ptr())
-    });
+    // The gradient's rows are first written by copying the logits in (no zeroing pass); its
+    // length is set after.
+    let mut dlogits: Option<Vec<f32>> = grad.then(|| Vec::with_capacity(rows * v));
+    let dptr = dlogits.as_mut().map(|d| SendPtr(d.as_mut_ptr()));
     let total = par_reduce_rows(rows, v, 1, |range, acc| {
         let mut scratch = Vec::new();
         for r in range {
             let row = &logits[r * v..(r + 1) * v];
             let e: &mut [f32] = match dptr {
-                // SAFETY: row r of dlogits (inside it: length checked above) is in this task's
-                // row range only.
-                Some(p) => unsafe { p.slice(r * v, v) },
+                // SAFETY: row r of dlogits lies in its capacity (rows·V) and in this task's row
+                // range only; it is written in full by the copy before the slice is made.
+                Some(p) => unsafe {
+                    std::ptr::copy_nonoverlapping(row.as_ptr(), p.get().add(r * v), v);
+                    p.slice(r * v, v)
+                },
                 None => {
-                    scratch.resize(v, 0.0);
+                    scratch.clear();
+                    scratch.extend_from_slice(row);
                     &mut scratch
                 }
             };
-            e.copy_from_slice(row);
             let m = simd::max(e);
             let z = simd::exp_shift_sum(e, m);
             let t = targets[r] as usize;
@@ -42,7 +45,12 @@ pub fn forward_backward(
             }
         }
     });
-    total[0] * inv
+    if let Some(d) = &mut dlogits {
+        // SAFETY: the capacity is rows·V and every row was written above (a panic in a task
+        // would have ended this function first).
+        unsafe { d.set_len(rows * v) };
+    }
+    (total[0] * inv, dlogits)
 }
 
 #[cfg(test)]
@@ -61,10 +69,15 @@ mod tests {
             let z: f64 = row.iter().map(|x| (*x as f64).exp()).sum();
             want += -(row[targets[r] as usize] as f64) + z.ln();
         }
-        let mut d = vec![0.0; rows * v];
-        let loss = forward_backward(&logits, &targets, v, Some(&mut d));
+        let (loss, d) = forward_backward(&logits, &targets, v, true);
         assert!((loss as f64 - want / rows as f64).abs() < 1e-5);
-        assert_eq!(loss, forward_backward(&logits, &targets, v, None));
-        fd_check(&logits, &d, |x| forward_backward(x, &targets, v, None) as f64, "cross-entropy");
+        assert_eq!(loss, forward_backward(&logits, &targets, v, false).0);
+        let d = d.expect("asked for the gradient");
+        fd_check(
+            &logits,
+            &d,
+            |x| forward_backward(x, &targets, v, false).0 as f64,
+            "cross-entropy",
+        );
     }
 }

@@ -86,6 +86,33 @@ where
     total
 }
 
+/// A new `[rows, cols]` buffer made by `fill(first_row, rows_chunk)`, which runs over chunks as
+/// in [`par_rows_mut`]: the same as [`zeros`] followed by [`par_rows_mut`], but each chunk is
+/// zeroed right before `fill` runs on it, while it is in cache. For a kernel that overwrites its
+/// output, zeroing the whole buffer first would be one more trip through memory for nothing.
+pub(crate) fn par_rows_new<F>(rows: usize, cols: usize, fill: F) -> Vec<f32>
+where
+    F: Fn(usize, &mut [f32]) + Sync + Send,
+{
+    let n = rows * cols;
+    let chunk = rows_per_task(rows, cols);
+    let run = |i: usize, c: &mut [MaybeUninit<f32>]| {
+        c.fill(MaybeUninit::new(0.0));
+        // SAFETY: every element of `c` was written just above.
+        fill(i * chunk, unsafe { &mut *(c as *mut [MaybeUninit<f32>] as *mut [f32]) });
+    };
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    let spare = &mut v.spare_capacity_mut()[..n];
+    if chunk >= rows || n == 0 {
+        run(0, spare);
+    } else {
+        spare.par_chunks_mut(chunk * cols).enumerate().for_each(|(i, c)| run(i, c));
+    }
+    // SAFETY: the chunks cover all n values, and `run` zeroed each one.
+    unsafe { v.set_len(n) };
+    v
+}
+
 /// Buffers at least this long are filled by several threads.
 const PAR_MIN: usize = 1 << 16;
 
@@ -157,6 +184,19 @@ mod tests {
             let mut c = a.clone();
             super::add_assign(&mut c, &b);
             assert_eq!(c, want);
+            // Rows of 3 (a chunk is whole rows); a `fill` that skips every other row leaves
+            // zeros there, as `zeros` followed by `par_rows_mut` would.
+            let rows = n / 3;
+            let built = super::par_rows_new(rows, 3, |r0, chunk| {
+                for (i, row) in chunk.chunks_mut(3).enumerate() {
+                    if (r0 + i) % 2 == 0 {
+                        row.copy_from_slice(&a[(r0 + i) * 3..(r0 + i + 1) * 3]);
+                    }
+                }
+            });
+            let want: Vec<f32> =
+                (0..rows * 3).map(|j| if (j / 3) % 2 == 0 { a[j] } else { 0.0 }).collect();
+            assert_eq!(built, want);
         }
     }
 

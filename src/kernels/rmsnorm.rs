@@ -1,7 +1,7 @@
 //! RMSNorm with a learnable gain: `y = x / sqrt(mean(x²) + eps) ⊙ g` (statistics in f32,
 //! as Hugging Face's `LlamaRMSNorm` computes them).
 
-use super::{dot, par_reduce_rows, par_rows_mut};
+use super::{dot, par_reduce_rows, par_rows_mut, par_rows_new, zeros};
 use std::mem::MaybeUninit;
 
 /// The reciprocal RMS of one row, `1 / sqrt(mean(x²) + eps)`: every pass that takes it computes
@@ -73,11 +73,12 @@ pub fn sum_rstd(
     });
 }
 
-/// Forward: writes `y` and the per-row `rstd` that backward needs.
-pub fn forward(y: &mut [f32], rstd_out: &mut [f32], x: &[f32], g: &[f32], d: usize, eps: f32) {
-    rstd(rstd_out, x, d, eps);
-    let rs = &*rstd_out;
-    par_rows_mut(y, d, |r0, out| {
+/// Forward: returns `y` and the per-row `rstd` that backward needs.
+pub fn forward(x: &[f32], g: &[f32], d: usize, eps: f32) -> (Vec<f32>, Vec<f32>) {
+    let rows = x.len() / d.max(1);
+    let mut rs = zeros(rows);
+    rstd(&mut rs, x, d, eps);
+    let y = par_rows_new(rows, d, |r0, out| {
         for (i, yrow) in out.chunks_mut(d).enumerate() {
             let r = rs[r0 + i];
             let xrow = &x[(r0 + i) * d..(r0 + i + 1) * d];
@@ -86,15 +87,14 @@ pub fn forward(y: &mut [f32], rstd_out: &mut [f32], x: &[f32], g: &[f32], d: usi
             }
         }
     });
+    (y, rs)
 }
 
-/// Backward: `dx` is overwritten, `dg` accumulates.
+/// Backward: returns `dx`; `dg` accumulates.
 /// With `u = g ⊙ dy`: `dx = r·u − (r³/d)·⟨u, x⟩·x`.
 /// `dx_dot_x`, when given, receives each row's `⟨dx, x⟩`, taken while the rows are in cache:
 /// when the norm's input is a sublayer's input `h`, that is the depth attention's `dh_dot_h`.
-#[allow(clippy::too_many_arguments)]
 pub fn backward(
-    dx: &mut [f32],
     dg: &mut [f32],
     dy: &[f32],
     x: &[f32],
@@ -102,14 +102,14 @@ pub fn backward(
     rstd: &[f32],
     d: usize,
     dx_dot_x: Option<&mut [f32]>,
-) {
+) -> Vec<f32> {
     let rows = rstd.len();
-    assert!(dx.len() == rows * d && x.len() == rows * d && dy.len() == rows * d);
+    assert!(x.len() == rows * d && dy.len() == rows * d);
     let dot_ptr = dx_dot_x.map(|v| {
         assert_eq!(v.len(), rows);
         super::SendPtr(v.as_mut_ptr())
     });
-    par_rows_mut(dx, d, |r0, out| {
+    let dx = par_rows_new(rows, d, |r0, out| {
         for (i, dxrow) in out.chunks_mut(d).enumerate() {
             let row = r0 + i;
             let (xr, dyr) = (&x[row * d..(row + 1) * d], &dy[row * d..(row + 1) * d]);
@@ -139,6 +139,7 @@ pub fn backward(
         }
     });
     dg.iter_mut().zip(&part).for_each(|(a, b)| *a += b);
+    dx
 }
 
 /// Mean over the rows of `v` (`[rows, d]`) of each row's root mean square.
@@ -194,8 +195,7 @@ mod tests {
         let (rows, d, eps) = (7, 13, 1e-5);
         let x = rand_vec(rows * d, 1, 1.0);
         let g = rand_vec(d, 2, 1.0);
-        let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
-        forward(&mut y, &mut r, &x, &g, d, eps);
+        let (y, _) = forward(&x, &g, d, eps);
         let mut want = vec![0.0; rows * d];
         for i in 0..rows {
             let ms: f64 =
@@ -215,14 +215,12 @@ mod tests {
         let g = rand_vec(d, 4, 1.0);
         let dy = rand_vec(rows * d, 5, 1.0);
         let loss = |x: &[f32], g: &[f32]| {
-            let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
-            forward(&mut y, &mut r, x, g, d, eps);
+            let (y, _) = forward(x, g, d, eps);
             y.iter().zip(&dy).map(|(a, b)| (a * b) as f64).sum::<f64>()
         };
-        let (mut y, mut r) = (vec![0.0; rows * d], vec![0.0; rows]);
-        forward(&mut y, &mut r, &x, &g, d, eps);
-        let (mut dx, mut dg, mut dx_dot_x) = (vec![0.0; rows * d], vec![0.0; d], vec![0.0; rows]);
-        backward(&mut dx, &mut dg, &dy, &x, &g, &r, d, Some(&mut dx_dot_x));
+        let (_, r) = forward(&x, &g, d, eps);
+        let (mut dg, mut dx_dot_x) = (vec![0.0; d], vec![0.0; rows]);
+        let dx = backward(&mut dg, &dy, &x, &g, &r, d, Some(&mut dx_dot_x));
         fd_check(&x, &dx, |xp| loss(xp, &g), "rmsnorm dx");
         fd_check(&g, &dg, |gp| loss(&x, gp), "rmsnorm dg");
         let want: Vec<f32> = dx

@@ -1,17 +1,17 @@
 //! SwiGLU activation over a fused gate/up buffer: `gu[rows, 2F]` holds the gate projection in
 //! columns `0..F` and the up projection in `F..2F`; `act = silu(gate) ⊙ up`.
 
-use super::{par_rows_mut, simd};
+use super::{par_rows_mut, par_rows_new, simd};
 
-/// Forward: writes `act[rows, F]`.
-pub fn forward(act: &mut [f32], gu: &[f32], f: usize) {
-    par_rows_mut(act, f, |r0, chunk| {
+/// Forward: returns `act[rows, F]`.
+pub fn forward(gu: &[f32], f: usize) -> Vec<f32> {
+    par_rows_new(gu.len() / (2 * f).max(1), f, |r0, chunk| {
         for (i, a) in chunk.chunks_mut(f).enumerate() {
             let row = &gu[(r0 + i) * 2 * f..(r0 + i + 1) * 2 * f];
             let (g, u) = row.split_at(f);
             simd::swiglu_forward_row(a, g, u);
         }
-    });
+    })
 }
 
 /// Backward: overwrites `dgu[rows, 2F]` from `dact[rows, F]`.
@@ -36,8 +36,7 @@ mod tests {
     fn forward_and_backward() {
         let (rows, f) = (3, 5);
         let gu = rand_vec(rows * 2 * f, 21, 3.0);
-        let mut act = vec![0.0; rows * f];
-        forward(&mut act, &gu, f);
+        let act = forward(&gu, f);
         let (g, u) = (gu[2 * f + 1] as f64, gu[2 * f + f + 1] as f64);
         assert!((act[f + 1] as f64 - g / (1.0 + (-g).exp()) * u).abs() < 1e-6);
         let dact = rand_vec(rows * f, 22, 1.0);
@@ -47,8 +46,7 @@ mod tests {
             &gu,
             &dgu,
             |x| {
-                let mut a = vec![0.0; rows * f];
-                forward(&mut a, x, f);
+                let a = forward(x, f);
                 a.iter().zip(&dact).map(|(a, b)| (a * b) as f64).sum()
             },
             "swiglu",

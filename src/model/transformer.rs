@@ -172,16 +172,8 @@ impl Model {
         let (d, qw) = (c.hidden_size, c.qkv_width());
         let n = h.len() / d;
         let p = &self.params;
-        let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-        phase("fwd rmsnorm", || {
-            rmsnorm::forward(
-                &mut xn,
-                &mut rstd,
-                h,
-                &p[lp.input_norm.clone()],
-                d,
-                c.rms_norm_eps as f32,
-            )
+        let (xn, rstd) = phase("fwd rmsnorm", || {
+            rmsnorm::forward(h, &p[lp.input_norm.clone()], d, c.rms_norm_eps as f32)
         });
         let mut qkv = phase("fwd linear", || linear(&xn, &p[lp.qkv.clone()], n, d, qw));
         let heads = c.num_attention_heads + c.num_key_value_heads;
@@ -206,20 +198,11 @@ impl Model {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let n = h.len() / d;
         let p = &self.params;
-        let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-        phase("fwd rmsnorm", || {
-            rmsnorm::forward(
-                &mut xn,
-                &mut rstd,
-                h,
-                &p[lp.post_norm.clone()],
-                d,
-                c.rms_norm_eps as f32,
-            )
+        let (xn, rstd) = phase("fwd rmsnorm", || {
+            rmsnorm::forward(h, &p[lp.post_norm.clone()], d, c.rms_norm_eps as f32)
         });
         let gu = phase("fwd linear", || linear(&xn, &p[lp.gate_up.clone()], n, d, 2 * f));
-        let mut act = zeros(n * f);
-        phase("fwd swiglu", || swiglu::forward(&mut act, &gu, f));
+        let act = phase("fwd swiglu", || swiglu::forward(&gu, f));
         MlpInner { rstd, xn, gu, act }
     }
 
@@ -230,16 +213,8 @@ impl Model {
         let (d, v) = (c.hidden_size, c.vocab_size);
         let n = h.len() / d;
         let p = &self.params;
-        let (mut xn, mut rstd) = (zeros(n * d), zeros(n));
-        phase("fwd rmsnorm", || {
-            rmsnorm::forward(
-                &mut xn,
-                &mut rstd,
-                h,
-                &p[self.layout.final_norm.clone()],
-                d,
-                c.rms_norm_eps as f32,
-            )
+        let (xn, rstd) = phase("fwd rmsnorm", || {
+            rmsnorm::forward(h, &p[self.layout.final_norm.clone()], d, c.rms_norm_eps as f32)
         });
         let logits = phase("fwd head", || linear(&xn, &p[self.layout.head.clone()], n, d, v));
         (xn, rstd, logits)
@@ -332,10 +307,8 @@ impl Model {
 
     /// The attention sublayer on its input `h` up to the output projection.
     fn attn_inner(&self, lp: &LayerParams, h: &[f32], sh: AttnShape) -> AttnInner {
-        let (n, ow) = (sh.batch * sh.seq, sh.out_width());
         let (xn, rstd, qkv) = self.attn_project(lp, h, Positions::Packed(sh.seq));
-        let (mut o, mut stats) = (zeros(n * ow), zeros(sh.stats_len()));
-        phase("fwd attention", || attention::forward(&mut o, &mut stats, &qkv, sh));
+        let (o, stats) = phase("fwd attention", || attention::forward(&qkv, sh));
         AttnInner { rstd, xn, qkv, stats, o }
     }
 
@@ -379,7 +352,7 @@ impl Model {
     /// Mean cross-entropy of the forward pass against `targets`.
     pub fn loss(&self, fwd: &Forward, targets: &[u32]) -> Result<f32> {
         self.check_targets(targets, fwd)?;
-        Ok(cross_entropy::forward_backward(&fwd.logits, targets, self.config.vocab_size, None))
+        Ok(cross_entropy::forward_backward(&fwd.logits, targets, self.config.vocab_size, false).0)
     }
 
     /// Loss and the gradient of every parameter (same layout as `params`).
@@ -422,10 +395,9 @@ impl Model {
         let (d, v) = (c.hidden_size, c.vocab_size);
         let n = s.h.len() / d;
         let (p, lay) = (&self.params, &self.layout);
-        let mut dlogits = zeros(n * v);
-        let loss = phase("cross-entropy", || {
-            cross_entropy::forward_backward(s.logits, targets, v, Some(&mut dlogits))
-        });
+        let (loss, dlogits) =
+            phase("cross-entropy", || cross_entropy::forward_backward(s.logits, targets, v, true));
+        let dlogits = dlogits.expect("asked for the gradient");
         let mut dxn = zeros(n * d);
         phase("bwd head", || {
             linear_backward(
@@ -443,10 +415,8 @@ impl Model {
         drop(dlogits);
         // `dh_dot_h` (⟨dh, h⟩ per token) for the depth attention's backward, taken inside each
         // norm's backward.
-        let mut dh = zeros(n * d);
         let mut dh_dot_h = per_token(c, n);
-        rmsnorm::backward(
-            &mut dh,
+        let dh = rmsnorm::backward(
             &mut g[lay.final_norm.clone()],
             &dxn,
             s.h,
@@ -597,10 +567,9 @@ impl Model {
     ) {
         let (c, p, lay) = (&self.config, &self.params, &self.layout);
         let (d, n) = (c.hidden_size, rstd.len());
-        let (mut dh, mut dh_dot_h) = (zeros(n * d), per_token(c, n));
-        phase("bwd rmsnorm", || {
+        let mut dh_dot_h = per_token(c, n);
+        let dh = phase("bwd rmsnorm", || {
             rmsnorm::backward(
-                &mut dh,
                 &mut g[norm.clone()],
                 &sc.dxn,
                 h,

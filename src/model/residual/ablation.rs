@@ -140,9 +140,7 @@ fn normed_sum(sources: &[&[f32]], d: usize, eps: f32) -> (Vec<f32>, Vec<f32>, Ve
     for s in &sources[1..] {
         kernels::add_assign(&mut x, s);
     }
-    let rows = x.len() / d;
-    let (mut xhat, mut rstd) = (zeros(rows * d), zeros(rows));
-    rmsnorm::forward(&mut xhat, &mut rstd, &x, &vec![1.0; d], d, eps);
+    let (xhat, rstd) = rmsnorm::forward(&x, &vec![1.0; d], d, eps);
     (x, xhat, rstd)
 }
 
@@ -239,9 +237,8 @@ impl BlockGrads {
                 let mut dxhat = zeros(rows * d);
                 linear_backward_input(&mut dxhat, &dq, &params[p.query.clone()], rows, d, d, false);
                 let (x, _, _) = normed_sum(&sv, d, eps);
-                let (mut dx, mut unused_dgain) = (zeros(rows * d), zeros(d));
-                let ones = vec![1.0; d];
-                rmsnorm::backward(&mut dx, &mut unused_dgain, &dxhat, &x, &ones, &iq.rstd, d, None);
+                let (mut unused_dgain, ones) = (zeros(d), vec![1.0; d]);
+                let dx = rmsnorm::backward(&mut unused_dgain, &dxhat, &x, &ones, &iq.rstd, d, None);
                 for g in dsrc.iter_mut() {
                     kernels::add_assign(g, &dx);
                 }
