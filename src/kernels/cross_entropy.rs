@@ -3,20 +3,29 @@
 
 use super::{par_reduce_rows, simd, SendPtr};
 
-/// Mean cross-entropy of `logits[rows, V]` against `targets[rows]`; with `grad`, also its
-/// gradient `(softmax − onehot) / rows`, `[rows, V]`.
-pub fn forward_backward(
-    logits: &[f32],
-    targets: &[u32],
-    v: usize,
-    grad: bool,
-) -> (f32, Option<Vec<f32>>) {
+/// Mean cross-entropy of `logits[rows, V]` against `targets[rows]`.
+pub fn loss(logits: &[f32], targets: &[u32], v: usize) -> f32 {
+    mean_loss(logits, targets, v, None)
+}
+
+/// [`loss`] and its gradient `(softmax − onehot) / rows`, `[rows, V]`.
+pub fn loss_and_grad(logits: &[f32], targets: &[u32], v: usize) -> (f32, Vec<f32>) {
+    let mut dlogits = Vec::new();
+    let loss = mean_loss(logits, targets, v, Some(&mut dlogits));
+    (loss, dlogits)
+}
+
+/// The mean loss; with `dlogits`, also the gradient, written over it.
+fn mean_loss(logits: &[f32], targets: &[u32], v: usize, mut dlogits: Option<&mut Vec<f32>>) -> f32 {
     let rows = targets.len();
     assert_eq!(logits.len(), rows * v);
     let inv = 1.0 / rows as f32;
     // The gradient's rows are first written by copying the logits in (no zeroing pass); its
     // length is set after.
-    let mut dlogits: Option<Vec<f32>> = grad.then(|| Vec::with_capacity(rows * v));
+    if let Some(d) = dlogits.as_mut() {
+        d.clear();
+        d.reserve_exact(rows * v);
+    }
     let dptr = dlogits.as_mut().map(|d| SendPtr(d.as_mut_ptr()));
     let total = par_reduce_rows(rows, v, 1, |range, acc| {
         let mut scratch = Vec::new();
@@ -45,12 +54,12 @@ pub fn forward_backward(
             }
         }
     });
-    if let Some(d) = &mut dlogits {
+    if let Some(d) = dlogits {
         // SAFETY: the capacity is rows·V and every row was written above (a panic in a task
         // would have ended this function first).
         unsafe { d.set_len(rows * v) };
     }
-    (total[0] * inv, dlogits)
+    total[0] * inv
 }
 
 #[cfg(test)]
@@ -69,15 +78,9 @@ mod tests {
             let z: f64 = row.iter().map(|x| (*x as f64).exp()).sum();
             want += -(row[targets[r] as usize] as f64) + z.ln();
         }
-        let (loss, d) = forward_backward(&logits, &targets, v, true);
-        assert!((loss as f64 - want / rows as f64).abs() < 1e-5);
-        assert_eq!(loss, forward_backward(&logits, &targets, v, false).0);
-        let d = d.expect("asked for the gradient");
-        fd_check(
-            &logits,
-            &d,
-            |x| forward_backward(x, &targets, v, false).0 as f64,
-            "cross-entropy",
-        );
+        let (l, d) = loss_and_grad(&logits, &targets, v);
+        assert!((l as f64 - want / rows as f64).abs() < 1e-5);
+        assert_eq!(l, loss(&logits, &targets, v));
+        fd_check(&logits, &d, |x| loss(x, &targets, v) as f64, "cross-entropy");
     }
 }

@@ -102,7 +102,7 @@ impl Model {
     pub fn chunk_loss(&self, fwd: &ChunkForward, targets: &[u32]) -> Option<f32> {
         let head = fwd.head.as_ref()?;
         let v = self.config.vocab_size;
-        Some(cross_entropy::forward_backward(&head.logits, targets, v, false).0)
+        Some(cross_entropy::loss(&head.logits, targets, v))
     }
 
     /// Backward over the chunk of `fwd`, adding its parameters' gradients into `g` (laid out as

@@ -352,7 +352,7 @@ impl Model {
     /// Mean cross-entropy of the forward pass against `targets`.
     pub fn loss(&self, fwd: &Forward, targets: &[u32]) -> Result<f32> {
         self.check_targets(targets, fwd)?;
-        Ok(cross_entropy::forward_backward(&fwd.logits, targets, self.config.vocab_size, false).0)
+        Ok(cross_entropy::loss(&fwd.logits, targets, self.config.vocab_size))
     }
 
     /// Loss and the gradient of every parameter (same layout as `params`).
@@ -396,8 +396,7 @@ impl Model {
         let n = s.h.len() / d;
         let (p, lay) = (&self.params, &self.layout);
         let (loss, dlogits) =
-            phase("cross-entropy", || cross_entropy::forward_backward(s.logits, targets, v, true));
-        let dlogits = dlogits.expect("asked for the gradient");
+            phase("cross-entropy", || cross_entropy::loss_and_grad(s.logits, targets, v));
         let mut dxn = zeros(n * d);
         phase("bwd head", || {
             linear_backward(
