@@ -95,20 +95,13 @@ where
     F: Fn(usize, &mut [f32]) + Sync + Send,
 {
     let n = rows * cols;
-    let chunk = rows_per_task(rows, cols);
-    let run = |i: usize, c: &mut [MaybeUninit<f32>]| {
+    let mut v: Vec<f32> = Vec::with_capacity(n);
+    par_rows_mut(&mut v.spare_capacity_mut()[..n], cols, |r0, c| {
         c.fill(MaybeUninit::new(0.0));
         // SAFETY: every element of `c` was written just above.
-        fill(i * chunk, unsafe { &mut *(c as *mut [MaybeUninit<f32>] as *mut [f32]) });
-    };
-    let mut v: Vec<f32> = Vec::with_capacity(n);
-    let spare = &mut v.spare_capacity_mut()[..n];
-    if chunk >= rows || n == 0 {
-        run(0, spare);
-    } else {
-        spare.par_chunks_mut(chunk * cols).enumerate().for_each(|(i, c)| run(i, c));
-    }
-    // SAFETY: the chunks cover all n values, and `run` zeroed each one.
+        fill(r0, unsafe { &mut *(c as *mut [MaybeUninit<f32>] as *mut [f32]) });
+    });
+    // SAFETY: `par_rows_mut`'s chunks cover all n values, and each was zeroed above.
     unsafe { v.set_len(n) };
     v
 }
