@@ -12,7 +12,10 @@ mean cross-entropy and backward, in f32. Rounds alternate PyTorch and attnres; t
 medians over rounds of per-round medians, and each speed-up is the median of the per-round ratios
 (its range over rounds beside it). PyTorch goes first in even rounds and second in odd ones, its
 compiled variants always next to attnres, so that the ratio against torch.compile compares steps
-taken minutes apart at most and a drift of the machine's speed favours neither side.
+taken minutes apart at most and a drift of the machine's speed favours neither side. Above the
+table it prints the processor (model, vector extensions, PyTorch's kernel choice) and the
+highest and lowest readings of the peak and the FMA ceiling over rounds: the shares of the peak
+are against the highest, and the distance to the lowest says how much the machine moved.
 """
 import argparse
 import json
@@ -29,6 +32,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
 
 MODES = ["standard", "block", "full"]
+
+
+def machine():
+    """The processor as the docs' tables name it: model, family and model numbers, the vector
+    extensions that choose the kernels (ours and PyTorch's), and PyTorch's own choice. These
+    machines vary, so every table says which one it ran on."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return f"unknown processor; PyTorch kernels {torch.backends.cpu.get_cpu_capability()}"
+    flags = set(info.get("flags", "").split())
+    wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile"]
+    return (f"{info.get('model name', 'unknown processor')} (family {info.get('cpu family', '?')}, "
+            f"model {info.get('model', '?')}), {' '.join(x for x in wanted if x in flags) or 'no AVX2'}; "
+            f"PyTorch kernels {torch.backends.cpu.get_cpu_capability()}")
 
 
 def time_steps(step, warmup, steps):
@@ -144,10 +166,14 @@ def main():
     # Every round measures the peak and the ceiling again; the highest reading is the one least
     # disturbed by the machine's other work (shared cores make single readings swing by 2x), and
     # the shares of the peak below are taken against it.
-    peak = max(r["matmul_peak_gflops"] for r in reports)
-    ceiling = max((r.get("fma_ceiling_gflops", 0) for r in reports), default=0)
-    print(f"attnres matrix-product peak, highest of {len(reports)} rounds: {peak:.0f} GFLOP/s"
-          + (f"; FMA ceiling of {a.threads} threads: {ceiling:.0f} GFLOP/s" if ceiling else ""))
+    peaks = [r["matmul_peak_gflops"] for r in reports]
+    ceilings = [r["fma_ceiling_gflops"] for r in reports if r.get("fma_ceiling_gflops")]
+    peak, ceiling = max(peaks), max(ceilings, default=0)
+    print(f"machine: {machine()}")
+    print(f"attnres matrix-product peak, highest of {len(reports)} rounds: {peak:.0f} GFLOP/s "
+          f"(lowest {min(peaks):.0f})"
+          + (f"; FMA ceiling of {a.threads} threads: {ceiling:.0f} GFLOP/s (lowest {min(ceilings):.0f})"
+             if ceiling else ""))
     compiled = "compiled_standard" in rounds_t[0]
     head = "| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | vs eager (range over rounds) |"
     if compiled:
