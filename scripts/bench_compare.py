@@ -53,6 +53,19 @@ def machine():
             f"PyTorch kernels {torch.backends.cpu.get_cpu_capability()}")
 
 
+def run_attnres(cmd):
+    """Runs an attnres command and returns its stdout; when it fails, ends this script with
+    attnres's own error message instead of a traceback."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        sys.exit(f"bench_compare: cannot run {cmd[0]}: {e}")
+    if res.returncode != 0:
+        msg = res.stderr.strip().splitlines()[-1:] or [f"exit status {res.returncode}"]
+        sys.exit(f"bench_compare: `{' '.join(cmd[:4])} ...` failed: {msg[0]}")
+    return res.stdout
+
+
 def time_steps(step, warmup, steps):
     for _ in range(warmup):
         step()
@@ -130,9 +143,12 @@ def main():
     ckpts = {}
     for mode in modes:
         ckpts[mode] = os.path.join(tmp, mode)
-        subprocess.run([a.attnres, "init", "--out", ckpts[mode], "--preset", a.preset, *sets, "--set", f"residual={mode}"],
-                       check=True, stderr=subprocess.DEVNULL)
+        run_attnres([a.attnres, "init", "--out", ckpts[mode], "--preset", a.preset, *sets, "--set", f"residual={mode}"])
     cfg = json.load(open(os.path.join(ckpts[modes[-1]], "config.json")))
+    if a.seq > cfg["max_position_embeddings"]:
+        # Checked here, before PyTorch's first round, rather than by `attnres bench` minutes later.
+        sys.exit(f"bench_compare: --seq {a.seq} exceeds the model's max_position_embeddings "
+                 f"({cfg['max_position_embeddings']}); pass a shorter --seq or --set max_position_embeddings=...")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
     targets = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), generator=gen)
@@ -140,11 +156,10 @@ def main():
     rounds_t, rounds_r, reports = [], [], []
 
     def attnres_round():
-        res = subprocess.run([a.attnres, "--threads", str(a.threads), "bench", "--json", "--preset", a.preset,
-                              "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
-                              "--warmup", str(a.warmup), "--modes", ",".join(modes), *sets],
-                             check=True, capture_output=True, text=True)
-        return json.loads(res.stdout)
+        out = run_attnres([a.attnres, "--threads", str(a.threads), "bench", "--json", "--preset", a.preset,
+                           "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
+                           "--warmup", str(a.warmup), "--modes", ",".join(modes), *sets])
+        return json.loads(out)
 
     for r in range(a.rounds):
         # PyTorch first in even rounds, attnres first in odd ones, so that a drift of the
