@@ -54,15 +54,14 @@ def machine():
 
 
 def run_attnres(cmd):
-    """Runs an attnres command and returns its stdout; when it fails, ends this script with
-    attnres's own error message instead of a traceback."""
+    """Runs an attnres command and returns its stdout; when it fails, ends this script with the
+    command and what attnres printed on stderr instead of a traceback (as cost_curves.py does)."""
     try:
         res = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
-        sys.exit(f"bench_compare: cannot run {cmd[0]}: {e}")
+        sys.exit(f"cannot run {cmd[0]}: {e}")
     if res.returncode != 0:
-        msg = res.stderr.strip().splitlines()[-1:] or [f"exit status {res.returncode}"]
-        sys.exit(f"bench_compare: `{' '.join(cmd[:4])} ...` failed: {msg[0]}")
+        sys.exit(f"failed: {' '.join(cmd)}\n{res.stderr[-2000:]}")
     return res.stdout
 
 
