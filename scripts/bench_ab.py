@@ -16,8 +16,10 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attnres_run import run_attnres  # noqa: E402
 
 
 def run(side, bench_args):
@@ -28,13 +30,7 @@ def run(side, bench_args):
         env[name] = value
     if not words:
         sys.exit(f"bench_ab: no command in {side!r}")
-    out = subprocess.run(
-        words + ["bench", "--json"] + bench_args, env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        sys.exit(f"bench_ab: {side!r} failed:\n{out.stderr}")
-    report = json.loads(out.stdout)
-    return report
+    return json.loads(run_attnres(words + ["bench", "--json"] + bench_args, env=env).stdout)
 
 
 def main():

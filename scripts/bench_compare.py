@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
+from attnres_run import run_attnres  # noqa: E402
 
 MODES = ["standard", "block", "full"]
 
@@ -51,18 +51,6 @@ def machine():
     return (f"{info.get('model name', 'unknown processor')} (family {info.get('cpu family', '?')}, "
             f"model {info.get('model', '?')}), {' '.join(x for x in wanted if x in flags) or 'no AVX2'}; "
             f"PyTorch kernels {torch.backends.cpu.get_cpu_capability()}")
-
-
-def run_attnres(cmd):
-    """Runs an attnres command and returns its stdout; when it fails, ends this script with the
-    command and what attnres printed on stderr instead of a traceback (as cost_curves.py does)."""
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        sys.exit(f"cannot run {cmd[0]}: {e}")
-    if res.returncode != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{res.stderr[-2000:]}")
-    return res.stdout
 
 
 def time_steps(step, warmup, steps):
@@ -158,7 +146,7 @@ def main():
         out = run_attnres([a.attnres, "--threads", str(a.threads), "bench", "--json", "--preset", a.preset,
                            "--batch", str(a.batch), "--seq", str(a.seq), "--steps", str(a.steps),
                            "--warmup", str(a.warmup), "--modes", ",".join(modes), *sets])
-        return json.loads(out)
+        return json.loads(out.stdout)
 
     for r in range(a.rounds):
         # PyTorch first in even rounds, attnres first in odd ones, so that a drift of the

@@ -17,11 +17,13 @@ import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attnres_run import run_attnres  # noqa: E402
 
 PROMPT = (
     "The history of the city begins with a small settlement on the river, where traders met to "
@@ -100,10 +102,9 @@ class LlamaCpp:
 def attnres_run(attnres, model, text, threads, new_tokens, prompt_file, expected_prompt):
     with open(prompt_file, "w") as f:
         f.write(text + "\n")
-    out = subprocess.run(
+    out = run_attnres(
         [attnres, "generate", "--model", model, "--prompt-file", prompt_file, "--temperature", "0",
          "--max-tokens", str(new_tokens), "--ignore-eos", "--threads", str(threads)],
-        capture_output=True, text=True, check=True,
     ).stderr
     m = re.search(r"prefill (\d+) tokens in ([\d.]+) ms.*decode (\d+) tokens in ([\d.]+) s", out)
     if not m:

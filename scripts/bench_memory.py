@@ -23,6 +23,9 @@ import subprocess
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(__file__))
+from attnres_run import run_attnres  # noqa: E402
+
 
 def peak_rss_mib(cmd):
     """Runs `cmd` to completion; returns its peak resident set in MiB."""
@@ -82,8 +85,7 @@ def main():
     rows = {}
     for mode in a.modes.split(","):
         ckpt = os.path.join(tmp, mode)
-        subprocess.run([a.attnres, "init", "--out", ckpt, "--preset", a.preset, *sets, "--set", f"residual={mode}"],
-                       check=True, stderr=subprocess.DEVNULL)
+        run_attnres([a.attnres, "init", "--out", ckpt, "--preset", a.preset, *sets, "--set", f"residual={mode}"])
         for t in seqs:
             print(f"{mode} T={t}", file=sys.stderr)
             bench = ["--threads", str(a.threads), "bench", "--preset", a.preset, *sets, "--modes", mode,

@@ -15,17 +15,16 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from attnres_run import run_attnres  # noqa: E402
 
 
 def bench(binary, args, threads=None):
     cmd = [binary] + (["--threads", str(threads)] if threads else []) + ["bench", "--json", *args]
     print("  " + " ".join(cmd[1:]), file=sys.stderr)
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        sys.exit(f"failed: {' '.join(cmd)}\n{res.stderr[-2000:]}")
-    report = json.loads(res.stdout)
+    report = json.loads(run_attnres(cmd).stdout)
     if "matmul_peak_gflops" in report:
         PEAKS.append(report["matmul_peak_gflops"])
     return report
