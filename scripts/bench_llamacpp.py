@@ -99,7 +99,7 @@ class LlamaCpp:
         return t1 - t0, t2 - t1
 
 
-def attnres_run(attnres, model, text, threads, new_tokens, prompt_file, expected_prompt):
+def attnres_generate(attnres, model, text, threads, new_tokens, prompt_file, expected_prompt):
     with open(prompt_file, "w") as f:
         f.write(text + "\n")
     out = run_attnres(
@@ -149,7 +149,7 @@ def main():
 
     times = {"attnres f32": []} | {name: [] for name in engines}
     for r in range(a.rounds + 1):  # round 0 warms up
-        got = {"attnres f32": attnres_run(a.attnres, a.model, text, a.threads, a.new_tokens, prompt_file, len(ids))}
+        got = {"attnres f32": attnres_generate(a.attnres, a.model, text, a.threads, a.new_tokens, prompt_file, len(ids))}
         for name, e in engines.items():
             got[name] = e.run(ids, a.new_tokens)
         if r > 0:
