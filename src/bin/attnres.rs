@@ -486,20 +486,15 @@ fn run(cli: Cli) -> Result<()> {
         Some(r) => command(cli.command, Some(&r)),
         // The server runs its model on threads of its own.
         None if matches!(cli.command, Command::Serve(_)) => command(cli.command, None),
-        None => on_pool(|| command(cli.command, None)),
+        // Everything else on a thread of rayon's pool (`scope` runs its body on one and returns
+        // its result). A parallel kernel called from outside the pool hands its work to the pool
+        // and sleeps until the work is done, and the pool finds its threads asleep after every
+        // stretch of serial code; from a pool thread, the caller does half the work itself and
+        // only the other thread has to be woken. On 2 threads a default training step makes
+        // about 1000 fewer context switches this way and takes 0.90–0.98x the time
+        // (docs/performance.md, "What makes it fast").
+        None => rayon::scope(|_| command(cli.command, None)),
     }
-}
-
-/// Runs `f` on a thread of rayon's pool instead of this one. A parallel kernel called from
-/// outside the pool hands its work to the pool and sleeps until the work is done, and the pool
-/// finds its threads asleep after every stretch of serial code; from a pool thread, the caller
-/// does half the work itself and only the other thread has to be woken. On 2 threads a default
-/// training step makes about 1000 fewer context switches this way and takes 0.90–0.98x the time
-/// (docs/performance.md, "What makes it fast").
-fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let mut out = None;
-    rayon::scope(|_| out = Some(f()));
-    out.expect("rayon::scope returns after its body has run")
 }
 
 fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
