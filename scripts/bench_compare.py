@@ -14,8 +14,11 @@ medians over rounds of per-round medians, and each speed-up is the median of the
 compiled variants always next to attnres, so that the ratio against torch.compile compares steps
 taken minutes apart at most and a drift of the machine's speed favours neither side. Above the
 table it prints the processor (model, vector extensions, PyTorch's kernel choice) and the
-highest and lowest readings of the peak and the FMA ceiling over rounds: the shares of the peak
-are against the highest, and the distance to the lowest says how much the machine moved.
+highest and lowest readings of the peak and the FMA ceiling over rounds. Each step's share of the
+peak is given twice: against the highest reading of the run (the strictest yardstick: the quietest
+moment of the machine against a median step), and against the peak measured right beside it (by
+attnres after each of its steps; torch.compile, timed next to attnres, against the median of that
+round's), the median over rounds; the second is the one the machine's swings move least.
 """
 import argparse
 import json
@@ -180,15 +183,28 @@ def main():
     head = "| mode | attnres step (ms) | attnres tokens/s | PyTorch eager step (ms) | vs eager (range over rounds) |"
     if compiled:
         head += " torch.compile step (ms) | vs torch.compile (range) |"
-    head += " attnres vs its standard | attnres GFLOP/s (% of peak) |"
+    head += " attnres vs its standard | attnres GFLOP/s (% of highest peak; of peak beside it) |"
     if compiled:
-        head += " torch.compile GFLOP/s (% of peak) |"
+        head += " torch.compile GFLOP/s (% of highest peak; of peak beside it) |"
     # Useful FLOPs of one step (the products and attention, as `attnres bench` counts them).
     flops = {m["residual"]: m["gflops"] * 1e9 * m["step_seconds"] for m in reports[-1]["modes"]}
 
-    def rate(seconds, m):
+    def rate(seconds, m, beside):
         g = flops[m] / seconds / 1e9
-        return f"{g:.0f} ({100 * g / peak:.0f}%)"
+        return f"{g:.0f} ({100 * g / peak:.0f}%; {100 * beside:.0f}%)"
+
+    def of_peak_beside(m):
+        """Median over rounds of each round's shares of the peak measured beside its steps: attnres's
+        as `bench` reports it, torch.compile's against the median of the same round's peaks."""
+        ours = med([next(x for x in rep["modes"] if x["residual"] == m)["share_of_adjacent_peak"]
+                    for rep in reports])
+        if not compiled:
+            return ours, None
+        theirs = []
+        for t, rep in zip(rounds_t, reports):
+            peaks = [p for x in rep["modes"] for p in x["adjacent_peaks_gflops"]]
+            theirs.append(flops[m] / t[f"compiled_{m}"] / 1e9 / med(peaks))
+        return ours, med(theirs)
 
     print(head)
     print("|---|" + "---:|" * (head.count("|") - 2))
@@ -204,9 +220,10 @@ def main():
         if compiled:
             c = med([t[f"compiled_{m}"] for t in rounds_t])
             row += f" {c * 1e3:.0f} | {speedup(f'compiled_{m}', m)} |"
-        row += f" {rel:.3f}x | {rate(ours, m)} |"
+        ours_beside, theirs_beside = of_peak_beside(m)
+        row += f" {rel:.3f}x | {rate(ours, m, ours_beside)} |"
         if compiled:
-            row += f" {rate(c, m)} |"
+            row += f" {rate(c, m, theirs_beside)} |"
         print(row)
     if "hf_standard" in rounds_t[0]:
         hf = med([t["hf_standard"] for t in rounds_t])
