@@ -20,6 +20,10 @@ pub struct ModeResult {
     pub gflops: f64,
     /// Median over rounds of (this step / the `standard` step of the same round).
     pub relative_to_standard: Option<f64>,
+    /// A 95% confidence interval of that median ([`median_ci95`]), from 6 rounds on: with an
+    /// identical model as a control (`--modes standard,standard,block`) it says whether a cost
+    /// stands out of the noise.
+    pub relative_to_standard_ci95: Option<(f64, f64)>,
     /// Fastest step seconds, and its ratio to `standard`'s fastest: the machine's other work
     /// only ever adds time, so the fastest steps are the least disturbed.
     pub fastest_step_seconds: f64,
@@ -238,6 +242,7 @@ pub fn run(
                 tokens_per_second: (batch * seq) as f64 / med,
                 gflops: flops / med / 1e9,
                 relative_to_standard: None,
+                relative_to_standard_ci95: None,
                 fastest_step_seconds: t[0],
                 fastest_relative_to_standard: None,
                 share_of_adjacent_peak: shares[shares.len() / 2],
@@ -248,7 +253,10 @@ pub fn run(
         .collect();
     if let Some(base) = models.iter().position(|m| m.config.residual == ResidualKind::Standard) {
         for (i, m) in modes.iter_mut().enumerate() {
-            m.relative_to_standard = Some(median_ratio(&raw[i], &raw[base]));
+            let ratios = round_ratios(&raw[i], &raw[base]);
+            m.relative_to_standard = Some(ratios[ratios.len() / 2]);
+            // (None for `standard` itself, whose ratios are all 1.)
+            m.relative_to_standard_ci95 = median_ci95(&ratios).filter(|_| i != base);
         }
         let base_fastest = modes[base].fastest_step_seconds;
         for m in modes.iter_mut() {
@@ -270,9 +278,35 @@ pub fn run(
 /// Relative cost: the median over rounds of each round's ratio, since the measurements of one
 /// round run back to back and share the machine's state of the moment.
 fn median_ratio(times: &[f64], base: &[f64]) -> f64 {
+    let r = round_ratios(times, base);
+    r[r.len() / 2]
+}
+
+/// Each round's ratio of `times` to `base`, in ascending order.
+fn round_ratios(times: &[f64], base: &[f64]) -> Vec<f64> {
     let mut r: Vec<f64> = times.iter().zip(base).map(|(a, b)| a / b).collect();
     r.sort_by(|a, b| a.total_cmp(b));
-    r[r.len() / 2]
+    r
+}
+
+/// A 95% confidence interval of the median of `sorted` (ascending) that assumes nothing about
+/// the distribution of the values: the `j`-th smallest and the `j`-th largest, for the largest
+/// `j` with P(Binomial(n, 1/2) < j) ≤ 2.5% (each end misses the median at most that often).
+/// `None` below 6 values, where even the smallest and largest cover less than 95%.
+pub fn median_ci95(sorted: &[f64]) -> Option<(f64, f64)> {
+    let n = sorted.len();
+    let ln_2n = n as f64 * std::f64::consts::LN_2;
+    // `cdf` = P(X ≤ i), its terms C(n, i) / 2^n through logarithms (2^n overflows from n = 1024).
+    let (mut ln_choose, mut cdf, mut j) = (0.0f64, 0.0, 0);
+    for i in 0..n {
+        cdf += (ln_choose - ln_2n).exp();
+        if cdf > 0.025 {
+            break;
+        }
+        j = i + 1;
+        ln_choose += ((n - i) as f64).ln() - ((i + 1) as f64).ln();
+    }
+    (j > 0).then(|| (sorted[j - 1], sorted[n - j]))
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -513,9 +547,14 @@ fn mode_name(residual: &str, num_blocks: usize) -> String {
     }
 }
 
-/// A ratio to `standard` (`-` when there is no standard mode).
-fn relative(r: Option<f64>) -> String {
-    r.map_or("-".into(), |r| format!("{r:.3}x"))
+/// A ratio to `standard` (`-` when there is no standard mode), with its confidence interval
+/// where there is one.
+fn relative(r: Option<f64>, ci: Option<(f64, f64)>) -> String {
+    match (r, ci) {
+        (None, _) => "-".into(),
+        (Some(r), None) => format!("{r:.3}x"),
+        (Some(r), Some((lo, hi))) => format!("{r:.3}x ({lo:.3}–{hi:.3})"),
+    }
 }
 
 impl BenchReport {
@@ -540,7 +579,7 @@ impl BenchReport {
             None => t.push('\n'),
         }
         // The share of the peak: each step against the peak measured right after it.
-        t.push_str("| mode | step (ms) | tokens/s | GFLOP/s | % of peak | vs standard | fastest step (ms) | fastest vs standard |\n");
+        t.push_str("| mode | step (ms) | tokens/s | GFLOP/s | % of peak | vs standard (95% CI) | fastest step (ms) | fastest vs standard |\n");
         t.push_str("|---|---:|---:|---:|---:|---:|---:|---:|\n");
         for m in &self.modes {
             let _ = writeln!(
@@ -551,9 +590,9 @@ impl BenchReport {
                 m.tokens_per_second,
                 m.gflops,
                 100.0 * m.share_of_adjacent_peak,
-                relative(m.relative_to_standard),
+                relative(m.relative_to_standard, m.relative_to_standard_ci95),
                 m.fastest_step_seconds * 1e3,
-                relative(m.fastest_relative_to_standard)
+                relative(m.fastest_relative_to_standard, None)
             );
         }
         for m in self.modes.iter().filter(|m| !m.profile.is_empty()) {
@@ -591,8 +630,8 @@ impl GenerateReport {
                     r.prefill_tokens_per_second,
                     r.step_seconds * 1e3,
                     r.decode_tokens_per_second,
-                    relative(r.latency_relative_to_standard),
-                    relative(r.prefill_relative_to_standard)
+                    relative(r.latency_relative_to_standard, None),
+                    relative(r.prefill_relative_to_standard, None)
                 );
             }
         }
@@ -621,5 +660,49 @@ impl GenerateReport {
             }
         }
         t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::median_ci95;
+
+    /// P(Binomial(n, 1/2) ≤ i) for every i, by Pascal's triangle (halving each row, so no
+    /// large numbers): an independent route to what `median_ci95` sums through logarithms.
+    fn binomial_cdf(n: usize) -> Vec<f64> {
+        let mut row = vec![1.0f64];
+        for _ in 0..n {
+            let mut next = vec![0.0; row.len() + 1];
+            for (i, p) in row.iter().enumerate() {
+                next[i] += p / 2.0;
+                next[i + 1] += p / 2.0;
+            }
+            row = next;
+        }
+        row.iter().scan(0.0, |c, p| Some(*c + p).inspect(|v| *c = *v)).collect()
+    }
+
+    #[test]
+    fn median_interval_is_the_widest_order_statistics_that_need_to_be() {
+        for n in 1..=200 {
+            let values: Vec<f64> = (1..=n).map(|i| i as f64).collect();
+            let cdf = binomial_cdf(n);
+            match median_ci95(&values) {
+                None => assert!(cdf[0] > 0.025, "n = {n}: an interval exists"),
+                Some((lo, hi)) => {
+                    // The j-th smallest and largest: j = lo.
+                    let j = lo as usize;
+                    assert_eq!(hi as usize, n + 1 - j, "n = {n}: not symmetric");
+                    assert!(cdf[j - 1] <= 0.025, "n = {n}: [{lo}, {hi}] covers less than 95%");
+                    assert!(cdf[j] > 0.025, "n = {n}: [{lo}, {hi}] is wider than it needs");
+                }
+            }
+        }
+        // Published tables of the interval: n = 10: 2nd to 9th; 20: 6th to 15th; 60: 22nd to 39th.
+        let ranks = |n: usize| median_ci95(&(1..=n).map(|i| i as f64).collect::<Vec<_>>());
+        assert_eq!(ranks(5), None);
+        assert_eq!(ranks(10), Some((2.0, 9.0)));
+        assert_eq!(ranks(20), Some((6.0, 15.0)));
+        assert_eq!(ranks(60), Some((22.0, 39.0)));
     }
 }
