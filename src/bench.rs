@@ -293,7 +293,7 @@ fn round_ratios(times: &[f64], base: &[f64]) -> Vec<f64> {
 /// the distribution of the values: the `j`-th smallest and the `j`-th largest, for the largest
 /// `j` with P(Binomial(n, 1/2) < j) ≤ 2.5% (each end misses the median at most that often).
 /// `None` below 6 values, where even the smallest and largest cover less than 95%.
-pub fn median_ci95(sorted: &[f64]) -> Option<(f64, f64)> {
+fn median_ci95(sorted: &[f64]) -> Option<(f64, f64)> {
     let n = sorted.len();
     let ln_2n = n as f64 * std::f64::consts::LN_2;
     // `cdf` = P(X ≤ i), its terms C(n, i) / 2^n through logarithms (2^n overflows from n = 1024).
