@@ -343,6 +343,8 @@ pub struct DecodeResult {
     /// (within a round the modes run back to back, in an order that rotates from round to
     /// round, so each ratio compares measurements taken moments apart).
     pub latency_relative_to_standard: Option<f64>,
+    /// A 95% confidence interval of that median ([`median_ci95`]), from 6 rounds on.
+    pub latency_relative_to_standard_ci95: Option<(f64, f64)>,
     pub prefill_relative_to_standard: Option<f64>,
     /// Seconds per decode step spent in each phase, when profiling was on (largest first).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -487,6 +489,9 @@ pub fn run_generate(
                         decode_tokens_per_second: batch as f64 / step,
                         latency_relative_to_standard: base
                             .map(|b| median_ratio(&round_steps[i][bi], &round_steps[b][bi])),
+                        latency_relative_to_standard_ci95: base.filter(|&b| b != i).and_then(|b| {
+                            median_ci95(&round_ratios(&round_steps[i][bi], &round_steps[b][bi]))
+                        }),
                         prefill_relative_to_standard: base
                             .map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
                         decode_profile: {
@@ -615,7 +620,7 @@ impl GenerateReport {
     /// the phases of a decode step.
     pub fn table(&self) -> String {
         let mut t = String::new();
-        t.push_str("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard | prefill time vs standard |\n");
+        t.push_str("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard (95% CI) | prefill time vs standard |\n");
         t.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
         let name = |m: &GenerateModeResult| mode_name(&m.residual, m.num_blocks);
         let batches = self.modes.first().map_or(0, |m| m.batches.len());
@@ -630,7 +635,7 @@ impl GenerateReport {
                     r.prefill_tokens_per_second,
                     r.step_seconds * 1e3,
                     r.decode_tokens_per_second,
-                    relative(r.latency_relative_to_standard, None),
+                    relative(r.latency_relative_to_standard, r.latency_relative_to_standard_ci95),
                     relative(r.prefill_relative_to_standard, None)
                 );
             }
