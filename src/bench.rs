@@ -229,9 +229,8 @@ pub fn run(
                 ph.iter().map(|(k, v)| (k.to_string(), *v)).collect();
             profile.sort_by(|a, b| b.1.total_cmp(&a.1));
             let flops = step_flops(&m.config, batch, seq);
-            let mut shares: Vec<f64> =
+            let shares: Vec<f64> =
                 t.iter().zip(&adjacent).map(|(dt, p)| flops / dt / 1e9 / p).collect();
-            shares.sort_by(|a, b| a.total_cmp(b));
             t.sort_by(|a, b| a.total_cmp(b));
             let med = t[t.len() / 2];
             ModeResult {
@@ -245,7 +244,7 @@ pub fn run(
                 relative_to_standard_ci95: None,
                 fastest_step_seconds: t[0],
                 fastest_relative_to_standard: None,
-                share_of_adjacent_peak: shares[shares.len() / 2],
+                share_of_adjacent_peak: median(&shares),
                 adjacent_peaks_gflops: adjacent,
                 profile,
             }
@@ -253,10 +252,9 @@ pub fn run(
         .collect();
     if let Some(base) = models.iter().position(|m| m.config.residual == ResidualKind::Standard) {
         for (i, m) in modes.iter_mut().enumerate() {
-            let ratios = round_ratios(&raw[i], &raw[base]);
-            m.relative_to_standard = Some(ratios[ratios.len() / 2]);
-            // (None for `standard` itself, whose ratios are all 1.)
-            m.relative_to_standard_ci95 = median_ci95(&ratios).filter(|_| i != base);
+            let (ratio, ci) = ratio_to(&raw[i], &raw[base], i == base);
+            m.relative_to_standard = Some(ratio);
+            m.relative_to_standard_ci95 = ci;
         }
         let base_fastest = modes[base].fastest_step_seconds;
         for m in modes.iter_mut() {
@@ -276,17 +274,12 @@ pub fn run(
 }
 
 /// Relative cost: the median over rounds of each round's ratio, since the measurements of one
-/// round run back to back and share the machine's state of the moment.
-fn median_ratio(times: &[f64], base: &[f64]) -> f64 {
-    let r = round_ratios(times, base);
-    r[r.len() / 2]
-}
-
-/// Each round's ratio of `times` to `base`, in ascending order.
-fn round_ratios(times: &[f64], base: &[f64]) -> Vec<f64> {
+/// round run back to back and share the machine's state of the moment; with its 95% interval
+/// ([`median_ci95`]) unless `base` is the mode itself (`is_base`), whose ratios are all 1.
+fn ratio_to(times: &[f64], base: &[f64], is_base: bool) -> (f64, Option<(f64, f64)>) {
     let mut r: Vec<f64> = times.iter().zip(base).map(|(a, b)| a / b).collect();
     r.sort_by(|a, b| a.total_cmp(b));
-    r
+    (r[r.len() / 2], median_ci95(&r).filter(|_| !is_base))
 }
 
 /// A 95% confidence interval of the median of `sorted` (ascending) that assumes nothing about
@@ -481,19 +474,18 @@ pub fn run_generate(
                 .enumerate()
                 .map(|(bi, &batch)| {
                     let (pre, step) = (median(&prefill[i][bi]), median(&decode[i][bi]));
+                    let latency =
+                        base.map(|b| ratio_to(&round_steps[i][bi], &round_steps[b][bi], b == i));
                     DecodeResult {
                         batch,
                         prefill_seconds: pre,
                         prefill_tokens_per_second: (batch * prompt_tokens) as f64 / pre,
                         step_seconds: step,
                         decode_tokens_per_second: batch as f64 / step,
-                        latency_relative_to_standard: base
-                            .map(|b| median_ratio(&round_steps[i][bi], &round_steps[b][bi])),
-                        latency_relative_to_standard_ci95: base.filter(|&b| b != i).and_then(|b| {
-                            median_ci95(&round_ratios(&round_steps[i][bi], &round_steps[b][bi]))
-                        }),
+                        latency_relative_to_standard: latency.map(|(r, _)| r),
+                        latency_relative_to_standard_ci95: latency.and_then(|(_, ci)| ci),
                         prefill_relative_to_standard: base
-                            .map(|b| median_ratio(&prefill[i][bi], &prefill[b][bi])),
+                            .map(|b| ratio_to(&prefill[i][bi], &prefill[b][bi], b == i).0),
                         decode_profile: {
                             let steps = decode[i][bi].len() as f64;
                             let mut v: Vec<(String, f64)> = phases[i][bi]
