@@ -6,14 +6,20 @@
 //! [`Recycling`] keeps up to [`SLOTS`] freed blocks of at least [`MIN_BYTES`], together at most
 //! [`MAX_PARKED_BYTES`], and returns one of exactly the same size and alignment on the next
 //! request. When a freed block would exceed either bound, the oldest kept blocks go back to the
-//! system first; a block larger than the byte bound itself is never kept. Small allocations go straight
-//! to the system allocator. The binary installs it with `#[global_allocator]`.
+//! system first; a block larger than the byte bound itself is never kept. Blocks of
+//! [`HUGE_PAGE`] or more start on a huge-page boundary, and the kernel is asked to back them
+//! with huge pages. Small allocations go straight to the system allocator. The binary installs
+//! it with `#[global_allocator]`.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::Mutex;
 
 /// Blocks smaller than this are not recycled.
 pub const MIN_BYTES: usize = 1 << 20;
+/// Blocks of at least this size start on a boundary of it and ask the kernel for transparent
+/// huge pages: the depth attention's backward streams rows from a score of such buffers at
+/// once, and on 4 KiB pages it ran about 7% longer (docs/performance.md, "What makes it fast").
+pub const HUGE_PAGE: usize = 2 << 20;
 /// Freed blocks kept at most; beyond that the oldest is released.
 pub const SLOTS: usize = 512;
 /// Bytes of freed blocks kept at most (2 GiB): memory the process holds without using it. A
@@ -82,10 +88,42 @@ pub fn release_kept() {
     for &(s, a, p) in &f.blocks[..f.len] {
         // SAFETY: as in `dealloc`: a kept block came from `System` with this size and
         // alignment and nobody holds it; the list is emptied below, so none goes back twice.
-        unsafe { System.dealloc(p as *mut u8, Layout::from_size_align_unchecked(s, a)) };
+        unsafe {
+            System.dealloc(p as *mut u8, system_layout(Layout::from_size_align_unchecked(s, a)))
+        };
     }
     f.len = 0;
     f.bytes = 0;
+}
+
+/// The layout a block of `layout` is allocated with from `System`: aligned to [`HUGE_PAGE`]
+/// when it is that large. A pure function of the caller's layout, so that a block goes back
+/// with the layout it came with.
+fn system_layout(layout: Layout) -> Layout {
+    match layout.size() >= HUGE_PAGE && layout.align() < HUGE_PAGE {
+        // (A size too close to `isize::MAX` to round up to a huge page keeps its alignment.)
+        true => Layout::from_size_align(layout.size(), HUGE_PAGE).unwrap_or(layout),
+        false => layout,
+    }
+}
+
+/// Asks for transparent huge pages over the whole huge pages of a fresh block (where the
+/// system leaves them to `madvise`; a refusal only leaves the block on small pages).
+fn advise_huge(p: *mut u8, size: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        extern "C" {
+            fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
+        }
+        const MADV_HUGEPAGE: i32 = 14;
+        if !p.is_null() && size >= HUGE_PAGE {
+            // SAFETY: the range lies inside the block just allocated; the advice changes only
+            // how its pages are backed, never their contents.
+            unsafe { madvise(p.cast(), size / HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (p, size);
 }
 
 pub struct Recycling;
@@ -112,7 +150,9 @@ unsafe impl GlobalAlloc for Recycling {
             }
         }
         // SAFETY: `layout` has a non-zero size (the caller's contract), as `System` needs.
-        System.alloc(layout)
+        let p = System.alloc(system_layout(layout));
+        advise_huge(p, layout.size());
+        p
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
@@ -124,7 +164,9 @@ unsafe impl GlobalAlloc for Recycling {
             }
         }
         // SAFETY: as in `alloc`.
-        System.alloc_zeroed(layout)
+        let p = System.alloc_zeroed(system_layout(layout));
+        advise_huge(p, layout.size());
+        p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
@@ -138,7 +180,7 @@ unsafe impl GlobalAlloc for Recycling {
             // which a valid `Layout` had, and is in no list (it just left it, or is the block
             // being freed), so nobody holds it. `System` never calls back into this allocator,
             // so releasing under the lock cannot deadlock.
-            System.dealloc(p as *mut u8, Layout::from_size_align_unchecked(s, a));
+            System.dealloc(p as *mut u8, system_layout(Layout::from_size_align_unchecked(s, a)));
         });
     }
 }
@@ -164,6 +206,25 @@ mod tests {
             let r = a.alloc(other);
             assert_ne!(r, p, "a different size is not served from the cache");
             a.dealloc(r, other);
+        }
+    }
+
+    /// A block of a huge page or more starts on a huge-page boundary and is recycled like any
+    /// other.
+    #[test]
+    fn large_blocks_start_on_a_huge_page() {
+        let a = Recycling;
+        let l = Layout::from_size_align(HUGE_PAGE + 4096, 64).unwrap();
+        // SAFETY: as above.
+        unsafe {
+            let p = a.alloc_zeroed(l);
+            assert_eq!(p as usize % HUGE_PAGE, 0, "aligned to a huge page");
+            assert!((0..l.size()).step_by(4096).all(|i| *p.add(i) == 0));
+            std::ptr::write_bytes(p, 7, l.size());
+            a.dealloc(p, l);
+            let q = a.alloc(l);
+            assert_eq!(q, p, "the freed block is reused");
+            a.dealloc(q, l);
         }
     }
 
