@@ -5,7 +5,7 @@ of B's step time over A's (the median step and the fastest step of each run), wi
 The machines are shared and their speed moves by tens of percent from minute to minute; a ratio
 taken within each pair is what survives that.
 
-  python scripts/bench_ab.py --a "ATTNRES_GEMM=crate target/release/attnres" \
+  python scripts/bench/bench_ab.py --a "ATTNRES_GEMM=crate target/release/attnres" \
       --b "target/release/attnres" --pairs 8 -- --modes standard,block --steps 2
 
 Each side is a command line: leading NAME=VALUE words set environment variables. Everything

@@ -4,8 +4,8 @@ exponent k of time ~ x^k fitted by least squares on log-log axes. Every point co
 `attnres bench` (training: interleaved modes, median of --steps; decoding: `bench --generate`).
 
     cargo build --release
-    python scripts/cost_curves.py --attnres target/release/attnres --out docs/cost-curves [--quick]
-    python scripts/cost_curves.py --out docs/cost-curves --replot
+    python scripts/bench/cost_curves.py --attnres target/release/attnres --out docs/cost-curves [--quick]
+    python scripts/bench/cost_curves.py --out docs/cost-curves --replot
 
 Writes OUT/curves.json (every measurement), OUT/*.svg (one log-log plot per curve) and prints
 the Markdown tables; --replot redraws them from OUT/curves.json without measuring. Needs only

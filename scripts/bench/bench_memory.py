@@ -3,12 +3,12 @@ same model and weights, each step in a fresh process whose peak resident set (RS
 from the kernel when it exits.
 
     cargo build --release
-    python scripts/bench_memory.py --attnres target/release/attnres [--seqs 256,512,1024,2048,4096]
+    python scripts/bench/bench_memory.py --attnres target/release/attnres [--seqs 256,512,1024,2048,4096]
         [--batch 1] [--modes standard,block] [--threads 2] [--also OTHER_ATTNRES_BINARY]
         [--recompute]
 
 attnres runs `attnres bench --steps 1 --warmup 0` (one forward + backward); PyTorch runs the
-reference implementation (scripts/reference.py, scaled_dot_product_attention, eager) for one
+reference implementation (scripts/reference/reference.py, scaled_dot_product_attention, eager) for one
 forward, mean cross-entropy and backward. `--also` adds another attnres binary (an older build,
 say) as a third column; `--recompute` adds attnres with activation recomputation
 (`bench --recompute`) as another. Prints a Markdown table of peak RSS in MiB, and each column's
@@ -42,7 +42,7 @@ def torch_step(ckpt, batch, seq, threads):
     """The worker: one PyTorch training step on the checkpoint, then exit."""
     import torch
 
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
     import reference as ref
 
     torch.set_num_threads(threads)

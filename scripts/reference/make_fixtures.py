@@ -1,8 +1,8 @@
 """Generates the PyTorch fixtures that `cargo test` compares against (tests/fixtures/), and
 checks that a `standard` checkpoint loads unchanged in transformers' LlamaForCausalLM.
 
-    python scripts/make_fixtures.py                          # write fixtures + HF check
-    python scripts/make_fixtures.py --attnres target/release/attnres   # also check the CLI
+    python scripts/reference/make_fixtures.py                          # write fixtures + HF check
+    python scripts/reference/make_fixtures.py --attnres target/release/attnres   # also check the CLI
 
 Each fixture directory holds a checkpoint (config.json + model.safetensors) with *non-zero*
 pseudo-queries and non-trivial gains, batch.json (input_ids, targets) and expected.safetensors
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "tests", "fixtures")
 
 BASE = dict(

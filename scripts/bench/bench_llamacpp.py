@@ -1,10 +1,10 @@
 """Prefill and decoding speed of an imported model against llama.cpp on the same weights
 (docs/import.md#speed-against-llamacpp).
 
-    python scripts/bench_llamacpp.py --attnres target/release/attnres --model IMPORTED_DIR \
+    python scripts/bench/bench_llamacpp.py --attnres target/release/attnres --model IMPORTED_DIR \
         --gguf MODEL.gguf [--threads 2] [--rounds 5] [--prompt-tokens 128] [--new-tokens 64]
 
-llama.cpp comes from `llama-cpp-python` (scripts/requirements-llamacpp.txt; pip builds it from
+llama.cpp comes from `llama-cpp-python` (scripts/bench/requirements.txt; pip builds it from
 source). It runs the original GGUF file and an F32 copy of it written here (every tensor
 dequantised with the `gguf` package: the same numbers `attnres import` computes), and an F16 copy.
 attnres runs the imported directory (always f32). Every engine decodes greedily from the same

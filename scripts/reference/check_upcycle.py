@@ -1,6 +1,6 @@
 """Checks `attnres convert` on a real model: the upcycled model computes the source's logits.
 
-    python scripts/check_upcycle.py --model DIR [--work DIR] [--attnres PATH] [--bound]
+    python scripts/reference/check_upcycle.py --model DIR [--work DIR] [--attnres PATH] [--bound]
 
 DIR is a standard checkpoint (docs/import.md: SmolLM2-135M-Instruct as `attnres import` writes
 it). The script converts it to Block AttnRes (6 blocks of 10 sublayers) and to Full AttnRes, runs
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # f32 rounding of a 30-layer model, with margin (docs/import.md has the measured figure).
 EXACT_TOL = 2e-3
 IDENTITY_TOL = 1e-3

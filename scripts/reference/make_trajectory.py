@@ -21,7 +21,7 @@ batches.json (per step: input_ids and targets) and expected.safetensors: per-ste
 `grad_norm` (before clipping) and `lr`, and `final.<name>` for every parameter after the last
 step.
 
-    python scripts/make_trajectory.py
+    python scripts/reference/make_trajectory.py
 """
 import json
 import math
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUT = os.path.join(ROOT, "tests", "fixtures", "trajectory")
 
 BASE = dict(

@@ -4,7 +4,7 @@
 # and settings (docs/results.md, "Continuing a pretrained model"). Resumable: run it again after
 # a kill and each run continues from its last checkpoint.
 #
-#   scripts/upcycle_experiment.sh [WORKDIR]    (default /tmp/upcycle; ATTNRES: the binary)
+#   scripts/bench/upcycle_experiment.sh [WORKDIR]    (default /tmp/upcycle; ATTNRES: the binary)
 #
 # SEED=N (default 0) changes the data order (the same for both models): its runs go to
 # run-standard-seedN and run-block6-seedN, without samples.

@@ -2,10 +2,10 @@
 torch.compile) on the same shapes, weights and thread count, in one run.
 
     cargo build --release
-    python scripts/bench_compare.py --attnres target/release/attnres [--threads 2] [--rounds 2]
+    python scripts/bench/bench_compare.py --attnres target/release/attnres [--threads 2] [--rounds 2]
         [--compile] [--modes standard,block,full] [--set hidden_size=512 --set ...]
 
-PyTorch runs the reference implementation (scripts/reference.py, scaled_dot_product_attention)
+PyTorch runs the reference implementation (scripts/reference/reference.py, scaled_dot_product_attention)
 for every mode, eager and (--compile) compiled by inductor, and transformers' LlamaForCausalLM
 (sdpa, eager) for `standard`. One step is forward,
 mean cross-entropy and backward, in f32. Rounds alternate PyTorch and attnres; times are
@@ -30,7 +30,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "reference"))
 import reference as ref  # noqa: E402
 from attnres_run import run_attnres  # noqa: E402
 

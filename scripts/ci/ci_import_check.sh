@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs scripts/reference/check_import.py (a real GGUF model imported and checked against
+# transformers; docs/import.md), then scripts/reference/check_upcycle.py on the imported model,
+# in a Python environment of its own, installed from PyPI on first use and kept under
+# ~/.cache/attnres-import for later runs while the pinned versions in
+# scripts/reference/requirements.txt are unchanged (its comments do not count).
+# Needs python3 with venv and pip, PyPI, and the release build of attnres and of the tokenize
+# example (which `cargo test --release` leaves in target/release).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/attnres-import"
+venv="$cache/venv"
+stamp="$venv/.requirements"
+mkdir -p "$cache"
+pins() { grep -v '^#' "$1" 2>/dev/null; }
+if ! cmp -s <(pins scripts/reference/requirements.txt) <(pins "$stamp"); then
+    echo "import check: installing scripts/reference/requirements.txt into $venv (torch from PyPI: a few GB, minutes)"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check -r scripts/reference/requirements.txt
+    cp scripts/reference/requirements.txt "$stamp"
+fi
+[ -x target/release/attnres ] || cargo build --release --locked --bin attnres
+[ -x target/release/examples/tokenize ] || cargo build --release --locked --example tokenize
+# The imported model is kept for scripts/reference/check_upcycle.py (convert to AttnRes keeps
+# the function; docs/import.md, "Upcycling").
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$venv/bin/python" scripts/reference/check_import.py --cache "$cache/model" --keep "$work"
+"$venv/bin/python" scripts/reference/check_upcycle.py --model "$work/smollm2" --work "$work/upcycle"
