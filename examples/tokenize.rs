@@ -7,7 +7,7 @@
 //! `eot` (the end-of-text id).
 
 use anyhow::{Context, Result};
-use attnres::train::tokenizer::Bpe;
+use attnres::text::tokenizer::Bpe;
 use std::io::Read;
 use std::path::PathBuf;
 

@@ -1,50 +1,36 @@
 //! attnres: a pure-Rust engine for transformer language models with Attention Residuals.
 //!
-//! From the bottom up (each module uses only those above it in this list):
+//! The modules form layers, from the bottom up; a module uses only modules of the layers below
+//! its own, and the modules of one layer do not use each other (`tests/layers.rs` checks both,
+//! and that no two files use each other):
 //!
-//! - [`profile`], [`alloc`], [`fs`]: phase timers, the binary's allocator (which recycles large
-//!   buffers between steps), and files written atomically.
-//! - [`kernels`]: forward and backward of every operation, on contiguous f32 slices.
-//! - [`comm`]: communication between the ranks of a distributed run (MPI, or threads in tests)
-//!   and the gradient sums over them.
-//! - [`model`]: configuration, parameters, the residual connection (standard / full / block),
-//!   the transformer, decoding with a key/value cache, and checkpoints.
-//! - [`diagnostics`]: what a model does with its depth (RMS per sublayer, depth-attention
-//!   weights, gradient norms).
-//! - [`train`]: corpora, tokenizers, a run's settings, optimisers and the training loop.
-//! - [`presets`]: named run settings embedded from `configs/`.
-//! - [`suite`]: what a comparison trains: variants, named suites and the plan.
-//! - [`report`]: a comparison's report (statistics, figures, HTML) from its runs.
-//! - [`compare`]: trains a plan's runs, then writes the report.
-//! - [`pipeline`]: pipeline-parallel planning: chunks, the cross-stage cache's transfers and
-//!   the interleaved 1F1B schedule.
-//! - [`serve`]: the OpenAI-compatible HTTP server and its continuous-batching engine.
-//! - [`eval`], [`forward`], [`generate`], [`bench`]: the other commands of the binary: measuring
-//!   a model on a text, one batch through a model, text generation, and benchmarks.
-//! - [`import`]: Llama checkpoints from GGUF files and Hugging Face directories; [`chat`]: their
-//!   chat templates.
+//! 1. [`base`]: files written atomically, the binary's allocator, phase timers, the code
+//!    version, log lines and progress bars, the machine's memory.
+//! 2. [`text`]: tokenizers, chat templates, and text streamed back from tokens.
+//! 3. [`kernels`]: forward and backward of every operation, on contiguous f32 slices.
+//! 4. [`model`]: configuration, parameters, the residual connection (standard / full / block),
+//!    the transformer, decoding with a key/value cache, checkpoints and diagnostics.
+//! 5. [`train`], [`infer`], [`import`], side by side: training (data, settings, optimisers, the
+//!    loop, and parallel training over ranks); inference (generation, evaluation, one batch
+//!    through a model, and the OpenAI-compatible server); Llama checkpoints from GGUF files and
+//!    Hugging Face directories, and upcycling.
+//! 6. [`experiments`]: comparisons of residual modes over seeds with their report, and
+//!    benchmarks.
+//!
+//! The binary (`src/bin/attnres/`) parses the command line and calls these.
 
-pub mod alloc;
-pub mod bench;
-pub mod chat;
-pub mod comm;
-pub mod compare;
-pub mod diagnostics;
-pub mod eval;
-pub mod forward;
-pub mod fs;
-pub mod generate;
-pub mod import;
+pub mod base;
+pub mod text;
+
 pub mod kernels;
+
 pub mod model;
-pub mod pipeline;
-pub mod presets;
-pub mod profile;
-pub mod report;
-pub mod serve;
-pub mod suite;
+
+pub mod import;
+pub mod infer;
 pub mod train;
-pub mod version;
+
+pub mod experiments;
 
 #[cfg(test)]
 pub(crate) mod testutil;

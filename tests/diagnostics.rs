@@ -5,7 +5,7 @@
 
 mod common;
 
-use attnres::diagnostics::diagnose;
+use attnres::model::diagnostics::diagnose;
 use attnres::model::ResidualKind;
 use common::reference::{self, rms, Ref};
 use common::{noise, perturbed, tiny};

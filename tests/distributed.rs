@@ -254,7 +254,7 @@ fn planned_bytes(
     cache: &str,
     once: bool,
 ) -> u64 {
-    use attnres::pipeline::{bytes_per_token, transfers, Cache, Depth, Grads, Shape};
+    use attnres::train::parallel::plan::{bytes_per_token, transfers, Cache, Depth, Grads, Shape};
     let depth = Depth { sublayers: 8, block };
     let shape = Shape { stages: p, virtual_stages: v, micro_batches: 4 / replicas };
     let ts = transfers(&depth, &shape, Cache::parse(cache).unwrap());
@@ -328,7 +328,7 @@ fn each_rank_holds_its_stages_share(run: &Path, p: usize, v: usize) {
     let sublayers = 2 * config["num_hidden_layers"].as_u64().unwrap() as usize;
     let bytes = weights(run);
     let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let chunks = attnres::pipeline::chunk_bounds(sublayers, p * v);
+    let chunks = attnres::train::parallel::plan::chunk_bounds(sublayers, p * v);
     let (mut updated, mut embedding, mut total) = (vec![0u64; p], 0, 0);
     for (name, t) in tensors.tensors() {
         let size = t.shape().iter().product::<usize>() as u64;

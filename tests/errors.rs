@@ -62,8 +62,8 @@ fn report_with_a_broken_plan_names_the_file() {
     write("[]");
     report(dir);
     // Well-formed, but nothing to report on.
-    let base = attnres::suite::base(true).unwrap();
-    let empty = attnres::suite::Plan {
+    let base = attnres::experiments::suite::base(true).unwrap();
+    let empty = attnres::experiments::suite::Plan {
         suite: "residuals".into(),
         base,
         variants: vec![],

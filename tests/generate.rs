@@ -5,7 +5,7 @@
 
 mod common;
 
-use attnres::generate::{argmax, generate, GenerateOptions, Overflow, Sampling, StopReason};
+use attnres::infer::generate::{argmax, generate, GenerateOptions, Overflow, Sampling, StopReason};
 use attnres::model::checkpoint::{self, f32_values};
 use attnres::model::decode::KvCache;
 use attnres::model::{Config, Model, ResidualKind};

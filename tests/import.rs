@@ -6,7 +6,7 @@
 //! scripts/check_import.py (docs/import.md).
 
 use attnres::model::checkpoint;
-use attnres::train::tokenizer::Bpe;
+use attnres::text::tokenizer::Bpe;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::{Command, Output};
@@ -507,7 +507,7 @@ fn a_sentencepiece_gguf_gets_a_byte_fallback_tokenizer() {
     assert_eq!(bpe.decode(&bpe.encode("the €").unwrap()).unwrap(), "the €");
     // Streamed pieces keep their spaces: the decoder strips one leading space from the text,
     // not from every piece.
-    let mut stream = attnres::generate::TextStream::new(&bpe).after(Some(id("▁the")));
+    let mut stream = attnres::infer::generate::TextStream::new(&bpe).after(Some(id("▁the")));
     let pieces: String =
         [id("▁the"), id("▁t"), id("he")].iter().filter_map(|&t| stream.push(t)).collect();
     assert_eq!(pieces + &stream.finish().unwrap(), " the the");

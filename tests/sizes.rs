@@ -2,9 +2,9 @@
 //! the machine's memory, edited checkpoints, caches past the memory limit and out-of-range
 //! `--threads` get one-line errors; a long context costs nothing until tokens fill it.
 
-use attnres::generate::{generate, GenerateOptions, Overflow, Sampling};
+use attnres::base::memory::memory_limit;
+use attnres::infer::generate::{generate, GenerateOptions, Overflow, Sampling};
 use attnres::model::checkpoint;
-use attnres::model::config::memory_limit;
 use attnres::model::decode::KvCache;
 use attnres::model::{Config, Model, ResidualKind};
 use std::process::Command;

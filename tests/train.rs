@@ -41,7 +41,7 @@ const SETS: [&str; 9] = [
 
 /// The `tiny` preset with [`SETS`] and then `sets` laid over it, for runs in this process.
 fn in_process_config(sets: &[&str]) -> attnres::train::config::RunConfig {
-    attnres::presets::run_config("tiny")
+    attnres::train::presets::run_config("tiny")
         .unwrap()
         .with_overrides(&SETS.map(String::from))
         .unwrap()

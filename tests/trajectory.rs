@@ -1,7 +1,7 @@
 //! Training trajectories against the PyTorch reference (scripts/make_trajectory.py, float64):
 //! eight optimiser steps of a tiny model, AdamW (Block AttnRes) and Muon (Full AttnRes), each
 //! with warmup, cosine decay and gradient clipping active on some steps, run here through the
-//! training loop's own step (`train::run::optimizer_step`, at the learning rate of `lr_at`) and
+//! training loop's own step (`train::step::optimizer_step`, at the learning rate of `lr_at`) and
 //! compared step by step (learning rate, loss, gradient norm before clipping) and in the final
 //! weights.
 //! Regenerate with `python scripts/make_trajectory.py`.
@@ -10,7 +10,7 @@ mod common;
 
 use attnres::model::checkpoint::{self, f32_values};
 use attnres::train::optim::{lr_at, OptimConfig, Optimizer};
-use attnres::train::run::{optimizer_step, Pass};
+use attnres::train::step::{optimizer_step, Pass};
 use common::id_rows as rows;
 use safetensors::SafeTensors;
 use std::path::Path;

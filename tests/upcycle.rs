@@ -8,8 +8,8 @@
 mod common;
 
 use attnres::model::{checkpoint, Model, ResidualKind};
+use attnres::text::tokenizer::Bpe;
 use attnres::train::data::Corpus;
-use attnres::train::tokenizer::Bpe;
 use common::{leftovers, max_abs, noise, ok, perturbed, tiny, RunEnv};
 use std::path::Path;
 use std::process::Output;

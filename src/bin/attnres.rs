@@ -2,21 +2,24 @@
 //! library (`train`, `compare`, `report`, `eval`, `forward`, `generate`, `bench`).
 
 use anyhow::{bail, ensure, Context, Result};
-use attnres::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
+use attnres::base::progress::log;
+use attnres::infer::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
 use attnres::model::{checkpoint, Config, Model};
 use attnres::train::checkpoint::load_with_tokenizer;
 use attnres::train::config::RunConfig;
-use attnres::train::progress::log;
-use attnres::train::run::parallel::{Reduce, Reported};
-use attnres::train::run::pipeline::Layout;
+use attnres::train::parallel::pipeline::Layout;
+use attnres::train::parallel::{Reduce, Reported};
 use attnres::train::run::{self, TrainOptions};
-use attnres::{bench, compare, eval, forward, presets, suite};
+use attnres::{
+    experiments::bench, experiments::compare, experiments::suite, infer::eval, infer::forward,
+    train::presets,
+};
 use clap::{Args, Parser, Subcommand};
 use std::io::Write;
 use std::path::PathBuf;
 
 #[global_allocator]
-static ALLOC: attnres::alloc::Recycling = attnres::alloc::Recycling;
+static ALLOC: attnres::base::alloc::Recycling = attnres::base::alloc::Recycling;
 
 #[derive(Parser)]
 #[command(
@@ -406,7 +409,7 @@ fn main() {
             }
             // Under mpirun every rank has the same arguments: rank 0 alone says what is wrong
             // (the others stop quietly, as for any error another rank reports).
-            if attnres::comm::launched().is_some_and(|(_, rank)| rank != 0) {
+            if attnres::train::parallel::comm::launched().is_some_and(|(_, rank)| rank != 0) {
                 std::process::exit(0);
             }
             log(&format!("error: {}", usage_error(&e)));
@@ -507,7 +510,7 @@ fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
         Command::Bench(a) => bench_cmd(a),
         Command::Compare(a) => compare_cmd(a),
         Command::Report(a) => {
-            let page = attnres::report::write(&a.dir)?;
+            let page = attnres::experiments::report::write(&a.dir)?;
             log(&format!("report: {}", page.display()));
             Ok(())
         }
@@ -522,11 +525,11 @@ fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
             log(&done.line(&a.model, &a.out));
             Ok(())
         }
-        Command::Serve(a) => attnres::serve::run(attnres::serve::ServeOptions {
+        Command::Serve(a) => attnres::infer::serve::run(attnres::infer::serve::ServeOptions {
             model: a.model,
             host: a.host,
             port: a.port,
-            engine: attnres::serve::engine::EngineOptions {
+            engine: attnres::infer::serve::engine::EngineOptions {
                 max_batch: a.max_batch,
                 max_queue: a.max_queue,
                 prefill_tokens: a.prefill_tokens,
@@ -544,7 +547,7 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
 }
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
-    use attnres::pipeline::{Cache, Depth, PlanText, Shape};
+    use attnres::train::parallel::plan::{Cache, Depth, PlanText, Shape};
     let run = presets::run_config(&a.preset)?.with_overrides(&a.sets)?;
     let mut depth = Depth::of(&run.model);
     if let Some(l) = a.layers {
@@ -575,13 +578,13 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
 /// The ranks of an MPI job this process is one of (none when it runs alone). Only `train` runs
 /// on several ranks; without the `mpi` feature no command does.
 #[cfg(feature = "mpi")]
-type Ranks = attnres::comm::mpi::Mpi;
+type Ranks = attnres::train::parallel::comm::mpi::Mpi;
 #[cfg(not(feature = "mpi"))]
 type Ranks = std::convert::Infallible;
 
 #[cfg(feature = "mpi")]
 fn ranks(command: &Command) -> Result<Option<Ranks>> {
-    let Some((size, rank)) = attnres::comm::launched() else { return Ok(None) };
+    let Some((size, rank)) = attnres::train::parallel::comm::launched() else { return Ok(None) };
     if !matches!(command, Command::Train(_)) {
         // Every rank would do the same work: say so once.
         ensure!(rank != 0, "only train runs on several ranks; start this command without mpirun ({size} ranks here)");
@@ -592,7 +595,7 @@ fn ranks(command: &Command) -> Result<Option<Ranks>> {
 
 #[cfg(not(feature = "mpi"))]
 fn ranks(_: &Command) -> Result<Option<Ranks>> {
-    let Some((size, rank)) = attnres::comm::launched() else { return Ok(None) };
+    let Some((size, rank)) = attnres::train::parallel::comm::launched() else { return Ok(None) };
     ensure!(
         rank != 0,
         "this attnres was built without MPI, so the {size} ranks of mpirun would each train alone: build it with `cargo build --release --features mpi` (docs/distributed.md)"
@@ -623,7 +626,7 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
     } else {
         let base = match &a.config {
             Some(p) => {
-                let text = attnres::fs::read_utf8(p)?;
+                let text = attnres::base::fs::read_utf8(p)?;
                 if a.init.is_some() {
                     let doc: toml::Table = toml::from_str(&text)
                         .with_context(|| format!("{}: invalid TOML", p.display()))?;
@@ -652,10 +655,10 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
     let layout = Layout {
         stages: a.pp,
         virtual_stages: a.vpp,
-        cache: attnres::pipeline::Cache::parse(&a.pp_cache)?,
+        cache: attnres::train::parallel::plan::Cache::parse(&a.pp_cache)?,
         grads: match reduce {
-            Reduce::Exact => attnres::pipeline::Grads::InOrder,
-            Reduce::Mpi => attnres::pipeline::Grads::Once,
+            Reduce::Exact => attnres::train::parallel::plan::Grads::InOrder,
+            Reduce::Mpi => attnres::train::parallel::plan::Grads::Once,
         },
     };
     match ranks {
@@ -676,8 +679,8 @@ fn train_ranks(
     reduce: Reduce,
     layout: Layout,
 ) -> Result<()> {
-    use attnres::comm::Comm;
-    let group = attnres::train::run::parallel::Group::new(r, reduce).with_layout(layout);
+    use attnres::train::parallel::comm::Comm;
+    let group = attnres::train::parallel::Group::new(r, reduce).with_layout(layout);
     // Every rank has the same arguments: rank 0 alone says what is wrong.
     let group = match group {
         Err(e) if r.rank() == 0 => return Err(e),
@@ -723,7 +726,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         }
         (None, Some(f), _) => generate::read_prompts(f)?,
         (None, None, Some(message)) => {
-            let template = attnres::chat::ChatTemplate::load(&a.model)?;
+            let template = attnres::text::chat::ChatTemplate::load(&a.model)?;
             let mut messages = Vec::new();
             if let Some(s) = &a.system {
                 messages.push(("system", s.as_str()));
@@ -777,7 +780,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
 
 fn eval_cmd(a: EvalArgs) -> Result<()> {
     let (model, bpe) = load_with_tokenizer(&a.model)?;
-    let text = attnres::fs::read_utf8(&a.text)?;
+    let text = attnres::base::fs::read_utf8(&a.text)?;
     let m = eval::measure(&model, &bpe, &text, &a.text.display().to_string(), a.seq)?;
     if a.json {
         output(&format!(
@@ -830,7 +833,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     ensure!(a.batch > 0 && a.seq > 0 && a.steps > 0, "--batch, --seq and --steps must be positive");
     let base = a.model.config()?;
     let configs = bench::mode_configs(&base, &a.modes)?;
-    attnres::profile::enable(a.profile);
+    attnres::base::profile::enable(a.profile);
     if a.generate {
         return bench_generate(&a, &configs);
     }

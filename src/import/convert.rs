@@ -76,7 +76,7 @@ pub fn convert(model: &Path, sets: &[String], out: &Path, force: bool) -> Result
             return Ok(None);
         }
         carried.push(name);
-        crate::fs::read_utf8(&p).map(Some)
+        crate::base::fs::read_utf8(&p).map(Some)
     };
     let files = Files {
         tokenizer: carry(TOKENIZER_FILE)?,

@@ -15,11 +15,11 @@ pub mod convert;
 pub mod gguf;
 pub mod tokenizer;
 
-use crate::fs::write_atomic;
+use crate::base::fs::write_atomic;
 use crate::model::checkpoint::{self, CONFIG_FILE};
 use crate::model::params::Layout;
 use crate::model::{Config, Model};
-use crate::train::tokenizer::{eos_token, Bpe};
+use crate::text::tokenizer::{eos_token, Bpe};
 use anyhow::{bail, ensure, Context, Result};
 use gguf::{Gguf, Value};
 use serde_json::{json, Map, Value as Json};
@@ -402,7 +402,7 @@ const INDEX_FILE: &str = "model.safetensors.index.json";
 fn from_hf_dir(dir: &Path) -> Result<(Files, Summary)> {
     let cpath = dir.join(CONFIG_FILE);
     ensure!(cpath.exists(), "{} has no {CONFIG_FILE}", dir.display());
-    let config = hf_config(&crate::fs::read_utf8(&cpath)?)
+    let config = hf_config(&crate::base::fs::read_utf8(&cpath)?)
         .with_context(|| format!("in {}", cpath.display()))?;
     let shards = weight_files(dir)?;
     let layout = Layout::new(&config);
@@ -451,10 +451,10 @@ fn from_hf_dir(dir: &Path) -> Result<(Files, Summary)> {
     ensure!(missing.is_empty(), "the weights lack tensor(s): {}", missing.join(", "));
     let tpath = dir.join(TOKENIZER_FILE);
     ensure!(tpath.exists(), "{} has no {TOKENIZER_FILE}", dir.display());
-    let tokenizer = crate::fs::read_utf8(&tpath)?;
+    let tokenizer = crate::base::fs::read_utf8(&tpath)?;
     let tcpath = dir.join(TOKENIZER_CONFIG_FILE);
     let tokenizer_config =
-        if tcpath.exists() { Some(crate::fs::read_utf8(&tcpath)?) } else { None };
+        if tcpath.exists() { Some(crate::base::fs::read_utf8(&tcpath)?) } else { None };
     let tc_json = match &tokenizer_config {
         Some(t) => Some(
             serde_json::from_str::<Json>(t)
@@ -465,7 +465,8 @@ fn from_hf_dir(dir: &Path) -> Result<(Files, Summary)> {
     check_tokenizer(&tokenizer, tc_json.as_ref(), config.vocab_size)
         .with_context(|| format!("{} does not load", tpath.display()))?;
     let jpath = dir.join(CHAT_TEMPLATE_FILE);
-    let chat_template = if jpath.exists() { Some(crate::fs::read_utf8(&jpath)?) } else { None };
+    let chat_template =
+        if jpath.exists() { Some(crate::base::fs::read_utf8(&jpath)?) } else { None };
     let summary = Summary {
         source: dir.display().to_string(),
         config: config.clone(),
@@ -512,7 +513,7 @@ fn weight_files(dir: &Path) -> Result<Shards> {
     let single = dir.join(checkpoint::WEIGHTS_FILE);
     let index = dir.join(INDEX_FILE);
     if index.exists() {
-        let text = crate::fs::read_utf8(&index)?;
+        let text = crate::base::fs::read_utf8(&index)?;
         let v: Json = serde_json::from_str(&text)
             .with_context(|| format!("{} is not valid JSON", index.display()))?;
         let map: &Map<String, Json> = v["weight_map"]

@@ -9,8 +9,6 @@ pub mod attention;
 pub mod cross_entropy;
 pub mod depth;
 pub mod embedding;
-#[cfg(target_arch = "x86_64")]
-pub mod gemm;
 pub mod matmul;
 pub mod rmsnorm;
 pub mod rope;

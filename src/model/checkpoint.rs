@@ -2,10 +2,11 @@
 //! `num_blocks`) and `model.safetensors` (Hugging Face tensor names, f32). Files are written to
 //! a temporary name and renamed, so a crash never leaves a half-written file under the real name.
 
-use super::config::{format_bytes, Config};
+use super::config::Config;
 use super::params::Layout;
 use super::transformer::Model;
-use crate::fs::{write_atomic, write_atomic_parts};
+use crate::base::fs::{write_atomic, write_atomic_parts};
+use crate::base::memory::format_bytes;
 use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::borrow::Cow;
@@ -111,7 +112,7 @@ pub fn save(model: &Model, dir: &Path) -> Result<()> {
 pub fn load(dir: &Path) -> Result<Model> {
     ensure!(dir.is_dir(), "checkpoint {} is not a directory", dir.display());
     let cpath = dir.join(CONFIG_FILE);
-    let text = crate::fs::read_utf8(&cpath)?;
+    let text = crate::base::fs::read_utf8(&cpath)?;
     let config = Config::from_json(&text).with_context(|| format!("in {}", cpath.display()))?;
     let wpath = dir.join(WEIGHTS_FILE);
     // The file holds the parameters (f32) and a header; one far larger than the config implies
@@ -127,7 +128,7 @@ pub fn load(dir: &Path) -> Result<Model> {
         format_bytes(expected as u128),
         format_bytes(MAX_HEADER as u128)
     );
-    let bytes = crate::fs::read_bytes(&wpath)?;
+    let bytes = crate::base::fs::read_bytes(&wpath)?;
     let params = params_from_safetensors(&config, &bytes)
         .with_context(|| format!("in {}", wpath.display()))?;
     Model::new(config, params)

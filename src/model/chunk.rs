@@ -8,8 +8,8 @@
 use super::residual::{ResidualBackward, ResidualForward, SourceSums};
 use super::transformer::{AttnSaved, HeadSaved, MlpSaved, Scratch};
 use super::Model;
+use crate::base::profile::phase;
 use crate::kernels::{cross_entropy, embedding, zeros};
-use crate::profile::phase;
 use anyhow::Result;
 use std::ops::Range;
 

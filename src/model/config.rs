@@ -2,6 +2,7 @@
 //! `num_blocks`. Loading is strict: unknown keys and impossible values are errors that name
 //! the problem.
 
+use crate::base::memory::{format_bytes, memory_limit};
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -544,44 +545,6 @@ fn divisors(n: usize) -> Vec<usize> {
     small
 }
 
-/// Used when `/proc/meminfo` cannot be read: 64 GiB.
-pub const FALLBACK_MEMORY_LIMIT: u64 = 64 << 30;
-
-/// The most memory one model, cache or batch may take: the machine's total memory
-/// (`MemTotal` of `/proc/meminfo`), or [`FALLBACK_MEMORY_LIMIT`] where that is not available.
-pub fn memory_limit() -> u64 {
-    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *LIMIT.get_or_init(|| {
-        std::fs::read_to_string("/proc/meminfo")
-            .ok()
-            .and_then(|t| mem_total(&t))
-            .unwrap_or(FALLBACK_MEMORY_LIMIT)
-    })
-}
-
-/// `MemTotal` in bytes from the text of `/proc/meminfo`.
-fn mem_total(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let mut words = line["MemTotal:".len()..].split_whitespace();
-    let kib: u64 = words.next()?.parse().ok()?;
-    (words.next() == Some("kB")).then(|| kib.checked_mul(1024)).flatten().filter(|&b| b > 0)
-}
-
-/// A byte count for people: `14.7 TB`, `512.0 MB`, `12 bytes` (decimal units).
-pub fn format_bytes(bytes: u128) -> String {
-    let units = ["KB", "MB", "GB", "TB", "PB", "EB"];
-    if bytes < 1000 {
-        return format!("{bytes} bytes");
-    }
-    let mut x = bytes as f64 / 1000.0;
-    let mut unit = 0;
-    while x >= 1000.0 && unit + 1 < units.len() {
-        x /= 1000.0;
-        unit += 1;
-    }
-    format!("{x:.1} {}", units[unit])
-}
-
 impl Config {
     /// The residual connection in one word, as logs and reports show it: `standard`, `full`, or
     /// `block` followed by the number of blocks.
@@ -635,13 +598,7 @@ mod tests {
     }
 
     #[test]
-    fn memory_and_divisor_helpers() {
-        assert_eq!(mem_total("MemTotal:       16318480 kB\nMemFree: 1 kB\n"), Some(16710123520));
-        assert_eq!(mem_total("MemFree: 1 kB\n"), None);
-        assert_eq!(mem_total("MemTotal: lots kB\n"), None);
-        assert!(memory_limit() > 0);
-        assert_eq!(format_bytes(999), "999 bytes");
-        assert_eq!(format_bytes(14_700_000_000_000), "14.7 TB");
+    fn divisors_of_small_and_large_counts() {
         assert_eq!(divisors(12), [1, 2, 3, 4, 6, 12]);
         assert_eq!(divisors(16), [1, 2, 4, 8, 16]);
         assert_eq!(divisors(1), [1]);

@@ -11,14 +11,15 @@
 //! docs/method.md §7 (phase 1 once per block for all of its sublayers, phase 2 per sublayer).
 //! Unlike the key/value cache it is not kept once the token's logits exist.
 
-use super::config::{format_bytes, memory_limit, Config};
+use super::config::Config;
 use super::residual::ResidualForward;
 use super::transformer::Model;
+use crate::base::memory::{format_bytes, memory_limit};
+use crate::base::profile::phase;
 use crate::kernels::attention::{self, AttnShape, Span};
 use crate::kernels::matmul::linear;
 use crate::kernels::rope::Positions;
 use crate::kernels::{embedding, zeros};
-use crate::profile::phase;
 use anyhow::{bail, ensure, Result};
 use std::sync::Arc;
 

@@ -1,9 +1,11 @@
-//! The model: configuration, parameters, the residual connection and the transformer.
+//! The model: configuration, parameters, the residual connection, the transformer, decoding,
+//! checkpoints, and diagnostics of what a model does with its depth.
 
 pub mod checkpoint;
 pub mod chunk;
 pub mod config;
 pub mod decode;
+pub mod diagnostics;
 pub mod params;
 pub mod residual;
 pub mod transformer;

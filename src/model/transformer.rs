@@ -4,12 +4,12 @@
 use super::config::Config;
 use super::params::{LayerParams, Layout};
 use super::residual::{ResidualBackward, ResidualForward};
+use crate::base::profile::phase;
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear, linear_backward};
 use crate::kernels::rmsnorm::mean_rms;
 use crate::kernels::rope::{self, Positions, RopeTable};
 use crate::kernels::{cross_entropy, rmsnorm, swiglu, zeros};
-use crate::profile::phase;
 use anyhow::{ensure, Result};
 
 pub struct Model {

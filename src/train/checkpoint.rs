@@ -7,11 +7,11 @@
 
 use super::config::RunConfig;
 use super::optim::Optimizer;
-use super::tokenizer::Bpe;
-use crate::fs::write_atomic;
+use crate::base::fs::write_atomic;
+use crate::base::version::CodeVersion;
 use crate::model::checkpoint::{self, f32_values, le_bytes, safetensors_header};
 use crate::model::Model;
-use crate::version::CodeVersion;
+use crate::text::tokenizer::Bpe;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -122,7 +122,7 @@ pub(super) fn remove_stale_temporaries(out: &Path) -> Result<()> {
         for e in entries.flatten() {
             let name = e.file_name();
             let name = name.to_string_lossy();
-            if crate::fs::is_temporary(&name) {
+            if crate::base::fs::is_temporary(&name) {
                 let p = e.path();
                 std::fs::remove_file(&p)
                     .with_context(|| format!("cannot remove {}", p.display()))?;
@@ -136,7 +136,7 @@ pub(super) fn remove_stale_temporaries(out: &Path) -> Result<()> {
 /// ill-typed and invalid settings are errors naming the file and the key.
 pub(super) fn read_state(dir: &Path) -> Result<TrainState> {
     let path = dir.join("train_state.json");
-    let text = crate::fs::read_utf8(&path)?;
+    let text = crate::base::fs::read_utf8(&path)?;
     let mut v: Value = serde_json::from_str(&text)
         .with_context(|| format!("the checkpoint's {} is corrupt", path.display()))?;
     let run = v
@@ -284,7 +284,7 @@ pub(super) fn save(
         let shapes: Vec<(String, Vec<usize>)> =
             STATE_TENSORS.iter().map(|t| (t.to_string(), vec![n])).collect();
         let header = safetensors_header(&shapes, Some(meta))?;
-        crate::fs::write_atomic_with(&tmp.join("optimizer.safetensors"), |w| {
+        crate::base::fs::write_atomic_with(&tmp.join("optimizer.safetensors"), |w| {
             w.write_all(&header)?;
             (0..STATE_TENSORS.len()).try_for_each(|i| w.write_all(&le_bytes(state.tensor(i))))
         })?;
@@ -325,7 +325,7 @@ pub(super) fn read_tokenizer_extras(dir: &Path) -> Result<Vec<(String, String)>>
     for name in TOKENIZER_EXTRAS {
         let p = dir.join(name);
         if p.exists() {
-            found.push((name.to_string(), crate::fs::read_utf8(&p)?));
+            found.push((name.to_string(), crate::base::fs::read_utf8(&p)?));
         }
     }
     Ok(found)
@@ -333,7 +333,7 @@ pub(super) fn read_tokenizer_extras(dir: &Path) -> Result<Vec<(String, String)>>
 
 /// Restores the optimiser's step and moments.
 pub(super) fn load_optimizer(opt: &mut Optimizer, path: &Path) -> Result<()> {
-    let bytes = crate::fs::read_bytes(path)?;
+    let bytes = crate::base::fs::read_bytes(path)?;
     let st = safetensors::SafeTensors::deserialize(&bytes)
         .map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", path.display()))?;
     let (_, meta) =

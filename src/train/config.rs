@@ -2,7 +2,7 @@
 //! from TOML (a preset or the user's file) and changed by `key=value` overrides.
 
 use super::optim::OptimConfig;
-use crate::model::config::{format_bytes, memory_limit};
+use crate::base::memory::{format_bytes, memory_limit};
 use crate::model::Config;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};

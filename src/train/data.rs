@@ -135,7 +135,7 @@ fn collect_files(dir: &Path, out: &mut Vec<PathBuf>, seen: &mut HashSet<PathBuf>
 }
 
 fn read_documents(path: &Path) -> Result<Vec<String>> {
-    let text = crate::fs::read_utf8(path)?;
+    let text = crate::base::fs::read_utf8(path)?;
     if path.extension().and_then(|e| e.to_str()) != Some("jsonl") {
         return Ok(split_documents(&text));
     }

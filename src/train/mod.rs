@@ -1,19 +1,20 @@
-//! Training: corpora, tokenizers, token caches, settings, optimisers, schedules and the
-//! training loop.
+//! Training: corpora, token caches, settings, optimisers, schedules, the training loop and
+//! training over several ranks.
 //!
-//! - [`data`]: text corpora and the train/validation split.
-//! - [`tokenizer`], [`tokens`]: the byte-level BPE and the cached token stream.
-//! - [`config`]: a run's settings.
+//! - [`data`]: text corpora and the train/validation split; [`tokens`]: the cached token stream.
+//! - [`config`]: a run's settings; [`presets`]: the named settings embedded from `configs/`.
 //! - [`optim`]: AdamW, Muon and the learning-rate schedule.
 //! - [`run`]: the training loop; [`checkpoint`]: the run directory it writes;
-//!   [`progress`]: its output; [`validation`]: its loss measurements.
+//!   [`validation`]: its loss measurements.
+//! - [`parallel`]: data and pipeline parallelism over the ranks of an MPI job.
 
 pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod optim;
-pub mod progress;
+pub mod parallel;
+pub mod presets;
 pub mod run;
-pub mod tokenizer;
+pub mod step;
 pub mod tokens;
 pub mod validation;

@@ -7,7 +7,7 @@
 //! `ATRTOK01`, then `u64` train and validation token counts, then the `u32` tokens.
 
 use super::data::Split;
-use super::tokenizer::Bpe;
+use crate::text::tokenizer::Bpe;
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
 use rand_chacha::ChaCha8Rng;
@@ -86,7 +86,7 @@ impl Tokens {
         }
         std::fs::create_dir_all(&dir)
             .with_context(|| format!("cannot create the cache directory {}", dir.display()))?;
-        crate::fs::write_atomic(&path, &bytes)?;
+        crate::base::fs::write_atomic(&path, &bytes)?;
         Ok((Self::open(&path, val_bytes)?, false))
     }
 

@@ -9,10 +9,10 @@
 //! request does not depend on what else is in the batch.
 
 use super::metrics::Metrics;
-use crate::generate::{Sampler, Sampling};
+use crate::infer::generate::{Sampler, Sampling};
 use crate::model::decode::KvCache;
 use crate::model::Model;
-use crate::train::tokenizer::Bpe;
+use crate::text::tokenizer::Bpe;
 use anyhow::{Context, Result};
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;

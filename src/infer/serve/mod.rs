@@ -9,10 +9,10 @@
 pub mod engine;
 pub mod metrics;
 
-use crate::generate::Sampling;
+use crate::base::progress::log;
+use crate::infer::generate::Sampling;
 use crate::model::Model;
-use crate::train::progress::log;
-use crate::train::tokenizer::Bpe;
+use crate::text::tokenizer::Bpe;
 use anyhow::{Context, Result};
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -49,7 +49,7 @@ struct App {
     max_choices: usize,
     metrics: Arc<Metrics>,
     /// The model's own chat template (an imported instruction model), else the plain one.
-    chat: Option<crate::chat::ChatTemplate>,
+    chat: Option<crate::text::chat::ChatTemplate>,
     /// Numbers the ids of responses.
     next_id: AtomicU64,
     started: u64,
@@ -58,7 +58,7 @@ struct App {
 /// Serves until SIGTERM or Ctrl-C; requests under way are finished before it returns.
 pub fn run(opts: ServeOptions) -> Result<()> {
     let (model, bpe) = crate::train::checkpoint::load_with_tokenizer(&opts.model)?;
-    crate::generate::check_tokenizer(model.config.vocab_size, &bpe)?;
+    crate::infer::generate::check_tokenizer(model.config.vocab_size, &bpe)?;
     let name = match &opts.name {
         Some(n) => n.clone(),
         None => opts
@@ -72,7 +72,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     anyhow::ensure!(e.max_batch >= 1, "--max-batch must be at least 1");
     anyhow::ensure!(e.max_queue >= 1, "--max-queue must be at least 1");
     anyhow::ensure!(e.prefill_tokens >= 1, "--prefill-tokens must be at least 1");
-    let chat = crate::chat::ChatTemplate::find(&opts.model)?;
+    let chat = crate::text::chat::ChatTemplate::find(&opts.model)?;
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
     let context = model.config.max_position_embeddings;

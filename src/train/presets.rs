@@ -8,10 +8,10 @@ use serde_json::{Map, Value};
 pub const DEFAULT_PRESET: &str = "small";
 
 const PRESETS: &[(&str, &str)] = &[
-    ("tiny", include_str!("../configs/tiny.toml")),
-    ("small", include_str!("../configs/small.toml")),
-    ("compare", include_str!("../configs/compare.toml")),
-    ("compare-quick", include_str!("../configs/compare-quick.toml")),
+    ("tiny", include_str!("../../configs/tiny.toml")),
+    ("small", include_str!("../../configs/small.toml")),
+    ("compare", include_str!("../../configs/compare.toml")),
+    ("compare-quick", include_str!("../../configs/compare-quick.toml")),
 ];
 
 pub fn names() -> Vec<&'static str> {

@@ -2,7 +2,7 @@
 //! byte, over windows of the model's context.
 
 use crate::model::Model;
-use crate::train::tokenizer::Bpe;
+use crate::text::tokenizer::Bpe;
 use crate::train::validation::windowed_loss;
 use anyhow::{ensure, Context, Result};
 

@@ -4,7 +4,7 @@
 use super::figures::Figure;
 use super::stat::{Scaling, Stat};
 use super::Row;
-use crate::suite::Plan;
+use crate::experiments::suite::Plan;
 use std::fmt::Write as _;
 
 fn esc(s: &str) -> String {
@@ -64,7 +64,7 @@ pub(super) fn page(
         h,
         "<p>Runs made by attnres {}; this page by attnres {}.</p>",
         esc(&code_versions.join(", ")),
-        esc(&crate::version::CodeVersion::current().to_string())
+        esc(&crate::base::version::CodeVersion::current().to_string())
     );
     h.push_str("<table><tr><th>variant</th><th>settings</th><th>seeds</th><th>parameters</th><th>val loss</th><th>val bits/byte</th><th>Δ loss vs baseline</th><th>train tokens/s</th><th>training overhead</th></tr>\n");
     for r in rows {

@@ -16,14 +16,14 @@
 //! rank; the tied embedding/head matrix is the exception: the first stage sends the embedding
 //! output's gradient to the last stage, which adds it after the head's, as one process does.
 
-use super::parallel::Group;
-use super::Pass;
-use crate::comm::{Comm, Receiving};
+use super::comm::{Comm, Receiving};
+use super::plan::{self, chunk_bounds, Cache, Depth, Grads, Op, Shape, Transfer};
+use super::Group;
 use crate::model::chunk::{ChunkForward, ChunkGradIn};
 use crate::model::params::Layout as ParamLayout;
 use crate::model::residual::{ResidualForward, SourceSums};
 use crate::model::{Config, Model};
-use crate::pipeline::{self, chunk_bounds, Cache, Depth, Grads, Op, Shape, Transfer};
+use crate::train::step::Pass;
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -164,8 +164,8 @@ impl Stage {
             shape,
             depth,
             bounds,
-            transfers: pipeline::transfers(&depth, &shape, layout.cache),
-            ops: pipeline::schedule(&shape)[stage].clone(),
+            transfers: plan::transfers(&depth, &shape, layout.cache),
+            ops: plan::schedule(&shape)[stage].clone(),
             stage,
             replica: rank / layout.stages,
             tied: c.tie_word_embeddings,
@@ -758,9 +758,9 @@ pub(super) fn stage_of(g: &Group, c: &Config, accumulation: usize) -> Result<Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm;
     use crate::kernels;
     use crate::model::config::ResidualKind;
+    use crate::train::parallel::comm;
 
     /// A small model: 3 layers (6 sublayers), so that chunks of 1 and 2 sublayers and blocks of
     /// 2 and 3 cross each other.

@@ -16,7 +16,7 @@
 //! destination), whatever the shape, the split, the threads and the kernel: the result depends
 //! only on the operands and `k`, so both kernels give the same bits.
 
-use super::matmul::Strided;
+use super::strided::Strided;
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 

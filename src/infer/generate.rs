@@ -16,7 +16,7 @@
 
 use crate::model::decode::KvCache;
 use crate::model::Model;
-use crate::train::tokenizer::Bpe;
+use crate::text::tokenizer::Bpe;
 use anyhow::{bail, ensure, Result};
 use rand_chacha::ChaCha8Rng;
 use rand_core::{Rng, SeedableRng};
@@ -262,7 +262,7 @@ pub fn generate(
 
 /// The prompts of a UTF-8 file, one per line; an empty file or an empty line is an error.
 pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
-    let text = crate::fs::read_utf8(path)?;
+    let text = crate::base::fs::read_utf8(path)?;
     let lines: Vec<String> = text.lines().map(str::to_string).collect();
     ensure!(!lines.is_empty(), "{} holds no prompts", path.display());
     if let Some(i) = lines.iter().position(|l| l.is_empty()) {

@@ -7,13 +7,13 @@
 //! resumed, so running the same command again continues where it stopped; a run trained with
 //! other settings is an error, never silently reused.
 
-use crate::fs::write_atomic;
-use crate::suite::{Plan, PLAN};
+use crate::base::fs::write_atomic;
+use crate::base::progress::{log, new_progress_bar, SharedBar};
+use crate::base::version::CodeVersion;
+use crate::experiments::suite::{Plan, PLAN};
 use crate::train::config::{first_difference, lookup, RunConfig};
 use crate::train::data::Corpus;
-use crate::train::progress::{log, new_progress_bar, SharedBar};
 use crate::train::run::{self, TrainOptions};
-use crate::version::CodeVersion;
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -182,7 +182,7 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let page = crate::report::write(out)?;
+    let page = crate::experiments::report::write(out)?;
     log(&format!("report: {}", page.display()));
     Ok(())
 }
@@ -205,7 +205,7 @@ mod tests {
     fn status_fills_new_settings_with_defaults() {
         let tmp = std::env::temp_dir().join(format!("attnres-status-{}", std::process::id()));
         std::fs::create_dir_all(tmp.join("ckpt")).unwrap();
-        let want = crate::suite::base(true).unwrap();
+        let want = crate::experiments::suite::base(true).unwrap();
         let mut run = serde_json::to_value(&want).unwrap();
         run["model"].as_object_mut().unwrap().retain(|k, _| !k.starts_with("attn_res_"));
         let write = |run: &Value| {
@@ -229,8 +229,8 @@ mod tests {
     #[test]
     fn a_plan_without_runs_is_replaced() {
         let tmp = tempfile::tempdir().unwrap();
-        let base = crate::suite::base(true).unwrap();
-        let variants = crate::suite::suite("residuals", &base).unwrap();
+        let base = crate::experiments::suite::base(true).unwrap();
+        let variants = crate::experiments::suite::suite("residuals", &base).unwrap();
         let old = Plan {
             suite: "residuals".into(),
             base,

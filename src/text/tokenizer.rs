@@ -75,10 +75,10 @@ impl Bpe {
     /// Loads `tokenizer.json`. When a `tokenizer_config.json` lies beside it (an imported
     /// model's, docs/import.md) and names an `eos_token`, that token ends the text.
     pub fn load(path: &Path) -> Result<Bpe> {
-        let json = crate::fs::read_utf8(path)?;
+        let json = crate::base::fs::read_utf8(path)?;
         let config_path = path.with_file_name("tokenizer_config.json");
         let config: Option<serde_json::Value> = if config_path.exists() {
-            let text = crate::fs::read_utf8(&config_path)?;
+            let text = crate::base::fs::read_utf8(&config_path)?;
             Some(
                 serde_json::from_str(&text)
                     .with_context(|| format!("{} is not valid JSON", config_path.display()))?,

@@ -41,14 +41,14 @@ impl ChatTemplate {
     pub fn find(dir: &Path) -> Result<Option<ChatTemplate>> {
         let cpath = dir.join("tokenizer_config.json");
         let config: Json = if cpath.exists() {
-            serde_json::from_str(&crate::fs::read_utf8(&cpath)?)
+            serde_json::from_str(&crate::base::fs::read_utf8(&cpath)?)
                 .with_context(|| format!("{} is not valid JSON", cpath.display()))?
         } else {
             Json::Null
         };
         let jpath = dir.join("chat_template.jinja");
         let source = if jpath.exists() {
-            crate::fs::read_utf8(&jpath)?
+            crate::base::fs::read_utf8(&jpath)?
         } else {
             match &config["chat_template"] {
                 Json::String(s) => s.clone(),

@@ -5,8 +5,8 @@
 
 use crate::model::params::Layout;
 use crate::model::Config;
-use crate::presets;
 use crate::train::config::RunConfig;
+use crate::train::presets;
 use anyhow::{bail, ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};

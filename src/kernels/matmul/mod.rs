@@ -1,27 +1,13 @@
-//! Matrix products: our own kernels (`super::gemm`) on processors with AVX2 and FMA (and
+//! Matrix products: our own kernels ([`x86`]) on processors with AVX2 and FMA (and
 //! AVX-512 where present), the `gemm` crate elsewhere. A Linear layer stores its weight as
 //! `[out, in]` (Hugging Face layout), so forward is `Y = X · Wᵀ`.
 
+mod strided;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
 use gemm::Parallelism;
-
-/// A strided view for `gemm`: element (r, c) lives at `ptr + r*rs + c*cs`.
-#[derive(Clone, Copy)]
-pub struct Strided {
-    pub ptr: *const f32,
-    pub rs: isize,
-    pub cs: isize,
-}
-
-impl Strided {
-    /// Row-major `[rows, cols]` matrix.
-    pub fn rows(m: &[f32], cols: usize) -> Self {
-        Strided { ptr: m.as_ptr(), rs: cols as isize, cs: 1 }
-    }
-    /// The transpose of a row-major `[rows, cols]` matrix.
-    pub fn transposed(m: &[f32], cols: usize) -> Self {
-        Strided { ptr: m.as_ptr(), rs: 1, cs: cols as isize }
-    }
-}
+pub use strided::Strided;
 
 /// How many threads `gemm` may use: all of rayon's for top-level products; one inside a
 /// parallel loop.
@@ -67,14 +53,14 @@ pub unsafe fn gemm_strided(
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(kernel) = super::gemm::chosen() {
+    if let Some(kernel) = x86::chosen() {
         let threads = match par {
             Parallelism::None => 1,
             Parallelism::Rayon(0) => rayon::current_num_threads(),
             Parallelism::Rayon(n) => n,
         };
         // SAFETY: the processor qualifies (just checked), and the contract above is its own.
-        return super::gemm::gemm(
+        return x86::gemm(
             kernel, m, n, k, dst, dst_rs, dst_cs, accumulate, lhs, rhs, alpha, threads,
         );
     }

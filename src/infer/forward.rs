@@ -1,7 +1,7 @@
 //! `attnres forward`: one batch of token ids from a JSON file through a checkpoint; the logits,
 //! and with targets the loss and the gradient of every parameter, as safetensors.
 
-use crate::fs::write_atomic;
+use crate::base::fs::write_atomic;
 use crate::model::checkpoint::safetensors_bytes;
 use crate::model::Model;
 use anyhow::{ensure, Context, Result};
@@ -18,7 +18,7 @@ pub struct BatchFile {
 
 impl BatchFile {
     pub fn read(path: &Path) -> Result<BatchFile> {
-        let text = crate::fs::read_utf8(path)?;
+        let text = crate::base::fs::read_utf8(path)?;
         serde_json::from_str(&text)
             .with_context(|| format!("{} is not a valid batch file", path.display()))
     }

@@ -198,7 +198,7 @@ pub fn run(
             let (loss, grads) = m.backward(&f, &targets)?;
             let dt = t.elapsed().as_secs_f64();
             std::hint::black_box((loss, grads));
-            let prof = crate::profile::take();
+            let prof = crate::base::profile::take();
             if round >= warmup {
                 times[i].push(dt);
                 for (name, secs, _) in prof {
@@ -419,7 +419,7 @@ pub fn run_generate(
                 std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
                 pre[i] = t.elapsed().as_secs_f64();
             }
-            crate::profile::take();
+            crate::base::profile::take();
             for turn in (0..new_tokens).step_by(TURN) {
                 for &i in &order {
                     for step in turn..(turn + TURN).min(new_tokens) {
@@ -429,7 +429,7 @@ pub fn run_generate(
                         let t = Instant::now();
                         std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
                         let secs = t.elapsed().as_secs_f64();
-                        let phase_times = crate::profile::take();
+                        let phase_times = crate::base::profile::take();
                         if step == turn {
                             continue;
                         }

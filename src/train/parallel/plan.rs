@@ -456,7 +456,7 @@ impl PlanText<'_> {
                 Cache::Received => format!("Eq. 8: {eq8:.1}"),
                 Cache::Kept => "-".into(),
             };
-            let bytes = crate::model::config::format_bytes;
+            let bytes = crate::base::memory::format_bytes;
             writeln!(
                 o,
                 "  {:<9} {:>8} {:>16} {:>8} {:>6} {:>14} {:>14} {:>14} {:>18}",
@@ -473,7 +473,7 @@ impl PlanText<'_> {
         }
         writeln!(o, "  (blocks: completed blocks sent, the formulas' unit N_p·d with N_p = {:.3} blocks per chunk; vectors add the embedding and partial sums)", depth.blocks() as f64 / shape.chunks() as f64)?;
         if tied > 0 {
-            writeln!(o, "  (bytes/step: one pipeline's step, with the tied LM head's gradient of the embedding output, {} per token, from the first stage to the last)", crate::model::config::format_bytes(tied as u128))?;
+            writeln!(o, "  (bytes/step: one pipeline's step, with the tied LM head's gradient of the embedding output, {} per token, from the first stage to the last)", crate::base::memory::format_bytes(tied as u128))?;
         }
 
         let ops = schedule(shape);

@@ -1,6 +1,6 @@
 //! The comparison report: `index.html` with SVG figures (drawn with `plotters`) and a
 //! machine-readable `summary.json`, built from the runs of a report directory
-//! (the [`crate::suite::Plan`] that `compare` trained).
+//! (the [`crate::experiments::suite::Plan`] that `compare` trained).
 //!
 //! Figures: validation loss over training for every variant; the RMS of every sublayer's output
 //! and of the input it reads (docs/method.md §6: growth with depth for the baseline, bounded for
@@ -17,10 +17,10 @@ mod stat;
 
 pub use stat::{paired_differences, stat, PowerLaw, ScalePoint, Scaling, Stat};
 
-use crate::diagnostics::Diagnostics;
-use crate::fs::write_atomic;
-use crate::suite::{non_embedding_parameters, Plan, Variant};
-use crate::version::CodeVersion;
+use crate::base::fs::write_atomic;
+use crate::base::version::CodeVersion;
+use crate::experiments::suite::{non_embedding_parameters, Plan, Variant};
+use crate::model::diagnostics::Diagnostics;
 use anyhow::{Context, Result};
 use serde::Serialize;
 use serde_json::Value;

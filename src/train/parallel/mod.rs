@@ -9,25 +9,25 @@
 //! A failure on any rank is agreed on at fixed points ([`Group::agree`]): every rank stops
 //! there, and only the first failing rank prints its error (and exits with status 1).
 
-use super::pipeline::{Layout, Stage, StepTraffic};
-use super::{
-    apply_gradients, backward_each, check_loss, whole_norms, Pass, Position, StepOutcome,
-    Throughput, Trainer,
-};
-use super::{Model, Optimizer, Progress, TrainOptions, Whole};
-use crate::comm::{self, Comm};
+pub mod comm;
+pub mod fault;
+pub mod pipeline;
+pub mod plan;
+
 use crate::model::params::Layout as ParamLayout;
-use crate::train::checkpoint::{self as run_dir, StateSource};
-use crate::train::config::{RunConfig, TrainConfig};
-use crate::train::data::Corpus;
-use crate::train::tokenizer::Bpe;
-use crate::train::tokens::{Tokens, WindowOrder};
-use anyhow::{bail, ensure, Context, Result};
+use crate::model::Model;
+use crate::train::checkpoint::StateSource;
+use crate::train::config::TrainConfig;
+use crate::train::optim::Optimizer;
+use crate::train::step::{
+    apply_gradients, backward_each, check_loss, whole_norms, Pass, StepOutcome,
+};
+use anyhow::{bail, ensure, Result};
+use comm::Comm;
+use pipeline::{Layout, Stage, StepTraffic};
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use std::cell::{Cell, RefCell};
-use std::path::PathBuf;
 use std::time::Instant;
 
 /// How the ranks add their gradients.
@@ -74,14 +74,14 @@ impl std::error::Error for Reported {}
 
 /// The ranks that train one run together, as seen from one of them.
 pub struct Group<'c> {
-    comm: &'c dyn Comm,
+    pub(crate) comm: &'c dyn Comm,
     pub reduce: Reduce,
     /// How the ranks cut the model into pipeline stages (none: pure data parallelism).
     pub layout: Layout,
     /// This rank's stage, once the run's model is known.
-    stage: RefCell<Option<Stage>>,
+    pub(crate) stage: RefCell<Option<Stage>>,
     /// On rank 0 of a pipeline: the stages of the first replica, whose parts it puts together.
-    first_replica: RefCell<Vec<Stage>>,
+    pub(crate) first_replica: RefCell<Vec<Stage>>,
     /// Seconds this session's steps spent computing chunks and waiting for messages.
     pipe_seconds: Cell<(f64, f64)>,
     /// Set once the ranks have agreed on a failure (so all of them stop together).
@@ -128,7 +128,7 @@ impl<'c> Group<'c> {
     }
 
     /// `buf` of rank 0 on every rank.
-    pub(super) fn broadcast_from_leader(&self, buf: &mut [u8]) {
+    pub(crate) fn broadcast_from_leader(&self, buf: &mut [u8]) {
         self.comm.broadcast_u8(0, buf);
     }
 
@@ -142,7 +142,7 @@ impl<'c> Group<'c> {
     /// computing chunks and into waiting for (or posting) messages: the log's lines and the
     /// figures for `summary.json`. Every rank calls this; rank 0 uses the result.
     /// Also what each rank holds (`model`, `opt`: its own) and its peak resident memory.
-    fn timings(&self, model: &Model, opt: &Optimizer) -> (Vec<String>, Value) {
+    pub(crate) fn timings(&self, model: &Model, opt: &Optimizer) -> (Vec<String>, Value) {
         let (compute, wait) = self.pipe_seconds.get();
         let mine = [
             self.step_seconds.get() as f32,
@@ -213,15 +213,15 @@ impl<'c> Group<'c> {
     /// share, so that the running sum of [`comm::sum_in_order`] passes each rank once.
     /// Under pipeline parallelism the share is the replica's: every stage of it runs the same
     /// micro-batches.
-    pub(super) fn share(&self, accumulation: usize) -> std::ops::Range<usize> {
+    pub(crate) fn share(&self, accumulation: usize) -> std::ops::Range<usize> {
         let per = accumulation / self.replicas();
         let replica = self.rank() / self.layout.stages;
         replica * per..(replica + 1) * per
     }
 
     /// Sets this rank's pipeline stage up for the run's model and step.
-    pub(super) fn set_stage(&self, c: &crate::model::Config, accumulation: usize) -> Result<()> {
-        *self.stage.borrow_mut() = super::pipeline::stage_of(self, c, accumulation)?;
+    pub(crate) fn set_stage(&self, c: &crate::model::Config, accumulation: usize) -> Result<()> {
+        *self.stage.borrow_mut() = pipeline::stage_of(self, c, accumulation)?;
         if self.leads() && self.layout.is_pipeline() {
             let m = accumulation / self.replicas();
             *self.first_replica.borrow_mut() = (0..self.layout.stages)
@@ -268,7 +268,7 @@ impl<'c> Group<'c> {
     /// One optimiser step over the ranks: this rank's micro-batches forward and backward (on
     /// its pipeline stage, if any), the gradients of all of them added over the ranks, then the
     /// same update on every rank.
-    pub(super) fn optimizer_step(
+    pub(crate) fn optimizer_step(
         &self,
         model: &mut Model,
         opt: &mut Optimizer,
@@ -382,7 +382,7 @@ impl<'c> Group<'c> {
     ) -> Result<(Vec<f32>, Vec<f32>, u64)> {
         let n = model.layout.updated();
         let mut traffic = StepTraffic::default();
-        fault_point_kill(self.rank(), step + 1);
+        fault::fault_point_kill(self.rank(), step + 1);
         // Nothing in the passes fails but a bug, and the other ranks may be waiting for this
         // one's messages: such an error is not agreed on, so the job ends through MPI_Abort.
         // The first replica's sum starts from zero: it adds its micro-batches as they complete.
@@ -412,7 +412,7 @@ impl<'c> Group<'c> {
 }
 
 /// Refuses a step that `ranks` ranks cannot share evenly.
-pub(super) fn check_share(tc: &TrainConfig, ranks: usize) -> Result<()> {
+pub(crate) fn check_share(tc: &TrainConfig, ranks: usize) -> Result<()> {
     let a = tc.accumulation();
     ensure!(
         a.is_multiple_of(ranks),
@@ -424,37 +424,10 @@ pub(super) fn check_share(tc: &TrainConfig, ranks: usize) -> Result<()> {
     Ok(())
 }
 
-/// A test hook: `ATTNRES_TEST_ABORT_AT=RANK:STEP` makes rank RANK die (`abort`) as it starts
-/// step STEP (from 1), as a crashed or killed process would.
-pub(super) fn fault_point(rank: usize, step: usize) {
-    static AT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
-    if *AT.get_or_init(|| hook_at("ATTNRES_TEST_ABORT_AT")) == Some((rank, step)) {
-        std::process::abort();
-    }
-}
-
-/// `RANK:STEP` of the test hook in the environment variable `var`.
-fn hook_at(var: &str) -> Option<(usize, usize)> {
-    let v = std::env::var(var).ok()?;
-    let (r, s) = v.split_once(':')?;
-    Some((r.trim().parse().ok()?, s.trim().parse().ok()?))
-}
-
-/// A test hook: `ATTNRES_TEST_KILL_AT=RANK:STEP` makes rank RANK kill itself with SIGKILL in
-/// the middle of step STEP (from 1) of a pipeline, while the other ranks wait for its messages.
-fn fault_point_kill(rank: usize, step: usize) {
-    static AT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
-    if *AT.get_or_init(|| hook_at("ATTNRES_TEST_KILL_AT")) == Some((rank, step)) {
-        let pid = std::process::id().to_string();
-        let _ = std::process::Command::new("kill").args(["-KILL", &pid]).status();
-        std::process::abort();
-    }
-}
-
 /// The optimiser state of a pipeline's first replica for a checkpoint on rank 0, put together
 /// one tensor at a time as the checkpoint writes it: rank 0's own part and the other stages'
 /// parts, which they send after their weights ([`Trainer::assemble`]).
-pub(super) struct StagesState<'g> {
+pub(crate) struct StagesState<'g> {
     g: &'g Group<'g>,
     /// Rank 0's own part of each tensor.
     own: [Vec<f32>; 3],
@@ -466,13 +439,13 @@ pub(super) struct StagesState<'g> {
 }
 
 impl<'g> StagesState<'g> {
-    fn new(g: &'g Group<'g>, own: [Vec<f32>; 3], step: u64) -> StagesState<'g> {
+    pub(crate) fn new(g: &'g Group<'g>, own: [Vec<f32>; 3], step: u64) -> StagesState<'g> {
         StagesState { g, own, step, whole: Vec::new(), taken: 0 }
     }
 
     /// Takes what the checkpoint did not (when writing it failed), so that no stage is left
     /// waiting to send; returns rank 0's own part.
-    fn finish(mut self) -> [Vec<f32>; 3] {
+    pub(crate) fn finish(mut self) -> [Vec<f32>; 3] {
         while self.taken < self.own.len() {
             self.tensor(self.taken);
         }
@@ -519,339 +492,13 @@ fn peak_resident_bytes() -> Option<u64> {
 }
 
 /// A fingerprint of the weights, to check that the ranks hold the same ones.
-fn fingerprint(values: &[f32]) -> u64 {
+pub(crate) fn fingerprint(values: &[f32]) -> u64 {
     let fnv = |h: u64, x: u64| (h ^ x).wrapping_mul(0x100000001b3);
     let parts: Vec<u64> = values
         .par_chunks(1 << 16)
         .map(|c| c.iter().fold(0xcbf29ce484222325, |h, x| fnv(h, x.to_bits() as u64)))
         .collect();
     parts.into_iter().fold(0xcbf29ce484222325, fnv)
-}
-
-/// What rank 0 hands the other ranks at the start: the run's settings, tokenizer, data and
-/// position (the weights and optimiser moments follow as raw values).
-#[derive(Serialize, Deserialize)]
-struct Handover {
-    run: RunConfig,
-    tokenizer: String,
-    /// The tokenizer's end-of-text token (an imported one's is its own `eos_token`).
-    eot: u32,
-    /// The checkpoint the run started from (every rank measures the start of such a run).
-    init: Option<PathBuf>,
-    data: Option<PathBuf>,
-    data_key: String,
-    step: usize,
-    tokens_seen: u64,
-    windows_seen: u64,
-    optimizer_step: u64,
-}
-
-impl<'g> Trainer<'g> {
-    /// Sets a run up on every rank of `g`: rank 0 as [`Trainer::start`] does (it alone touches
-    /// the run directory, and fills the token cache before the others look there), then the
-    /// others from its state.
-    pub(super) fn start_group(
-        run: Option<RunConfig>,
-        opts: &TrainOptions,
-        g: &'g Group<'g>,
-    ) -> Result<Trainer<'g>> {
-        let leader = g.leads().then(|| {
-            // A pipeline's rank 0 reads a resumed optimiser state as it hands it out.
-            let t = Trainer::start(run, opts, g.replicas(), !g.layout.is_pipeline())?;
-            let tc = &t.run.train;
-            g.layout.check_model(&t.run.model, tc.accumulation() / g.replicas())?;
-            g.set_stage(&t.run.model, tc.accumulation())?;
-            let handover = serde_json::to_vec(&t.handover()?)?;
-            Ok((t, handover))
-        });
-        let (leader, handover) = match g.agree(leader.transpose(), None)? {
-            Some((t, h)) => (Some(t), h),
-            None => (None, Vec::new()),
-        };
-        let handover = comm::broadcast_bytes(g.comm, 0, handover);
-        let t = match leader {
-            Some(t) => Ok(t),
-            None => Trainer::follow(&handover, g),
-        };
-        let mut t = g.agree(t, None)?;
-        match g.stage.borrow().as_ref() {
-            None => {
-                for buf in [&mut t.model.params, &mut t.opt.m, &mut t.opt.v, &mut t.opt.momentum] {
-                    g.comm.broadcast_f32(0, buf);
-                }
-            }
-            Some(stage) => t.take_parts(g, stage)?,
-        }
-        t.group = Some(g);
-        let tc = &t.run.train;
-        if let Some(stage) = g.stage.borrow().as_ref() {
-            let (bytes, messages) =
-                stage.bytes_per_step(tc.micro_batch * tc.seq_len, t.model.config.hidden_size);
-            // MPI's buffer for posted messages is sized by a C int.
-            let fits = bytes + messages * 1024 < (i32::MAX as usize) / 2;
-            let why = format!("a pipeline rank posts {bytes} bytes of messages per step, more than MPI can buffer (1 GB): use fewer or shorter micro-batches per step");
-            g.agree(if fits { Ok(()) } else { Err(anyhow::anyhow!(why)) }, None)?;
-            g.comm.reserve_posts(bytes, messages);
-        }
-        if g.leads() && g.layout.is_pipeline() {
-            let (l, a) = (g.layout, t.run.train.accumulation());
-            t.progress.say(format!(
-                "pipeline parallel: {} replicas of {} stages x {} virtual stages ({} chunks of the {} sublayers), cross-stage cache {}, ranks of {} thread{}; each pipeline runs {} of the {a} micro-batches of a step in interleaved 1F1B order",
-                g.replicas(),
-                l.stages,
-                l.virtual_stages,
-                l.stages * l.virtual_stages,
-                t.model.config.sublayers(),
-                l.cache.name(),
-                rayon::current_num_threads(),
-                if rayon::current_num_threads() == 1 { "" } else { "s" },
-                a / g.replicas(),
-            ));
-        } else if g.leads() {
-            let a = t.run.train.accumulation();
-            t.progress.say(format!(
-                "data parallel: {} ranks of {} thread{}, each computing {} of the {a} micro-batches of a step; gradients added {}",
-                g.size(),
-                rayon::current_num_threads(),
-                if rayon::current_num_threads() == 1 { "" } else { "s" },
-                a / g.size(),
-                match g.reduce {
-                    Reduce::Exact => "in one process's order (--reduce exact)",
-                    Reduce::Mpi => "by MPI's all-reduce (--reduce mpi)",
-                }
-            ));
-        }
-        Ok(t)
-    }
-
-    fn handover(&self) -> Result<Handover> {
-        Ok(Handover {
-            run: self.run.clone(),
-            tokenizer: self.bpe.to_json()?,
-            eot: self.bpe.eot,
-            init: self.init.clone(),
-            data: self.data.clone(),
-            data_key: self.data_key.clone(),
-            step: self.at.step,
-            tokens_seen: self.at.tokens_seen,
-            windows_seen: self.at.windows_seen,
-            optimizer_step: self.opt.step,
-        })
-    }
-
-    /// A rank other than 0: the run rank 0 set up, with its own copy of the data (from the
-    /// token cache rank 0 filled, where the ranks share it). Weights and moments are filled in
-    /// by the caller.
-    fn follow(handover: &[u8], g: &'g Group<'g>) -> Result<Trainer<'g>> {
-        let h: Handover = serde_json::from_slice(handover)
-            .context("the run's state from rank 0 is unreadable")?;
-        let mut bpe = Bpe::from_json(&h.tokenizer)?;
-        bpe.eot = h.eot;
-        let corpus = match &h.data {
-            Some(p) => Corpus::from_path(p)?,
-            None => Corpus::embedded(),
-        };
-        let (tokens, _) = Tokens::load_or_build(&corpus.split(), &bpe)?;
-        ensure!(
-            tokens.key() == h.data_key,
-            "the training data ({}) differs from rank 0's: every rank must read the same text",
-            h.data.as_ref().map_or("the embedded corpus".to_string(), |p| p.display().to_string())
-        );
-        let tc = &h.run.train;
-        let order = WindowOrder::new(tokens.train_len(), tc.seq_len, tc.seed)?;
-        g.set_stage(&h.run.model, tc.accumulation())?;
-        // The values come from rank 0; a pipeline stage holds only its part of them.
-        let model = match g.stage.borrow().as_ref() {
-            None => Model::init(h.run.model.clone(), tc.seed)?,
-            Some(stage) => {
-                let part = stage.part().clone();
-                Model::part(h.run.model.clone(), part.clone(), vec![0.0; part.total])?
-            }
-        };
-        let mut opt = Optimizer::new(tc.optim.clone(), &model.layout);
-        opt.step = h.optimizer_step;
-        let total = tc.steps();
-        let at = Position {
-            step: h.step,
-            tokens_seen: h.tokens_seen,
-            windows_seen: h.windows_seen,
-            train_seconds: 0.0,
-            earlier_seconds: 0.0,
-        };
-        Ok(Trainer {
-            run: h.run,
-            out: PathBuf::new(),
-            data: h.data,
-            data_key: h.data_key,
-            code_versions: Vec::new(),
-            init: h.init,
-            tokenizer_files: Vec::new(),
-            bpe,
-            tokens,
-            order,
-            model,
-            opt,
-            total,
-            at,
-            metrics: None,
-            _lock: None,
-            state_file: None,
-            group: Some(g),
-            streamed: None,
-            last_checkpoint: Instant::now(),
-            progress: Progress::new(None, false, total as u64, h.step as u64),
-            started: Instant::now(),
-            throughput: Throughput { tokens: 0, since: Instant::now() },
-            last_val: f64::NAN,
-        })
-    }
-
-    /// Hands every rank of a pipeline its stage's part of the model and optimiser state, which
-    /// rank 0 loaded or made whole; rank 0 then keeps its own part only.
-    fn take_parts(&mut self, g: &Group, stage: &Stage) -> Result<()> {
-        let c = &self.run.model;
-        // Before the first update the state is all zeros: nothing to send, and a stage's own
-        // zeros, never written, take no memory until it updates them.
-        let moved = self.opt.step > 0;
-        if g.leads() {
-            let stages = g.first_replica.borrow();
-            // The same stage in every replica holds the same part.
-            let theirs = |r: usize| &stages[r % g.layout.stages];
-            for r in 1..g.size() {
-                g.comm.send_f32(r, &theirs(r).take(&self.model.params));
-            }
-            let params = stage.take(&self.model.params);
-            self.model = Model::part(c.clone(), stage.part().clone(), params)?;
-            let mut opt = Optimizer::new(self.run.train.optim.clone(), &self.model.layout);
-            opt.step = self.opt.step;
-            // A resumed state is read one tensor at a time, each handed out before the next.
-            let whole = self.opt.m.len();
-            let mut file = match self.state_file.take() {
-                Some(path) if moved => Some(run_dir::StateFile::open(&path, whole)?),
-                _ => None,
-            };
-            for i in (0..3).filter(|_| moved) {
-                let read;
-                let values: &[f32] = match file.as_mut() {
-                    Some(f) => {
-                        read = f.read(i)?;
-                        &read
-                    }
-                    None => [&self.opt.m, &self.opt.v, &self.opt.momentum][i],
-                };
-                for r in 1..g.size() {
-                    g.comm.send_f32(r, &theirs(r).take_updated(values));
-                }
-                *[&mut opt.m, &mut opt.v, &mut opt.momentum][i] = stage.take_updated(values);
-            }
-            self.opt = opt;
-            // The whole model rank 0 loaded or made is not needed again.
-            crate::alloc::release_kept();
-        } else {
-            g.comm.receive_f32(0, &mut self.model.params);
-            let state = [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum];
-            for buf in state.into_iter().filter(|_| moved) {
-                g.comm.receive_f32(0, buf);
-            }
-        }
-        Ok(())
-    }
-
-    /// Under a pipeline, the whole model's weights on rank 0, put together from the parts the
-    /// stages of the first replica update; none elsewhere, or without a pipeline (every rank
-    /// holds the whole model). With [`Whole::State`] those stages then send their optimiser
-    /// state too, which rank 0 takes one tensor at a time as it writes the checkpoint
-    /// ([`StagesState`]).
-    fn assemble(&self, g: &Group, whole: Whole) -> Result<Option<Model>> {
-        let stage = g.stage.borrow();
-        let Some(stage) = stage.as_ref().filter(|_| whole != Whole::Nothing) else {
-            return Ok(None);
-        };
-        let mine = &self.model.params[..self.model.layout.updated()];
-        if !g.leads() {
-            if stage.replica() == 0 {
-                g.comm.send_f32(0, mine);
-                if whole == Whole::State {
-                    for buf in [&self.opt.m, &self.opt.v, &self.opt.momentum] {
-                        g.comm.send_f32(0, buf);
-                    }
-                }
-            }
-            return Ok(None);
-        }
-        let mut params = vec![0.0f32; stage.whole().total];
-        for (r, theirs) in g.first_replica.borrow().iter().enumerate() {
-            if r == 0 {
-                theirs.put_updated(mine, &mut params);
-            } else {
-                let mut buf = vec![0.0f32; theirs.part().updated()];
-                g.comm.receive_f32(r, &mut buf);
-                theirs.put_updated(&buf, &mut params);
-            }
-        }
-        Model::new(self.run.model.clone(), params).map(Some)
-    }
-
-    /// Work that only rank 0 does (logging, validation, checkpoints), agreed on by every rank,
-    /// with as much of the whole model as it needs (`whole`) in `self.model` and, for a
-    /// checkpoint, the optimiser state in `self.streamed`; after the first step and every
-    /// validation the ranks also check that their weights agree.
-    pub(super) fn lead(
-        &mut self,
-        whole: Whole,
-        work: impl FnOnce(&mut Self) -> Result<()>,
-    ) -> Result<()> {
-        let Some(g) = self.group else { return work(self) };
-        let check = (self.at.step <= 1 || self.evaluation_due())
-            .then(|| (self.at.step, fingerprint(&self.model.params)));
-        if g.leads() && whole != Whole::Nothing && g.layout.is_pipeline() {
-            // The step's freed buffers make room for the whole model, and it for the steps.
-            crate::alloc::release_kept();
-        }
-        let done = match self.assemble(g, whole) {
-            Ok(Some(model)) => {
-                if whole == Whole::State {
-                    let own = [&mut self.opt.m, &mut self.opt.v, &mut self.opt.momentum]
-                        .map(std::mem::take);
-                    self.streamed = Some(StagesState::new(g, own, self.opt.step));
-                }
-                let part = std::mem::replace(&mut self.model, model);
-                let done = work(self);
-                self.model = part;
-                if let Some(s) = self.streamed.take() {
-                    // Whatever the checkpoint did not take is still on its way: take it.
-                    [self.opt.m, self.opt.v, self.opt.momentum] = s.finish();
-                }
-                crate::alloc::release_kept();
-                done
-            }
-            Ok(None) if g.leads() => work(self),
-            Ok(None) => Ok(()),
-            Err(e) => Err(e),
-        };
-        g.agree(done, check)
-    }
-
-    /// [`Trainer::finish`] on rank 0, agreed on by every rank.
-    pub(super) fn lead_finish(mut self) -> Result<f64> {
-        let Some(g) = self.group else { return self.finish(None) };
-        let timings = g.timings(&self.model, &self.opt);
-        if g.layout.is_pipeline() {
-            // Training is over: rank 0 needs the whole weights alone, its stage's state no more.
-            let opt = &mut self.opt;
-            [opt.m, opt.v, opt.momentum] = [Vec::new(), Vec::new(), Vec::new()];
-        }
-        let done = match self.assemble(g, Whole::Weights) {
-            Ok(Some(model)) => {
-                self.model = model;
-                self.finish(Some(timings))
-            }
-            Ok(None) if g.leads() => self.finish(Some(timings)),
-            Ok(None) => Ok(f64::NAN),
-            Err(e) => Err(e),
-        };
-        g.agree(done, None)
-    }
 }
 
 #[cfg(test)]

@@ -58,12 +58,12 @@ pub fn write_atomic_with(
 pub fn read_bytes(path: &Path) -> Result<Vec<u8>> {
     use std::io::Read;
     use std::os::unix::fs::FileTypeExt;
-    let limit = crate::model::config::memory_limit();
+    let limit = crate::base::memory::memory_limit();
     let too_large = || {
         anyhow::anyhow!(
             "{} is larger than the machine's memory ({})",
             path.display(),
-            crate::model::config::format_bytes(limit as u128)
+            crate::base::memory::format_bytes(limit as u128)
         )
     };
     let meta =
