@@ -1,5 +1,5 @@
 """Prefill and decoding speed of an imported model against llama.cpp on the same weights
-(docs/import.md#speed-against-llamacpp).
+(docs/import.md#chat-answers-and-speed-against-llamacpp).
 
     python scripts/bench/bench_llamacpp.py --attnres target/release/attnres --model IMPORTED_DIR \
         --gguf MODEL.gguf [--threads 2] [--rounds 5] [--prompt-tokens 128] [--new-tokens 64]
