@@ -1,4 +1,4 @@
-//! Token ids of texts under a checkpoint's tokenizer, for scripts/check_import.py.
+//! Token ids of texts under a checkpoint's tokenizer, for scripts/reference/check_import.py.
 //!
 //!     cargo run --release --example tokenize -- DIR < texts.json > ids.json
 //!

@@ -1,6 +1,6 @@
 //! Compares logits, loss and every gradient with fixtures computed by an independent PyTorch
-//! implementation (scripts/reference.py, float64) for standard, full and two block layouts,
-//! all with non-zero pseudo-queries. Regenerate with `python scripts/make_fixtures.py`.
+//! implementation (scripts/reference/reference.py, float64) for standard, full and two block layouts,
+//! all with non-zero pseudo-queries. Regenerate with `python scripts/reference/make_fixtures.py`.
 
 mod common;
 

@@ -3,7 +3,7 @@
 //! format's definition (ggml's `ggml-common.h` block layouts), llama.cpp's query/key row order
 //! undone, both tokenizer kinds rebuilt, and every kind of bad input refused with one named
 //! error line and nothing left behind. The real-model check against `transformers` is
-//! scripts/check_import.py (docs/import.md).
+//! scripts/reference/check_import.py (docs/import.md).
 
 use attnres::model::checkpoint;
 use attnres::text::tokenizer::Bpe;

@@ -1,10 +1,10 @@
-//! Training trajectories against the PyTorch reference (scripts/make_trajectory.py, float64):
+//! Training trajectories against the PyTorch reference (scripts/reference/make_trajectory.py, float64):
 //! eight optimiser steps of a tiny model, AdamW (Block AttnRes) and Muon (Full AttnRes), each
 //! with warmup, cosine decay and gradient clipping active on some steps, run here through the
 //! training loop's own step (`train::step::optimizer_step`, at the learning rate of `lr_at`) and
 //! compared step by step (learning rate, loss, gradient norm before clipping) and in the final
 //! weights.
-//! Regenerate with `python scripts/make_trajectory.py`.
+//! Regenerate with `python scripts/reference/make_trajectory.py`.
 
 mod common;
 

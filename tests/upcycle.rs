@@ -3,7 +3,7 @@
 //! starts its depth parameters where the method says (pseudo-queries 0, key-norm gains 1, so the
 //! queries can learn), a run from a checkpoint starts at `eval`'s loss of it and resumes like any
 //! run, and bad input is refused with one named error line and nothing written. The real-model
-//! measurement is scripts/check_upcycle.py (docs/import.md, "Upcycling").
+//! measurement is scripts/reference/check_upcycle.py (docs/import.md, "Upcycling").
 
 mod common;
 

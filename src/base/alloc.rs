@@ -2,7 +2,7 @@
 //!
 //! Every training step allocates the same large activation buffers (megabytes each) and frees
 //! them again. The system allocator hands such blocks back to the kernel, so each step pays
-//! for fresh page faults and TLB shootdowns — about a tenth of a step on the benchmark model.
+//! for fresh page faults and TLB shootdowns.
 //! [`Recycling`] keeps up to [`SLOTS`] freed blocks of at least [`MIN_BYTES`], together at most
 //! [`MAX_PARKED_BYTES`], and returns one of exactly the same size and alignment on the next
 //! request. When a freed block would exceed either bound, the oldest kept blocks go back to the
@@ -18,7 +18,8 @@ use std::sync::Mutex;
 pub const MIN_BYTES: usize = 1 << 20;
 /// Blocks of at least this size start on a boundary of it and ask the kernel for transparent
 /// huge pages: the depth attention's backward streams rows from a score of such buffers at
-/// once, and on 4 KiB pages it ran about 7% longer (docs/performance.md, "What makes it fast").
+/// once, and one address translation per 2 MiB instead of per 4 KiB spares it TLB misses
+/// (docs/performance.md, "What makes it fast").
 pub const HUGE_PAGE: usize = 2 << 20;
 /// Freed blocks kept at most; beyond that the oldest is released.
 pub const SLOTS: usize = 512;

@@ -5,7 +5,7 @@ use anyhow::{bail, ensure, Context, Result};
 use attnres::base::progress::log;
 use attnres::infer::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
 use attnres::model::{checkpoint, Config, Model};
-use attnres::train::checkpoint::load_with_tokenizer;
+use attnres::model::checkpoint::load_with_tokenizer;
 use attnres::train::config::RunConfig;
 use attnres::train::parallel::pipeline::Layout;
 use attnres::train::parallel::{Reduce, Reported};
@@ -493,8 +493,7 @@ fn run(cli: Cli) -> Result<()> {
         // its result). A parallel kernel called from outside the pool hands its work to the pool
         // and sleeps until the work is done, and the pool finds its threads asleep after every
         // stretch of serial code; from a pool thread, the caller does half the work itself and
-        // only the other thread has to be woken. On 2 threads a default training step makes
-        // about 1000 fewer context switches this way and takes 0.90–0.98x the time
+        // only the other thread has to be woken, so a step makes far fewer context switches
         // (docs/performance.md, "What makes it fast").
         None => rayon::scope(|_| command(cli.command, None)),
     }
@@ -637,7 +636,7 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
             None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,
         };
         Some(match &a.init {
-            Some(dir) => run::init_settings(dir, &base, &a.sets)?,
+            Some(dir) => run::setup::init_settings(dir, &base, &a.sets)?,
             None => base.with_overrides(&a.sets)?,
         })
     };

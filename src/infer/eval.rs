@@ -3,7 +3,7 @@
 
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
-use crate::train::validation::windowed_loss;
+use crate::model::evaluate::windowed_loss;
 use anyhow::{ensure, Context, Result};
 
 /// How well a model predicts a text.

@@ -7,6 +7,7 @@ use super::params::Layout;
 use super::transformer::Model;
 use crate::base::fs::{write_atomic, write_atomic_parts};
 use crate::base::memory::format_bytes;
+use crate::text::tokenizer::Bpe;
 use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::borrow::Cow;
@@ -171,6 +172,26 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
         params[s.range.clone()].copy_from_slice(&vals);
     }
     Ok(params)
+}
+
+/// A run's latest model and the tokenizer stored beside it (any checkpoint directory with a
+/// `tokenizer.json`).
+pub fn load_with_tokenizer(dir: &Path) -> Result<(Model, Bpe)> {
+    let model = load(dir)?;
+    let path = dir.join("tokenizer.json");
+    ensure!(
+        path.exists(),
+        "{} has no tokenizer.json: pass the directory of a training run (attnres train --out DIR)",
+        dir.display()
+    );
+    let bpe = Bpe::load(&path)?;
+    ensure!(
+        bpe.vocab_size() <= model.config.vocab_size,
+        "tokenizer.json has {} tokens, the model only {}",
+        bpe.vocab_size(),
+        model.config.vocab_size
+    );
+    Ok((model, bpe))
 }
 
 #[cfg(test)]

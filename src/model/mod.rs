@@ -6,6 +6,7 @@ pub mod chunk;
 pub mod config;
 pub mod decode;
 pub mod diagnostics;
+pub mod evaluate;
 pub mod params;
 pub mod residual;
 pub mod transformer;

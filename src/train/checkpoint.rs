@@ -187,26 +187,6 @@ pub(super) fn clear(out: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A run's latest model and the tokenizer stored beside it (any checkpoint directory with a
-/// `tokenizer.json`).
-pub fn load_with_tokenizer(dir: &Path) -> Result<(Model, Bpe)> {
-    let model = checkpoint::load(dir)?;
-    let path = dir.join("tokenizer.json");
-    ensure!(
-        path.exists(),
-        "{} has no tokenizer.json: pass the directory of a training run (attnres train --out DIR)",
-        dir.display()
-    );
-    let bpe = Bpe::load(&path)?;
-    ensure!(
-        bpe.vocab_size() <= model.config.vocab_size,
-        "tokenizer.json has {} tokens, the model only {}",
-        bpe.vocab_size(),
-        model.config.vocab_size
-    );
-    Ok((model, bpe))
-}
-
 /// The checkpoint directory to resume from (the previous one if a swap was interrupted).
 pub(super) fn checkpoint_dir(out: &Path) -> Result<PathBuf> {
     for name in [CKPT, ".ckpt.old"] {

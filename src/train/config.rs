@@ -30,8 +30,8 @@ pub struct TrainConfig {
     /// Seed of the initialisation and of the data order.
     pub seed: u64,
     /// Activation recomputation: forward keeps only each sublayer's input, and backward
-    /// recomputes the sublayer's work from it. The same gradients, bit for bit, for about half
-    /// the step's memory and about 1.2x its time (docs/performance.md).
+    /// recomputes the sublayer's work from it. The same gradients, bit for bit, for less memory
+    /// and more time, since each sublayer runs forward twice (docs/performance.md#memory).
     #[serde(default)]
     pub recompute: bool,
     #[serde(flatten)]
@@ -71,9 +71,8 @@ impl TrainConfig {
     /// q/k/v, two softmax statistics per attention head, the MLP's three projections; the
     /// depth sources of every sublayer; the logits and their gradient; backward's buffers —
     /// (with `recompute`, per layer only its two sublayer inputs, and one layer's work) —
-    /// times 3/2 for the gradients backward holds beside them. An upper bound: on the `small`
-    /// preset `train` peaked 20–30% below it at micro_batch 8 and 32, with and without
-    /// `recompute` (`/usr/bin/time`, docs/training.md).
+    /// times 3/2 for the gradients backward holds beside them. An upper bound: every buffer is
+    /// counted at its largest, so runs peak below it (docs/training.md).
     pub fn step_bytes(&self, model: &Config) -> Option<u128> {
         let n = |x: usize| x as u128;
         let (d, f, l) =

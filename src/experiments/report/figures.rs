@@ -2,7 +2,7 @@
 //! RMS and gradient norm per sublayer, the scaling fit, and the depth-attention heatmaps.
 
 use super::stat::Scaling;
-use super::{Finished, Run};
+use super::runs::{Finished, Run};
 use anyhow::Result;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};

@@ -3,7 +3,7 @@
 
 use super::figures::Figure;
 use super::stat::{Scaling, Stat};
-use super::Row;
+use super::runs::Row;
 use crate::experiments::suite::Plan;
 use std::fmt::Write as _;
 

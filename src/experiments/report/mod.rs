@@ -8,104 +8,22 @@
 //! depth-attention weights α of every AttnRes variant as heatmaps. Numbers are means over seeds;
 //! the spread is the sample standard deviation.
 //!
-//! This file gathers the runs and writes the directory; `stat` holds the statistics,
-//! `figures` the SVGs and `html` the page.
+//! This file writes the directory; `runs` reads the runs and holds a variant's row, `stat`
+//! the statistics, `figures` the SVGs and `html` the page.
 
 mod figures;
 mod html;
+mod runs;
 mod stat;
 
+use runs::{read_run, Row, Run};
 pub use stat::{paired_differences, stat, PowerLaw, ScalePoint, Scaling, Stat};
 
 use crate::base::fs::write_atomic;
 use crate::base::version::CodeVersion;
 use crate::experiments::suite::{non_embedding_parameters, Plan, Variant};
-use crate::model::diagnostics::Diagnostics;
-use anyhow::{Context, Result};
-use serde::Serialize;
-use serde_json::Value;
+use anyhow::Result;
 use std::path::{Path, PathBuf};
-
-/// One finished run, as read back from its directory.
-struct Run {
-    val_loss: f64,
-    bpb: f64,
-    tokens_per_second: f64,
-    parameters: u64,
-    /// Validation loss over training: (tokens, loss).
-    curve: Vec<(f64, f64)>,
-    /// Mean gradient norm of each sublayer's weights over all steps.
-    grad_norms: Vec<f64>,
-    diag: Diagnostics,
-    /// The version of the code that finished the run (none: not recorded).
-    code_version: Option<CodeVersion>,
-}
-
-fn read_json(path: &Path) -> Result<Value> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("{} is corrupt", path.display()))
-}
-
-fn read_run(dir: &Path) -> Result<Option<Run>> {
-    if !dir.join("summary.json").exists() || !dir.join("diagnostics.json").exists() {
-        return Ok(None);
-    }
-    let s = read_json(&dir.join("summary.json"))?;
-    let num = |k: &str| {
-        s[k].as_f64().with_context(|| format!("{}: summary.json has no {k}", dir.display()))
-    };
-    let diag: Diagnostics = serde_json::from_value(read_json(&dir.join("diagnostics.json"))?)
-        .with_context(|| format!("{}: diagnostics.json", dir.display()))?;
-    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl"))
-        .with_context(|| format!("cannot read {}/metrics.jsonl", dir.display()))?;
-    let (mut curve, mut sums, mut steps) =
-        (Vec::new(), vec![0.0f64; diag.output_rms.len()], 0usize);
-    for line in metrics.lines().filter(|l| !l.trim().is_empty()) {
-        let m: Value = serde_json::from_str(line)
-            .with_context(|| format!("{}/metrics.jsonl: bad line", dir.display()))?;
-        if let (Some(t), Some(v)) = (m["tokens"].as_f64(), m["val_loss"].as_f64()) {
-            curve.push((t, v));
-        }
-        if let Some(g) = m["sublayer_grad_norms"].as_array() {
-            for (acc, x) in sums.iter_mut().zip(g) {
-                *acc += x.as_f64().unwrap_or(0.0);
-            }
-            steps += 1;
-        }
-    }
-    let grad_norms = sums.iter().map(|x| x / steps.max(1) as f64).collect();
-    Ok(Some(Run {
-        val_loss: num("val_loss")?,
-        bpb: num("val_bits_per_byte")?,
-        tokens_per_second: num("train_tokens_per_second")?,
-        parameters: num("parameters")? as u64,
-        curve,
-        grad_norms,
-        diag,
-        code_version: serde_json::from_value(s["code_version"].clone()).ok(),
-    }))
-}
-
-/// The variants with at least one finished run: colour index, variant, runs.
-type Finished<'a> = [(usize, &'a Variant, Vec<&'a Run>)];
-
-/// One variant's line of the summary.
-#[derive(Serialize)]
-struct Row {
-    name: String,
-    settings: Vec<String>,
-    seeds_finished: usize,
-    parameters: u64,
-    val_loss: Stat,
-    val_bits_per_byte: Stat,
-    /// Per-seed difference from the baseline's run with the same seed.
-    val_loss_minus_baseline: Option<Stat>,
-    train_tokens_per_second: Stat,
-    /// Training time per token relative to the baseline, minus one.
-    training_overhead: Option<f64>,
-    val_losses: Vec<f64>,
-}
 
 /// Writes `index.html`, `summary.json` and the figures into the report directory; returns the
 /// page's path.

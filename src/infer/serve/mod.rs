@@ -57,7 +57,7 @@ struct App {
 
 /// Serves until SIGTERM or Ctrl-C; requests under way are finished before it returns.
 pub fn run(opts: ServeOptions) -> Result<()> {
-    let (model, bpe) = crate::train::checkpoint::load_with_tokenizer(&opts.model)?;
+    let (model, bpe) = crate::model::checkpoint::load_with_tokenizer(&opts.model)?;
     crate::infer::generate::check_tokenizer(model.config.vocab_size, &bpe)?;
     let name = match &opts.name {
         Some(n) => n.clone(),

@@ -1,5 +1,5 @@
 //! The f32 matrix product on processors with AVX2 and FMA, with wider kernels where there is
-//! AVX-512 (docs/performance.md, "Matrix products"): `dst = (accumulate ? dst : 0) + alpha ·
+//! AVX-512 (docs/performance-log.md, "Matrix products"): `dst = (accumulate ? dst : 0) + alpha ·
 //! lhs · rhs` with any strides.
 //!
 //! The usual blocked scheme: `rhs` is packed `KC` rows at a time into panels of `NR` columns,
@@ -8,7 +8,7 @@
 //! AVX2, 6 × 64 in twenty-four 16-wide ones with AVX-512. The destination tile is prefetched
 //! before its kernel runs: without that, each tile's read-modify-write after the first `KC`
 //! block waits on memory (the rows of a tile are far apart, so the hardware does not prefetch
-//! them), which cost 10–30% of the speed at depths over `KC`. Two or more threads take disjoint
+//! them), which held back every product deeper than `KC`. Two or more threads take disjoint
 //! parts of the destination.
 //!
 //! Every element sums its products in the same order (`k` in blocks of `KC`, in order; within a
@@ -29,10 +29,8 @@ const NC: usize = 4096;
 /// The AVX2 tile: rows and columns (two 8-wide registers per row).
 const AVX2_MR: usize = 6;
 const AVX2_NR: usize = 16;
-/// The AVX-512 tile: rows, and 16-wide registers per row. On a 2-core Xeon with AVX-512, 6 × 64
-/// ran training steps 4–7% faster than 8 × 48 (which pads the model's many widths that are
-/// multiples of 64 but not of 48, such as a head's 64), 8 × 48 about as fast as the `gemm` crate,
-/// 12 × 32 slower (docs/performance.md).
+/// The AVX-512 tile: rows, and 16-wide registers per row. 6 × 64 because the model's widths (256,
+/// 1024, a head's 64) are multiples of 64, not of 48 (docs/performance-log.md, "With AVX-512").
 const AVX512_MR: usize = 6;
 const AVX512_NV: usize = 4;
 /// Panels of `lhs` packed at a time: `MC = MC_PANELS · MR` rows (`MC × KC` floats, 96 KiB, in
@@ -209,8 +207,7 @@ thread_local! {
 
 /// `len` floats of `buf` from its first 64-byte boundary on, growing it as needed. A packed
 /// row of `rhs` (`NR` floats) then starts a cache line, and the kernel's loads of it never
-/// straddle two (the system allocator places large blocks 16 bytes past a boundary): in a
-/// throwaway timing test at the step's shapes, products 1–3% faster.
+/// straddle two (the system allocator places large blocks 16 bytes past a boundary).
 fn line_aligned(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
     // Floats to skip: at most 15, since a float's address is a multiple of 4. (Computed here
     // rather than by `align_offset`, whose contract lets it give up.)
@@ -316,9 +313,7 @@ unsafe fn tile_avx2(
         }
     };
     let mut c = [_mm256_setzero_ps(); 2 * MR];
-    // Four steps per iteration, so the loop's own instructions cost a quarter as much: in a
-    // throwaway timing test, 1.05x for the kernel alone on cached panels, 1.01x for whole
-    // products (where packing and memory take their share).
+    // Four steps per iteration, so the loop's own instructions cost a quarter as much.
     let mut p = 0;
     while p + 4 <= kc {
         for q in p..p + 4 {

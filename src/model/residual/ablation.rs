@@ -2,21 +2,12 @@
 //! gates, heads or a window, which the two-phase form does not cover. Each consumer runs in the
 //! one-pass form of [`crate::kernels::depth::ablation`] over the same sources as the method.
 
-use super::attnres::{query_grad, DepthSaved, Sources};
-use super::depth_params;
+use super::attnres::{depth_params, query_grad, DepthSaved, InputQuery, Sources};
 use crate::kernels::depth::ablation::{self as depth_ablation, Gate, Options, Query};
 use crate::kernels::matmul::{linear, linear_backward_input, linear_backward_weight};
 use crate::kernels::{self, rmsnorm, zeros};
 use crate::model::config::{Config, DepthGate, DepthQuery};
 use crate::model::params::{DepthParams, Layout};
-
-/// The input-dependent query of one consumer: `x̂ = rmsnorm(x)` (no gain) of the sum `x` of its
-/// sources, the per-token 1/rms of `x`, and `q = W · x̂` before the key-norm gain.
-pub(super) struct InputQuery {
-    xhat: Vec<f32>,
-    rstd: Vec<f32>,
-    q: Vec<f32>,
-}
 
 /// The ablation options, when any is set.
 #[derive(Clone, Copy)]

@@ -17,13 +17,24 @@
 //! consumer that read it (all later sublayers and the output), so each completed block is read
 //! once and its gradient written once.
 
-use super::ablation::InputQuery;
-use super::depth_params;
 use crate::kernels::depth::{self, ConsumerGrad, Phase1, SourceSums};
 use crate::kernels::{rmsnorm, zeros};
 use crate::model::config::Config;
 use crate::model::params::{DepthParams, Layout};
 use std::sync::Arc;
+
+/// The depth parameters of consumer `l` (sublayers, then the output aggregation at `L`).
+pub(super) fn depth_params(layout: &Layout, l: usize) -> &DepthParams {
+    layout.depth_params(l).expect("AttnRes layout has depth parameters")
+}
+
+/// The input-dependent query of one consumer: `x̂ = rmsnorm(x)` (no gain) of the sum `x` of its
+/// sources, the per-token 1/rms of `x`, and `q = W · x̂` before the key-norm gain.
+pub(super) struct InputQuery {
+    pub xhat: Vec<f32>,
+    pub rstd: Vec<f32>,
+    pub q: Vec<f32>,
+}
 
 /// The completed sources `b_0 .. b_n`, one after another in one buffer (`[n + 1, rows, d]`),
 /// with their per-token 1/rms (`[n + 1, rows]`). One buffer sized up front: decoding builds

@@ -17,7 +17,7 @@ mod attnres;
 use self::ablation::{Ablation, BlockGrads};
 use self::attnres::{effective_queries, PendingGrads, Sources, TwoPhase};
 use super::config::Config;
-use super::params::{DepthParams, Layout};
+use super::params::Layout;
 use crate::kernels;
 pub use crate::kernels::depth::SourceSums;
 use std::sync::Arc;
@@ -197,11 +197,6 @@ impl ResidualForward {
             },
         })
     }
-}
-
-/// The depth parameters of consumer `l` (sublayers, then the output aggregation at `L`).
-fn depth_params(layout: &Layout, l: usize) -> &DepthParams {
-    layout.depth_params(l).expect("AttnRes layout has depth parameters")
 }
 
 /// Gradients flowing back through the residual connection.

@@ -221,9 +221,12 @@ impl<'c> Group<'c> {
 
     /// Sets this rank's pipeline stage up for the run's model and step.
     pub(crate) fn set_stage(&self, c: &crate::model::Config, accumulation: usize) -> Result<()> {
-        *self.stage.borrow_mut() = pipeline::stage_of(self, c, accumulation)?;
-        if self.leads() && self.layout.is_pipeline() {
-            let m = accumulation / self.replicas();
+        if !self.layout.is_pipeline() {
+            return Ok(());
+        }
+        let m = accumulation / self.replicas();
+        *self.stage.borrow_mut() = Some(Stage::new(self.layout, c, m, self.rank())?);
+        if self.leads() {
             *self.first_replica.borrow_mut() = (0..self.layout.stages)
                 .map(|r| Stage::new(self.layout, c, m, r))
                 .collect::<Result<_>>()?;

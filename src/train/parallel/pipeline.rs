@@ -18,7 +18,6 @@
 
 use super::comm::{Comm, Receiving};
 use super::plan::{self, chunk_bounds, Cache, Depth, Grads, Op, Shape, Transfer};
-use super::Group;
 use crate::model::chunk::{ChunkForward, ChunkGradIn};
 use crate::model::params::Layout as ParamLayout;
 use crate::model::residual::{ResidualForward, SourceSums};
@@ -743,16 +742,6 @@ fn ownership(
     let copies = if stage == 0 && tied && !last { vec![layout.embed.clone()] } else { Vec::new() };
     let copied = layout.specs.iter().map(|s| within(&s.range, &copies)).collect();
     (owned, copied)
-}
-
-/// The pipeline's part of [`Group`]: set once the run's settings are known.
-pub(super) fn stage_of(g: &Group, c: &Config, accumulation: usize) -> Result<Option<Stage>> {
-    let layout = g.layout;
-    if !layout.is_pipeline() {
-        return Ok(None);
-    }
-    let replicas = g.size() / layout.stages;
-    Stage::new(layout, c, accumulation / replicas, g.rank()).map(Some)
 }
 
 #[cfg(test)]

@@ -6,9 +6,9 @@
 
 mod progress;
 mod ranks;
-mod setup;
+pub mod setup;
 
-pub use setup::init_settings;
+
 
 use super::checkpoint::{self as run_dir, TrainState, METRICS};
 use super::config::RunConfig;
