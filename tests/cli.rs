@@ -129,7 +129,7 @@ fn bad_init_arguments_are_named() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("x");
     let o = out.to_str().unwrap();
-    fails(&["init", "--out", o, "--preset", "huge"], "unknown preset");
+    fails(&["init", "--out", o, "--preset", "huge"], "invalid value 'huge' for '--preset");
     fails(&["init", "--out", o, "--set", "num_blocks=3"], "num_blocks = 3");
     fails(&["init", "--out", o, "--set", "hidden_size=0"], "hidden_size");
     fails(&["init", "--out", o, "--set", "colour=blue"], "unknown config key \"colour\"");

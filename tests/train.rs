@@ -194,7 +194,7 @@ fn bad_input_gets_a_named_error_and_leaves_runs_intact() {
     );
     fails(
         &env.run(&["train", "--preset", "huge", "--out", env.path("x").to_str().unwrap()]),
-        "unknown preset",
+        "invalid value 'huge' for '--preset",
     );
     fails(
         &env.run(&["train", "--resume", "--out", env.path("nothing").to_str().unwrap()]),

@@ -4,7 +4,7 @@
 
 use crate::kernels::matmul::{matmul, threads};
 use crate::model::{Config, Model, ResidualKind};
-use anyhow::{bail, ensure, Result};
+use anyhow::{ensure, Result};
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -518,15 +518,9 @@ pub fn run_generate(
 
 /// One config per residual mode named in `modes` (`standard`, `full`, `block`), each `base`
 /// with that residual.
-pub fn mode_configs(base: &Config, modes: &[String]) -> Result<Vec<Config>> {
+pub fn mode_configs(base: &Config, modes: &[ResidualKind]) -> Result<Vec<Config>> {
     let mut configs = Vec::new();
-    for m in modes {
-        let residual = match m.as_str() {
-            "standard" => ResidualKind::Standard,
-            "full" => ResidualKind::Full,
-            "block" => ResidualKind::Block,
-            other => bail!("--modes: unknown residual mode {other:?} (use standard, block, full)"),
-        };
+    for &residual in modes {
         let c = Config { residual, ..base.clone() };
         c.validate()?;
         configs.push(c);

@@ -1,0 +1,384 @@
+//! Each command: its arguments checked and turned into the library's options, the work done by
+//! the library, and the result printed.
+
+use crate::args::*;
+use crate::output::{output, STDOUT};
+use crate::ranks::Ranks;
+use anyhow::{bail, ensure, Context, Result};
+use attnres::base::progress::log;
+use attnres::experiments::{bench, compare, suite};
+use attnres::infer::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
+use attnres::infer::{eval, forward};
+use attnres::model::checkpoint::load_with_tokenizer;
+use attnres::model::{checkpoint, Config, Model};
+use attnres::train::config::RunConfig;
+use attnres::train::parallel::pipeline::Layout;
+use attnres::train::parallel::Reduce;
+use attnres::train::presets;
+use attnres::train::run::{self, TrainOptions};
+use std::io::Write;
+
+pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
+    match command {
+        Command::Init(a) => init(a),
+        Command::Forward(a) => forward_cmd(a),
+        Command::Train(a) => train_cmd(a, ranks),
+        Command::Eval(a) => eval_cmd(a),
+        Command::Generate(a) => generate_cmd(a),
+        Command::Bench(a) => bench_cmd(a),
+        Command::Compare(a) => compare_cmd(a),
+        Command::Report(a) => {
+            let page = attnres::experiments::report::write(&a.dir)?;
+            log(&format!("report: {}", page.display()));
+            Ok(())
+        }
+        Command::Plan(a) => plan_cmd(a),
+        Command::Import(a) => {
+            let summary = attnres::import::import(&a.from, &a.out, a.force)?;
+            log(&summary.line(&a.out));
+            Ok(())
+        }
+        Command::Convert(a) => {
+            let done = attnres::import::convert::convert(&a.model, &a.sets, &a.out, a.force)?;
+            log(&done.line(&a.model, &a.out));
+            Ok(())
+        }
+        Command::Serve(a) => attnres::infer::serve::run(attnres::infer::serve::ServeOptions {
+            model: a.model,
+            host: a.host,
+            port: a.port,
+            engine: attnres::infer::serve::engine::EngineOptions {
+                max_batch: a.max_batch,
+                max_queue: a.max_queue,
+                prefill_tokens: a.prefill_tokens,
+            },
+            name: a.name,
+        }),
+    }
+}
+
+fn compare_cmd(a: CompareArgs) -> Result<()> {
+    let base = suite::base(a.quick)?.with_overrides(&a.sets)?;
+    let name = a.suite.name();
+    let variants = suite::suite(&name, &base)?;
+    let plan = suite::Plan { suite: name, base, variants, seeds: a.seeds, data: a.data };
+    compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
+}
+
+fn plan_cmd(a: PlanArgs) -> Result<()> {
+    use attnres::train::parallel::plan::{Depth, PlanText, Shape};
+    let run = presets::run_config(&a.preset)?.with_overrides(&a.sets)?;
+    let mut depth = Depth::of(&run.model);
+    if let Some(l) = a.layers {
+        ensure!(l > 0, "--layers must be at least 1");
+        depth.sublayers = 2 * l;
+    }
+    if let Some(k) = a.block_layers {
+        ensure!(k > 0, "--block-layers must be at least 1");
+        depth.block = Some(2 * k);
+    }
+    let shape = Shape {
+        stages: a.pp,
+        virtual_stages: a.vpp,
+        micro_batches: a.micro_batches.unwrap_or(run.train.accumulation()),
+    };
+    let text = PlanText {
+        depth: &depth,
+        shape: &shape,
+        cache: a.pp_cache.get(),
+        hidden_size: a.hidden.unwrap_or(run.model.hidden_size),
+        tokens: run.train.micro_batch * run.train.seq_len,
+        tied_head: run.model.tie_word_embeddings,
+        show_schedule: a.schedule,
+    };
+    output(&text.render()?)
+}
+
+fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
+    // With --resume and no settings, the run continues with its own; settings given with
+    // --resume must equal the run's (the training loop names the first difference).
+    let settings_given =
+        !a.sets.is_empty() || a.config.is_some() || a.preset.is_some() || a.init.is_some();
+    let run = if a.resume && !settings_given {
+        None
+    } else {
+        let base = match &a.config {
+            Some(p) => {
+                let text = attnres::base::fs::read_utf8(p)?;
+                if a.init.is_some() {
+                    let doc: toml::Table = toml::from_str(&text)
+                        .with_context(|| format!("{}: invalid TOML", p.display()))?;
+                    ensure!(!doc.contains_key("model"), "{}: a [model] table does not go with --init (the model's settings are its checkpoint's config.json)", p.display());
+                }
+                RunConfig::from_toml(&text, &p.display().to_string())?
+            }
+            None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,
+        };
+        Some(match &a.init {
+            Some(dir) => run::setup::init_settings(dir, &base, &a.sets)?,
+            None => base.with_overrides(&a.sets)?,
+        })
+    };
+    let opts = TrainOptions {
+        out: a.out,
+        data: a.data,
+        tokenizer: a.tokenizer,
+        init: a.init,
+        resume: a.resume,
+        overwrite: a.overwrite,
+        progress: !a.no_progress,
+        shared_bar: None,
+    };
+    let reduce = a.reduce.get();
+    let layout = Layout {
+        stages: a.pp,
+        virtual_stages: a.vpp,
+        cache: a.pp_cache.get(),
+        grads: match reduce {
+            Reduce::Exact => attnres::train::parallel::plan::Grads::InOrder,
+            Reduce::Mpi => attnres::train::parallel::plan::Grads::Once,
+        },
+    };
+    match ranks {
+        None => {
+            layout.check_ranks(1)?;
+            run::train(run, &opts).map(drop)
+        }
+        Some(r) => train_ranks(run, &opts, r, reduce, layout),
+    }
+}
+
+/// Trains as one rank of an MPI job.
+#[cfg(feature = "mpi")]
+fn train_ranks(
+    run: Option<RunConfig>,
+    opts: &TrainOptions,
+    r: &Ranks,
+    reduce: Reduce,
+    layout: Layout,
+) -> Result<()> {
+    use attnres::train::parallel::comm::Comm;
+    let group = attnres::train::parallel::Group::new(r, reduce).with_layout(layout);
+    // Every rank has the same arguments: rank 0 alone says what is wrong.
+    let group = match group {
+        Err(e) if r.rank() == 0 => return Err(e),
+        Err(_) => return Err(attnres::train::parallel::Reported.into()),
+        Ok(g) => g,
+    };
+    let done = run::train_on(run, opts, Some(&group));
+    if let Err(e) = &done {
+        if !group.failure_agreed() {
+            // The other ranks do not know of this failure and may be waiting for this rank:
+            // end the whole job.
+            log(&format!("error: {e:#}"));
+            r.abort(1);
+        }
+    }
+    done.map(drop)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn train_ranks(
+    _: Option<RunConfig>,
+    _: &TrainOptions,
+    r: &Ranks,
+    _: Reduce,
+    _: Layout,
+) -> Result<()> {
+    match *r {}
+}
+
+fn generate_cmd(a: GenerateArgs) -> Result<()> {
+    ensure!(a.max_tokens > 0, "--max-tokens must be at least 1, got {}", a.max_tokens);
+    ensure!(a.system.is_none() || a.chat.is_some(), "--system goes with --chat");
+    let top_k = match a.top_k {
+        Some(k) if k < 1 => bail!("--top-k must be at least 1, got {k}"),
+        k => k.map(|k| k as usize),
+    };
+    let sampling = Sampling { temperature: a.temperature, top_k, top_p: a.top_p };
+    sampling.validate().map_err(|e| anyhow::anyhow!("--{e}"))?;
+    let texts: Vec<String> = match (&a.prompt, &a.prompt_file, &a.chat) {
+        (Some(p), ..) => {
+            ensure!(!p.is_empty(), "--prompt is empty: give some text to continue");
+            vec![p.clone()]
+        }
+        (None, Some(f), _) => generate::read_prompts(f)?,
+        (None, None, Some(message)) => {
+            let template = attnres::text::chat::ChatTemplate::load(&a.model)?;
+            let mut messages = Vec::new();
+            if let Some(s) = &a.system {
+                messages.push(("system", s.as_str()));
+            }
+            messages.push(("user", message.as_str()));
+            vec![template.render(&messages)?]
+        }
+        (None, None, None) => bail!("give --prompt TEXT, --prompt-file FILE or --chat MESSAGE"),
+    };
+    let (model, bpe) = load_with_tokenizer(&a.model)?;
+    generate::check_tokenizer(model.config.vocab_size, &bpe)?;
+    let prompts = texts.iter().map(|t| bpe.encode(t)).collect::<Result<Vec<_>>>()?;
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens as usize,
+        sampling,
+        seed: a.seed,
+        overflow: if a.slide { Overflow::Slide } else { Overflow::Error },
+        stop: (!a.ignore_eos).then_some(bpe.eot),
+    };
+    // --prompt streams text; --prompt-file (even with one line) prints JSON lines. --chat
+    // streams the answer alone.
+    let single = a.prompt.is_some() || a.chat.is_some();
+    let mut stream = TextStream::new(&bpe).after(prompts[0].last().copied());
+    if a.prompt.is_some() {
+        output(&texts[0])?;
+    }
+    let (gens, timing) = generate::generate(&model, &prompts, &opts, |_, tok| {
+        if !single {
+            return Ok(());
+        }
+        if let Some(text) = stream.push(tok) {
+            // A reader that has gone ends generation: nobody would read the rest.
+            let mut out = std::io::stdout().lock();
+            out.write_all(text.as_bytes()).and_then(|()| out.flush()).context(STDOUT)?;
+        }
+        Ok(())
+    })?;
+    if single {
+        output(&format!("{}\n", stream.finish()?))?;
+    } else {
+        let mut lines = String::new();
+        for (t, g) in texts.iter().zip(&gens) {
+            let line = serde_json::json!({"prompt": t, "completion": g.text(&bpe)?, "new_tokens": g.tokens.len(), "stop": g.stop});
+            lines.push_str(&format!("{line}\n"));
+        }
+        output(&lines)?;
+    }
+    log(&timing.summary());
+    Ok(())
+}
+
+fn eval_cmd(a: EvalArgs) -> Result<()> {
+    let (model, bpe) = load_with_tokenizer(&a.model)?;
+    let text = attnres::base::fs::read_utf8(&a.text)?;
+    let m = eval::measure(&model, &bpe, &text, &a.text.display().to_string(), a.seq)?;
+    if a.json {
+        output(&format!(
+            "{}\n",
+            serde_json::json!({"loss": m.loss, "perplexity": m.perplexity, "bits_per_byte": m.bits_per_byte, "tokens": m.tokens, "bytes": m.bytes})
+        ))
+    } else {
+        output(&format!(
+            "{}: {} tokens, loss {:.4} nats/token, perplexity {:.2}, {:.4} bits/byte\n",
+            a.text.display(),
+            m.tokens,
+            m.loss,
+            m.perplexity,
+            m.bits_per_byte
+        ))
+    }
+}
+
+fn init(a: InitArgs) -> Result<()> {
+    let config = a.model.config()?;
+    let existing =
+        [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE].iter().any(|f| a.out.join(f).exists());
+    ensure!(
+        !existing || a.force,
+        "{} already holds a checkpoint; pass --force to replace it",
+        a.out.display()
+    );
+    let model = Model::init(config, a.seed)?;
+    checkpoint::save(&model, &a.out)?;
+    log(&format!(
+        "wrote {} ({} parameters, residual = {})",
+        a.out.display(),
+        model.params.len(),
+        model.config.residual_label()
+    ));
+    Ok(())
+}
+
+fn forward_cmd(a: ForwardArgs) -> Result<()> {
+    let model = checkpoint::load(&a.model)?;
+    let batch = forward::BatchFile::read(&a.batch)?;
+    let output = forward::run(&model, &batch)?;
+    if let Some(loss) = output.loss {
+        log(&format!("loss {loss:.6}"));
+    }
+    forward::write_output(&a.out, &output.safetensors)
+}
+
+fn bench_cmd(a: BenchArgs) -> Result<()> {
+    ensure!(a.batch > 0 && a.seq > 0 && a.steps > 0, "--batch, --seq and --steps must be positive");
+    let base = a.model.config()?;
+    let modes: Vec<_> = a.modes.iter().map(|m| m.get()).collect();
+    let configs = bench::mode_configs(&base, &modes)?;
+    attnres::base::profile::enable(a.profile);
+    if a.generate {
+        return bench_generate(&a, &configs);
+    }
+    ensure!(
+        a.seq <= base.max_position_embeddings,
+        "--seq {} exceeds max_position_embeddings = {}",
+        a.seq,
+        base.max_position_embeddings
+    );
+    log(&format!(
+        "bench: {} layers, hidden {}, {} heads, batch {} x seq {}, {} threads{}",
+        base.num_hidden_layers,
+        base.hidden_size,
+        base.num_attention_heads,
+        a.batch,
+        a.seq,
+        rayon::current_num_threads(),
+        if a.recompute { ", recomputing activations" } else { "" }
+    ));
+    let (batch, seq, recompute) = (a.batch, a.seq, a.recompute);
+    let report = bench::run(&configs, batch, seq, recompute, a.warmup, a.steps, |line| {
+        log(&format!("  {line}"))
+    })?;
+    if a.json {
+        return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+    }
+    output(&report.table())
+}
+
+fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
+    let base = &configs[0];
+    ensure!(
+        a.prompt_tokens > 0 && a.new_tokens > 0,
+        "--prompt-tokens and --new-tokens must be positive"
+    );
+    ensure!(
+        !a.batches.is_empty() && a.batches.iter().all(|&b| b > 0),
+        "--batches must list positive batch sizes"
+    );
+    let total = a.prompt_tokens + a.new_tokens;
+    ensure!(
+        total <= base.max_position_embeddings,
+        "--prompt-tokens + --new-tokens = {total} exceeds max_position_embeddings = {}",
+        base.max_position_embeddings
+    );
+    log(&format!(
+        "bench --generate: {} layers, hidden {}, {} heads, prompt {} + {} new tokens, batches {:?}, {} threads",
+        base.num_hidden_layers,
+        base.hidden_size,
+        base.num_attention_heads,
+        a.prompt_tokens,
+        a.new_tokens,
+        a.batches,
+        rayon::current_num_threads()
+    ));
+    let report = bench::run_generate(
+        configs,
+        a.prompt_tokens,
+        a.new_tokens,
+        &a.batches,
+        a.warmup,
+        a.steps,
+        |line| log(&format!("  {line}")),
+    )?;
+    if a.json {
+        return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+    }
+    output(&report.table())
+}
