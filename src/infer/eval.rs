@@ -1,9 +1,9 @@
 //! `attnres eval`: a checkpoint measured on a text: mean loss per token, perplexity and bits per
 //! byte, over windows of the model's context.
 
+use crate::model::evaluate::windowed_loss;
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
-use crate::model::evaluate::windowed_loss;
 use anyhow::{ensure, Context, Result};
 
 /// How well a model predicts a text.

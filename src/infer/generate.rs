@@ -260,6 +260,18 @@ pub fn generate(
     Ok((out, timing))
 }
 
+/// The prompt of a chat turn: `message` from the user (after a `system` message, if any) put
+/// into the chat template of the model in `dir`.
+pub fn chat_prompt(dir: &Path, system: Option<&str>, message: &str) -> Result<String> {
+    let template = crate::text::chat::ChatTemplate::load(dir)?;
+    let mut messages = Vec::new();
+    if let Some(s) = system {
+        messages.push(("system", s));
+    }
+    messages.push(("user", message));
+    template.render(&messages)
+}
+
 /// The prompts of a UTF-8 file, one per line; an empty file or an empty line is an error.
 pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
     let text = crate::base::fs::read_utf8(path)?;

@@ -15,6 +15,7 @@ use attnres::train::config::RunConfig;
 use attnres::train::parallel::pipeline::Layout;
 use attnres::train::parallel::Reduce;
 use attnres::train::presets;
+use attnres::train::run::setup::Settings;
 use attnres::train::run::{self, TrainOptions};
 use std::io::Write;
 
@@ -95,30 +96,13 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
 }
 
 fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
-    // With --resume and no settings, the run continues with its own; settings given with
-    // --resume must equal the run's (the training loop names the first difference).
-    let settings_given =
-        !a.sets.is_empty() || a.config.is_some() || a.preset.is_some() || a.init.is_some();
-    let run = if a.resume && !settings_given {
-        None
-    } else {
-        let base = match &a.config {
-            Some(p) => {
-                let text = attnres::base::fs::read_utf8(p)?;
-                if a.init.is_some() {
-                    let doc: toml::Table = toml::from_str(&text)
-                        .with_context(|| format!("{}: invalid TOML", p.display()))?;
-                    ensure!(!doc.contains_key("model"), "{}: a [model] table does not go with --init (the model's settings are its checkpoint's config.json)", p.display());
-                }
-                RunConfig::from_toml(&text, &p.display().to_string())?
-            }
-            None => presets::run_config(a.preset.as_deref().unwrap_or(presets::DEFAULT_PRESET))?,
-        };
-        Some(match &a.init {
-            Some(dir) => run::setup::init_settings(dir, &base, &a.sets)?,
-            None => base.with_overrides(&a.sets)?,
-        })
-    };
+    let run = run::setup::settings(&Settings {
+        config: a.config.as_deref(),
+        preset: a.preset.as_deref(),
+        sets: &a.sets,
+        init: a.init.as_deref(),
+        resume: a.resume,
+    })?;
     let opts = TrainOptions {
         out: a.out,
         data: a.data,
@@ -204,13 +188,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         }
         (None, Some(f), _) => generate::read_prompts(f)?,
         (None, None, Some(message)) => {
-            let template = attnres::text::chat::ChatTemplate::load(&a.model)?;
-            let mut messages = Vec::new();
-            if let Some(s) = &a.system {
-                messages.push(("system", s.as_str()));
-            }
-            messages.push(("user", message.as_str()));
-            vec![template.render(&messages)?]
+            vec![generate::chat_prompt(&a.model, a.system.as_deref(), message)?]
         }
         (None, None, None) => bail!("give --prompt TEXT, --prompt-file FILE or --chat MESSAGE"),
     };

@@ -1,8 +1,8 @@
 //! The report's figures, drawn with `plotters` into SVG strings: validation loss over training,
 //! RMS and gradient norm per sublayer, the scaling fit, and the depth-attention heatmaps.
 
-use super::stat::Scaling;
 use super::runs::{Finished, Run};
+use super::stat::Scaling;
 use anyhow::Result;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};

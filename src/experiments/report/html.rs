@@ -2,8 +2,8 @@
 //! and the figures.
 
 use super::figures::Figure;
-use super::stat::{Scaling, Stat};
 use super::runs::Row;
+use super::stat::{Scaling, Stat};
 use crate::experiments::suite::Plan;
 use std::fmt::Write as _;
 

@@ -6,14 +6,14 @@
 //! server-sent events), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus) and `GET /`,
 //! a page to try the model.
 
+mod api;
 pub mod engine;
 pub mod metrics;
 
 use crate::base::progress::log;
-use crate::infer::generate::Sampling;
 use crate::model::Model;
-use crate::text::tokenizer::Bpe;
 use anyhow::{Context, Result};
+use api::{error, prepare_chat, prepare_completion, Invalid, Prepared, Served};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -22,7 +22,6 @@ use axum::routing::{get, post};
 use axum::Router;
 use engine::{EngineHandle, EngineOptions, Event, Finish, Job, Refused};
 use metrics::Metrics;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -42,14 +41,8 @@ pub struct ServeOptions {
 /// Everything a request handler needs.
 struct App {
     engine: EngineHandle,
-    bpe: Arc<Bpe>,
-    name: String,
-    context: usize,
-    /// The most choices (`n`) one request may ask for: all of them must fit in the queue.
-    max_choices: usize,
+    served: Served,
     metrics: Arc<Metrics>,
-    /// The model's own chat template (an imported instruction model), else the plain one.
-    chat: Option<crate::text::chat::ChatTemplate>,
     /// Numbers the ids of responses.
     next_id: AtomicU64,
     started: u64,
@@ -79,12 +72,8 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     let (engine, thread) = engine::start(model.clone(), bpe.clone(), *e, metrics.clone())?;
     let app = Arc::new(App {
         engine,
-        bpe,
-        name,
-        context,
-        max_choices: e.max_queue,
+        served: Served { bpe, name, context, max_choices: e.max_queue, chat },
         metrics,
-        chat,
         next_id: AtomicU64::new(0),
         started: unix_time(),
     });
@@ -107,10 +96,10 @@ async fn serve(app: Arc<App>, opts: &ServeOptions, model: &Model) -> Result<()> 
     let addr = listener.local_addr()?;
     log(&format!(
         "serving {} ({} parameters, residual {}, context {}) on http://{addr} with up to {} sequences per batch",
-        app.name,
+        app.served.name,
         model.params.len(),
         model.config.residual_label(),
-        app.context,
+        app.served.context,
         opts.engine.max_batch
     ));
     let router = Router::new()
@@ -158,30 +147,6 @@ fn unix_time() -> u64 {
         .unwrap_or(0)
 }
 
-/// An error response in the OpenAI shape.
-fn error(status: StatusCode, message: &str, param: Option<&str>) -> Response {
-    let kind = match status {
-        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
-        StatusCode::NOT_FOUND => "not_found_error",
-        s if s.is_server_error() => "server_error",
-        _ => "invalid_request_error",
-    };
-    let body =
-        json!({"error": {"message": message, "type": kind, "param": param, "code": Value::Null}});
-    (status, axum::Json(body)).into_response()
-}
-
-/// A request that cannot be served as asked, with the field at fault.
-struct Invalid {
-    message: String,
-    param: Option<&'static str>,
-    status: StatusCode,
-}
-
-fn invalid(param: &'static str, message: impl Into<String>) -> Invalid {
-    Invalid { message: message.into(), param: Some(param), status: StatusCode::BAD_REQUEST }
-}
-
 async fn page() -> Html<&'static str> {
     Html(include_str!("page.html"))
 }
@@ -192,263 +157,9 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
 
 async fn models(State(app): State<Arc<App>>) -> impl IntoResponse {
     axum::Json(json!({"object": "list", "data": [
-        {"id": app.name, "object": "model", "created": app.started, "owned_by": "attnres"}
+        {"id": app.served.name, "object": "model", "created": app.started, "owned_by": "attnres"}
     ]}))
 }
-
-/// `stop`: a string or a list of up to four.
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum Stop {
-    One(String),
-    Many(Vec<String>),
-}
-
-#[derive(Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-struct StreamOptions {
-    include_usage: Option<bool>,
-}
-
-/// The fields both endpoints take. Fields of the OpenAI API that this server does not implement
-/// are accepted only with their neutral values.
-#[derive(Deserialize, Default)]
-struct Common {
-    model: Option<String>,
-    max_tokens: Option<i64>,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    top_k: Option<i64>,
-    seed: Option<u64>,
-    stop: Option<Stop>,
-    stream: Option<bool>,
-    stream_options: Option<StreamOptions>,
-    n: Option<i64>,
-    frequency_penalty: Option<f64>,
-    presence_penalty: Option<f64>,
-    logit_bias: Option<serde_json::Map<String, Value>>,
-    logprobs: Option<Value>,
-    user: Option<String>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct CompletionRequest {
-    prompt: Value,
-    echo: Option<bool>,
-    best_of: Option<i64>,
-    suffix: Option<String>,
-    #[serde(flatten)]
-    common: Common,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ChatRequest {
-    messages: Vec<Message>,
-    max_completion_tokens: Option<i64>,
-    top_logprobs: Option<i64>,
-    #[serde(flatten)]
-    common: Common,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Message {
-    role: String,
-    content: String,
-    name: Option<String>,
-}
-
-/// A request, checked and tokenized, ready for the engine.
-struct Prepared {
-    prompt: Vec<u32>,
-    max_tokens: usize,
-    sampling: Sampling,
-    seed: u64,
-    stop: Vec<String>,
-    stream: bool,
-    include_usage: bool,
-    /// Completions to make of the prompt (`n`).
-    choices: usize,
-}
-
-/// Parses a JSON body into `T`, naming the field at fault (unknown fields are errors).
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Invalid> {
-    serde_json::from_slice(body).map_err(|e| Invalid {
-        message: format!("the request body is not a valid request: {e}"),
-        param: None,
-        status: StatusCode::BAD_REQUEST,
-    })
-}
-
-impl Common {
-    /// Checks the settings and the prompt's room in the context; `default_max`: the
-    /// endpoint's default for `max_tokens`.
-    fn prepare(
-        self,
-        app: &App,
-        prompt: Vec<u32>,
-        default_max: Option<usize>,
-        mut stop: Vec<String>,
-    ) -> Result<Prepared, Invalid> {
-        if let Some(m) = &self.model {
-            if *m != app.name {
-                return Err(Invalid {
-                    status: StatusCode::NOT_FOUND,
-                    ..invalid(
-                        "model",
-                        format!("the model {m:?} does not exist here (it serves {:?})", app.name),
-                    )
-                });
-            }
-        }
-        if prompt.is_empty() {
-            return Err(invalid("prompt", "the prompt is empty"));
-        }
-        let choices = match self.n {
-            None => 1,
-            Some(n) if n >= 1 && n as usize <= app.max_choices => n as usize,
-            Some(n) => {
-                return Err(invalid(
-                    "n",
-                    format!("n must be between 1 and {} (--max-queue), got {n}", app.max_choices),
-                ))
-            }
-        };
-        for (param, v) in [
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(invalid(param, format!("{param} is not supported (only 0)")));
-            }
-        }
-        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-            return Err(invalid("logit_bias", "logit_bias is not supported"));
-        }
-        if self.logprobs.as_ref().is_some_and(|v| !v.is_null() && *v != Value::Bool(false)) {
-            return Err(invalid("logprobs", "logprobs are not supported"));
-        }
-        let _ = self.user;
-        let room = app.context + 1 - prompt.len().min(app.context + 1);
-        if room == 0 {
-            return Err(invalid(
-                "prompt",
-                format!(
-                    "the prompt has {} tokens; the model's context is {} tokens",
-                    prompt.len(),
-                    app.context
-                ),
-            ));
-        }
-        let max_tokens = match self.max_tokens {
-            Some(m) if m < 1 => {
-                return Err(invalid(
-                    "max_tokens",
-                    format!("max_tokens must be at least 1, got {m}"),
-                ))
-            }
-            Some(m) => m as usize,
-            None => default_max.unwrap_or(room).min(room),
-        };
-        if max_tokens > room {
-            return Err(invalid(
-                "max_tokens",
-                format!(
-                    "the prompt has {} tokens and max_tokens is {max_tokens}: together they need {} positions, beyond the model's context of {}",
-                    prompt.len(),
-                    prompt.len() + max_tokens - 1,
-                    app.context
-                ),
-            ));
-        }
-        let top_k = match self.top_k {
-            Some(k) if k < 1 => {
-                return Err(invalid("top_k", format!("top_k must be at least 1, got {k}")))
-            }
-            k => k.map(|k| k as usize),
-        };
-        let sampling = Sampling {
-            temperature: self.temperature.unwrap_or(1.0) as f32,
-            top_k,
-            top_p: self.top_p.map(|p| p as f32),
-        };
-        if let Err(e) = sampling.validate() {
-            let param =
-                if e.to_string().starts_with("temperature") { "temperature" } else { "top_p" };
-            return Err(invalid(param, e.to_string()));
-        }
-        match self.stop {
-            Some(Stop::One(s)) => stop.push(s),
-            Some(Stop::Many(v)) if v.len() > 4 => {
-                return Err(invalid("stop", format!("at most 4 stop strings, got {}", v.len())))
-            }
-            Some(Stop::Many(v)) => stop.extend(v),
-            None => {}
-        }
-        if stop.iter().any(String::is_empty) {
-            return Err(invalid("stop", "a stop string is empty"));
-        }
-        let stream = self.stream.unwrap_or(false);
-        let include_usage = self.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        Ok(Prepared {
-            prompt,
-            max_tokens,
-            sampling,
-            seed: self.seed.unwrap_or(0),
-            stop,
-            stream,
-            include_usage,
-            choices,
-        })
-    }
-}
-
-fn encode(app: &App, text: &str, param: &'static str) -> Result<Vec<u32>, Invalid> {
-    app.bpe.encode(text).map_err(|e| invalid(param, format!("cannot tokenize the {param}: {e:#}")))
-}
-
-/// The prompt of a conversation and the stop strings it needs: the model's own chat template
-/// when it has one (its end-of-turn token ends the reply), else the plain template: system
-/// messages first as they are, then each turn as `User: …` / `Assistant: …` on its own line,
-/// ending with `Assistant:` for the reply, which stops where the model starts the next user
-/// turn.
-fn chat_prompt(app: &App, messages: &[Message]) -> Result<(String, Vec<String>), Invalid> {
-    if messages.is_empty() {
-        return Err(invalid("messages", "messages is empty"));
-    }
-    if let Some(r) = messages
-        .iter()
-        .map(|m| m.role.as_str())
-        .find(|r| !["system", "developer", "user", "assistant"].contains(r))
-    {
-        return Err(invalid("messages", format!("unknown role {r:?} (system, user or assistant)")));
-    }
-    if let Some(t) = &app.chat {
-        let turns: Vec<(&str, &str)> =
-            messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
-        let text = t.render(&turns).map_err(|e| invalid("messages", format!("{e:#}")))?;
-        return Ok((text, Vec::new()));
-    }
-    let mut text = String::new();
-    for m in messages {
-        let _ = &m.name;
-        match m.role.as_str() {
-            "system" | "developer" => {
-                text.push_str(&m.content);
-                text.push_str("\n\n");
-            }
-            "user" => text.push_str(&format!("User: {}\n", m.content)),
-            _ => text.push_str(&format!("Assistant: {}\n", m.content)),
-        }
-    }
-    text.push_str("Assistant:");
-    Ok((text, vec![CHAT_STOP.to_string()]))
-}
-
-/// The stop string of the plain chat template.
-const CHAT_STOP: &str = "\nUser:";
 
 /// The largest request body taken, in bytes.
 const MAX_BODY: usize = 16 << 20;
@@ -466,30 +177,7 @@ async fn completions(State(app): State<Arc<App>>, body: axum::body::Body) -> Res
         Ok(b) => b,
         Err(r) => return r,
     };
-    let prepared = (|| {
-        let r: CompletionRequest = parse(&body)?;
-        if r.echo == Some(true) {
-            return Err(invalid("echo", "echo is not supported"));
-        }
-        if r.best_of.is_some_and(|b| b != 1) {
-            return Err(invalid("best_of", "best_of must be 1"));
-        }
-        if r.suffix.is_some() {
-            return Err(invalid("suffix", "suffix is not supported"));
-        }
-        let text = match &r.prompt {
-            Value::String(s) => s.clone(),
-            Value::Array(a) if a.len() == 1 && a[0].is_string() => {
-                a[0].as_str().unwrap().to_string()
-            }
-            Value::Array(a) if a.len() > 1 => {
-                return Err(invalid("prompt", "one prompt per request (send several requests)"))
-            }
-            _ => return Err(invalid("prompt", "prompt must be a string")),
-        };
-        let prompt = encode(&app, &text, "prompt")?;
-        r.common.prepare(&app, prompt, Some(16), Vec::new())
-    })();
+    let prepared = prepare_completion(&app.served, &body);
     respond(app, prepared, Kind::Completion).await
 }
 
@@ -498,18 +186,7 @@ async fn chat_completions(State(app): State<Arc<App>>, body: axum::body::Body) -
         Ok(b) => b,
         Err(r) => return r,
     };
-    let prepared = (|| {
-        let mut r: ChatRequest = parse(&body)?;
-        if r.top_logprobs.is_some() {
-            return Err(invalid("top_logprobs", "logprobs are not supported"));
-        }
-        if r.common.max_tokens.is_none() {
-            r.common.max_tokens = r.max_completion_tokens;
-        }
-        let (text, stop) = chat_prompt(&app, &r.messages)?;
-        let prompt = encode(&app, &text, "messages")?;
-        r.common.prepare(&app, prompt, None, stop)
-    })();
+    let prepared = prepare_chat(&app.served, &body);
     respond(app, prepared, Kind::Chat).await
 }
 
@@ -565,7 +242,7 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
         app.next_id.fetch_add(1, Relaxed)
     );
     let created = unix_time();
-    let shape = Shape { id, created, model: app.name.clone(), kind };
+    let shape = Shape { id, created, model: app.served.name.clone(), kind };
     let mut tally = Tally::new(p.choices);
     if !p.stream {
         let mut texts = vec![String::new(); p.choices];

@@ -13,6 +13,7 @@ use crate::train::config::RunConfig;
 use crate::train::data::{Corpus, Split};
 use crate::train::optim::Optimizer;
 use crate::train::parallel;
+use crate::train::presets;
 use crate::train::tokens::{cache_dir, content_key, Tokens, WindowOrder};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
@@ -287,6 +288,42 @@ fn resumed_model(r: &Resume) -> Result<(RunConfig, Bpe, Model)> {
         "the checkpoint's config.json does not match its train_state.json"
     );
     Ok((r.state.run.clone(), bpe, model))
+}
+
+/// What the command line says of a run's settings: a TOML file or a named preset, `--set`
+/// overrides, a checkpoint to start from, and whether the run resumes.
+pub struct Settings<'a> {
+    pub config: Option<&'a Path>,
+    pub preset: Option<&'a str>,
+    pub sets: &'a [String],
+    pub init: Option<&'a Path>,
+    pub resume: bool,
+}
+
+/// A run's settings from the command line. With `resume` and no settings given, none: the run
+/// continues with its own; settings given with `resume` must equal the run's (the training
+/// loop names the first difference).
+pub fn settings(s: &Settings) -> Result<Option<RunConfig>> {
+    let given = !s.sets.is_empty() || s.config.is_some() || s.preset.is_some() || s.init.is_some();
+    if s.resume && !given {
+        return Ok(None);
+    }
+    let base = match s.config {
+        Some(p) => {
+            let text = crate::base::fs::read_utf8(p)?;
+            if s.init.is_some() {
+                let doc: toml::Table = toml::from_str(&text)
+                    .with_context(|| format!("{}: invalid TOML", p.display()))?;
+                ensure!(!doc.contains_key("model"), "{}: a [model] table does not go with --init (the model's settings are its checkpoint's config.json)", p.display());
+            }
+            RunConfig::from_toml(&text, &p.display().to_string())?
+        }
+        None => presets::run_config(s.preset.unwrap_or(presets::DEFAULT_PRESET))?,
+    };
+    Ok(Some(match s.init {
+        Some(dir) => init_settings(dir, &base, s.sets)?,
+        None => base.with_overrides(s.sets)?,
+    }))
 }
 
 /// The settings of a run that starts from the checkpoint in `dir` (`train --init`): the model's

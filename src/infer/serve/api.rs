@@ -1,0 +1,347 @@
+//! The OpenAI API as this server speaks it: the request bodies, their checks against the
+//! served model (unknown fields, ranges, the context's room, the chat template), and the error
+//! object every refusal is answered with.
+
+use crate::infer::generate::Sampling;
+use crate::text::chat::ChatTemplate;
+use crate::text::tokenizer::Bpe;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+/// What the checks of a request need to know of the model served.
+pub(super) struct Served {
+    pub(super) bpe: Arc<Bpe>,
+    /// The model's name in the API.
+    pub(super) name: String,
+    /// The context length: prompt and new tokens together.
+    pub(super) context: usize,
+    /// The most choices (`n`) one request may ask for: all of them must fit in the queue.
+    pub(super) max_choices: usize,
+    /// The model's own chat template (an imported instruction model), else the plain one.
+    pub(super) chat: Option<ChatTemplate>,
+}
+
+/// An error response in the OpenAI shape.
+pub(super) fn error(status: StatusCode, message: &str, param: Option<&str>) -> Response {
+    let kind = match status {
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
+        StatusCode::NOT_FOUND => "not_found_error",
+        s if s.is_server_error() => "server_error",
+        _ => "invalid_request_error",
+    };
+    let body =
+        json!({"error": {"message": message, "type": kind, "param": param, "code": Value::Null}});
+    (status, axum::Json(body)).into_response()
+}
+
+/// A request that cannot be served as asked, with the field at fault.
+pub(super) struct Invalid {
+    pub(super) message: String,
+    pub(super) param: Option<&'static str>,
+    pub(super) status: StatusCode,
+}
+
+pub(super) fn invalid(param: &'static str, message: impl Into<String>) -> Invalid {
+    Invalid { message: message.into(), param: Some(param), status: StatusCode::BAD_REQUEST }
+}
+
+/// `stop`: a string or a list of up to four.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct StreamOptions {
+    pub(super) include_usage: Option<bool>,
+}
+
+/// The fields both endpoints take. Fields of the OpenAI API that this server does not implement
+/// are accepted only with their neutral values.
+#[derive(Deserialize, Default)]
+pub(super) struct Common {
+    pub(super) model: Option<String>,
+    pub(super) max_tokens: Option<i64>,
+    pub(super) temperature: Option<f64>,
+    pub(super) top_p: Option<f64>,
+    pub(super) top_k: Option<i64>,
+    pub(super) seed: Option<u64>,
+    pub(super) stop: Option<Stop>,
+    pub(super) stream: Option<bool>,
+    pub(super) stream_options: Option<StreamOptions>,
+    pub(super) n: Option<i64>,
+    pub(super) frequency_penalty: Option<f64>,
+    pub(super) presence_penalty: Option<f64>,
+    pub(super) logit_bias: Option<serde_json::Map<String, Value>>,
+    pub(super) logprobs: Option<Value>,
+    pub(super) user: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct CompletionRequest {
+    pub(super) prompt: Value,
+    pub(super) echo: Option<bool>,
+    pub(super) best_of: Option<i64>,
+    pub(super) suffix: Option<String>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct ChatRequest {
+    pub(super) messages: Vec<Message>,
+    pub(super) max_completion_tokens: Option<i64>,
+    pub(super) top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct Message {
+    pub(super) role: String,
+    pub(super) content: String,
+    pub(super) name: Option<String>,
+}
+
+/// A request, checked and tokenized, ready for the engine.
+pub(super) struct Prepared {
+    pub(super) prompt: Vec<u32>,
+    pub(super) max_tokens: usize,
+    pub(super) sampling: Sampling,
+    pub(super) seed: u64,
+    pub(super) stop: Vec<String>,
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    /// Completions to make of the prompt (`n`).
+    pub(super) choices: usize,
+}
+
+/// Parses a JSON body into `T`, naming the field at fault (unknown fields are errors).
+pub(super) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Invalid> {
+    serde_json::from_slice(body).map_err(|e| Invalid {
+        message: format!("the request body is not a valid request: {e}"),
+        param: None,
+        status: StatusCode::BAD_REQUEST,
+    })
+}
+
+impl Common {
+    /// Checks the settings and the prompt's room in the context; `default_max`: the
+    /// endpoint's default for `max_tokens`.
+    pub(super) fn prepare(
+        self,
+        model: &Served,
+        prompt: Vec<u32>,
+        default_max: Option<usize>,
+        mut stop: Vec<String>,
+    ) -> Result<Prepared, Invalid> {
+        if let Some(m) = &self.model {
+            if *m != model.name {
+                return Err(Invalid {
+                    status: StatusCode::NOT_FOUND,
+                    ..invalid(
+                        "model",
+                        format!("the model {m:?} does not exist here (it serves {:?})", model.name),
+                    )
+                });
+            }
+        }
+        if prompt.is_empty() {
+            return Err(invalid("prompt", "the prompt is empty"));
+        }
+        let choices = match self.n {
+            None => 1,
+            Some(n) if n >= 1 && n as usize <= model.max_choices => n as usize,
+            Some(n) => {
+                return Err(invalid(
+                    "n",
+                    format!("n must be between 1 and {} (--max-queue), got {n}", model.max_choices),
+                ))
+            }
+        };
+        for (param, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(invalid(param, format!("{param} is not supported (only 0)")));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+            return Err(invalid("logit_bias", "logit_bias is not supported"));
+        }
+        if self.logprobs.as_ref().is_some_and(|v| !v.is_null() && *v != Value::Bool(false)) {
+            return Err(invalid("logprobs", "logprobs are not supported"));
+        }
+        let _ = self.user;
+        let room = model.context + 1 - prompt.len().min(model.context + 1);
+        if room == 0 {
+            return Err(invalid(
+                "prompt",
+                format!(
+                    "the prompt has {} tokens; the model's context is {} tokens",
+                    prompt.len(),
+                    model.context
+                ),
+            ));
+        }
+        let max_tokens = match self.max_tokens {
+            Some(m) if m < 1 => {
+                return Err(invalid(
+                    "max_tokens",
+                    format!("max_tokens must be at least 1, got {m}"),
+                ))
+            }
+            Some(m) => m as usize,
+            None => default_max.unwrap_or(room).min(room),
+        };
+        if max_tokens > room {
+            return Err(invalid(
+                "max_tokens",
+                format!(
+                    "the prompt has {} tokens and max_tokens is {max_tokens}: together they need {} positions, beyond the model's context of {}",
+                    prompt.len(),
+                    prompt.len() + max_tokens - 1,
+                    model.context
+                ),
+            ));
+        }
+        let top_k = match self.top_k {
+            Some(k) if k < 1 => {
+                return Err(invalid("top_k", format!("top_k must be at least 1, got {k}")))
+            }
+            k => k.map(|k| k as usize),
+        };
+        let sampling = Sampling {
+            temperature: self.temperature.unwrap_or(1.0) as f32,
+            top_k,
+            top_p: self.top_p.map(|p| p as f32),
+        };
+        if let Err(e) = sampling.validate() {
+            let param =
+                if e.to_string().starts_with("temperature") { "temperature" } else { "top_p" };
+            return Err(invalid(param, e.to_string()));
+        }
+        match self.stop {
+            Some(Stop::One(s)) => stop.push(s),
+            Some(Stop::Many(v)) if v.len() > 4 => {
+                return Err(invalid("stop", format!("at most 4 stop strings, got {}", v.len())))
+            }
+            Some(Stop::Many(v)) => stop.extend(v),
+            None => {}
+        }
+        if stop.iter().any(String::is_empty) {
+            return Err(invalid("stop", "a stop string is empty"));
+        }
+        let stream = self.stream.unwrap_or(false);
+        let include_usage = self.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        Ok(Prepared {
+            prompt,
+            max_tokens,
+            sampling,
+            seed: self.seed.unwrap_or(0),
+            stop,
+            stream,
+            include_usage,
+            choices,
+        })
+    }
+}
+
+pub(super) fn encode(model: &Served, text: &str, param: &'static str) -> Result<Vec<u32>, Invalid> {
+    model
+        .bpe
+        .encode(text)
+        .map_err(|e| invalid(param, format!("cannot tokenize the {param}: {e:#}")))
+}
+
+/// The prompt of a conversation and the stop strings it needs: the model's own chat template
+/// when it has one (its end-of-turn token ends the reply), else the plain template: system
+/// messages first as they are, then each turn as `User: …` / `Assistant: …` on its own line,
+/// ending with `Assistant:` for the reply, which stops where the model starts the next user
+/// turn.
+pub(super) fn chat_prompt(
+    model: &Served,
+    messages: &[Message],
+) -> Result<(String, Vec<String>), Invalid> {
+    if messages.is_empty() {
+        return Err(invalid("messages", "messages is empty"));
+    }
+    if let Some(r) = messages
+        .iter()
+        .map(|m| m.role.as_str())
+        .find(|r| !["system", "developer", "user", "assistant"].contains(r))
+    {
+        return Err(invalid("messages", format!("unknown role {r:?} (system, user or assistant)")));
+    }
+    if let Some(t) = &model.chat {
+        let turns: Vec<(&str, &str)> =
+            messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
+        let text = t.render(&turns).map_err(|e| invalid("messages", format!("{e:#}")))?;
+        return Ok((text, Vec::new()));
+    }
+    let mut text = String::new();
+    for m in messages {
+        let _ = &m.name;
+        match m.role.as_str() {
+            "system" | "developer" => {
+                text.push_str(&m.content);
+                text.push_str("\n\n");
+            }
+            "user" => text.push_str(&format!("User: {}\n", m.content)),
+            _ => text.push_str(&format!("Assistant: {}\n", m.content)),
+        }
+    }
+    text.push_str("Assistant:");
+    Ok((text, vec![CHAT_STOP.to_string()]))
+}
+
+/// The stop string of the plain chat template.
+pub(super) const CHAT_STOP: &str = "\nUser:";
+
+/// A `/v1/completions` body, checked and tokenized.
+pub(super) fn prepare_completion(model: &Served, body: &[u8]) -> Result<Prepared, Invalid> {
+    let r: CompletionRequest = parse(body)?;
+    if r.echo == Some(true) {
+        return Err(invalid("echo", "echo is not supported"));
+    }
+    if r.best_of.is_some_and(|b| b != 1) {
+        return Err(invalid("best_of", "best_of must be 1"));
+    }
+    if r.suffix.is_some() {
+        return Err(invalid("suffix", "suffix is not supported"));
+    }
+    let text = match &r.prompt {
+        Value::String(s) => s.clone(),
+        Value::Array(a) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap().to_string(),
+        Value::Array(a) if a.len() > 1 => {
+            return Err(invalid("prompt", "one prompt per request (send several requests)"))
+        }
+        _ => return Err(invalid("prompt", "prompt must be a string")),
+    };
+    let prompt = encode(model, &text, "prompt")?;
+    r.common.prepare(model, prompt, Some(16), Vec::new())
+}
+
+/// A `/v1/chat/completions` body, checked, put into the chat template and tokenized.
+pub(super) fn prepare_chat(model: &Served, body: &[u8]) -> Result<Prepared, Invalid> {
+    let mut r: ChatRequest = parse(body)?;
+    if r.top_logprobs.is_some() {
+        return Err(invalid("top_logprobs", "logprobs are not supported"));
+    }
+    if r.common.max_tokens.is_none() {
+        r.common.max_tokens = r.max_completion_tokens;
+    }
+    let (text, stop) = chat_prompt(model, &r.messages)?;
+    let prompt = encode(model, &text, "messages")?;
+    r.common.prepare(model, prompt, None, stop)
+}
