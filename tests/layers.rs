@@ -242,3 +242,36 @@ fn the_path_reader_sees_groups_supers_and_children() {
     let l = layers(lib);
     assert_eq!((l["base"], l["train"], l["infer"]), (1, 5, 5));
 }
+
+#[test]
+fn the_readme_layout_names_every_source_folder_and_only_real_paths() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let section = readme.split("## Layout of the code").nth(1).expect("README has its layout");
+    let block = section.split("```").nth(1).expect("the layout is a code block");
+    let named: BTreeSet<String> = block
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| w.contains('/') || w.ends_with(".rs"))
+        .map(|w| w.trim_end_matches('/').to_string())
+        .collect();
+    for path in &named {
+        assert!(root.join(path).exists(), "README's layout names {path}, which does not exist");
+    }
+    // Every folder of src/ that holds source files is named.
+    let mut folders = BTreeSet::new();
+    for file in modules(&root.join("src")).values() {
+        let dir = file.parent().unwrap().strip_prefix(root).unwrap();
+        if dir != Path::new("src") {
+            folders.insert(dir.to_str().unwrap().to_string());
+        }
+    }
+    for dir in std::fs::read_dir(root.join("src/bin")).unwrap() {
+        let dir = dir.unwrap().path();
+        if dir.is_dir() {
+            folders.insert(dir.strip_prefix(root).unwrap().to_str().unwrap().to_string());
+        }
+    }
+    let missing: Vec<&String> = folders.iter().filter(|f| !named.contains(*f)).collect();
+    assert!(missing.is_empty(), "README's layout does not name {missing:?}");
+}

@@ -1,6 +1,9 @@
 //! Row kernels that dominate the non-matmul time (exponentials, dot products), compiled three
 //! times: for the baseline target, with AVX2+FMA, and with AVX-512F as well, chosen at run time.
 //! The binary stays portable and still uses 8- or 16-wide vectors where the processor has them.
+//!
+//! Longer than most files on purpose: each primitive's vector forms and its portable form sit
+//! side by side under one dispatch macro, so that they are read, and changed, together.
 
 use std::mem::MaybeUninit;
 

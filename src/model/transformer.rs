@@ -1,5 +1,8 @@
 //! The decoder-only transformer (Hugging Face `LlamaForCausalLM` semantics) with a selectable
 //! residual connection: forward keeps what backward needs, backward yields every gradient.
+//!
+//! Longer than most files on purpose: one layer's forward and its backward mirror each other
+//! step by step, and are checked against each other by reading them together.
 
 use super::config::Config;
 use super::params::{LayerParams, Layout};

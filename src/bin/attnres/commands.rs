@@ -346,7 +346,7 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         a.batches,
         rayon::current_num_threads()
     ));
-    let report = bench::run_generate(
+    let report = bench::generate::run_generate(
         configs,
         a.prompt_tokens,
         a.new_tokens,

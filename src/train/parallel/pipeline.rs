@@ -1,6 +1,6 @@
 //! Pipeline-parallel training (docs/pipeline.md): the ranks of a job form `N / P` replicas of
 //! a pipeline of `P` stages; rank `replica · P + stage` runs the chunks of its stage
-//! ([`crate::pipeline`]: the same chunks, transfers and interleaved 1F1B order that `attnres
+//! ([`super::plan`]: the same chunks, transfers and interleaved 1F1B order that `attnres
 //! plan` prints) on the micro-batches of its replica. A rank holds, updates and keeps optimiser
 //! state for its stage's part of the model only ([`Stage::part`]); after the step's passes each
 //! stage adds its gradients over its replicas and takes the update a single process takes of
@@ -15,6 +15,9 @@
 //! Each parameter belongs to one chunk, so each micro-batch's gradient of it is made on one
 //! rank; the tied embedding/head matrix is the exception: the first stage sends the embedding
 //! output's gradient to the last stage, which adds it after the head's, as one process does.
+//!
+//! Longer than most files on purpose: a stage's forward and backward passes and the messages
+//! each sends and receives must match pair by pair, which is checked by reading them together.
 
 use super::comm::{Comm, Receiving};
 use super::plan::{self, chunk_bounds, Cache, Depth, Grads, Op, Shape, Transfer};

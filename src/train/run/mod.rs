@@ -8,8 +8,6 @@ mod progress;
 mod ranks;
 pub mod setup;
 
-
-
 use super::checkpoint::{self as run_dir, TrainState, METRICS};
 use super::config::RunConfig;
 use super::optim::{lr_at, Optimizer};

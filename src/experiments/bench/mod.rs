@@ -1,6 +1,9 @@
 //! Benchmarks, measured interleaved so that machine noise hits all residual modes alike: the
-//! training step (forward + backward, one step of each mode per round) and generation (one
-//! prefill and one decoding run of each mode per round), and their results as Markdown tables.
+//! training step (forward + backward, one step of each mode per round) here, and generation
+//! (one prefill and one decoding run of each mode per round) in [`generate`]; their results as
+//! Markdown tables.
+
+pub mod generate;
 
 use crate::kernels::matmul::{matmul, threads};
 use crate::model::{Config, Model, ResidualKind};
@@ -276,7 +279,7 @@ pub fn run(
 /// Relative cost: the median over rounds of each round's ratio, since the measurements of one
 /// round run back to back and share the machine's state of the moment; with its 95% interval
 /// ([`median_ci95`]) unless `base` is the mode itself (`is_base`), whose ratios are all 1.
-fn ratio_to(times: &[f64], base: &[f64], is_base: bool) -> (f64, Option<(f64, f64)>) {
+pub(crate) fn ratio_to(times: &[f64], base: &[f64], is_base: bool) -> (f64, Option<(f64, f64)>) {
     let mut r: Vec<f64> = times.iter().zip(base).map(|(a, b)| a / b).collect();
     r.sort_by(|a, b| a.total_cmp(b));
     (r[r.len() / 2], median_ci95(&r).filter(|_| !is_base))
@@ -286,7 +289,7 @@ fn ratio_to(times: &[f64], base: &[f64], is_base: bool) -> (f64, Option<(f64, f6
 /// the distribution of the values: the `j`-th smallest and the `j`-th largest, for the largest
 /// `j` with P(Binomial(n, 1/2) < j) ≤ 2.5% (each end misses the median at most that often).
 /// `None` below 6 values, where even the smallest and largest cover less than 95%.
-fn median_ci95(sorted: &[f64]) -> Option<(f64, f64)> {
+pub(crate) fn median_ci95(sorted: &[f64]) -> Option<(f64, f64)> {
     let n = sorted.len();
     let ln_2n = n as f64 * std::f64::consts::LN_2;
     // `cdf` = P(X ≤ i), its terms C(n, i) / 2^n through logarithms (2^n overflows from n = 1024).
@@ -302,14 +305,14 @@ fn median_ci95(sorted: &[f64]) -> Option<(f64, f64)> {
     (j > 0).then(|| (sorted[j - 1], sorted[n - j]))
 }
 
-fn median(v: &[f64]) -> f64 {
+pub(crate) fn median(v: &[f64]) -> f64 {
     let mut v = v.to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
 
 /// Deterministic pseudo-random token ids (xorshift).
-fn pseudo_tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
+pub(crate) fn pseudo_tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
     let mut x = 0x2545F4914F6CDD1Du64 ^ salt.wrapping_mul(0x9E3779B97F4A7C15);
     (0..n)
         .map(|_| {
@@ -319,201 +322,6 @@ fn pseudo_tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
             (x % vocab as u64) as u32
         })
         .collect()
-}
-
-#[derive(Serialize, Debug, Clone)]
-pub struct DecodeResult {
-    pub batch: usize,
-    /// Median seconds of one prefill pass over `batch` prompts.
-    pub prefill_seconds: f64,
-    pub prefill_tokens_per_second: f64,
-    /// Median seconds of one decode step (one new token for each of `batch` sequences), over
-    /// every step of every round: a step delayed by the machine's other work moves the median
-    /// little, where it would move a mean.
-    pub step_seconds: f64,
-    pub decode_tokens_per_second: f64,
-    /// The median over rounds of this mode's median step over `standard`'s in the same round
-    /// (within a round the modes run back to back, in an order that rotates from round to
-    /// round, so each ratio compares measurements taken moments apart).
-    pub latency_relative_to_standard: Option<f64>,
-    /// A 95% confidence interval of that median ([`median_ci95`]), from 6 rounds on.
-    pub latency_relative_to_standard_ci95: Option<(f64, f64)>,
-    pub prefill_relative_to_standard: Option<f64>,
-    /// Seconds per decode step spent in each phase, when profiling was on (largest first).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub decode_profile: Vec<(String, f64)>,
-}
-
-#[derive(Serialize, Debug, Clone)]
-pub struct GenerateModeResult {
-    pub residual: String,
-    pub num_blocks: usize,
-    /// Bytes per token: key/value cache (kept for the whole context) and depth cache (kept
-    /// while the token passes through the layers).
-    pub kv_cache_bytes_per_token: usize,
-    pub depth_cache_bytes_per_token: usize,
-    pub batches: Vec<DecodeResult>,
-}
-
-#[derive(Serialize, Debug)]
-pub struct GenerateReport {
-    pub prompt_tokens: usize,
-    pub new_tokens: usize,
-    pub rounds: usize,
-    pub threads: usize,
-    pub modes: Vec<GenerateModeResult>,
-}
-
-/// Decoding steps each mode runs in one turn of the generation benchmark.
-const TURN: usize = 8;
-
-/// The generation benchmark: per round and batch size, every mode prefills `batch` prompts of
-/// `prompt_tokens` tokens in one pass and then decodes `new_tokens` tokens per sequence, one step
-/// at a time, the modes taking turns of [`TURN`] steps. Tokens fed are fixed pseudo-random ids,
-/// so all modes do the same work whatever their logits say.
-pub fn run_generate(
-    configs: &[Config],
-    prompt_tokens: usize,
-    new_tokens: usize,
-    batches: &[usize],
-    warmup: usize,
-    rounds: usize,
-    mut progress: impl FnMut(&str),
-) -> Result<GenerateReport> {
-    use crate::model::decode::{CacheFootprint, KvCache};
-    anyhow::ensure!(
-        new_tokens >= 2,
-        "--new-tokens must be at least 2 (the first decoding step of each turn is not timed)"
-    );
-    let models: Vec<Model> =
-        configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
-    let vocab = configs[0].vocab_size;
-    // [mode][batch] -> per-round seconds
-    let mut prefill = vec![vec![Vec::new(); batches.len()]; models.len()];
-    let mut decode = vec![vec![Vec::new(); batches.len()]; models.len()];
-    // [mode][batch] -> per-round median step
-    let mut round_steps = vec![vec![Vec::new(); batches.len()]; models.len()];
-    let mut phases: Vec<Vec<std::collections::BTreeMap<&str, f64>>> =
-        vec![vec![Default::default(); batches.len()]; models.len()];
-    for round in 0..warmup + rounds {
-        for (bi, &batch) in batches.iter().enumerate() {
-            let prompts: Vec<Vec<u32>> =
-                (0..batch).map(|b| pseudo_tokens(prompt_tokens, vocab, 10 + b as u64)).collect();
-            let fed = pseudo_tokens(batch * new_tokens, vocab, 99);
-            let mut caches = models
-                .iter()
-                .map(|m| KvCache::new(&m.config, batch, prompt_tokens + new_tokens))
-                .collect::<Result<Vec<_>>>()?;
-            let mut pre = vec![0.0; models.len()];
-            let mut dec = vec![Vec::new(); models.len()];
-            // The modes take turns: each prefills, then each decodes TURN steps at a time, so
-            // that the steps compared run a few milliseconds apart under the same machine load;
-            // the order rotates from round to round. The first step of a turn is not timed:
-            // it brings the model's weights back into cache after the other modes' turns (in
-            // real use one model runs on its own and stays there).
-            let order: Vec<usize> = (0..models.len()).map(|k| (k + round) % models.len()).collect();
-            let chunks: Vec<(usize, &[u32])> =
-                prompts.iter().enumerate().map(|(b, p)| (b, p.as_slice())).collect();
-            for &i in &order {
-                let t = Instant::now();
-                std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
-                pre[i] = t.elapsed().as_secs_f64();
-            }
-            crate::base::profile::take();
-            for turn in (0..new_tokens).step_by(TURN) {
-                for &i in &order {
-                    for step in turn..(turn + TURN).min(new_tokens) {
-                        let toks = &fed[step * batch..(step + 1) * batch];
-                        let chunks: Vec<(usize, &[u32])> =
-                            (0..batch).map(|b| (b, &toks[b..b + 1])).collect();
-                        let t = Instant::now();
-                        std::hint::black_box(models[i].decode(&mut caches[i], &chunks, false)?);
-                        let secs = t.elapsed().as_secs_f64();
-                        let phase_times = crate::base::profile::take();
-                        if step == turn {
-                            continue;
-                        }
-                        dec[i].push(secs);
-                        if round >= warmup {
-                            for (name, secs, _) in phase_times {
-                                *phases[i][bi].entry(name).or_default() += secs;
-                            }
-                        }
-                    }
-                }
-            }
-            if round >= warmup {
-                for i in 0..models.len() {
-                    prefill[i][bi].push(pre[i]);
-                    decode[i][bi].extend_from_slice(&dec[i]);
-                    round_steps[i][bi].push(median(&dec[i]));
-                }
-            }
-            let per_mode: Vec<String> = models
-                .iter()
-                .zip(&dec)
-                .map(|(m, d)| format!("{} {:.2} ms", m.config.residual_label(), median(d) * 1e3))
-                .collect();
-            progress(&format!(
-                "{} round {:>2}/{} batch {batch}: decode step {}",
-                if round < warmup { "warmup" } else { "timed " },
-                round + 1,
-                warmup + rounds,
-                per_mode.join(", ")
-            ));
-        }
-    }
-    let base = models.iter().position(|m| m.config.residual == ResidualKind::Standard);
-    let modes = models
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let fp = CacheFootprint::of(&m.config);
-            let batches = batches
-                .iter()
-                .enumerate()
-                .map(|(bi, &batch)| {
-                    let (pre, step) = (median(&prefill[i][bi]), median(&decode[i][bi]));
-                    let latency =
-                        base.map(|b| ratio_to(&round_steps[i][bi], &round_steps[b][bi], b == i));
-                    DecodeResult {
-                        batch,
-                        prefill_seconds: pre,
-                        prefill_tokens_per_second: (batch * prompt_tokens) as f64 / pre,
-                        step_seconds: step,
-                        decode_tokens_per_second: batch as f64 / step,
-                        latency_relative_to_standard: latency.map(|(r, _)| r),
-                        latency_relative_to_standard_ci95: latency.and_then(|(_, ci)| ci),
-                        prefill_relative_to_standard: base
-                            .map(|b| ratio_to(&prefill[i][bi], &prefill[b][bi], b == i).0),
-                        decode_profile: {
-                            let steps = decode[i][bi].len() as f64;
-                            let mut v: Vec<(String, f64)> = phases[i][bi]
-                                .iter()
-                                .map(|(k, v)| (k.to_string(), v / steps))
-                                .collect();
-                            v.sort_by(|a, b| b.1.total_cmp(&a.1));
-                            v
-                        },
-                    }
-                })
-                .collect();
-            GenerateModeResult {
-                residual: format!("{:?}", m.config.residual).to_lowercase(),
-                num_blocks: m.config.num_blocks,
-                kv_cache_bytes_per_token: 4 * fp.kv,
-                depth_cache_bytes_per_token: 4 * fp.depth,
-                batches,
-            }
-        })
-        .collect();
-    Ok(GenerateReport {
-        prompt_tokens,
-        new_tokens,
-        rounds,
-        threads: rayon::current_num_threads(),
-        modes,
-    })
 }
 
 /// One config per residual mode named in `modes` (`standard`, `full`, `block`), each `base`
@@ -530,7 +338,7 @@ pub fn mode_configs(base: &Config, modes: &[ResidualKind]) -> Result<Vec<Config>
 }
 
 /// A mode's name in a table: `block` shows its number of blocks.
-fn mode_name(residual: &str, num_blocks: usize) -> String {
+pub(crate) fn mode_name(residual: &str, num_blocks: usize) -> String {
     if residual == "block" {
         format!("block ({num_blocks} blocks)")
     } else {
@@ -540,7 +348,7 @@ fn mode_name(residual: &str, num_blocks: usize) -> String {
 
 /// A ratio to `standard` (`-` when there is no standard mode), with its confidence interval
 /// where there is one.
-fn relative(r: Option<f64>, ci: Option<(f64, f64)>) -> String {
+pub(crate) fn relative(r: Option<f64>, ci: Option<(f64, f64)>) -> String {
     match (r, ci) {
         (None, _) => "-".into(),
         (Some(r), None) => format!("{r:.3}x"),
@@ -595,59 +403,6 @@ impl BenchReport {
                     secs * 1e3,
                     100.0 * secs / m.step_seconds
                 );
-            }
-        }
-        t
-    }
-}
-
-impl GenerateReport {
-    /// Throughput and latency per mode and batch size, cache sizes per mode and, when profiled,
-    /// the phases of a decode step.
-    pub fn table(&self) -> String {
-        let mut t = String::new();
-        t.push_str("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard (95% CI) | prefill time vs standard |\n");
-        t.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
-        let name = |m: &GenerateModeResult| mode_name(&m.residual, m.num_blocks);
-        let batches = self.modes.first().map_or(0, |m| m.batches.len());
-        for b in 0..batches {
-            for m in &self.modes {
-                let r = &m.batches[b];
-                let _ = writeln!(
-                    t,
-                    "| {} | {} | {:.0} | {:.2} | {:.0} | {} | {} |",
-                    name(m),
-                    r.batch,
-                    r.prefill_tokens_per_second,
-                    r.step_seconds * 1e3,
-                    r.decode_tokens_per_second,
-                    relative(r.latency_relative_to_standard, r.latency_relative_to_standard_ci95),
-                    relative(r.prefill_relative_to_standard, None)
-                );
-            }
-        }
-        t.push_str("\n| mode | KV cache bytes/token (whole context) | depth cache bytes/token (while in flight) |\n");
-        t.push_str("|---|---:|---:|\n");
-        for m in &self.modes {
-            let _ = writeln!(
-                t,
-                "| {} | {} | {} |",
-                name(m),
-                m.kv_cache_bytes_per_token,
-                m.depth_cache_bytes_per_token
-            );
-        }
-        for m in &self.modes {
-            for r in m.batches.iter().filter(|r| !r.decode_profile.is_empty()) {
-                let _ = writeln!(t, "\nphases of one {} decode step, batch {}:", name(m), r.batch);
-                for (phase, secs) in &r.decode_profile {
-                    let _ = writeln!(
-                        t,
-                        "  {phase:<16} {:>8.1} us  {:>5.1}%",
-                        secs * 1e6,
-                        100.0 * secs / r.step_seconds
-                    );
-                }
             }
         }
         t
