@@ -251,6 +251,7 @@ fn the_readme_layout_names_every_source_folder_and_only_real_paths() {
     let block = section.split("```").nth(1).expect("the layout is a code block");
     let named: BTreeSet<String> = block
         .lines()
+        .filter(|l| !l.starts_with(' '))
         .filter_map(|l| l.split_whitespace().next())
         .filter(|w| w.contains('/') || w.ends_with(".rs"))
         .map(|w| w.trim_end_matches('/').to_string())
