@@ -3,9 +3,11 @@
 //! 2 and 4 ranks, pipelines with and without virtual stages and blocks that do or do not line
 //! up with the stages, and both together; the bytes a pipeline sends are the plan's and the
 //! report's formulas; a rank that dies (or is killed mid-step) ends the job, which resumes in
-//! one process or on another layout; bad requests are one error line. Needs a binary built with `--features mpi` and `mpirun`
-//! (docs/distributed.md); elsewhere each test says "skipped" and passes. Without the feature,
-//! the binary refuses to run as one of several ranks.
+//! one process or on another layout; bad requests are one error line. The tests that run
+//! `mpirun` need a binary built with `--features mpi` and Open MPI's `mpirun`
+//! (docs/distributed.md): without the feature they are ignored, with the reason; with it and no
+//! `mpirun` they fail. Without the feature, the binary refuses to run as one of several ranks
+//! (a test ignored in builds with the feature).
 
 mod common;
 
@@ -19,18 +21,33 @@ const BIN: &str = env!("CARGO_BIN_EXE_attnres");
 /// The longest any command here may take; past it the test fails as a hang.
 const LIMIT: Duration = Duration::from_secs(120);
 
-/// Whether MPI runs can be tested here; says why not on stderr.
-fn mpi_available(test: &str) -> bool {
-    if !cfg!(feature = "mpi") {
-        eprintln!("{test}: skipped: attnres was built without the mpi feature");
-        return false;
+/// Fails the test, saying why, unless Open MPI's `mpirun` runs here: a build with the `mpi`
+/// feature is meant to run these tests, not to pass them without running.
+fn require_mpirun() {
+    let mut c = Command::new("mpirun");
+    c.arg("--version").envs(MPIRUN_AS_ROOT);
+    match c.output() {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => panic!(
+            "`mpirun --version` failed ({}): {}; the tests of a build with --features mpi need \
+             Open MPI's mpirun (docs/distributed.md)",
+            o.status,
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => panic!(
+            "cannot run mpirun ({e}): the tests of a build with --features mpi need Open MPI's \
+             mpirun (apt-get install openmpi-bin; docs/distributed.md), or build without the \
+             feature to leave them out"
+        ),
     }
-    let found = Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
-    if !found {
-        eprintln!("{test}: skipped: mpirun is not installed (apt-get install openmpi-bin)");
-    }
-    found
 }
+
+/// What mpirun needs in a container, as root (docs/distributed.md).
+const MPIRUN_AS_ROOT: [(&str, &str); 3] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+    ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
+];
 
 /// The settings of the short runs over the `tiny` preset: 4 micro-batches of 2 sequences per
 /// step (so 1, 2 and 4 ranks share a step evenly), 8 steps, checkpoints every 3.
@@ -51,6 +68,12 @@ struct Env {
 }
 
 impl Env {
+    /// A directory for a test that runs `mpirun`, which it checks first ([`require_mpirun`]).
+    fn for_mpirun() -> Env {
+        require_mpirun();
+        Env::new()
+    }
+
     fn new() -> Env {
         let tmp = tempfile::tempdir().unwrap();
         common::write_small_corpus(&tmp.path().join("corpus.txt"), 12_000);
@@ -71,14 +94,7 @@ impl Env {
             c
         };
         c.args(args).args(["--threads", "1"]).env("ATTNRES_CACHE", self.path("cache"));
-        // What mpirun needs in a container, as root (docs/distributed.md).
-        for (k, v) in [
-            ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
-            ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
-            ("OMPI_MCA_btl_vader_single_copy_mechanism", "none"),
-        ] {
-            c.env(k, v);
-        }
+        c.envs(MPIRUN_AS_ROOT);
         c.stdin(Stdio::null());
         c
     }
@@ -196,12 +212,13 @@ fn summary(run: &Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(run.join("summary.json")).unwrap()).unwrap()
 }
 
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a build with --features mpi and Open MPI's mpirun (docs/distributed.md)"
+)]
 #[test]
 fn ranks_train_bit_for_bit_what_one_process_trains() {
-    if !mpi_available("ranks_train_bit_for_bit_what_one_process_trains") {
-        return;
-    }
-    let env = Env::new();
+    let env = Env::for_mpirun();
     for residual in ["standard", "block", "full"] {
         let alone = format!("{residual}-1");
         env.train(0, &env.train_args(&alone, residual, &[]));
@@ -263,12 +280,13 @@ fn planned_bytes(
     ((f + b + 4 * 64) * 256) as u64
 }
 
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a build with --features mpi and Open MPI's mpirun (docs/distributed.md)"
+)]
 #[test]
 fn pipelines_train_bit_for_bit_what_one_process_trains() {
-    if !mpi_available("pipelines_train_bit_for_bit_what_one_process_trains") {
-        return;
-    }
-    let env = Env::new();
+    let env = Env::for_mpirun();
     // (residual, num_blocks, ranks, P, V, cache). The tiny preset has 8 sublayers: with
     // num_blocks 4 a block is 2 sublayers, with 2 it is 4, with 1 it is all 8.
     let cases = [
@@ -378,12 +396,13 @@ fn each_rank_holds_its_stages_share(run: &Path, p: usize, v: usize) {
 /// blocks (ranks 1 and 0: 2 times) and to every rank but its maker's with ours (once).
 /// Everything else sent (backward) is the same under every cache, so the measured differences
 /// are these differences, 256 tokens of 64 values of 4 bytes per vector.
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a build with --features mpi and Open MPI's mpirun (docs/distributed.md)"
+)]
 #[test]
 fn pipeline_bytes_follow_the_reports_formulas() {
-    if !mpi_available("pipeline_bytes_follow_the_reports_formulas") {
-        return;
-    }
-    let env = Env::new();
+    let env = Env::for_mpirun();
     let mut per_step = Vec::new();
     for cache in ["off", "received", "on"] {
         let run = format!("block-{cache}");
@@ -423,12 +442,13 @@ fn pipeline_bytes_follow_the_reports_formulas() {
     assert!((a - b).abs() < 1e-3, "validation loss {b} returning gradients once, {a} in order");
 }
 
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a build with --features mpi and Open MPI's mpirun (docs/distributed.md)"
+)]
 #[test]
 fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
-    if !mpi_available("a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes") {
-        return;
-    }
-    let env = Env::new();
+    let env = Env::for_mpirun();
     env.train(0, &env.train_args("alone", "block", &[]));
 
     // Rank 1 of a pipeline of 2 stages kills itself (SIGKILL) in step 6, while rank 0 waits
@@ -487,12 +507,13 @@ fn one_process_dies_and_ranks_resume(env: &Env, ranks: usize, extra: &[&str]) {
     same_run(env, "alone", "one");
 }
 
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a build with --features mpi and Open MPI's mpirun (docs/distributed.md)"
+)]
 #[test]
 fn a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks() {
-    if !mpi_available("a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks") {
-        return;
-    }
-    let env = Env::new();
+    let env = Env::for_mpirun();
     env.train(0, &env.train_args("alone", "block", &[]));
 
     // Rank 1 of 2 dies as it starts step 6: the whole job ends, promptly and with a failure,
@@ -507,12 +528,13 @@ fn a_rank_that_dies_ends_the_job_and_the_run_resumes_on_any_number_of_ranks() {
     one_process_dies_and_ranks_resume(&env, 4, &[]);
 }
 
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a build with --features mpi and Open MPI's mpirun (docs/distributed.md)"
+)]
 #[test]
 fn bad_requests_under_mpirun_get_one_error_line() {
-    if !mpi_available("bad_requests_under_mpirun_get_one_error_line") {
-        return;
-    }
-    let env = Env::new();
+    let env = Env::for_mpirun();
     // 4 micro-batches per step cannot be shared by 3 ranks.
     let o = env.run(3, &env.train_args("r", "block", &[]));
     fails_with_one_error(&o, "which 3 ranks cannot share evenly");
@@ -547,12 +569,12 @@ fn a_pipeline_needs_ranks() {
     assert!(!env.path("r").exists(), "nothing is written");
 }
 
+#[cfg_attr(
+    feature = "mpi",
+    ignore = "checks a build without the mpi feature: run cargo test without --features mpi"
+)]
 #[test]
 fn a_build_without_mpi_refuses_to_run_as_one_of_several_ranks() {
-    if cfg!(feature = "mpi") {
-        eprintln!("a_build_without_mpi_refuses_to_run_as_one_of_several_ranks: skipped: this build has the mpi feature");
-        return;
-    }
     let env = Env::new();
     let run = |rank: &str| {
         let mut c = env.cmd(0, &env.train_args("r", "block", &[]));
