@@ -1,9 +1,9 @@
 //! Closed pipes and full disks through the binary, with real child processes: log lines never
 //! stop the work (stderr closed, or a reader that stops reading); a result that cannot be
 //! written to stdout is an error (`/dev/full`), or a quiet exit 141 when the reader has gone;
-//! a checkpoint that does not fit on the disk (a small tmpfs where one can be mounted, and
-//! everywhere a file-size limit) leaves no temporary directory behind, and the run resumes from
-//! the previous checkpoint or restarts (docs/development.md, "Errors and exit codes").
+//! a checkpoint that does not fit on the disk (a small tmpfs, mounted as root or as root of a
+//! user namespace, and a file-size limit) leaves no temporary directory behind, and the run
+//! resumes from the previous checkpoint or restarts (docs/development.md, "Errors and exit codes").
 
 mod common;
 
@@ -191,7 +191,8 @@ struct Tmpfs {
 }
 
 impl Tmpfs {
-    /// Mounts a tmpfs of `bytes` at `dir`, or says why not (not root, no mount in a container).
+    /// Mounts a tmpfs of `bytes` at `dir`, or says why not (not root, no right to mount in a
+    /// container).
     fn mount(dir: &Path, bytes: u64) -> Result<Tmpfs, String> {
         std::fs::create_dir_all(dir).unwrap();
         let o = Command::new("mount")
@@ -205,8 +206,14 @@ impl Tmpfs {
         Ok(Tmpfs { dir: dir.to_path_buf() })
     }
 
+    /// Mounts it again with `opts` (`remount,...`). The type and source are named: in a user
+    /// namespace, mount(8) given the directory alone fails to remount.
     fn remount(&self, opts: &str) {
-        let o = Command::new("mount").args(["-o", opts]).arg(&self.dir).output().unwrap();
+        let o = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+            .arg(&self.dir)
+            .output()
+            .unwrap();
         assert!(o.status.success(), "mount -o {opts}: {}", text(&o.stderr));
     }
 }
@@ -232,8 +239,49 @@ fn dir_bytes(dir: &Path) -> u64 {
         .sum()
 }
 
+/// This test's name, to run it again on its own in a user namespace.
+const TMPFS_TEST: &str =
+    "a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes";
+
+/// Whether this process runs as root (of its user namespace): `Uid:` in /proc/self/status.
+fn is_root() -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap();
+    uid.split_whitespace().next() == Some("0")
+}
+
+/// A run on a small tmpfs that fills up in its second checkpoint, then resumes when the disk has
+/// room again, then meets a read-only disk. Mounting needs root. CI runs as root, where the test
+/// mounts the tmpfs itself and fails if it cannot (say, a container without the right to
+/// mount). Run by another user, the test runs itself again as root of its own user and mount
+/// namespaces (`unshare --user --map-root-user --mount`, which most Linux systems allow
+/// anyone), and fails, saying why, where that is refused too. It cannot be ignored at compile
+/// time, since whether a mount is permitted is known only when the test runs, and it does not
+/// pass without mounting: a pass would claim a full and a read-only disk it never saw.
 #[test]
 fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes() {
+    if !is_root() {
+        let exe = std::env::current_exe().unwrap();
+        let o = Command::new("unshare")
+            .args(["--user", "--map-root-user", "--mount", "--"])
+            .arg(&exe)
+            .args(["--exact", TMPFS_TEST, "--test-threads", "1"])
+            .output()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run unshare ({e}): this test mounts a tmpfs, which needs root or a \
+                     user namespace"
+                )
+            });
+        let out = text(&o.stdout);
+        assert!(
+            o.status.success() && out.contains(" 1 passed"),
+            "the test, run again as root of a user namespace (unshare --user --map-root-user \
+             --mount), failed; it mounts a tmpfs, which needs root or such a namespace:\n{out}\n{}",
+            text(&o.stderr)
+        );
+        return;
+    }
     let env = &RunEnv::new(6_000, 2);
     // The size of a checkpoint (ckpt/) and of the latest model beside it, from a run on the
     // ordinary disk.
@@ -245,13 +293,12 @@ fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes(
     // A disk with room for the run after its first checkpoint and half of a second checkpoint.
     let mnt = env.path("mnt");
     let size = (run_bytes + ckpt / 2).div_ceil(4096) * 4096 + 64 * 4096;
-    let disk = match Tmpfs::mount(&mnt, size) {
-        Ok(d) => d,
-        Err(why) => {
-            println!("skipped: the test needs a small tmpfs ({why})");
-            return;
-        }
-    };
+    let disk = Tmpfs::mount(&mnt, size).unwrap_or_else(|why| {
+        panic!(
+            "{why}: this test mounts a small tmpfs, which root may do unless a container denies \
+             it the right to mount (CAP_SYS_ADMIN)"
+        )
+    });
     let run = mnt.join("run");
     let o = env.cmd(&train_args(env, &run, 6)).output().unwrap();
     let err = text(&o.stderr);
