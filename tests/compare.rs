@@ -1,14 +1,14 @@
 //! `attnres compare` end to end on a few-step budget: every run trains, the report and its
-//! summary agree with the runs, a comparison killed in the middle of a run reuses the finished
-//! runs and resumes the interrupted one to the same weights as an uninterrupted comparison,
-//! and a directory holding other settings is refused.
+//! summary agree with the runs, a comparison stopped in the middle of a run (by the binary's
+//! test hook, at a chosen step) reuses the finished runs and resumes the interrupted one to the
+//! same weights as an uninterrupted comparison, and a directory holding other settings is
+//! refused.
 
 mod common;
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Output};
 
 fn command(cache: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_attnres"));
@@ -124,44 +124,50 @@ fn compare_trains_reports_and_resumes() {
     let first: Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
     assert_eq!(first["sublayer_grad_norms"].as_array().unwrap().len(), 8);
 
-    // A second comparison (seed 0 only) killed while one of its runs is between two
-    // checkpoints after its first (every run also checkpoints step 0), then run again: the finished runs are reused, the interrupted one resumes
-    // from its checkpoint and trains its remaining steps, and every run ends with the weights
-    // of the uninterrupted comparison above.
+    // A second comparison (seed 0 only), stopped twice in the middle of a run and then run
+    // again: the finished runs are reused, the interrupted ones resume from their checkpoints
+    // and train their remaining steps, and every run ends with the weights of the
+    // uninterrupted comparison above. The binary's test hook ATTNRES_TEST_ABORT_AT=0:STEP
+    // makes the process abort as it starts step STEP of a run (rank 0 is the only process), as
+    // a killed comparison would stop: in one process it fires in the first run to reach STEP.
     let out_b = tmp.path().join("interrupted");
     let args_b = args(&out_b, "1");
     let argv_b: Vec<&str> = args_b.iter().map(|s| s.as_str()).collect();
     let names = ["standard", "block", "full"];
     let runs: Vec<PathBuf> = names.iter().map(|v| out_b.join(format!("runs/{v}-seed0"))).collect();
-    let mut child = command(&cache, &argv_b).stderr(Stdio::null()).spawn().unwrap();
-    let t = Instant::now();
-    let in_flight = |r: &PathBuf| {
-        checkpoint_step(r).is_some_and(|s| s > 0 && s < 8) && !r.join("summary.json").exists()
+    let steps_of = |run: &Path| -> Vec<u64> {
+        std::fs::read_to_string(run.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap()["step"].as_u64().unwrap())
+            .collect()
     };
-    while !runs.iter().any(in_flight) && t.elapsed() < Duration::from_secs(120) {
-        std::thread::sleep(Duration::from_millis(2));
-    }
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let cut = runs.iter().position(in_flight).expect(
-        "no run was caught between checkpoints: the comparison finished first; the test needs \
-         longer runs",
-    );
-    let at = checkpoint_step(&runs[cut]).unwrap();
-    assert!(at > 0 && at < 8);
-    let before = std::fs::read_to_string(runs[cut].join("metrics.jsonl")).unwrap();
-    assert!(before.lines().count() < 8, "the interrupted run had not finished");
+    let stopped_at = |step: &str| {
+        let o = command(&cache, &argv_b).env("ATTNRES_TEST_ABORT_AT", step).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success(), "the comparison did not stop at step {step}: {err}");
+        err
+    };
+    let finished = |r: &PathBuf| r.join("summary.json").exists();
+    // Stopped as the first run (standard) starts step 5, after its checkpoint of step 4.
+    stopped_at("0:5");
+    assert_eq!(checkpoint_step(&runs[0]), Some(4));
+    assert!(!runs.iter().any(finished), "no run finished");
+    // Run again and stopped at step 3: the first run resumes after step 4 and finishes; the second
+    // (block) stops as it starts step 3, after its checkpoint of step 2.
+    let log = stopped_at("0:3");
+    assert!(log.contains("resuming at step 4/8"), "{log}");
+    assert_eq!(steps_of(&runs[0]), (1..=8).collect::<Vec<u64>>());
+    assert!(finished(&runs[0]) && !finished(&runs[1]) && !finished(&runs[2]));
+    assert_eq!(checkpoint_step(&runs[1]), Some(2));
+    assert!(steps_of(&runs[1]).len() < 8, "the interrupted run had not finished");
+    // Run to the end.
     let log = ok(attnres(&cache, &argv_b));
-    assert_eq!(log.matches("finished earlier, reused").count(), cut, "{log}");
-    assert!(log.contains(&format!("resuming at step {at}/8")), "{log}");
-    // The resumed run trained steps `at + 1 ..= 8` itself.
-    let steps: Vec<u64> = std::fs::read_to_string(runs[cut].join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["step"].as_u64().unwrap())
-        .collect();
-    assert_eq!(steps, (1..=8).collect::<Vec<u64>>());
-    assert_eq!(read(&runs[cut].join("summary.json"))["steps"], 8);
+    assert_eq!(log.matches("finished earlier, reused").count(), 1, "{log}");
+    assert!(log.contains("resuming at step 2/8"), "{log}");
+    // The resumed run trained steps 3 ..= 8 itself.
+    assert_eq!(steps_of(&runs[1]), (1..=8).collect::<Vec<u64>>());
+    assert_eq!(read(&runs[1].join("summary.json"))["steps"], 8);
     for (v, run) in names.iter().zip(&runs) {
         assert_eq!(
             std::fs::read(run.join("model.safetensors")).unwrap(),
