@@ -559,11 +559,71 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
+    /// `config.json` text read back gives the config written, for the default config, Block
+    /// AttnRes with another block count, Full AttnRes with every depth-attention ablation off
+    /// its default, and a RoPE base scaled up for long contexts (Llama 3's 500000, with
+    /// grouped-query attention and untied embeddings); the text holds each of those values
+    /// under its key, `rope_parameters` included.
     #[test]
     fn round_trips_through_json() {
-        let c = Config::default();
-        assert_eq!(Config::from_json(&c.to_json()).unwrap(), c);
+        let block = Config { residual: ResidualKind::Block, num_blocks: 4, ..Config::default() };
+        let ablation = Config {
+            residual: ResidualKind::Full,
+            attn_res_key_norm: false,
+            attn_res_query: DepthQuery::Input,
+            attn_res_gate: DepthGate::Sigmoid,
+            attn_res_heads: 4,
+            attn_res_window: 2,
+            ..Config::default()
+        };
+        let content_free =
+            Config { attn_res_query: DepthQuery::Dense, attn_res_window: 3, ..Config::default() };
+        let rope = Config {
+            residual: ResidualKind::Standard,
+            rope_theta: 500_000.0,
+            max_position_embeddings: 8192,
+            num_key_value_heads: 2,
+            tie_word_embeddings: false,
+            ..Config::default()
+        };
+        let cases = [
+            (Config::default(), vec![("residual", json!("block")), ("num_blocks", json!(8))]),
+            (block, vec![("residual", json!("block")), ("num_blocks", json!(4))]),
+            (
+                ablation,
+                vec![
+                    ("residual", json!("full")),
+                    ("attn_res_key_norm", json!(false)),
+                    ("attn_res_query", json!("input")),
+                    ("attn_res_gate", json!("sigmoid")),
+                    ("attn_res_heads", json!(4)),
+                    ("attn_res_window", json!(2)),
+                ],
+            ),
+            (content_free, vec![("attn_res_query", json!("dense")), ("attn_res_window", json!(3))]),
+            (
+                rope,
+                vec![
+                    ("residual", json!("standard")),
+                    ("rope_theta", json!(500_000.0)),
+                    ("rope_parameters", json!({"rope_type": "default", "rope_theta": 500_000.0})),
+                    ("max_position_embeddings", json!(8192)),
+                    ("num_key_value_heads", json!(2)),
+                    ("tie_word_embeddings", json!(false)),
+                ],
+            ),
+        ];
+        for (c, keys) in cases {
+            c.validate().unwrap();
+            let text = c.to_json();
+            let v: Value = serde_json::from_str(&text).unwrap();
+            for (k, want) in keys {
+                assert_eq!(v.get(k), Some(&want), "{k} in {text}");
+            }
+            assert_eq!(Config::from_json(&text).unwrap(), c, "{text}");
+        }
     }
 
     #[test]
