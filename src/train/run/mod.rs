@@ -191,6 +191,56 @@ struct Trainer<'g> {
     last_val: f64,
 }
 
+/// What every rank sets up for itself: the rest of a [`Trainer`] starts the same on every
+/// rank, and what rank 0 alone has (the run directory's lock, files and history) it fills in
+/// after ([`Trainer::start`]).
+struct Setup<'g> {
+    run: RunConfig,
+    data: Option<PathBuf>,
+    data_key: String,
+    init: Option<PathBuf>,
+    bpe: Bpe,
+    tokens: Tokens,
+    order: WindowOrder,
+    model: Model,
+    opt: Optimizer,
+    at: Position,
+    progress: Progress,
+    group: Option<&'g Group<'g>>,
+}
+
+impl<'g> Trainer<'g> {
+    fn new(s: Setup<'g>) -> Trainer<'g> {
+        let now = Instant::now();
+        Trainer {
+            total: s.run.train.steps(),
+            run: s.run,
+            out: PathBuf::new(),
+            data: s.data,
+            data_key: s.data_key,
+            code_versions: Vec::new(),
+            init: s.init,
+            tokenizer_files: Vec::new(),
+            bpe: s.bpe,
+            tokens: s.tokens,
+            order: s.order,
+            model: s.model,
+            opt: s.opt,
+            at: s.at,
+            metrics: None,
+            _lock: None,
+            state_file: None,
+            group: s.group,
+            streamed: None,
+            last_checkpoint: now,
+            progress: s.progress,
+            started: now,
+            throughput: Throughput { tokens: 0, since: now },
+            last_val: f64::NAN,
+        }
+    }
+}
+
 impl<'g> Trainer<'g> {
     /// One optimiser step: forward and backward over `accumulation` micro-batches (on several
     /// ranks: this rank's share of them), gradient clipping, the update.

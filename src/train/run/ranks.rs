@@ -5,7 +5,7 @@
 use super::progress::Progress;
 /// What rank 0 hands the other ranks at the start: the run's settings, tokenizer, data and
 /// position (the weights and optimiser moments follow as raw values).
-use super::{Position, Throughput, TrainOptions, Trainer, Whole};
+use super::{Position, Setup, TrainOptions, Trainer, Whole};
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
 use crate::train::checkpoint as run_dir;
@@ -19,7 +19,6 @@ use crate::train::tokens::{Tokens, WindowOrder};
 use anyhow::{ensure, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
-use std::time::Instant;
 
 #[derive(Serialize, Deserialize)]
 struct Handover {
@@ -169,32 +168,20 @@ impl<'g> Trainer<'g> {
             train_seconds: 0.0,
             earlier_seconds: 0.0,
         };
-        Ok(Trainer {
+        Ok(Trainer::new(Setup {
             run: h.run,
-            out: PathBuf::new(),
             data: h.data,
             data_key: h.data_key,
-            code_versions: Vec::new(),
             init: h.init,
-            tokenizer_files: Vec::new(),
             bpe,
             tokens,
             order,
             model,
             opt,
-            total,
             at,
-            metrics: None,
-            _lock: None,
-            state_file: None,
-            group: Some(g),
-            streamed: None,
-            last_checkpoint: Instant::now(),
             progress: Progress::new(None, false, total as u64, h.step as u64),
-            started: Instant::now(),
-            throughput: Throughput { tokens: 0, since: Instant::now() },
-            last_val: f64::NAN,
-        })
+            group: Some(g),
+        }))
     }
 
     /// Hands every rank of a pipeline its stage's part of the model and optimiser state, which

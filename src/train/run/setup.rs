@@ -3,7 +3,7 @@
 //! announced.
 
 use super::progress::Progress;
-use super::{Position, Throughput, TrainOptions, Trainer};
+use super::{Position, Setup, TrainOptions, Trainer};
 use crate::base::fs::write_atomic;
 use crate::base::version::CodeVersion;
 use crate::model::{checkpoint, Model};
@@ -18,7 +18,6 @@ use crate::train::tokens::{cache_dir, content_key, Tokens, WindowOrder};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 impl<'g> Trainer<'g> {
     /// Checks the request against the run directory, loads or builds settings, tokenizer, data,
@@ -110,32 +109,27 @@ impl<'g> Trainer<'g> {
             model.config.residual_label(),
             init.as_ref().map_or(String::new(), |p| format!(", from {}", p.display())),
         ));
-        Ok(Trainer {
+        let mut trainer = Trainer::new(Setup {
             run,
-            out: out.clone(),
             data,
             data_key,
-            code_versions,
             init,
-            tokenizer_files,
             bpe,
             tokens,
             order,
             model,
             opt,
-            total,
             at,
-            metrics: None,
-            _lock: Some(lock),
-            state_file,
-            group: None,
-            streamed: None,
-            last_checkpoint: Instant::now(),
             progress,
-            started: Instant::now(),
-            throughput: Throughput { tokens: 0, since: Instant::now() },
-            last_val: f64::NAN,
-        })
+            group: None,
+        });
+        // Rank 0's alone: the run directory.
+        trainer.out = out.clone();
+        trainer.code_versions = code_versions;
+        trainer.tokenizer_files = tokenizer_files;
+        trainer._lock = Some(lock);
+        trainer.state_file = state_file;
+        Ok(trainer)
     }
 }
 
