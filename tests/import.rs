@@ -668,7 +668,17 @@ fn bad_gguf_files_are_named_errors() {
     write(&write_gguf(&meta, &tensors));
     import_fails(&file, &["architecture \"qwen2\"", "only \"llama\""]);
 
-    // An unsupported tensor type (Q4_K: 144 bytes per 256 values).
+    // An unsupported tensor type (Q5_0: 22 bytes per 32 values).
+    let (mut tensors, _) = llama_tensors(gpt2_tokenizer().tokens.len(), &mut rng);
+    let t = tensors.iter_mut().find(|t| t.name == "blk.1.ffn_up.weight").unwrap();
+    t.type_id = 6;
+    t.data = vec![0; FF * HIDDEN / 32 * 22];
+    let mut meta = llama_meta("llama");
+    meta.extend(gpt2_tokenizer().meta);
+    write(&write_gguf(&meta, &tensors));
+    import_fails(&file, &["blk.1.ffn_up.weight", "Q5_0", "Q4_1", "Q6_K"]);
+
+    // A K-quant tensor whose rows are not whole 256-value blocks.
     let (mut tensors, _) = llama_tensors(gpt2_tokenizer().tokens.len(), &mut rng);
     let t = tensors.iter_mut().find(|t| t.name == "blk.1.ffn_up.weight").unwrap();
     t.type_id = 12;
@@ -676,7 +686,7 @@ fn bad_gguf_files_are_named_errors() {
     let mut meta = llama_meta("llama");
     meta.extend(gpt2_tokenizer().meta);
     write(&write_gguf(&meta, &tensors));
-    import_fails(&file, &["blk.1.ffn_up.weight", "Q4_K", "Q4_1"]);
+    import_fails(&file, &["blk.1.ffn_up.weight", "not a whole number of 256-value blocks", "Q4_K"]);
 
     // A wrong magic, and an empty file.
     let mut bad = good.clone();

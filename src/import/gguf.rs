@@ -3,6 +3,7 @@
 //! `ggml-common.h`. It reads the metadata and the tensor table, checks every length and offset
 //! against the file before using it, and dequantises the tensor types listed in [`GgmlType`].
 
+use crate::kernels::quant::{self, bf16_to_f32, f16_to_f32, Format};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 
@@ -98,10 +99,9 @@ impl Value {
 pub enum GgmlType {
     F32,
     F16,
-    Q4_0,
-    Q4_1,
-    Q8_0,
     BF16,
+    /// One of ggml's block formats.
+    Blocks(Format),
 }
 
 /// Names of every ggml type id, so that an unsupported one is named in the error.
@@ -141,18 +141,15 @@ const TYPE_NAMES: &[(u32, &str)] = &[
 ];
 
 /// The supported types, as the error for another one lists them.
-pub const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1";
+pub const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K";
 
 impl GgmlType {
     pub fn from_id(id: u32) -> Option<GgmlType> {
         Some(match id {
             0 => GgmlType::F32,
             1 => GgmlType::F16,
-            2 => GgmlType::Q4_0,
-            3 => GgmlType::Q4_1,
-            8 => GgmlType::Q8_0,
             30 => GgmlType::BF16,
-            _ => return None,
+            _ => GgmlType::Blocks(Format::from_ggml_id(id)?),
         })
     }
 
@@ -160,10 +157,8 @@ impl GgmlType {
         match self {
             GgmlType::F32 => 0,
             GgmlType::F16 => 1,
-            GgmlType::Q4_0 => 2,
-            GgmlType::Q4_1 => 3,
-            GgmlType::Q8_0 => 8,
             GgmlType::BF16 => 30,
+            GgmlType::Blocks(f) => f.ggml_id(),
         }
     }
 
@@ -172,9 +167,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 => (1, 4),
             GgmlType::F16 | GgmlType::BF16 => (1, 2),
-            GgmlType::Q4_0 => (32, 2 + 16),
-            GgmlType::Q4_1 => (32, 2 + 2 + 16),
-            GgmlType::Q8_0 => (32, 2 + 32),
+            GgmlType::Blocks(f) => (f.block_values(), f.block_bytes()),
         }
     }
 }
@@ -469,110 +462,29 @@ impl<'a> Gguf<'a> {
     }
 }
 
-/// An IEEE half-precision value (binary16) as f32; exact.
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h as u32) & 0x8000) << 16;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let frac = (h & 0x3ff) as u32;
-    let bits = match (exp, frac) {
-        (0, 0) => sign,
-        (0, _) => {
-            // Subnormal: normalise the fraction.
-            let shift = frac.leading_zeros() - 21; // bring the top set bit to bit 10
-            let frac = (frac << shift) & 0x3ff;
-            let exp = 127 - 15 + 1 - shift;
-            sign | (exp << 23) | (frac << 13)
-        }
-        (0x1f, _) => sign | 0x7f80_0000 | (frac << 13),
-        _ => sign | ((exp + 127 - 15) << 23) | (frac << 13),
-    };
-    f32::from_bits(bits)
-}
-
-/// A bfloat16 value as f32; exact.
-pub fn bf16_to_f32(h: u16) -> f32 {
-    f32::from_bits((h as u32) << 16)
-}
-
-fn half(b: &[u8]) -> f32 {
-    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
-}
-
 /// Dequantises whole blocks of type `ty` (ggml's `dequantize_row_*`).
 pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
-    let (per_block, block_bytes) = ty.block();
-    let mut out = Vec::with_capacity(bytes.len() / block_bytes * per_block);
-    for b in bytes.chunks_exact(block_bytes) {
-        match ty {
-            GgmlType::F32 => out.push(f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            GgmlType::F16 => out.push(half(b)),
-            GgmlType::BF16 => out.push(bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))),
-            GgmlType::Q8_0 => {
-                let d = half(b);
-                out.extend(b[2..].iter().map(|&q| (q as i8) as f32 * d));
-            }
-            GgmlType::Q4_0 => {
-                let d = half(b);
-                let qs = &b[2..];
-                // Low nibbles are values 0..16 of the block, high nibbles values 16..32.
-                out.extend(qs.iter().map(|&q| ((q & 0x0f) as i32 - 8) as f32 * d));
-                out.extend(qs.iter().map(|&q| ((q >> 4) as i32 - 8) as f32 * d));
-            }
-            GgmlType::Q4_1 => {
-                let (d, m) = (half(b), half(&b[2..]));
-                let qs = &b[4..];
-                out.extend(qs.iter().map(|&q| (q & 0x0f) as f32 * d + m));
-                out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
-            }
+    let two = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
+    match ty {
+        GgmlType::F32 => {
+            bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
         }
+        GgmlType::F16 => bytes.chunks_exact(2).map(|b| f16_to_f32(two(b))).collect(),
+        GgmlType::BF16 => bytes.chunks_exact(2).map(|b| bf16_to_f32(two(b))).collect(),
+        GgmlType::Blocks(f) => quant::dequantize(f, bytes),
     }
-    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// binary16 from its definition: (-1)^s · 2^(e-15) · (1 + f/1024), subnormals 2^-14 · f/1024.
-    fn f16_reference(h: u16) -> f64 {
-        let s = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
-        let e = ((h >> 10) & 0x1f) as i32;
-        let f = (h & 0x3ff) as f64;
-        match e {
-            0 => s * 2f64.powi(-14) * f / 1024.0,
-            31 if f == 0.0 => s * f64::INFINITY,
-            31 => f64::NAN,
-            _ => s * 2f64.powi(e - 15) * (1.0 + f / 1024.0),
-        }
-    }
-
-    #[test]
-    fn every_half_value_converts_exactly() {
-        for h in 0..=u16::MAX {
-            let (got, want) = (f16_to_f32(h) as f64, f16_reference(h));
-            if want.is_nan() {
-                assert!(got.is_nan(), "{h:#x}");
-            } else {
-                assert_eq!(got, want, "{h:#x}");
-                assert_eq!(got.is_sign_negative(), want.is_sign_negative(), "{h:#x}");
-            }
-        }
-        assert_eq!(bf16_to_f32(0x3f80), 1.0);
-        assert_eq!(bf16_to_f32(0xc040), -3.0);
-    }
-
     #[test]
     fn type_names_and_sizes() {
         assert_eq!(type_name(12), "Q4_K");
         assert_eq!(type_name(77), "type 77");
-        for ty in [
-            GgmlType::F32,
-            GgmlType::F16,
-            GgmlType::Q4_0,
-            GgmlType::Q4_1,
-            GgmlType::Q8_0,
-            GgmlType::BF16,
-        ] {
+        let blocks = Format::ALL.map(GgmlType::Blocks);
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16].into_iter().chain(blocks) {
             assert_eq!(GgmlType::from_id(ty.id()), Some(ty));
         }
     }

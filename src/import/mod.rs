@@ -564,12 +564,14 @@ fn to_f32(name: &str, t: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
         Dtype::F32 => {
             d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
         }
-        Dtype::F16 => {
-            d.chunks_exact(2).map(|b| gguf::f16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect()
-        }
-        Dtype::BF16 => {
-            d.chunks_exact(2).map(|b| gguf::bf16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect()
-        }
+        Dtype::F16 => d
+            .chunks_exact(2)
+            .map(|b| crate::kernels::quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
+        Dtype::BF16 => d
+            .chunks_exact(2)
+            .map(|b| crate::kernels::quant::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .collect(),
         other => bail!("tensor {name:?} has dtype {other:?}; import reads F32, F16 and BF16"),
     })
 }

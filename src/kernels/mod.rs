@@ -10,6 +10,7 @@ pub mod cross_entropy;
 pub mod depth;
 pub mod embedding;
 pub mod matmul;
+pub mod quant;
 pub mod rmsnorm;
 pub mod rope;
 pub mod simd;

@@ -1,0 +1,193 @@
+//! Products of quantised rows with activations, without expanding the rows to f32.
+//!
+//! Two ways, as llama.cpp has them: [`dot_f32`] takes f32 activations (each block's values are
+//! made and multiplied in registers); [`dot_q8`] takes activations quantised to Q8_0
+//! ([`quantize_activations`]), so that each block is a sum of integer products scaled once by
+//! both blocks' scales: the weights' format sets how far that is from the f32 product (the
+//! tests state the bound).
+
+use super::{dequantize_into, Format};
+use anyhow::{ensure, Result};
+
+/// `Σ row[j] · x[j]` for one quantised row of `x.len()` values.
+pub fn dot_f32(format: Format, row: &[u8], x: &[f32]) -> f32 {
+    let per = format.block_values();
+    let mut values = Vec::with_capacity(per);
+    let mut sum = 0.0f32;
+    for (b, xb) in row.chunks_exact(format.block_bytes()).zip(x.chunks_exact(per)) {
+        values.clear();
+        dequantize_into(format, b, &mut values);
+        sum += values.iter().zip(xb).map(|(w, v)| w * v).sum::<f32>();
+    }
+    sum
+}
+
+/// Activations quantised to Q8_0, blocks of 32, for [`dot_q8`].
+pub fn quantize_activations(x: &[f32]) -> Result<Vec<u8>> {
+    super::quantize(Format::Q8_0, x)
+}
+
+/// Whether [`dot_q8`] takes rows of `format`.
+pub fn takes_q8(format: Format) -> bool {
+    matches!(format, Format::Q8_0 | Format::Q4_0)
+}
+
+/// `Σ row[j] · x[j]` for a row of Q8_0 or Q4_0 and activations `xq` in Q8_0 (as ggml's
+/// `vec_dot_q8_0_q8_0` and `vec_dot_q4_0_q8_0`): per block the integer sum of products, times
+/// the activations' scale, times the row's.
+pub fn dot_q8(format: Format, row: &[u8], xq: &[u8]) -> f32 {
+    debug_assert!(takes_q8(format));
+    let mut sum = 0.0f32;
+    for (w, x) in row.chunks_exact(format.block_bytes()).zip(xq.chunks_exact(34)) {
+        let (dw, dx) = (super::half(w), super::half(x));
+        let xs = &x[2..];
+        let sumi: i32 = match format {
+            Format::Q8_0 => {
+                w[2..].iter().zip(xs).map(|(&a, &b)| a as i8 as i32 * b as i8 as i32).sum()
+            }
+            _ => w[2..]
+                .iter()
+                .enumerate()
+                .map(|(j, &q)| {
+                    ((q & 0x0f) as i32 - 8) * xs[j] as i8 as i32
+                        + ((q >> 4) as i32 - 8) * xs[j + 16] as i8 as i32
+                })
+                .sum(),
+        };
+        sum += sumi as f32 * dw * dx;
+    }
+    sum
+}
+
+/// `y[r] = Σ_j W[r, j] · x[j]` for the `rows` quantised rows of `w` (each `x.len()` values):
+/// rows of Q8_0 and Q4_0 through [`dot_q8`], the others through [`dot_f32`].
+pub fn matvec(format: Format, w: &[u8], rows: usize, x: &[f32]) -> Result<Vec<f32>> {
+    let row_bytes = format.row_bytes(x.len())?;
+    ensure!(
+        w.len() == rows * row_bytes,
+        "a {rows} x {} matrix in {} takes {} bytes, not {}",
+        x.len(),
+        format.name(),
+        rows * row_bytes,
+        w.len()
+    );
+    use rayon::prelude::*;
+    if takes_q8(format) {
+        let xq = quantize_activations(x)?;
+        Ok(w.par_chunks_exact(row_bytes).map(|r| dot_q8(format, r, &xq)).collect())
+    } else {
+        Ok(w.par_chunks_exact(row_bytes).map(|r| dot_f32(format, r, x)).collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{dequantize, quantize};
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+            })
+            .collect()
+    }
+
+    /// Raw blocks of `format` with every bit pattern likely, and small finite scales.
+    fn raw_blocks(format: Format, blocks: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed;
+        let mut bytes: Vec<u8> = (0..blocks * format.block_bytes())
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (s >> 56) as u8
+            })
+            .collect();
+        let scale = super::super::f32_to_f16(0.01).to_le_bytes();
+        for b in bytes.chunks_exact_mut(format.block_bytes()) {
+            let at: &[usize] = match format {
+                Format::Q6K => &[208],
+                Format::Q4K | Format::Q4_1 => &[0, 2],
+                _ => &[0],
+            };
+            for &i in at {
+                b[i..i + 2].copy_from_slice(&scale);
+            }
+        }
+        bytes
+    }
+
+    /// The f32 product of the dequantised row, in f64.
+    fn exact(format: Format, row: &[u8], x: &[f32]) -> (f64, f64) {
+        let w = dequantize(format, row);
+        let dot = w.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
+        let abs = w.iter().zip(x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum::<f64>();
+        (dot, abs)
+    }
+
+    #[test]
+    fn the_f32_product_is_the_dequantised_rows_product() {
+        for format in Format::ALL {
+            let n = 2 * format.block_values();
+            let row = raw_blocks(format, 2, 7 + format.ggml_id() as u64);
+            let x = values(n, 3);
+            let (want, abs) = exact(format, &row, &x);
+            // f32 sums of n products: each rounding at most one ulp of the running magnitude.
+            let bound = abs * n as f64 * f32::EPSILON as f64;
+            let got = dot_f32(format, &row, &x) as f64;
+            assert!((got - want).abs() <= bound, "{format:?}: {got} vs {want} (bound {bound})");
+        }
+    }
+
+    #[test]
+    fn the_q8_product_is_within_the_activations_rounding() {
+        for format in [Format::Q8_0, Format::Q4_0] {
+            let n = 8 * 32;
+            let row = quantize(format, &values(n, 11)).unwrap();
+            let x = values(n, 5);
+            let xq = quantize_activations(&x).unwrap();
+            let got = dot_q8(format, &row, &xq) as f64;
+            let (want, abs) = exact(format, &row, &x);
+            // Quantising x moves each value by at most half its block's step d = max|x| / 127
+            // (stored as f16: relative error 2^-11), so the product moves by at most
+            // Σ_blocks d/2 · Σ|w| of the block; then f32 rounding of the sums.
+            let w = dequantize(format, &row);
+            let moved: f64 = x
+                .chunks(32)
+                .zip(w.chunks(32))
+                .map(|(xb, wb)| {
+                    let d = xb.iter().fold(0f64, |m, v| m.max(v.abs() as f64)) / 127.0;
+                    d * (0.5 + 127.0 * 2f64.powi(-11))
+                        * wb.iter().map(|v| v.abs() as f64).sum::<f64>()
+                })
+                .sum();
+            let bound = moved + abs * n as f64 * f32::EPSILON as f64;
+            assert!((got - want).abs() <= bound, "{format:?}: {got} vs {want} (bound {bound})");
+            // The bound is tight enough to mean something: a tenth of the product's scale.
+            assert!(bound < 0.1 * abs, "{format:?}: bound {bound} of {abs}");
+        }
+    }
+
+    #[test]
+    fn matvec_is_each_rows_product() {
+        for format in Format::ALL {
+            let n = format.block_values();
+            let w = raw_blocks(format, 3, 21);
+            let x = values(n, 9);
+            let y = matvec(format, &w, 3, &x).unwrap();
+            let rb = format.block_bytes();
+            for (r, &yr) in y.iter().enumerate() {
+                let row = &w[r * rb..(r + 1) * rb];
+                let want = if takes_q8(format) {
+                    dot_q8(format, row, &quantize_activations(&x).unwrap())
+                } else {
+                    dot_f32(format, row, &x)
+                };
+                assert_eq!(yr.to_bits(), want.to_bits(), "{format:?} row {r}");
+            }
+        }
+        let e = matvec(Format::Q8_0, &[0; 10], 1, &[0.0; 32]).unwrap_err().to_string();
+        assert!(e.contains("takes 34 bytes, not 10"), "{e}");
+    }
+}

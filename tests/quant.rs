@@ -1,0 +1,48 @@
+//! ggml's block formats against ggml's own Python package (`gguf`): fixtures written by
+//! `scripts/reference/make_quant_fixtures.py`. Dequantisation of every format and quantisation
+//! to Q8_0, Q4_0 and Q4_1 must give the same bits.
+
+use attnres::kernels::quant::{dequantize, quantize, Format};
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant").join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(g.to_bits(), w.to_bits(), "{what}: value {i}: {g} vs gguf's {w}");
+    }
+}
+
+#[test]
+fn dequantisation_of_every_format_is_ggmls_bit_for_bit() {
+    for format in Format::ALL {
+        let name = format.name().to_lowercase();
+        let blocks = fixture(&format!("{name}.blocks"));
+        let want = floats(&fixture(&format!("{name}.values")));
+        assert_eq!(blocks.len() / format.block_bytes() * format.block_values(), want.len());
+        assert_same_bits(&dequantize(format, &blocks), &want, format.name());
+    }
+}
+
+#[test]
+fn quantisation_to_q8_0_q4_0_and_q4_1_is_ggmls_bit_for_bit() {
+    let source = floats(&fixture("source"));
+    for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+        let want = fixture(&format!("{}.blocks", format.name().to_lowercase()));
+        let got = quantize(format, &source).unwrap();
+        assert_eq!(got.len(), want.len(), "{}", format.name());
+        for (b, (g, w)) in
+            got.chunks(format.block_bytes()).zip(want.chunks(format.block_bytes())).enumerate()
+        {
+            assert_eq!(g, w, "{}: block {b}", format.name());
+        }
+    }
+}
