@@ -34,9 +34,20 @@ pub fn takes_q8(format: Format) -> bool {
 
 /// `Σ row[j] · x[j]` for a row of Q8_0 or Q4_0 and activations `xq` in Q8_0 (as ggml's
 /// `vec_dot_q8_0_q8_0` and `vec_dot_q4_0_q8_0`): per block the integer sum of products, times
-/// the activations' scale, times the row's.
+/// the row's scale, times the activations'. With AVX2 where the processor has it; the same bits
+/// either way (the sums are exact, the scaling the same).
 pub fn dot_q8(format: Format, row: &[u8], xq: &[u8]) -> f32 {
-    debug_assert!(takes_q8(format));
+    assert!(takes_q8(format), "dot_q8 takes Q8_0 and Q4_0 rows, not {}", format.name());
+    #[cfg(target_arch = "x86_64")]
+    if super::x86::has_avx2() {
+        // SAFETY: the processor has AVX2 (just checked); the format is Q8_0 or Q4_0.
+        return unsafe { super::x86::dot_q8(format, row, xq) };
+    }
+    dot_q8_portable(format, row, xq)
+}
+
+/// [`dot_q8`] in plain Rust: the form the vector kernels are checked against.
+pub fn dot_q8_portable(format: Format, row: &[u8], xq: &[u8]) -> f32 {
     let mut sum = 0.0f32;
     for (w, x) in row.chunks_exact(format.block_bytes()).zip(xq.chunks_exact(34)) {
         let (dw, dx) = (super::half(w), super::half(x));
@@ -166,6 +177,21 @@ mod tests {
             assert!((got - want).abs() <= bound, "{format:?}: {got} vs {want} (bound {bound})");
             // The bound is tight enough to mean something: a tenth of the product's scale.
             assert!(bound < 0.1 * abs, "{format:?}: bound {bound} of {abs}");
+        }
+    }
+
+    #[test]
+    fn the_vector_kernel_gives_the_portable_bits() {
+        for format in [Format::Q8_0, Format::Q4_0] {
+            for blocks in [1, 3, 64] {
+                // Every byte pattern in the rows, extreme activations included.
+                let row = raw_blocks(format, blocks, 40 + blocks as u64);
+                let mut x = values(blocks * 32, 8);
+                x[0] = 1e3;
+                let xq = quantize_activations(&x).unwrap();
+                let portable = dot_q8_portable(format, &row, &xq);
+                assert_eq!(dot_q8(format, &row, &xq).to_bits(), portable.to_bits(), "{format:?}");
+            }
         }
     }
 

@@ -15,6 +15,8 @@
 //! values 16..32.
 
 pub mod dot;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 use anyhow::{bail, ensure, Result};
 
