@@ -1,6 +1,6 @@
 //! Closed pipes and full disks through the binary, with real child processes: log lines never
 //! stop the work (stderr closed, or a reader that stops reading); a result that cannot be
-//! written to stdout is an error (`/dev/full`), or a quiet exit 141 when the reader has gone;
+//! written to stdout is an error (a full device), or a quiet exit 141 when the reader has gone;
 //! a checkpoint that does not fit on the disk (a small tmpfs, mounted as root or as root of a
 //! user namespace, and a file-size limit) leaves no temporary directory behind, and the run
 //! resumes from the previous checkpoint or restarts (docs/development.md, "Errors and exit codes").
@@ -38,9 +38,19 @@ fn args(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| s.to_string()).collect()
 }
 
-/// Runs with stdout on `/dev/full` (every write fails with "no space left").
-fn stdout_full(mut c: Command) -> Output {
-    c.stdout(std::fs::File::create("/dev/full").unwrap()).stderr(Stdio::piped());
+/// Runs with stdout on a full device (every write fails with "no space left"): a private one,
+/// made with `mknod` beside the run's files (the character device 1:7, as `/dev/full`), so
+/// that the test never writes to the machine's own device nodes.
+fn stdout_full(env: &RunEnv, mut c: Command) -> Output {
+    let full = env.path("full");
+    if !full.exists() {
+        let made = Command::new("mknod").arg(&full).args(["c", "1", "7"]).status();
+        assert!(
+            made.is_ok_and(|s| s.success()),
+            "cannot make a full device with mknod (the test needs root, as CI has)"
+        );
+    }
+    c.stdout(std::fs::OpenOptions::new().write(true).open(&full).unwrap()).stderr(Stdio::piped());
     c.output().unwrap()
 }
 
@@ -115,8 +125,13 @@ fn results_on_a_closed_or_full_stdout_and_logs_on_a_closed_stderr() {
         let o = stderr_closed(env.cmd(a));
         assert!(o.status.success(), "{what} with a closed stderr: {:?}", o.status);
         assert!(!o.stdout.is_empty(), "{what}: no result");
-        fails_on_full_stdout(&stdout_full(env.cmd(a)), what);
+        fails_on_full_stdout(&stdout_full(env, env.cmd(a)), what);
         quiet_on_closed_stdout(&stdout_closed(env.cmd(a)), what);
+    }
+    // --help and --version are results too.
+    for what in ["--help", "--version"] {
+        fails_on_full_stdout(&stdout_full(env, env.cmd(&[what])), what);
+        quiet_on_closed_stdout(&stdout_closed(env.cmd(&[what])), what);
     }
     // A stream cut off part way: the reader takes the first bytes of the text and goes while
     // a hundred million tokens (hours of work) are still to come; generation stops with it.
@@ -180,7 +195,7 @@ fn bench_results_on_a_closed_or_full_stdout() {
         let a = args(&[&base[..], extra].concat());
         let o = stderr_closed(env.cmd(&a));
         assert!(o.status.success() && !o.stdout.is_empty(), "{what} with a closed stderr");
-        fails_on_full_stdout(&stdout_full(env.cmd(&a)), what);
+        fails_on_full_stdout(&stdout_full(env, env.cmd(&a)), what);
         quiet_on_closed_stdout(&stdout_closed(env.cmd(&a)), what);
     }
 }

@@ -230,14 +230,22 @@ fn the_cli_refuses_bad_sizes_and_thread_counts() {
             "a training step needs about",
         ),
         (vec!["train", "--out", out, "--set", "micro_batch=72057594037927936"], "overflows"),
-        (vec!["--threads", "0", "init", "--out", out], "--threads must lie in 1..="),
-        (vec!["--threads", "100000000", "init", "--out", out], "--threads must lie in 1..="),
+        (vec!["--threads", "0", "init", "--out", out], "--threads must be at least 1, got 0"),
     ] {
         let (code, err) = attnres(&args);
         assert_eq!(code, 1, "{args:?}: {err}");
         assert!(err.starts_with("error: ") && err.contains(want), "{args:?}: {err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
     }
+    // More threads than cores only wait on each other: capped at the cores, with a warning.
+    let capped = dir.join("capped");
+    let (code, err) =
+        attnres(&["--threads", "100000000", "init", "--out", capped.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let warning =
+        format!("warning: --threads 100000000 is more than the {cores} cores here: using {cores}");
+    assert_eq!(err.lines().next(), Some(warning.as_str()), "{err}");
     let (code, err) = attnres(&[
         "--threads",
         "2",

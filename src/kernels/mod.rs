@@ -19,21 +19,19 @@ pub mod swiglu;
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
-/// The most worker threads `--threads` accepts: 1024, or 8 per core on machines with more than
-/// 128 cores.
-pub fn max_threads() -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    cores.saturating_mul(8).max(1024)
+/// The processor cores this process may use.
+pub fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// Checks a requested number of worker threads: at least 1, at most [`max_threads`].
-pub fn check_threads(n: usize) -> anyhow::Result<usize> {
-    let max = max_threads();
-    anyhow::ensure!(
-        (1..=max).contains(&n),
-        "--threads must lie in 1..={max} (8 per core, at least 1024), got {n}"
-    );
-    Ok(n)
+/// The worker threads to run for a request of `n`: at least 1, and no more than the cores,
+/// since threads beyond them only wait on each other (a parallel region is as slow as its last
+/// thread, and the cores take turns among them). The second value says when `n` was more than
+/// the cores.
+pub fn threads_for(n: usize) -> anyhow::Result<(usize, bool)> {
+    anyhow::ensure!(n >= 1, "--threads must be at least 1, got {n}");
+    let cores = cores();
+    Ok((n.min(cores), n > cores))
 }
 
 /// Rows handled per parallel task for row-wise kernels: big enough to amortise task overhead.
@@ -162,8 +160,6 @@ pub fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_threads, max_threads};
-
     #[test]
     fn parallel_builders_match_serial_code() {
         for n in [0, 5, super::PAR_MIN - 1, 3 * super::PAR_MIN + 17] {
@@ -193,14 +189,15 @@ mod tests {
     }
 
     #[test]
-    fn thread_counts_are_bounded() {
-        assert!(max_threads() >= 1024);
-        assert_eq!(check_threads(1).unwrap(), 1);
-        assert_eq!(check_threads(1024).unwrap(), 1024);
-        for n in [0, max_threads() + 1, 100_000_000, usize::MAX] {
-            let e = check_threads(n).unwrap_err().to_string();
-            assert!(e.starts_with("--threads must lie in 1..="), "{e}");
+    fn thread_counts_are_at_least_one_and_at_most_the_cores() {
+        let cores = super::cores();
+        assert_eq!(super::threads_for(1).unwrap(), (1, false));
+        assert_eq!(super::threads_for(cores).unwrap(), (cores, false));
+        for n in [cores + 1, 100_000_000, usize::MAX] {
+            assert_eq!(super::threads_for(n).unwrap(), (cores, true));
         }
+        let e = super::threads_for(0).unwrap_err().to_string();
+        assert_eq!(e, "--threads must be at least 1, got 0");
     }
 }
 

@@ -28,7 +28,9 @@ fn main() {
         Err(e) => {
             use clap::error::ErrorKind;
             if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
-                e.exit(); // --help and --version: printed on stdout, exit 0
+                // --help and --version: a result like any other, so a stdout that is full or
+                // gone is an error.
+                exit(output::output(&e.render().to_string()));
             }
             // Under mpirun every rank has the same arguments: rank 0 alone says what is wrong
             // (the others stop quietly, as for any error another rank reports).
@@ -39,7 +41,13 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = run(cli) {
+    exit(run(cli));
+}
+
+/// Ends the process with the exit status of `result` (docs/development.md, "Errors and exit
+/// codes"), saying what went wrong.
+fn exit(result: Result<()>) -> ! {
+    if let Err(e) = result {
         if closed_pipe(&e) {
             std::process::exit(CLOSED_PIPE_EXIT);
         }
@@ -52,6 +60,7 @@ fn main() {
         log(&format!("error: {e:#}"));
         std::process::exit(1);
     }
+    std::process::exit(0)
 }
 
 /// An argument error as one line (docs/development.md, "Errors and exit codes"): clap's first
@@ -88,7 +97,15 @@ fn closed_pipe(e: &anyhow::Error) -> bool {
 fn run(cli: Cli) -> Result<()> {
     let ranks = ranks::ranks(&cli.command)?;
     let threads = match (cli.threads, &ranks) {
-        (Some(n), _) => Some(attnres::kernels::check_threads(n)?),
+        (Some(n), _) => {
+            let (threads, capped) = attnres::kernels::threads_for(n)?;
+            if capped {
+                log(&format!(
+                    "warning: --threads {n} is more than the {threads} cores here: using {threads}"
+                ));
+            }
+            Some(threads)
+        }
         (None, Some(r)) => Some(ranks::default_threads(r)),
         (None, None) => None,
     };
