@@ -248,6 +248,18 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
     ] {
         case(&["train", "--preset", "tiny", "--out", &o, "--set", set], needle);
     }
+    // Malformed --config files: one line naming the place.
+    for (name, text, needle) in [
+        (
+            "t-eq.toml",
+            "[model]\nhidden_size = = 3\n",
+            "invalid TOML at line 2, column 15: extra `=`",
+        ),
+        ("t-table.toml", "[model\n", "invalid TOML at line 1, column 7"),
+        ("t-key.toml", "[train]\nlr = 1\nlr = 2\n", "invalid TOML at line 3"),
+    ] {
+        case(&["train", "--out", &o, "--config", &file(name, text.as_bytes())], needle);
+    }
     let prompts_empty = file("p-empty.txt", b"");
     let prompts_blank = file("p-blank.txt", b"To be\n\nor not\n");
     for (flags, needle) in [

@@ -255,6 +255,15 @@ fn texts_equal_generate_and_do_not_depend_on_the_batch() {
     }
     assert_eq!(streamed, choices);
 
+    // max_completion_tokens is max_tokens on completions too.
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": "To be", "max_completion_tokens": 4, "temperature": 0, "seed": 1}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"].as_u64(), Some(4), "{v}");
+
     // Chat, whole and streamed, agree.
     let chat = json!({"messages": [{"role": "user", "content": "Who is there?"}], "max_tokens": 20, "temperature": 0});
     let (status, whole) = post(port, "/v1/chat/completions", &chat);

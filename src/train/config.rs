@@ -197,11 +197,24 @@ pub struct RunConfig {
     pub train: TrainConfig,
 }
 
+/// A TOML document as a table; an error is one line naming `origin`, the line and column and
+/// what is wrong there (the parser's own message spans several lines).
+pub fn parse_toml(text: &str, origin: &str) -> Result<toml::Table> {
+    toml::from_str(text).map_err(|e| {
+        let at = e.span().map_or(String::new(), |span| {
+            let before = &text[..span.start.min(text.len())];
+            let line = before.matches('\n').count() + 1;
+            let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            format!(" at line {line}, column {column}")
+        });
+        anyhow::anyhow!("{origin}: invalid TOML{at}: {}", e.message().trim().replace('\n', "; "))
+    })
+}
+
 impl RunConfig {
     /// Parses a TOML document with `[model]` and `[train]` tables laid over the defaults.
     pub fn from_toml(text: &str, origin: &str) -> Result<RunConfig> {
-        let doc: toml::Table =
-            toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
+        let doc = parse_toml(text, origin)?;
         for k in doc.keys() {
             ensure!(
                 k == "model" || k == "train",

@@ -29,8 +29,7 @@ pub fn text(name: &str) -> Result<&'static str> {
 /// Parses a TOML document with a `[model]` table (a preset or a user's config file) into a
 /// model config laid over the defaults.
 pub fn model_config_from_toml(text: &str, origin: &str) -> Result<Config> {
-    let doc: toml::Table =
-        toml::from_str(text).with_context(|| format!("{origin}: invalid TOML"))?;
+    let doc = crate::train::config::parse_toml(text, origin)?;
     let values = match doc.get("model") {
         None => Map::new(),
         Some(model) => match serde_json::to_value(model)? {

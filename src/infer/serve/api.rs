@@ -87,6 +87,8 @@ pub(super) struct Common {
 #[serde(deny_unknown_fields)]
 pub(super) struct CompletionRequest {
     pub(super) prompt: Value,
+    /// The newer name of `max_tokens`, which the API takes on both endpoints.
+    pub(super) max_completion_tokens: Option<i64>,
     pub(super) echo: Option<bool>,
     pub(super) best_of: Option<i64>,
     pub(super) suffix: Option<String>,
@@ -310,7 +312,10 @@ pub(super) const CHAT_STOP: &str = "\nUser:";
 
 /// A `/v1/completions` body, checked and tokenized.
 pub(super) fn prepare_completion(model: &Served, body: &[u8]) -> Result<Prepared, Invalid> {
-    let r: CompletionRequest = parse(body)?;
+    let mut r: CompletionRequest = parse(body)?;
+    if r.common.max_tokens.is_none() {
+        r.common.max_tokens = r.max_completion_tokens;
+    }
     if r.echo == Some(true) {
         return Err(invalid("echo", "echo is not supported"));
     }

@@ -306,8 +306,7 @@ pub fn settings(s: &Settings) -> Result<Option<RunConfig>> {
         Some(p) => {
             let text = crate::base::fs::read_utf8(p)?;
             if s.init.is_some() {
-                let doc: toml::Table = toml::from_str(&text)
-                    .with_context(|| format!("{}: invalid TOML", p.display()))?;
+                let doc = crate::train::config::parse_toml(&text, &p.display().to_string())?;
                 ensure!(!doc.contains_key("model"), "{}: a [model] table does not go with --init (the model's settings are its checkpoint's config.json)", p.display());
             }
             RunConfig::from_toml(&text, &p.display().to_string())?
