@@ -281,6 +281,9 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
         (["--max-batch", "0"], "--max-batch must be at least 1"),
         (["--max-queue", "0"], "--max-queue must be at least 1"),
         (["--max-batch", "1000000000"], "--max-batch 1000000000 is too many sequences"),
+        // Checked before anything is allocated: a slot list of this many would not fit.
+        (["--max-batch", "10000000000"], "--max-batch 10000000000 is too many sequences"),
+        (["--max-queue", "1000000000"], "--max-queue must be at most 65536"),
     ] {
         let mut args = vec!["serve", "--model", &m, "--port", "0"];
         args.extend(flags);

@@ -69,21 +69,7 @@ impl KvCache {
     /// An error, allocating nothing, when `room` tokens per slot would need more than the memory
     /// limit ([`memory_limit`]).
     pub fn check_room(&self, room: usize) -> Result<()> {
-        let layers = self.k.len();
-        let bytes = [self.slots, room, self.width, layers, 2, 4]
-            .iter()
-            .try_fold(1u128, |a, &b| a.checked_mul(b as u128));
-        let limit = memory_limit();
-        match bytes {
-            Some(b) if b <= limit as u128 => Ok(()),
-            _ => bail!(
-                "the key/value cache for {} sequence(s) of {room} tokens needs {}; at most {} \
-                 (the machine's memory) is allowed",
-                self.slots,
-                bytes.map_or("more than 2^128 bytes".into(), format_bytes),
-                format_bytes(limit as u128)
-            ),
-        }
+        check_cache_size(self.slots, room, self.width, self.k.len())
     }
 
     /// Makes room for `positions` tokens per slot (at most the capacity), keeping what the
@@ -293,5 +279,23 @@ impl Model {
                 .collect();
         }
         Ok(self.head(&h).2)
+    }
+}
+
+/// An error, allocating nothing, when a key/value cache of `slots` sequences of `room` tokens
+/// (`width` values per token and layer, `layers` layers) would need more than the memory limit.
+pub fn check_cache_size(slots: usize, room: usize, width: usize, layers: usize) -> Result<()> {
+    let bytes =
+        [slots, room, width, layers, 2, 4].iter().try_fold(1u128, |a, &b| a.checked_mul(b as u128));
+    let limit = memory_limit();
+    match bytes {
+        Some(b) if b <= limit as u128 => Ok(()),
+        _ => bail!(
+            "the key/value cache for {} sequence(s) of {room} tokens needs {}; at most {} \
+             (the machine's memory) is allowed",
+            slots,
+            bytes.map_or("more than 2^128 bytes".into(), format_bytes),
+            format_bytes(limit as u128)
+        ),
     }
 }

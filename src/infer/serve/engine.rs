@@ -10,7 +10,7 @@
 
 use super::metrics::Metrics;
 use crate::infer::generate::{Sampler, Sampling};
-use crate::model::decode::KvCache;
+use crate::model::decode::{check_cache_size, KvCache};
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
 use anyhow::{Context, Result};
@@ -108,6 +108,29 @@ pub struct EngineOptions {
     pub prefill_tokens: usize,
 }
 
+/// The most requests that may wait for a slot (`--max-queue`): their channel is allocated
+/// whole, and a request behind more than this many would wait for minutes anyway.
+pub const MAX_QUEUE: usize = 65_536;
+
+/// Checks the engine's settings against the model and the machine, allocating nothing.
+pub fn check_options(config: &crate::model::Config, opts: &EngineOptions) -> Result<()> {
+    anyhow::ensure!(opts.max_batch >= 1, "--max-batch must be at least 1");
+    anyhow::ensure!(opts.max_queue >= 1, "--max-queue must be at least 1");
+    anyhow::ensure!(
+        opts.max_queue <= MAX_QUEUE,
+        "--max-queue must be at most {MAX_QUEUE}, got {}",
+        opts.max_queue
+    );
+    anyhow::ensure!(opts.prefill_tokens >= 1, "--prefill-tokens must be at least 1");
+    // The pool grows as sequences do; refusing now a pool that could not be full later keeps a
+    // busy server from failing requests when its slots fill up.
+    let ctx = config.max_position_embeddings;
+    let width = config.num_key_value_heads * config.head_dim;
+    check_cache_size(opts.max_batch, ctx, width, config.num_hidden_layers).with_context(|| {
+        format!("--max-batch {} is too many sequences for this model's context", opts.max_batch)
+    })
+}
+
 /// Starts the engine thread; it ends when every handle is dropped and its work is done.
 pub fn start(
     model: Arc<Model>,
@@ -116,12 +139,8 @@ pub fn start(
     metrics: Arc<Metrics>,
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let ctx = model.config.max_position_embeddings;
+    check_options(&model.config, &opts)?;
     let cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
-    // The pool grows as sequences do; refusing now a pool that could not be full later keeps a
-    // busy server from failing requests when its slots fill up.
-    cache.check_room(ctx).with_context(|| {
-        format!("--max-batch {} is too many sequences for this model's context", opts.max_batch)
-    })?;
     let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
         let mut engine = Engine {

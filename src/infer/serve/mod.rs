@@ -62,9 +62,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
             .unwrap_or_else(|| "attnres".into()),
     };
     let e = &opts.engine;
-    anyhow::ensure!(e.max_batch >= 1, "--max-batch must be at least 1");
-    anyhow::ensure!(e.max_queue >= 1, "--max-queue must be at least 1");
-    anyhow::ensure!(e.prefill_tokens >= 1, "--prefill-tokens must be at least 1");
+    engine::check_options(&model.config, e)?;
     let chat = crate::text::chat::ChatTemplate::find(&opts.model)?;
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
