@@ -299,7 +299,21 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
             "{args:?} failed, yet left a model in {o}"
         );
     }
-    println!("impossible sizes, bad batches, corpora and settings: {} cases", cases.len());
+    // An output that is a device (a private null device, 1:3) is refused and left a device:
+    // the atomic write's rename would put a file in its place.
+    let null = env.path("null-device");
+    let made = std::process::Command::new("mknod").arg(&null).args(["c", "1", "3"]).status();
+    assert!(made.is_ok_and(|s| s.success()), "mknod failed (the test needs root, as CI has)");
+    let good = batch("b-good", r#"{"input_ids": [[1, 2, 3]]}"#);
+    let n = null.to_str().unwrap();
+    let o = env.run(&["forward", "--model", &m, "--batch", &good, "--out", n]);
+    clean_failure(&o, "forward --out onto a device", "is a device, not a file");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(
+        std::fs::metadata(&null).unwrap().file_type().is_char_device(),
+        "the device was replaced"
+    );
+    println!("impossible sizes, bad batches, corpora and settings: {} cases", cases.len() + 1);
 }
 
 /// Spawns the run's command, quiet.

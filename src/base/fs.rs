@@ -34,6 +34,7 @@ pub fn write_atomic_with(
 ) -> Result<()> {
     use std::io::Write;
     let name = path.file_name().context("output path has no file name")?.to_string_lossy();
+    refuse_non_file(path)?;
     let tmp = path.with_file_name(format!(".{name}{TEMPORARY}{}", std::process::id()));
     let written = std::fs::File::create(&tmp)
         .and_then(|f| {
@@ -50,6 +51,29 @@ pub fn write_atomic_with(
         let _ = std::fs::remove_file(&tmp);
     }
     written
+}
+
+/// An error when `path` exists and is not a regular file: the rename that replaces a file
+/// whole would put a file in place of a device, pipe or socket (as root, over `/dev/null`).
+/// A symbolic link is judged by what it points to.
+pub fn refuse_non_file(path: &Path) -> Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::metadata(path) else { return Ok(()) };
+    let t = meta.file_type();
+    let kind = if t.is_file() {
+        return Ok(());
+    } else if t.is_dir() {
+        "a directory"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else if t.is_fifo() {
+        "a named pipe"
+    } else if t.is_socket() {
+        "a socket"
+    } else {
+        "not a regular file"
+    };
+    anyhow::bail!("{} is {kind}, not a file: give the path of a file to write", path.display())
 }
 
 /// Reads a whole input file of bounded size: a regular file no larger than the machine's memory
@@ -115,7 +139,29 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_rename_removes_the_temporary_file_and_names_the_path() {
+    fn devices_pipes_and_directories_are_refused_and_left_as_they_are() {
+        use std::os::unix::fs::FileTypeExt;
+        let tmp = tempfile::tempdir().unwrap();
+        // A private null device (1:3) and a named pipe, made here: never the machine's own.
+        let null = tmp.path().join("null");
+        let fifo = tmp.path().join("fifo");
+        let made = |cmd: &str, args: &[&std::ffi::OsStr]| {
+            let ok = std::process::Command::new(cmd).args(args).status();
+            assert!(ok.is_ok_and(|s| s.success()), "{cmd} failed (the test needs root, as CI has)");
+        };
+        made("mknod", &[null.as_os_str(), "c".as_ref(), "1".as_ref(), "3".as_ref()]);
+        made("mkfifo", &[fifo.as_os_str()]);
+        for (path, kind) in [(&null, "a device"), (&fifo, "a named pipe")] {
+            let err = format!("{:#}", write_atomic(path, b"{}").unwrap_err());
+            assert!(err.contains(&format!("{} is {kind}, not a file", path.display())), "{err}");
+        }
+        assert!(std::fs::metadata(&null).unwrap().file_type().is_char_device());
+        assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
+        assert_eq!(leftovers(tmp.path()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn a_directory_in_the_way_is_refused_naming_the_path_and_left_alone() {
         let tmp = tempfile::tempdir().unwrap();
         let target = tmp.path().join("summary.json");
         std::fs::create_dir(&target).unwrap();
