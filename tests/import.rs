@@ -660,6 +660,17 @@ fn bad_gguf_files_are_named_errors() {
     let write = |bytes: &[u8]| std::fs::write(&file, bytes).unwrap();
     let (good, _) = tiny_gguf(gpt2_tokenizer(), 1);
 
+    // An output onto the input itself, or a directory holding it: refused, the input kept.
+    write(&good);
+    let f = file.to_str().unwrap();
+    for out in [f, tmp.path().to_str().unwrap()] {
+        let o = attnres(&["import", "--from", f, "--out", out, "--force"]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains("or holds it") && err.contains("--from"), "{err}");
+        assert_eq!(std::fs::read(&file).unwrap(), good, "the input was changed");
+    }
+
     // Another architecture.
     let mut rng = Rng(1);
     let (tensors, _) = llama_tensors(gpt2_tokenizer().tokens.len(), &mut rng);

@@ -76,6 +76,26 @@ pub fn refuse_non_file(path: &Path) -> Result<()> {
     anyhow::bail!("{} is {kind}, not a file: give the path of a file to write", path.display())
 }
 
+/// An error when writing `out` would overwrite or remove the command's input `input` (`what`
+/// names it, e.g. `--from`): `out` is that file, or a directory holding it, compared by device
+/// and inode (so another name for the same file, a hard link or a mount, is found too).
+pub fn refuse_output_over_input(out: &Path, input: &Path, what: &str) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(target) = std::fs::metadata(out) else { return Ok(()) };
+    let Ok(input_abs) = input.canonicalize() else { return Ok(()) };
+    let same = |p: &Path| {
+        std::fs::metadata(p).is_ok_and(|m| m.dev() == target.dev() && m.ino() == target.ino())
+    };
+    anyhow::ensure!(
+        !input_abs.ancestors().any(same),
+        "{} is {what} ({}) or holds it: writing there would destroy the command's own input; \
+         give another output",
+        out.display(),
+        input.display()
+    );
+    Ok(())
+}
+
 /// Reads a whole input file of bounded size: a regular file no larger than the machine's memory
 /// (checked before reading), or a pipe (`/dev/stdin`), read up to that size. A device, socket or
 /// directory is refused, so `/dev/zero` given as input is an error, not an endless read.
@@ -158,6 +178,28 @@ mod tests {
         assert!(std::fs::metadata(&null).unwrap().file_type().is_char_device());
         assert!(std::fs::metadata(&fifo).unwrap().file_type().is_fifo());
         assert_eq!(leftovers(tmp.path()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn an_output_that_is_or_holds_an_input_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run");
+        std::fs::create_dir(&dir).unwrap();
+        let input = dir.join("model.gguf");
+        std::fs::write(&input, "x").unwrap();
+        let link = tmp.path().join("link.gguf");
+        std::fs::hard_link(&input, &link).unwrap();
+        for out in [&input, &dir, &link, &tmp.path().to_path_buf()] {
+            let e = refuse_output_over_input(out, &input, "--from").unwrap_err().to_string();
+            assert!(e.contains("or holds it") && e.contains("--from"), "{e}");
+        }
+        // A sibling, a missing path and a directory inside the input's are fine.
+        for out in [tmp.path().join("other"), dir.join("sub"), tmp.path().join("missing")] {
+            if out.ends_with("sub") {
+                std::fs::create_dir(&out).unwrap();
+            }
+            refuse_output_over_input(&out, &input, "--from").unwrap();
+        }
     }
 
     #[test]

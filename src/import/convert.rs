@@ -63,6 +63,7 @@ impl Converted {
 /// written whole or not at all; an `out` that exists and is not empty is replaced only with
 /// `force`.
 pub fn convert(model: &Path, sets: &[String], out: &Path, force: bool) -> Result<Converted> {
+    crate::base::fs::refuse_output_over_input(out, model, "--model")?;
     check_out(out, force)?;
     let src = checkpoint::load(model)
         .with_context(|| format!("cannot read the model {}", model.display()))?;

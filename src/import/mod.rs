@@ -75,6 +75,7 @@ struct Files {
 pub fn import(from: &Path, out: &Path, force: bool) -> Result<Summary> {
     let meta =
         std::fs::metadata(from).with_context(|| format!("cannot read {}", from.display()))?;
+    crate::base::fs::refuse_output_over_input(out, from, "--from")?;
     check_out(out, force)?;
     let (files, summary) = if meta.is_dir() {
         from_hf_dir(from).with_context(|| format!("cannot import {}", from.display()))?

@@ -276,6 +276,11 @@ fn init(a: InitArgs) -> Result<()> {
 }
 
 fn forward_cmd(a: ForwardArgs) -> Result<()> {
+    let refuse = attnres::base::fs::refuse_output_over_input;
+    refuse(&a.out, &a.batch, "--batch")?;
+    for name in [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE] {
+        refuse(&a.out, &a.model.join(name), "the model's")?;
+    }
     let model = checkpoint::load(&a.model)?;
     let batch = forward::BatchFile::read(&a.batch)?;
     let output = forward::run(&model, &batch)?;
