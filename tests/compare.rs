@@ -1,8 +1,8 @@
 //! `attnres compare` end to end on a few-step budget: every run trains, the report and its
 //! summary agree with the runs, a comparison stopped in the middle of a run (by the binary's
 //! test hook, at a chosen step) reuses the finished runs and resumes the interrupted one to the
-//! same weights as an uninterrupted comparison, and a directory holding other settings is
-//! refused.
+//! same weights as an uninterrupted comparison, a directory holding other settings is
+//! refused, and a comparison that failed on its data runs again with the data corrected.
 
 mod common;
 
@@ -186,4 +186,35 @@ fn compare_trains_reports_and_resumes() {
     let o = attnres(&cache, &["report", tmp.path().to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("a report directory?"), "{err}");
+}
+
+/// A comparison whose first run fails on its data (too short to hold out a validation split)
+/// is run again with the data corrected: nothing it left counts as a started comparison.
+#[test]
+fn a_comparison_that_failed_on_its_data_runs_again_with_other_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let short = tmp.path().join("short.txt");
+    std::fs::write(&short, "To be, or not to be.").unwrap();
+    let data = tmp.path().join("corpus.txt");
+    common::write_small_corpus(&data, 8_000);
+    let out = tmp.path().join("report");
+    let args = |data: &Path| -> Vec<String> {
+        let head = ["compare", "--quick", "--no-progress"];
+        let sets =
+            ["vocab_size=300", "seq_len=32", "micro_batch=4", "batch_tokens=256", "max_tokens=512"];
+        common::run_args(&head, &out, data, &sets)
+    };
+    fn argv(a: &[String]) -> Vec<&str> {
+        a.iter().map(String::as_str).collect()
+    }
+    let bad = args(&short);
+    let o = attnres(&cache, &argv(&bad));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("validation split is empty"), "{err}");
+    let good = args(&data);
+    let log = ok(attnres(&cache, &argv(&good)));
+    assert!(log.contains("report:"), "{log}");
+    assert!(out.join("runs/full-seed0/summary.json").exists());
 }

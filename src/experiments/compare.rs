@@ -84,14 +84,18 @@ fn other_version(dir: &Path) -> Option<String> {
 }
 
 /// Refuses a report directory whose `compare.json` asks for other settings (more seeds are
-/// allowed), unless none of its runs has started: such a plan is simply replaced.
+/// allowed), unless none of its runs has saved anything to keep: such a plan is simply
+/// replaced (a comparison whose first run failed, on bad data say, is run again as corrected).
 fn check_existing_plan(out: &Path, plan: &Plan) -> Result<()> {
     if !out.join(PLAN).exists() {
         return Ok(());
     }
     let runs = out.join("runs");
     let started = match std::fs::read_dir(&runs) {
-        Ok(mut entries) => entries.next().is_some(),
+        // A run has something to keep once it wrote a checkpoint or finished.
+        Ok(entries) => entries.filter_map(|e| e.ok()).any(|e| {
+            ["ckpt", ".ckpt.old", "summary.json"].iter().any(|f| e.path().join(f).exists())
+        }),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
         Err(e) => return Err(e).with_context(|| format!("cannot read {}", runs.display())),
     };
@@ -99,15 +103,28 @@ fn check_existing_plan(out: &Path, plan: &Plan) -> Result<()> {
         return Ok(());
     }
     let old = Plan::load(out)?;
-    let same = Plan { seeds: plan.seeds, ..old.clone() } == *plan;
-    ensure!(
-        same,
-        "{} holds a comparison with other settings (suite {:?}, variants {:?}); use another --out, or delete it",
-        out.display(),
-        old.suite,
-        old.variants.iter().map(|v| &v.name).collect::<Vec<_>>()
-    );
-    Ok(())
+    let differs = if old.suite != plan.suite || old.variants != plan.variants {
+        format!(
+            "suite {:?} with variants {:?}",
+            old.suite,
+            old.variants.iter().map(|v| &v.name).collect::<Vec<_>>()
+        )
+    } else if old.data != plan.data {
+        let data = |d: &Option<std::path::PathBuf>| {
+            d.as_ref().map_or("the embedded corpus".to_string(), |p| p.display().to_string())
+        };
+        format!("data {}, not {}", data(&old.data), data(&plan.data))
+    } else if old.base != plan.base {
+        let (have, want) = (serde_json::to_value(&old.base)?, serde_json::to_value(&plan.base)?);
+        let key = first_difference(&have, &want, "").unwrap_or_default();
+        format!("{key}: {} there, {} asked", lookup(&have, &key), lookup(&want, &key))
+    } else {
+        return Ok(());
+    };
+    bail!(
+        "{} holds a comparison with other settings ({differs}); use another --out, or delete it",
+        out.display()
+    )
 }
 
 /// Trains every run of the plan that is not finished yet, then writes the report.
@@ -224,8 +241,9 @@ mod tests {
         std::fs::remove_dir_all(&tmp).unwrap();
     }
 
-    /// A plan none of whose runs has started is replaced by another; once a run has started,
-    /// other settings are refused.
+    /// A plan none of whose runs has saved anything is replaced by another (a run directory
+    /// that a failed first run left, without a checkpoint, does not count); once a run has a
+    /// checkpoint, other settings are refused, naming what differs.
     #[test]
     fn a_plan_without_runs_is_replaced() {
         let tmp = tempfile::tempdir().unwrap();
@@ -242,8 +260,14 @@ mod tests {
         let new = Plan { data: Some("corpus.txt".into()), ..old.clone() };
         check_existing_plan(tmp.path(), &new).unwrap();
         std::fs::create_dir_all(tmp.path().join("runs/standard-seed0")).unwrap();
+        check_existing_plan(tmp.path(), &new).unwrap();
+        std::fs::create_dir_all(tmp.path().join("runs/standard-seed0/ckpt")).unwrap();
         let e = check_existing_plan(tmp.path(), &new).unwrap_err().to_string();
-        assert!(e.contains("other settings"), "{e}");
+        assert!(e.contains("other settings (data mistyped.txt, not corpus.txt)"), "{e}");
+        let mut lr = old.clone();
+        lr.base.train.optim.lr = 0.5;
+        let e = check_existing_plan(tmp.path(), &lr).unwrap_err().to_string();
+        assert!(e.contains("train.lr"), "{e}");
         check_existing_plan(tmp.path(), &Plan { seeds: 3, ..old }).unwrap();
     }
 
