@@ -61,6 +61,30 @@ fn stdout_closed(mut c: Command) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// Runs with stdout closed from the start (a shell's `>&-`): Rust's runtime would put
+/// `/dev/null` in its place, so the command must notice before it starts.
+fn stdout_shut(c: Command) -> Output {
+    let mut sh = Command::new("sh");
+    sh.arg("-c").arg("exec \"$0\" \"$@\" >&-").arg(c.get_program()).args(c.get_args());
+    for (k, v) in c.get_envs() {
+        if let Some(v) = v {
+            sh.env(k, v);
+        }
+    }
+    sh.stdin(Stdio::null()).stderr(Stdio::piped()).output().unwrap()
+}
+
+/// A result with stdout closed from the start: exit 1, one error line that says so.
+fn fails_on_shut_stdout(o: &Output, what: &str) {
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{what}: {err}");
+    assert_eq!(
+        err.lines().last(),
+        Some("error: cannot write to standard output: it was closed when attnres started"),
+        "{what}: {err}"
+    );
+}
+
 /// Runs with stderr a pipe whose reader is closed before the command writes anything.
 fn stderr_closed(mut c: Command) -> Output {
     let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
@@ -97,6 +121,15 @@ fn quiet_on_closed_stdout(o: &Output, what: &str) {
 fn results_on_a_closed_or_full_stdout_and_logs_on_a_closed_stderr() {
     let env = &RunEnv::new(6_000, 2);
     let run = env.path("run");
+    // A command whose result is not on stdout does not mind a closed stdout.
+    let o = stdout_shut(env.cmd(&[
+        "init",
+        "--preset",
+        "tiny",
+        "--out",
+        env.path("i").to_str().unwrap(),
+    ]));
+    assert!(o.status.success(), "init with stdout closed: {}", text(&o.stderr));
     // Training logs every step to stderr; with stderr closed from the start it still finishes.
     let o = stderr_closed(env.cmd(&train_args(env, &run, 4)));
     assert!(o.status.success(), "training with a closed stderr: {:?}", o.status);
@@ -127,11 +160,13 @@ fn results_on_a_closed_or_full_stdout_and_logs_on_a_closed_stderr() {
         assert!(!o.stdout.is_empty(), "{what}: no result");
         fails_on_full_stdout(&stdout_full(env, env.cmd(a)), what);
         quiet_on_closed_stdout(&stdout_closed(env.cmd(a)), what);
+        fails_on_shut_stdout(&stdout_shut(env.cmd(a)), what);
     }
     // --help and --version are results too.
     for what in ["--help", "--version"] {
         fails_on_full_stdout(&stdout_full(env, env.cmd(&[what])), what);
         quiet_on_closed_stdout(&stdout_closed(env.cmd(&[what])), what);
+        fails_on_shut_stdout(&stdout_shut(env.cmd(&[what])), what);
     }
     // A stream cut off part way: the reader takes the first bytes of the text and goes while
     // a hundred million tokens (hours of work) are still to come; generation stops with it.

@@ -2,9 +2,9 @@
 //! the library, and the result printed.
 
 use crate::args::*;
-use crate::output::{output, STDOUT};
+use crate::output::{output, write_stdout};
 use crate::ranks::Ranks;
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{bail, ensure, Result};
 use attnres::base::progress::log;
 use attnres::experiments::{bench, compare, suite};
 use attnres::infer::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
@@ -17,7 +17,6 @@ use attnres::train::parallel::Reduce;
 use attnres::train::presets;
 use attnres::train::run::setup::Settings;
 use attnres::train::run::{self, TrainOptions};
-use std::io::Write;
 
 pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
     match command {
@@ -215,8 +214,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         }
         if let Some(text) = stream.push(tok) {
             // A reader that has gone ends generation: nobody would read the rest.
-            let mut out = std::io::stdout().lock();
-            out.write_all(text.as_bytes()).and_then(|()| out.flush()).context(STDOUT)?;
+            write_stdout(text.as_bytes())?;
         }
         Ok(())
     })?;
