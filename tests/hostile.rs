@@ -245,6 +245,8 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
         ("no_such_key=1", "unknown setting"),
         ("residual=sideways", "residual"),
         ("num_blocks=0", "num_blocks"),
+        ("rms_norm_eps=1e308", "rms_norm_eps must be a positive number, at most 1, got 1e308"),
+        ("rope_theta=1e308", "rope_theta must be positive, at most 1e12, got 1e308"),
     ] {
         case(&["train", "--preset", "tiny", "--out", &o, "--set", set], needle);
     }

@@ -231,14 +231,17 @@ impl Config {
             "config: head_dim must be even for rotary embedding, got {}",
             self.head_dim
         );
+        // Ranges wide enough for every published model (eps 1e-6..1e-5, theta 1e4..1e7), and
+        // narrow enough that a mistyped exponent is refused instead of silently flattening every
+        // normalised row (an eps of 1e308) or every rotation (a theta of 1e308).
         ensure!(
-            self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0,
-            "config: rms_norm_eps must be a positive number, got {}",
+            self.rms_norm_eps > 0.0 && self.rms_norm_eps <= MAX_RMS_NORM_EPS,
+            "config: rms_norm_eps must be a positive number, at most {MAX_RMS_NORM_EPS}, got {:?}",
             self.rms_norm_eps
         );
         ensure!(
-            self.rope_theta.is_finite() && self.rope_theta > 0.0,
-            "config: rope_theta must be positive, got {}",
+            self.rope_theta > 0.0 && self.rope_theta <= MAX_ROPE_THETA,
+            "config: rope_theta must be positive, at most {MAX_ROPE_THETA:e}, got {:?}",
             self.rope_theta
         );
         ensure!(
@@ -544,6 +547,11 @@ fn divisors(n: usize) -> Vec<usize> {
     small.extend(large.into_iter().rev());
     small
 }
+
+/// The largest `rms_norm_eps` a config may set.
+pub const MAX_RMS_NORM_EPS: f64 = 1.0;
+/// The largest `rope_theta` a config may set.
+pub const MAX_ROPE_THETA: f64 = 1e12;
 
 impl Config {
     /// The residual connection in one word, as logs and reports show it: `standard`, `full`, or
