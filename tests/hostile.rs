@@ -304,8 +304,7 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
     // An output that is a device (a private null device, 1:3) is refused and left a device:
     // the atomic write's rename would put a file in its place.
     let null = env.path("null-device");
-    let made = std::process::Command::new("mknod").arg(&null).args(["c", "1", "3"]).status();
-    assert!(made.is_ok_and(|s| s.success()), "mknod failed (the test needs root, as CI has)");
+    common::make_device(&null, 1, 3);
     let good = batch("b-good", r#"{"input_ids": [[1, 2, 3]]}"#);
     let n = null.to_str().unwrap();
     let o = env.run(&["forward", "--model", &m, "--batch", &good, "--out", n]);

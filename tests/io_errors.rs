@@ -44,11 +44,7 @@ fn args(a: &[&str]) -> Vec<String> {
 fn stdout_full(env: &RunEnv, mut c: Command) -> Output {
     let full = env.path("full");
     if !full.exists() {
-        let made = Command::new("mknod").arg(&full).args(["c", "1", "7"]).status();
-        assert!(
-            made.is_ok_and(|s| s.success()),
-            "cannot make a full device with mknod (the test needs root, as CI has)"
-        );
+        common::make_device(&full, 1, 7);
     }
     c.stdout(std::fs::OpenOptions::new().write(true).open(&full).unwrap()).stderr(Stdio::piped());
     c.output().unwrap()

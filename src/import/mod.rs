@@ -557,24 +557,17 @@ fn weight_files(dir: &Path) -> Result<Shards> {
     }
 }
 
-/// A safetensors tensor as f32 values: F32 as it is, F16 and BF16 converted exactly.
+/// A safetensors tensor as f32 values: F32 as it is, F16 and BF16 converted exactly (as the
+/// same types of a GGUF file are).
 fn to_f32(name: &str, t: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
     use safetensors::tensor::Dtype;
-    let d = t.data();
-    Ok(match t.dtype() {
-        Dtype::F32 => {
-            d.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-        }
-        Dtype::F16 => d
-            .chunks_exact(2)
-            .map(|b| crate::kernels::quant::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-            .collect(),
-        Dtype::BF16 => d
-            .chunks_exact(2)
-            .map(|b| crate::kernels::quant::bf16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-            .collect(),
+    let ty = match t.dtype() {
+        Dtype::F32 => gguf::GgmlType::F32,
+        Dtype::F16 => gguf::GgmlType::F16,
+        Dtype::BF16 => gguf::GgmlType::BF16,
         other => bail!("tensor {name:?} has dtype {other:?}; import reads F32, F16 and BF16"),
-    })
+    };
+    Ok(gguf::dequantize(ty, t.data()))
 }
 
 #[cfg(test)]

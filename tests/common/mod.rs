@@ -160,3 +160,16 @@ pub fn run_args(head: &[&str], out: &Path, data: &Path, sets: &[&str]) -> Vec<St
     }
     v
 }
+
+/// Makes a character device `major:minor` at `path` with `mknod` (1:3 a null device, 1:7 a full
+/// one), so that a test writes to a device of its own, never to the machine's. Needs root, as
+/// CI has.
+pub fn make_device(path: &Path, major: u32, minor: u32) {
+    let made = std::process::Command::new("mknod")
+        .arg(path)
+        .arg("c")
+        .arg(major.to_string())
+        .arg(minor.to_string())
+        .status();
+    assert!(made.is_ok_and(|s| s.success()), "mknod failed (the test needs root, as CI has)");
+}

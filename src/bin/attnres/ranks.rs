@@ -36,8 +36,7 @@ pub(crate) fn ranks(_: &Command) -> Result<Option<Ranks>> {
 /// ranks running on it.
 #[cfg(feature = "mpi")]
 pub(crate) fn default_threads(r: &Ranks) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / r.local_size().max(1)).max(1)
+    (attnres::kernels::cores() / r.local_size().max(1)).max(1)
 }
 
 #[cfg(not(feature = "mpi"))]

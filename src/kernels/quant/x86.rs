@@ -6,11 +6,9 @@
 use super::Format;
 use std::arch::x86_64::*;
 
-/// Whether this processor has AVX2 (checked once).
+/// Whether this processor has AVX2 (the standard library caches the answer).
 pub fn has_avx2() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx2"))
+    is_x86_feature_detected!("avx2")
 }
 
 /// The sum of the eight 32-bit lanes.
