@@ -1,18 +1,23 @@
-"""Prefill and decoding speed of an imported model against llama.cpp on the same weights
-(docs/import.md#chat-answers-and-speed-against-llamacpp).
+"""Prefill and decoding speed of attnres against llama.cpp on the same GGUF files
+(docs/import.md#speed-against-llamacpp).
 
-    python scripts/bench/bench_llamacpp.py --attnres target/release/attnres --model IMPORTED_DIR \
-        --gguf MODEL.gguf [--threads 2] [--rounds 5] [--prompt-tokens 128] [--new-tokens 64]
+    python scripts/bench/bench_llamacpp.py --attnres target/release/attnres \
+        --pair FILE.gguf DIR [--pair FILE2.gguf DIR2 ...] [--threads 2] [--rounds 5] \
+        [--prompt-tokens 128] [--new-tokens 64]
+    python scripts/bench/bench_llamacpp.py --make-files MODEL.gguf    # writes the files below
+
+Each pair is a GGUF file, which llama.cpp runs, and the directory `attnres import` wrote from
+that same file, which attnres runs (block formats kept: both engines read the same weights).
+`--make-files` writes, beside nothing but the cache directory (--work): an F32 copy of the
+given file (every tensor dequantised with the `gguf` package), an F16 copy (matrices in half
+precision, norms in F32, as llama.cpp's converter keeps them), and Q8_0 and Q4_0 files made from
+the F32 copy by llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize` does).
 
 llama.cpp comes from `llama-cpp-python` (scripts/bench/requirements.txt; pip builds it from
-source). It runs the original GGUF file and an F32 copy of it written here (every tensor
-dequantised with the `gguf` package: the same numbers `attnres import` computes), and an F16 copy.
-attnres runs the imported directory (always f32). Every engine decodes greedily from the same
-prompt tokens, one sequence, with the same number of threads; the engines take turns within each
-round and the table gives the median over rounds with each round's ratio, so that a machine
-shared with other work slows all of them alike.
+source). Every engine decodes greedily from the same prompt tokens, one sequence, with the same
+number of threads; the engines take turns within each round and the table gives the median over
+rounds with each round's ratio, so that a machine shared with other work slows all of them alike.
 """
-
 import argparse
 import os
 import re
@@ -114,11 +119,37 @@ def attnres_generate(attnres, model, text, threads, new_tokens, prompt_file, exp
     return float(m.group(2)) / 1000, float(m.group(4))
 
 
+def make_files(source, work):
+    """The F32, F16, Q8_0 and Q4_0 files of `source`'s model (see the module's notes)."""
+    import ctypes
+
+    import llama_cpp
+
+    stem = os.path.splitext(os.path.basename(source))[0].rsplit(".", 1)[0]
+    out = {}
+    for kind in ["F32", "F16"]:
+        out[kind] = os.path.join(work, f"{stem}.{kind}.gguf")
+        copy_gguf(source, out[kind], kind)
+    # llama.cpp's file types (enum llama_ftype): MOSTLY_Q8_0 = 7, MOSTLY_Q4_0 = 2.
+    for kind, ftype in [("Q8_0", 7), ("Q4_0", 2)]:
+        out[kind] = os.path.join(work, f"{stem}.{kind}.gguf")
+        if os.path.exists(out[kind]):
+            continue
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        tmp = out[kind] + ".tmp"
+        if llama_cpp.llama_model_quantize(out["F32"].encode(), tmp.encode(), ctypes.byref(params)) != 0:
+            sys.exit(f"llama.cpp could not quantise {out['F32']} to {kind}")
+        os.replace(tmp, out[kind])
+    for kind, path in out.items():
+        print(f"{kind}: {path}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--attnres", required=True)
-    ap.add_argument("--model", required=True, help="the directory `attnres import` wrote from --gguf")
-    ap.add_argument("--gguf", required=True)
+    ap.add_argument("--attnres")
+    ap.add_argument("--pair", nargs=2, action="append", metavar=("GGUF", "DIR"), default=[])
+    ap.add_argument("--make-files", metavar="GGUF")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -126,19 +157,19 @@ def main():
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/attnres-llama"))
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
+    if a.make_files:
+        make_files(a.make_files, a.work)
+        return
+    if not a.attnres or not a.pair:
+        sys.exit("give --attnres and at least one --pair GGUF DIR (or --make-files GGUF)")
 
-    stem = os.path.splitext(os.path.basename(a.gguf))[0]
-    files = {"llama.cpp " + stem.rsplit(".", 1)[-1]: a.gguf}
-    for kind in ["F32", "F16"]:
-        dest = os.path.join(a.work, f"{stem.rsplit('.', 1)[0]}.{kind}.gguf")
-        copy_gguf(a.gguf, dest, kind)
-        files[f"llama.cpp {kind}"] = dest
     context = a.prompt_tokens + a.new_tokens + 8
-    engines = {name: LlamaCpp(path, a.threads, context) for name, path in files.items()}
+    label = lambda path: os.path.splitext(os.path.basename(path))[0].rsplit(".", 1)[-1]
+    pairs = [(label(g), LlamaCpp(g, a.threads, context), d) for g, d in a.pair]
 
     # The prompt: the first `prompt-tokens` tokens of the text, as llama.cpp's tokenizer cuts
     # them; attnres must count the same tokens in their text (its tokenizer is the same).
-    first = next(iter(engines.values()))
+    first = pairs[0][1]
     ids = first.tokens(PROMPT)
     if len(ids) < a.prompt_tokens:
         sys.exit(f"the prompt text has only {len(ids)} tokens")
@@ -147,32 +178,33 @@ def main():
     assert first.tokens(text) == ids, "the cut prompt does not tokenize back to itself"
     prompt_file = os.path.join(a.work, "prompt.txt")
 
-    times = {"attnres f32": []} | {name: [] for name in engines}
+    times = {(kind, engine): [] for kind, _, _ in pairs for engine in ["attnres", "llama.cpp"]}
     for r in range(a.rounds + 1):  # round 0 warms up
-        got = {"attnres f32": attnres_generate(a.attnres, a.model, text, a.threads, a.new_tokens, prompt_file, len(ids))}
-        for name, e in engines.items():
-            got[name] = e.run(ids, a.new_tokens)
+        got = {}
+        for kind, llm, model in pairs:
+            got[(kind, "attnres")] = attnres_generate(
+                a.attnres, model, text, a.threads, a.new_tokens, prompt_file, len(ids))
+            got[(kind, "llama.cpp")] = llm.run(ids, a.new_tokens)
         if r > 0:
-            for name, t in got.items():
-                times[name].append(t)
-        print(f"round {r}: " + ", ".join(f"{n} {p * 1000:.0f} ms + {d * 1000:.0f} ms" for n, (p, d) in got.items()),
-              file=sys.stderr)
+            for key, t in got.items():
+                times[key].append(t)
+        print(f"round {r}: " + ", ".join(f"{e} {k} {p * 1000:.0f} ms + {d * 1000:.0f} ms"
+                                        for (k, e), (p, d) in got.items()), file=sys.stderr)
 
-    ours = times["attnres f32"]
     print(f"\nprompt {a.prompt_tokens} tokens, {a.new_tokens - 1} decoded greedily after it, batch 1, "
           f"{a.threads} threads, median of {a.rounds} rounds\n")
-    print("| engine | prefill tokens/s | decode tokens/s | attnres prefill speed ÷ this | attnres decode speed ÷ this |")
-    print("|---|---:|---:|---:|---:|")
-    for name, t in times.items():
-        prefill = statistics.median(a.prompt_tokens / p for p, _ in t)
-        decode = statistics.median((a.new_tokens - 1) / d for _, d in t)
-        if name == "attnres f32":
-            print(f"| {name} | {prefill:.0f} | {decode:.1f} | — | — |")
-            continue
-        rp = [p2 / p1 for (p1, _), (p2, _) in zip(ours, t)]
-        rd = [d2 / d1 for (_, d1), (_, d2) in zip(ours, t)]
-        fmt = lambda rs: f"{statistics.median(rs):.2f}x ({min(rs):.2f}–{max(rs):.2f})"
-        print(f"| {name} | {prefill:.0f} | {decode:.1f} | {fmt(rp)} | {fmt(rd)} |")
+    print("| weights | attnres prefill tokens/s | llama.cpp prefill tokens/s | attnres ÷ llama.cpp, prefill "
+          "| attnres decode tokens/s | llama.cpp decode tokens/s | attnres ÷ llama.cpp, decode |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    fmt = lambda rs: f"{statistics.median(rs):.2f}x ({min(rs):.2f}–{max(rs):.2f})"
+    for kind, _, _ in pairs:
+        ours, theirs = times[(kind, "attnres")], times[(kind, "llama.cpp")]
+        speed = lambda t, i, n: statistics.median(n / x[i] for x in t)
+        rp = [p2 / p1 for (p1, _), (p2, _) in zip(ours, theirs)]
+        rd = [d2 / d1 for (_, d1), (_, d2) in zip(ours, theirs)]
+        n = a.new_tokens - 1
+        print(f"| {kind} | {speed(ours, 0, a.prompt_tokens):.0f} | {speed(theirs, 0, a.prompt_tokens):.0f} | {fmt(rp)} "
+              f"| {speed(ours, 1, n):.1f} | {speed(theirs, 1, n):.1f} | {fmt(rd)} |")
 
 
 if __name__ == "__main__":

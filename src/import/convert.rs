@@ -8,9 +8,7 @@
 //! source computed, except that each norm's eps weighs `n²` times more, `n` being the number of
 //! sources its consumer reads.
 
-use super::{
-    check_out, write_dir, Files, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
-};
+use super::{check_out, write_dir, Files};
 use crate::model::checkpoint;
 use crate::model::config::ResidualKind;
 use crate::model::params::{Init, Layout};
@@ -67,24 +65,15 @@ pub fn convert(model: &Path, sets: &[String], out: &Path, force: bool) -> Result
     check_out(out, force)?;
     let src = checkpoint::load(model)
         .with_context(|| format!("cannot read the model {}", model.display()))?;
+    ensure!(
+        !src.is_quantized(),
+        "{} is quantised: convert its f32 original, then quantise the result",
+        model.display()
+    );
     let to = converted_config(&src.config, sets)?;
     let params = upcycle(&src, &to)?;
     let added = params.len() - src.params.len();
-    let mut carried = Vec::new();
-    let mut carry = |name: &'static str| -> Result<Option<String>> {
-        let p = model.join(name);
-        if !p.exists() {
-            return Ok(None);
-        }
-        carried.push(name);
-        crate::base::fs::read_utf8(&p).map(Some)
-    };
-    let files = Files {
-        tokenizer: carry(TOKENIZER_FILE)?,
-        tokenizer_config: carry(TOKENIZER_CONFIG_FILE)?,
-        chat_template: carry(CHAT_TEMPLATE_FILE)?,
-        model: Model::new(to.clone(), params)?,
-    };
+    let (files, carried) = Files::carried(model, Model::new(to.clone(), params)?)?;
     write_dir(out, &files)?;
     Ok(Converted { from: src.config, to, added, carried })
 }

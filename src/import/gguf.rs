@@ -448,6 +448,15 @@ impl<'a> Gguf<'a> {
         Ok(t.offset as usize..end as usize)
     }
 
+    /// A tensor's bytes when it is stored in a block format: the format and its blocks, row
+    /// after row.
+    pub fn blocks(&self, t: &TensorInfo) -> Result<Option<(Format, &'a [u8])>> {
+        match GgmlType::from_id(t.type_id) {
+            Some(ty @ GgmlType::Blocks(f)) => Ok(Some((f, &self.data[self.byte_range(t, ty)?]))),
+            _ => Ok(None),
+        }
+    }
+
     /// A tensor's values as f32 in ggml order (row-major over `dims` reversed).
     pub fn dequantize(&self, t: &TensorInfo) -> Result<Vec<f32>> {
         let ty = GgmlType::from_id(t.type_id).with_context(|| {

@@ -13,11 +13,13 @@
 
 pub mod convert;
 pub mod gguf;
+pub mod quantize;
 pub mod tokenizer;
 
 use crate::base::fs::write_atomic;
+use crate::kernels::quant::{Bytes, QuantMatrix, QuantPart};
 use crate::model::checkpoint::{self, CONFIG_FILE};
-use crate::model::params::Layout;
+use crate::model::params::{Layout, ParamSpec};
 use crate::model::{Config, Model};
 use crate::text::tokenizer::{eos_token, Bpe};
 use anyhow::{bail, ensure, Context, Result};
@@ -38,6 +40,8 @@ pub struct Summary {
     pub parameters: usize,
     /// Tensor types or dtypes of the source and how many tensors had each.
     pub types: BTreeMap<String, usize>,
+    /// Tensors kept in their block formats (the others are f32).
+    pub kept: usize,
     pub tokenizer: String,
 }
 
@@ -46,7 +50,7 @@ impl Summary {
         let c = &self.config;
         let types: Vec<String> = self.types.iter().map(|(t, n)| format!("{n} {t}")).collect();
         format!(
-            "imported {} into {}: {} layers, hidden {}, {} heads ({} key/value), vocabulary {}, {} parameters (f32, from {}), tokenizer: {}",
+            "imported {} into {}: {} layers, hidden {}, {} heads ({} key/value), vocabulary {}, {} parameters (from {}; {}), tokenizer: {}",
             self.source,
             out.display(),
             c.num_hidden_layers,
@@ -56,6 +60,10 @@ impl Summary {
             c.vocab_size,
             self.parameters,
             types.join(", "),
+            match self.kept {
+                0 => "all f32".to_string(),
+                n => format!("{n} tensors kept in their block formats, the rest f32"),
+            },
             self.tokenizer
         )
     }
@@ -70,9 +78,32 @@ struct Files {
     chat_template: Option<String>,
 }
 
+impl Files {
+    /// `model` with the tokenizer files of the checkpoint directory `dir` (those it has), and
+    /// their names.
+    fn carried(dir: &Path, model: Model) -> Result<(Files, Vec<&'static str>)> {
+        let mut carried = Vec::new();
+        let mut carry = |name: &'static str| -> Result<Option<String>> {
+            let p = dir.join(name);
+            if !p.exists() {
+                return Ok(None);
+            }
+            carried.push(name);
+            crate::base::fs::read_utf8(&p).map(Some)
+        };
+        let files = Files {
+            tokenizer: carry(TOKENIZER_FILE)?,
+            tokenizer_config: carry(TOKENIZER_CONFIG_FILE)?,
+            chat_template: carry(CHAT_TEMPLATE_FILE)?,
+            model,
+        };
+        Ok((files, carried))
+    }
+}
+
 /// Imports `from` (a GGUF file or a Hugging Face directory) into the checkpoint directory
 /// `out`. An `out` that exists and is not empty is replaced only with `force`.
-pub fn import(from: &Path, out: &Path, force: bool) -> Result<Summary> {
+pub fn import(from: &Path, out: &Path, force: bool, keep_blocks: bool) -> Result<Summary> {
     let meta =
         std::fs::metadata(from).with_context(|| format!("cannot read {}", from.display()))?;
     crate::base::fs::refuse_output_over_input(out, from, "--from")?;
@@ -80,7 +111,7 @@ pub fn import(from: &Path, out: &Path, force: bool) -> Result<Summary> {
     let (files, summary) = if meta.is_dir() {
         from_hf_dir(from).with_context(|| format!("cannot import {}", from.display()))?
     } else {
-        from_gguf(from).with_context(|| format!("cannot import {}", from.display()))?
+        from_gguf(from, keep_blocks).with_context(|| format!("cannot import {}", from.display()))?
     };
     write_dir(out, &files)?;
     Ok(summary)
@@ -155,49 +186,99 @@ fn check_tokenizer(json: &str, config: Option<&Json>, model_vocab: usize) -> Res
 // ---------------------------------------------------------------------------------------------
 // GGUF
 
-fn map_file(path: &Path) -> Result<memmap2::Mmap> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let meta = file.metadata().with_context(|| format!("cannot read {}", path.display()))?;
-    ensure!(meta.is_file(), "{} is not a regular file", path.display());
-    // The file is only read; one truncated by another process while mapped is outside what
-    // import guards against.
-    unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))
+/// The GGUF counterpart of our tensor `spec`, checked against its shape, and the number of
+/// heads whose rows llama.cpp reordered (query and key projections).
+fn gguf_tensor<'g>(
+    g: &'g Gguf,
+    spec: &ParamSpec,
+    config: &Config,
+) -> Result<(&'g gguf::TensorInfo, Option<usize>)> {
+    let (gname, heads) = gguf_name(&spec.name, config)
+        .with_context(|| format!("tensor {} has no GGUF counterpart", spec.name))?;
+    let t = g.tensor(&gname).with_context(|| {
+        format!("the file lacks tensor {gname:?} (our {}), which the metadata implies", spec.name)
+    })?;
+    ensure!(
+        t.shape() == spec.shape,
+        "tensor {gname:?} has shape {:?}, but the metadata implies {:?}",
+        t.shape(),
+        spec.shape
+    );
+    Ok((t, heads))
 }
 
-fn from_gguf(path: &Path) -> Result<(Files, Summary)> {
-    let map = map_file(path)?;
+/// The matrices of `layout` whose GGUF tensors are all in block formats, kept as they are
+/// (query and key rows put back in Hugging Face order), by their range's start.
+fn gguf_blocks(g: &Gguf, layout: &Layout, config: &Config) -> Result<BTreeMap<usize, QuantMatrix>> {
+    let mut quant = BTreeMap::new();
+    'matrices: for m in layout.matrices() {
+        let specs = layout.specs_in(&m);
+        let mut parts = Vec::new();
+        for &i in &specs {
+            let spec = &layout.specs[i];
+            let (t, heads) = gguf_tensor(g, spec, config)?;
+            // A product whose tensors are not all in blocks runs in f32.
+            let Some((format, bytes)) = g.blocks(t)? else { continue 'matrices };
+            let rows = spec.shape[0];
+            let data = match heads {
+                Some(h) => unpermute_rows(bytes, h, bytes.len() / rows),
+                None => bytes.to_vec(),
+            };
+            parts.push(QuantPart {
+                name: spec.name.clone(),
+                format,
+                rows,
+                data: Bytes::from_vec(data),
+            });
+        }
+        let cols = *layout.specs[specs[0]].shape.last().unwrap_or(&1);
+        let matrix = QuantMatrix::new(cols, parts)?;
+        for p in &matrix.parts {
+            if let Some(i) = first_non_finite(p) {
+                bail!("tensor {:?} holds a non-finite value at index {i}", p.name);
+            }
+        }
+        quant.insert(m.start, matrix);
+    }
+    Ok(quant)
+}
+
+/// The index of the first value of `p` that is not finite.
+fn first_non_finite(p: &QuantPart) -> Option<usize> {
+    let rb = p.data.len() / p.rows;
+    let mut row = Vec::new();
+    (0..p.rows).find_map(|r| {
+        row.clear();
+        crate::kernels::quant::dequantize_into(p.format, &p.data[r * rb..(r + 1) * rb], &mut row);
+        row.iter().position(|x| !x.is_finite()).map(|i| r * row.len() + i)
+    })
+}
+
+fn from_gguf(path: &Path, keep_blocks: bool) -> Result<(Files, Summary)> {
+    let map = crate::base::fs::map_file(path)?;
     let g = Gguf::parse(&map)?;
     let config = gguf_config(&g)?;
     let layout = Layout::new(&config);
+    let quant = if keep_blocks { gguf_blocks(&g, &layout, &config)? } else { BTreeMap::new() };
     let mut params = vec![0.0f32; layout.total];
     let mut used = BTreeSet::new();
     let mut types = BTreeMap::new();
     for spec in &layout.specs {
-        let (gname, heads) = gguf_name(&spec.name, &config)
-            .with_context(|| format!("tensor {} has no GGUF counterpart", spec.name))?;
-        let t = g.tensor(&gname).with_context(|| {
-            format!(
-                "the file lacks tensor {gname:?} (our {}), which the metadata implies",
-                spec.name
-            )
-        })?;
-        ensure!(
-            t.shape() == spec.shape,
-            "tensor {gname:?} has shape {:?}, but the metadata implies {:?}",
-            t.shape(),
-            spec.shape
-        );
+        let (t, heads) = gguf_tensor(&g, spec, &config)?;
+        used.insert(t.name.clone());
+        *types.entry(gguf::type_name(t.type_id)).or_insert(0) += 1;
+        let kept = quant.range(..=spec.range.start).next_back();
+        if kept.is_some_and(|(_, q)| q.parts.iter().any(|p| p.name == spec.name)) {
+            continue;
+        }
         let mut values = g.dequantize(t)?;
         if let Some(h) = heads {
             values = unpermute_rows(&values, h, spec.shape[1]);
         }
         if let Some(i) = values.iter().position(|x| !x.is_finite()) {
-            bail!("tensor {gname:?} holds a non-finite value at index {i}");
+            bail!("tensor {:?} holds a non-finite value at index {i}", t.name);
         }
         params[spec.range.clone()].copy_from_slice(&values);
-        used.insert(gname);
-        *types.entry(gguf::type_name(t.type_id)).or_insert(0) += 1;
     }
     for t in &g.tensors {
         if used.contains(&t.name) {
@@ -220,11 +301,13 @@ fn from_gguf(path: &Path) -> Result<(Files, Summary)> {
         .context("the rebuilt tokenizer does not load")?;
     let pre = g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("default");
     let name = g.get("general.name").and_then(Value::as_str).map(str::to_string);
+    let kept = quant.values().map(|q| q.parts.len()).sum();
     let summary = Summary {
         source: name
             .map_or_else(|| path.display().to_string(), |n| format!("{n:?} ({})", path.display())),
         parameters: layout.total,
         types,
+        kept,
         tokenizer: if rebuilt.kind == "gpt2" {
             format!("byte-level BPE (pre-tokenizer {pre})")
         } else {
@@ -233,7 +316,7 @@ fn from_gguf(path: &Path) -> Result<(Files, Summary)> {
         config: config.clone(),
     };
     let files = Files {
-        model: Model::new(config, params)?,
+        model: Model::new(config, params)?.with_quant(quant)?,
         tokenizer: Some(tokenizer_json),
         tokenizer_config: Some(serde_json::to_string_pretty(&rebuilt.config)?),
         chat_template: None,
@@ -367,11 +450,11 @@ fn gguf_name(name: &str, c: &Config) -> Option<(String, Option<usize>)> {
 /// row `j·head_dim/2 + i` (rotate-half order: first halves, then second halves) to row `2i + j`
 /// (interleaved pairs), for its RoPE that rotates adjacent pairs. Our RoPE rotates the two
 /// halves, as Hugging Face's does, so the rows go back.
-pub fn unpermute_rows(w: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+pub fn unpermute_rows<T: Copy + Default>(w: &[T], heads: usize, cols: usize) -> Vec<T> {
     let rows = w.len() / cols;
     let hd = rows / heads;
     let half = hd / 2;
-    let mut out = vec![0.0f32; w.len()];
+    let mut out = vec![T::default(); w.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {
@@ -411,7 +494,7 @@ fn from_hf_dir(dir: &Path) -> Result<(Files, Summary)> {
     let mut found = BTreeSet::new();
     let mut types = BTreeMap::new();
     for (file, names) in &shards {
-        let map = map_file(file)?;
+        let map = crate::base::fs::map_file(file)?;
         let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| {
             anyhow::anyhow!("{} is not a valid safetensors file: {e}", file.display())
         })?;
@@ -472,6 +555,7 @@ fn from_hf_dir(dir: &Path) -> Result<(Files, Summary)> {
         source: dir.display().to_string(),
         config: config.clone(),
         parameters: layout.total,
+        kept: 0,
         types,
         tokenizer: "tokenizer.json as given".into(),
     };

@@ -3,17 +3,19 @@
 //! a temporary name and renamed, so a crash never leaves a half-written file under the real name.
 
 use super::config::Config;
-use super::params::Layout;
+use super::params::{Layout, ParamSpec};
 use super::transformer::Model;
 use crate::base::fs::{write_atomic, write_atomic_parts};
 use crate::base::memory::format_bytes;
+use crate::kernels::quant::{Bytes, Format, QuantMatrix, QuantPart};
 use crate::text::tokenizer::Bpe;
 use anyhow::{bail, ensure, Context, Result};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 use std::borrow::Cow;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs;
 use std::path::Path;
+use std::sync::Arc;
 
 pub const CONFIG_FILE: &str = "config.json";
 pub const WEIGHTS_FILE: &str = "model.safetensors";
@@ -56,16 +58,37 @@ pub fn safetensors_header(
     tensors: &[(String, Vec<usize>)],
     metadata: Option<HashMap<String, String>>,
 ) -> Result<Vec<u8>> {
+    let entries: Vec<Entry> = tensors
+        .iter()
+        .map(|(n, s)| Entry {
+            name: n.clone(),
+            dtype: "F32",
+            shape: s.clone(),
+            bytes: 4 * s.iter().product::<usize>(),
+        })
+        .collect();
+    header_of(&entries, metadata)
+}
+
+/// A tensor as the safetensors header describes it.
+struct Entry {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<usize>,
+    bytes: usize,
+}
+
+fn header_of(entries: &[Entry], metadata: Option<HashMap<String, String>>) -> Result<Vec<u8>> {
     let mut header = serde_json::Map::new();
     if let Some(m) = metadata {
         header.insert("__metadata__".into(), serde_json::to_value(m)?);
     }
     let mut offset = 0usize;
-    for (name, shape) in tensors {
-        let end = offset + 4 * shape.iter().product::<usize>();
+    for e in entries {
+        let end = offset + e.bytes;
         let info =
-            serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, end]});
-        ensure!(header.insert(name.clone(), info).is_none(), "tensor {name:?} appears twice");
+            serde_json::json!({"dtype": e.dtype, "shape": e.shape, "data_offsets": [offset, end]});
+        ensure!(header.insert(e.name.clone(), info).is_none(), "tensor {:?} appears twice", e.name);
         offset = end;
     }
     // The format pads the header with spaces to a multiple of 8 bytes.
@@ -95,29 +118,61 @@ pub fn f32_values(name: &str, t: &TensorView) -> Result<Vec<f32>> {
     Ok(t.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
 }
 
-/// Saves a model as a checkpoint directory (created if needed).
+/// The metadata key that marks tensor `name` as stored in a block format; its value is the
+/// format's ggml name (`Q8_0`, ...). The tensor itself is `U8` of shape `[rows, bytes per row]`.
+fn quant_key(name: &str) -> String {
+    format!("quant.{name}")
+}
+
+/// Saves a model as a checkpoint directory (created if needed): f32 tensors as `F32`, the
+/// quantised ones as their blocks.
 pub fn save(model: &Model, dir: &Path) -> Result<()> {
     fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let tensors: Vec<(String, Vec<usize>, &[f32])> = model
-        .layout
-        .specs
-        .iter()
-        .map(|s| (s.name.clone(), s.shape.clone(), &model.params[s.range.clone()]))
-        .collect();
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_atomic_parts(&dir.join(WEIGHTS_FILE), &safetensors_parts(&tensors, Some(meta))?)?;
+    let mut meta = HashMap::from([("format".to_string(), "pt".to_string())]);
+    let mut entries = Vec::new();
+    let mut parts = Vec::new();
+    for s in &model.layout.specs {
+        let bytes = match model.quant_part(s) {
+            Some(q) => {
+                meta.insert(quant_key(&s.name), q.format.name().to_string());
+                let row = q.data.len() / q.rows;
+                entries.push(Entry {
+                    name: s.name.clone(),
+                    dtype: "U8",
+                    shape: vec![q.rows, row],
+                    bytes: q.data.len(),
+                });
+                Cow::Borrowed(&q.data[..])
+            }
+            None => {
+                let values = &model.params[s.range.clone()];
+                entries.push(Entry {
+                    name: s.name.clone(),
+                    dtype: "F32",
+                    shape: s.shape.clone(),
+                    bytes: 4 * values.len(),
+                });
+                le_bytes(values)
+            }
+        };
+        parts.push(bytes);
+    }
+    parts.insert(0, Cow::Owned(header_of(&entries, Some(meta))?));
+    write_atomic_parts(&dir.join(WEIGHTS_FILE), &parts)?;
     write_atomic(&dir.join(CONFIG_FILE), model.config.to_json().as_bytes())
 }
 
 /// Loads and validates a checkpoint directory. Every mismatch is an error naming the tensor.
+/// The weights file is memory-mapped: f32 tensors are copied out of it, quantised ones are
+/// read from the map where they lie.
 pub fn load(dir: &Path) -> Result<Model> {
     ensure!(dir.is_dir(), "checkpoint {} is not a directory", dir.display());
     let cpath = dir.join(CONFIG_FILE);
     let text = crate::base::fs::read_utf8(&cpath)?;
     let config = Config::from_json(&text).with_context(|| format!("in {}", cpath.display()))?;
     let wpath = dir.join(WEIGHTS_FILE);
-    // The file holds the parameters (f32) and a header; one far larger than the config implies
-    // is refused before it is read.
+    // The file holds the parameters (f32 at most) and a header; one far larger than the config
+    // implies is refused before it is read.
     let size =
         fs::metadata(&wpath).with_context(|| format!("cannot read {}", wpath.display()))?.len();
     let expected = 4 * Layout::new(&config).total as u64;
@@ -129,17 +184,24 @@ pub fn load(dir: &Path) -> Result<Model> {
         format_bytes(expected as u128),
         format_bytes(MAX_HEADER as u128)
     );
-    let bytes = crate::base::fs::read_bytes(&wpath)?;
-    let params = params_from_safetensors(&config, &bytes)
+    let map = Arc::new(crate::base::fs::map_file(&wpath)?);
+    let (params, quant) = tensors_from_safetensors(&config, map)
         .with_context(|| format!("in {}", wpath.display()))?;
-    Model::new(config, params)
+    Model::new(config, params)?.with_quant(quant).with_context(|| format!("in {}", wpath.display()))
 }
 
 /// Checks a safetensors file against the layout the config implies and returns the flat
-/// parameter buffer.
-pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>> {
+/// parameter buffer (f32 tensors) and the quantised matrices, whose bytes stay in `file`.
+pub fn tensors_from_safetensors(
+    config: &Config,
+    file: Arc<memmap2::Mmap>,
+) -> Result<(Vec<f32>, BTreeMap<usize, QuantMatrix>)> {
+    let bytes: &[u8] = &file;
     let st = SafeTensors::deserialize(bytes)
         .map_err(|e| anyhow::anyhow!("not a valid safetensors file: {e}"))?;
+    let (_, header) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| anyhow::anyhow!("not a valid safetensors file: {e}"))?;
+    let meta = header.metadata().clone().unwrap_or_default();
     let layout = Layout::new(config);
     let have: BTreeSet<String> = st.names().into_iter().map(String::from).collect();
     let want: BTreeSet<String> = layout.specs.iter().map(|s| s.name.clone()).collect();
@@ -152,18 +214,66 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
         bail!("unexpected tensor(s) for residual = {:?}: {}", config.residual, extra.join(", "));
     }
     // Every shape is checked against the config before the parameter buffer exists.
+    let mut parts: HashMap<&str, QuantPart> = HashMap::new();
     for s in &layout.specs {
         let t = st.tensor(&s.name)?;
+        match meta.get(&quant_key(&s.name)) {
+            None => ensure!(
+                t.shape() == s.shape.as_slice(),
+                "tensor {:?} has shape {:?}, expected {:?}",
+                s.name,
+                t.shape(),
+                s.shape
+            ),
+            Some(f) => {
+                let format = Format::ALL
+                    .into_iter()
+                    .find(|x| x.name() == f)
+                    .with_context(|| format!("tensor {:?}: unknown block format {f:?}", s.name))?;
+                ensure!(
+                    t.dtype() == Dtype::U8,
+                    "tensor {:?} is quantised ({f}) but has dtype {:?}, expected U8",
+                    s.name,
+                    t.dtype()
+                );
+                let (rows, cols) = (s.shape[0], *s.shape.last().unwrap_or(&1));
+                let row = format.row_bytes(cols).with_context(|| format!("tensor {:?}", s.name))?;
+                ensure!(
+                    t.shape() == [rows, row],
+                    "tensor {:?} ({rows} x {cols} in {f}) has shape {:?}, expected [{rows}, {row}]",
+                    s.name,
+                    t.shape()
+                );
+                let start = t.data().as_ptr() as usize - bytes.as_ptr() as usize;
+                let data = Bytes::new(file.clone(), start..start + t.data().len())?;
+                parts.insert(&s.name, QuantPart { name: s.name.clone(), format, rows, data });
+            }
+        }
+    }
+    let mut quant = BTreeMap::new();
+    for m in layout.matrices() {
+        let specs = layout.specs_in(&m);
+        let held: Vec<QuantPart> =
+            specs.iter().filter_map(|&i| parts.remove(layout.specs[i].name.as_str())).collect();
+        if held.is_empty() {
+            continue;
+        }
         ensure!(
-            t.shape() == s.shape.as_slice(),
-            "tensor {:?} has shape {:?}, expected {:?}",
-            s.name,
-            t.shape(),
-            s.shape
+            held.len() == specs.len(),
+            "tensors {} are read by one product: all or none of them must be quantised",
+            specs.iter().map(|&i| layout.specs[i].name.as_str()).collect::<Vec<_>>().join(", ")
         );
+        let cols = *layout.specs[specs[0]].shape.last().unwrap_or(&1);
+        quant.insert(m.start, QuantMatrix::new(cols, held)?);
+    }
+    if let Some(name) = parts.keys().next() {
+        bail!("tensor {name:?} is marked quantised, but only weight matrices may be");
     }
     let mut params = vec![0.0f32; layout.total];
     for s in &layout.specs {
+        if quant_stored(&quant, s) {
+            continue;
+        }
         let t = st.tensor(&s.name)?;
         let vals = f32_values(&s.name, &t)?;
         if let Some(i) = vals.iter().position(|x| !x.is_finite()) {
@@ -171,7 +281,15 @@ pub fn params_from_safetensors(config: &Config, bytes: &[u8]) -> Result<Vec<f32>
         }
         params[s.range.clone()].copy_from_slice(&vals);
     }
-    Ok(params)
+    Ok((params, quant))
+}
+
+/// Whether tensor `s` is one of `quant`'s parts.
+fn quant_stored(quant: &BTreeMap<usize, QuantMatrix>, s: &ParamSpec) -> bool {
+    quant
+        .range(..=s.range.start)
+        .next_back()
+        .is_some_and(|(_, q)| q.parts.iter().any(|p| p.name == s.name))
 }
 
 /// A run's latest model and the tokenizer stored beside it (any checkpoint directory with a

@@ -64,8 +64,7 @@ impl Model {
         self.check_batch(ids, batch, seq)?;
         let d = self.config.hidden_size;
         let mut e = zeros(ids.len() * d);
-        let table = &self.params[self.layout.embed.clone()];
-        phase("fwd embed", || embedding::forward(&mut e, table, ids, d));
+        phase("fwd embed", || self.embed_rows(&mut e, ids));
         Ok(ResidualForward::new(&self.config, e, true))
     }
 

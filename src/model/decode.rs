@@ -17,9 +17,8 @@ use super::transformer::Model;
 use crate::base::memory::{format_bytes, memory_limit};
 use crate::base::profile::phase;
 use crate::kernels::attention::{self, AttnShape, Span};
-use crate::kernels::matmul::linear;
 use crate::kernels::rope::Positions;
-use crate::kernels::{embedding, zeros};
+use crate::kernels::zeros;
 use anyhow::{bail, ensure, Result};
 use std::sync::Arc;
 
@@ -238,7 +237,7 @@ impl Model {
         };
         let ow = sh.out_width();
         let mut e = zeros(rows * d);
-        embedding::forward(&mut e, &p[lay.embed.clone()], &ids, d);
+        self.embed_rows(&mut e, &ids);
         if cache.queries.is_none() {
             cache.queries = ResidualForward::queries_of(c, p, lay);
         }
@@ -260,7 +259,7 @@ impl Model {
                     sh,
                 )
             });
-            let out = phase("fwd linear", || linear(&o, &p[lp.o_proj.clone()], rows, ow, d));
+            let out = phase("fwd linear", || self.linear(&o, &lp.o_proj, rows, ow, d));
             phase("fwd residual", || res.push_output(2 * i, out));
 
             let h = phase("fwd residual", || res.input(2 * i + 1, p, lay));

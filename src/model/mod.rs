@@ -8,6 +8,7 @@ pub mod decode;
 pub mod diagnostics;
 pub mod evaluate;
 pub mod params;
+pub mod quantize;
 pub mod residual;
 pub mod transformer;
 

@@ -139,6 +139,32 @@ impl Layout {
         Layout { specs: b.specs, total: b.total, embed, layers, final_norm, output_depth, head }
     }
 
+    /// The ranges of the weight matrices that a product reads whole: per layer q/k/v (fused),
+    /// o_proj, gate/up (fused) and down_proj, then the embedding and, untied, the LM head.
+    /// These are the tensors a quantised model may store in block formats.
+    pub fn matrices(&self) -> Vec<Range<usize>> {
+        let mut m: Vec<Range<usize>> = self
+            .layers
+            .iter()
+            .flat_map(|l| [l.qkv.clone(), l.o_proj.clone(), l.gate_up.clone(), l.down.clone()])
+            .collect();
+        m.push(self.embed.clone());
+        if self.head != self.embed {
+            m.push(self.head.clone());
+        }
+        m
+    }
+
+    /// The tensors (indices into `specs`) that make up `range`, in order.
+    pub fn specs_in(&self, range: &Range<usize>) -> Vec<usize> {
+        (0..self.specs.len())
+            .filter(|&i| {
+                let r = &self.specs[i].range;
+                r.start >= range.start && r.end <= range.end && !r.is_empty()
+            })
+            .collect()
+    }
+
     /// Values of the tensors in `specs`, which come first in the buffer: what an optimiser
     /// updates. The whole model's is [`Layout::total`]; a pipeline stage's part ([`Layout::part`])
     /// may hold read-only copies of other tensors after them.

@@ -5,20 +5,29 @@
 //! step by step, and are checked against each other by reading them together.
 
 use super::config::Config;
-use super::params::{LayerParams, Layout};
+use super::params::{LayerParams, Layout, ParamSpec};
 use super::residual::{ResidualBackward, ResidualForward};
 use crate::base::profile::phase;
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear, linear_backward};
+use crate::kernels::quant::{QuantMatrix, QuantPart};
 use crate::kernels::rmsnorm::mean_rms;
 use crate::kernels::rope::{self, Positions, RopeTable};
-use crate::kernels::{cross_entropy, rmsnorm, swiglu, zeros};
-use anyhow::{ensure, Result};
+use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
+use anyhow::{ensure, Context, Result};
+use rayon::prelude::*;
+use std::collections::BTreeMap;
+use std::ops::Range;
 
 pub struct Model {
     pub config: Config,
     pub layout: Layout,
+    /// Every f32 tensor's values, laid out by `layout`. The ranges of quantised matrices are
+    /// left at zero (allocated, never touched, so the pages cost no memory).
     pub params: Vec<f32>,
+    /// Matrices kept in block formats, by the start of their range in `layout`
+    /// ([`Layout::matrices`]); empty for an f32 model.
+    pub quant: BTreeMap<usize, QuantMatrix>,
     pub(crate) rope: RopeTable,
 }
 
@@ -121,7 +130,92 @@ impl Model {
     fn assemble(config: Config, layout: Layout, params: Vec<f32>) -> Model {
         let rope =
             RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
-        Model { config, layout, params, rope }
+        Model { config, layout, params, rope, quant: BTreeMap::new() }
+    }
+
+    /// This model with the matrices of `quant` (keyed by their range's start) computed from
+    /// their blocks; each must be one of [`Layout::matrices`] and of its shape.
+    pub fn with_quant(mut self, quant: BTreeMap<usize, QuantMatrix>) -> Result<Model> {
+        let matrices = self.layout.matrices();
+        for (&start, q) in &quant {
+            let range = matrices.iter().find(|r| r.start == start && !r.is_empty());
+            let range = range.with_context(|| {
+                format!("{}: only weight matrices may be quantised", q.parts[0].name)
+            })?;
+            let specs = self.layout.specs_in(range);
+            let names: Vec<&str> =
+                specs.iter().map(|&i| self.layout.specs[i].name.as_str()).collect();
+            let have: Vec<&str> = q.parts.iter().map(|p| p.name.as_str()).collect();
+            ensure!(
+                names == have,
+                "the quantised tensors {} must be {} (one product reads them together)",
+                have.join(", "),
+                names.join(", ")
+            );
+            for (&i, p) in specs.iter().zip(&q.parts) {
+                let shape = &self.layout.specs[i].shape;
+                ensure!(
+                    shape[..] == [p.rows, q.cols],
+                    "tensor {} holds {} x {} values, the config implies {shape:?}",
+                    p.name,
+                    p.rows,
+                    q.cols
+                );
+            }
+        }
+        self.quant = quant;
+        Ok(self)
+    }
+
+    /// Whether some matrices are kept in block formats (such a model runs, but does not train).
+    pub fn is_quantized(&self) -> bool {
+        !self.quant.is_empty()
+    }
+
+    /// The quantised part that holds tensor `spec` of the layout, if it is quantised.
+    pub fn quant_part(&self, spec: &ParamSpec) -> Option<&QuantPart> {
+        let (_, q) = self.quant.range(..=spec.range.start).next_back()?;
+        q.parts.iter().find(|p| p.name == spec.name)
+    }
+
+    /// The bytes of the weights that one decoding step reads: every matrix (f32 or its blocks)
+    /// once; the embedding row lookups are left out unless the head shares the table.
+    pub fn weight_bytes(&self) -> usize {
+        let lay = &self.layout;
+        lay.matrices()
+            .iter()
+            .filter(|r| **r != lay.embed || lay.head == lay.embed)
+            .map(|r| self.quant.get(&r.start).map_or(4 * r.len(), |q| q.bytes()))
+            .sum()
+    }
+
+    /// `x · Wᵀ` for the matrix at `range` (`[n, d_in]` → `[n, d_out]`), from its blocks when
+    /// the model keeps it quantised.
+    pub(crate) fn linear(
+        &self,
+        x: &[f32],
+        range: &Range<usize>,
+        n: usize,
+        d_in: usize,
+        d_out: usize,
+    ) -> Vec<f32> {
+        match self.quant.get(&range.start) {
+            Some(q) => q.matmul(x, n),
+            None => linear(x, &self.params[range.clone()], n, d_in, d_out),
+        }
+    }
+
+    /// The embedding rows of `ids` into `out` (`[ids, d]`).
+    pub(crate) fn embed_rows(&self, out: &mut [f32], ids: &[u32]) {
+        let d = self.config.hidden_size;
+        match self.quant.get(&self.layout.embed.start) {
+            Some(q) => out.par_chunks_mut(d).zip(ids.par_iter()).for_each(|(row, &id)| {
+                let mut v = Vec::with_capacity(d);
+                q.row_into(id as usize, &mut v);
+                row.copy_from_slice(&v);
+            }),
+            None => embedding::forward(out, &self.params[self.layout.embed.clone()], ids, d),
+        }
     }
 
     /// A freshly initialised model (see [`Layout::init`]).
@@ -178,7 +272,7 @@ impl Model {
         let (xn, rstd) = phase("fwd rmsnorm", || {
             rmsnorm::forward(h, &p[lp.input_norm.clone()], d, c.rms_norm_eps as f32)
         });
-        let mut qkv = phase("fwd linear", || linear(&xn, &p[lp.qkv.clone()], n, d, qw));
+        let mut qkv = phase("fwd linear", || self.linear(&xn, &lp.qkv, n, d, qw));
         let heads = c.num_attention_heads + c.num_key_value_heads;
         phase("fwd rope", || rope::apply(&mut qkv, qw, 0, heads, positions, &self.rope, false));
         (xn, rstd, qkv)
@@ -190,8 +284,7 @@ impl Model {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let n = h.len() / d;
         let inner = self.mlp_inner(lp, &h);
-        let down = &self.params[lp.down.clone()];
-        let out = phase("fwd linear", || linear(&inner.act, down, n, f, d));
+        let out = phase("fwd linear", || self.linear(&inner.act, &lp.down, n, f, d));
         (MlpSaved { h, inner: Some(inner) }, out)
     }
 
@@ -204,7 +297,7 @@ impl Model {
         let (xn, rstd) = phase("fwd rmsnorm", || {
             rmsnorm::forward(h, &p[lp.post_norm.clone()], d, c.rms_norm_eps as f32)
         });
-        let gu = phase("fwd linear", || linear(&xn, &p[lp.gate_up.clone()], n, d, 2 * f));
+        let gu = phase("fwd linear", || self.linear(&xn, &lp.gate_up, n, d, 2 * f));
         let act = phase("fwd swiglu", || swiglu::forward(&gu, f));
         MlpInner { rstd, xn, gu, act }
     }
@@ -219,7 +312,7 @@ impl Model {
         let (xn, rstd) = phase("fwd rmsnorm", || {
             rmsnorm::forward(h, &p[self.layout.final_norm.clone()], d, c.rms_norm_eps as f32)
         });
-        let logits = phase("fwd head", || linear(&xn, &p[self.layout.head.clone()], n, d, v));
+        let logits = phase("fwd head", || self.linear(&xn, &self.layout.head, n, d, v));
         (xn, rstd, logits)
     }
 
@@ -302,7 +395,7 @@ impl Model {
         let (n, ow) = (sh.batch * sh.seq, sh.out_width());
         let h = phase("fwd residual", || res.input(l, p, &self.layout));
         let inner = self.attn_inner(lp, &h, sh);
-        let out = phase("fwd linear", || linear(&inner.o, &p[lp.o_proj.clone()], n, ow, d));
+        let out = phase("fwd linear", || self.linear(&inner.o, &lp.o_proj, n, ow, d));
         record(&out);
         phase("fwd residual", || res.push_output(l, out));
         AttnSaved { h, inner: (!recompute).then_some(inner) }

@@ -57,6 +57,47 @@ pub(crate) enum Command {
     /// Upcycle a standard checkpoint to Full or Block AttnRes: the same weights plus depth
     /// parameters that start as the standard residual (pseudo-queries zero, key-norm gains one).
     Convert(ConvertArgs),
+    /// Store a checkpoint's weight matrices in a block format (Q8_0, Q4_0, Q4_1) for faster,
+    /// smaller inference; norms and depth-attention parameters stay f32.
+    Quantize(QuantizeArgs),
+}
+
+/// A block format `quantize` writes.
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum QuantTarget {
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
+    #[value(name = "q4_1")]
+    Q4_1,
+}
+
+impl QuantTarget {
+    pub fn format(self) -> attnres::kernels::quant::Format {
+        use attnres::kernels::quant::Format;
+        match self {
+            QuantTarget::Q8_0 => Format::Q8_0,
+            QuantTarget::Q4_0 => Format::Q4_0,
+            QuantTarget::Q4_1 => Format::Q4_1,
+        }
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct QuantizeArgs {
+    /// An f32 checkpoint directory (a training run, an import, a conversion).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The format of the weight matrices (the LM head's matrix takes Q8_0 under a 4-bit format).
+    #[arg(long, value_enum)]
+    pub to: QuantTarget,
+    /// Checkpoint directory to write (the tokenizer and chat template are carried over).
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace a non-empty --out.
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Args)]
@@ -87,6 +128,17 @@ pub(crate) struct ImportArgs {
     /// Replace a non-empty --out.
     #[arg(long)]
     pub force: bool,
+    /// How to store the GGUF file's weights: `keep` stores the block formats (Q8_0, Q4_0, Q4_1,
+    /// Q4_K, Q6_K) as they are and computes on them; `f32` expands every tensor to f32.
+    #[arg(long, value_enum, default_value = "keep")]
+    pub dtype: ImportDtype,
+}
+
+/// How `import` stores weights.
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum ImportDtype {
+    Keep,
+    F32,
 }
 
 #[derive(Args)]

@@ -34,12 +34,23 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
         }
         Command::Plan(a) => plan_cmd(a),
         Command::Import(a) => {
-            let summary = attnres::import::import(&a.from, &a.out, a.force)?;
+            let summary = attnres::import::import(
+                &a.from,
+                &a.out,
+                a.force,
+                matches!(a.dtype, ImportDtype::Keep),
+            )?;
             log(&summary.line(&a.out));
             Ok(())
         }
         Command::Convert(a) => {
             let done = attnres::import::convert::convert(&a.model, &a.sets, &a.out, a.force)?;
+            log(&done.line(&a.model, &a.out));
+            Ok(())
+        }
+        Command::Quantize(a) => {
+            let done =
+                attnres::import::quantize::quantize(&a.model, a.to.format(), &a.out, a.force)?;
             log(&done.line(&a.model, &a.out));
             Ok(())
         }

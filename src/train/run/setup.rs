@@ -356,6 +356,11 @@ fn init_model(run: Option<RunConfig>, dir: &Path) -> Result<(RunConfig, Bpe, Mod
     let model = checkpoint::load(dir)
         .with_context(|| format!("--init {}: cannot load the model", dir.display()))?;
     ensure!(
+        !model.is_quantized(),
+        "--init {}: the model is quantised, and training needs f32 weights: start from its f32 original (for a GGUF file: attnres import --dtype f32)",
+        dir.display()
+    );
+    ensure!(
         model.config == run.model,
         "--init {}: config.json changed while the run was set up",
         dir.display()

@@ -1,0 +1,245 @@
+//! A weight matrix kept in block formats, and its product with f32 activations.
+//!
+//! A matrix is one or more parts stacked by rows (a fused projection such as q/k/v is three
+//! tensors, which a GGUF file may store in different formats); every row holds `cols` values.
+//! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
+
+use super::dot::{dot_f32, dot_q8, quantize_activations, takes_q8};
+use super::{dequantize_into, Format};
+use anyhow::{ensure, Result};
+use rayon::prelude::*;
+use std::ops::{Deref, Range};
+use std::sync::Arc;
+
+/// Bytes inside a shared owner (a memory map or a vector), read without a copy.
+#[derive(Clone)]
+pub struct Bytes {
+    owner: Arc<dyn AsRef<[u8]> + Send + Sync>,
+    range: Range<usize>,
+}
+
+impl Bytes {
+    /// `range` of `owner`; an error when it lies outside.
+    pub fn new(owner: Arc<dyn AsRef<[u8]> + Send + Sync>, range: Range<usize>) -> Result<Bytes> {
+        let len = (*owner).as_ref().len();
+        ensure!(
+            range.start <= range.end && range.end <= len,
+            "bytes {range:?} lie outside a buffer of {len}"
+        );
+        Ok(Bytes { owner, range })
+    }
+
+    pub fn from_vec(v: Vec<u8>) -> Bytes {
+        let n = v.len();
+        Bytes { owner: Arc::new(v), range: 0..n }
+    }
+}
+
+impl Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &(*self.owner).as_ref()[self.range.clone()]
+    }
+}
+
+/// Rows of one tensor in one format.
+#[derive(Clone)]
+pub struct QuantPart {
+    /// The tensor's name (for saving and for errors).
+    pub name: String,
+    pub format: Format,
+    pub rows: usize,
+    pub data: Bytes,
+}
+
+/// A `[rows, cols]` matrix of quantised parts stacked by rows.
+#[derive(Clone)]
+pub struct QuantMatrix {
+    pub cols: usize,
+    pub parts: Vec<QuantPart>,
+}
+
+/// Weight rows per task of a product: enough work per task that the pool's overhead stays
+/// small, few enough tasks per matrix that two threads share it evenly.
+const ROWS_PER_TASK: usize = 32;
+
+impl QuantMatrix {
+    /// Checks that every part holds whole rows of `cols` values in its format.
+    pub fn new(cols: usize, parts: Vec<QuantPart>) -> Result<QuantMatrix> {
+        ensure!(!parts.is_empty(), "a quantised matrix needs at least one part");
+        for p in &parts {
+            let row = p.format.row_bytes(cols).map_err(|e| anyhow::anyhow!("{}: {e}", p.name))?;
+            ensure!(
+                p.data.len() == p.rows * row,
+                "{}: {} rows of {cols} values in {} take {} bytes, not {}",
+                p.name,
+                p.rows,
+                p.format.name(),
+                p.rows * row,
+                p.data.len()
+            );
+        }
+        Ok(QuantMatrix { cols, parts })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.parts.iter().map(|p| p.rows).sum()
+    }
+
+    /// Bytes of all parts.
+    pub fn bytes(&self) -> usize {
+        self.parts.iter().map(|p| p.data.len()).sum()
+    }
+
+    /// Row `r` as f32 values, appended to `out`.
+    pub fn row_into(&self, mut r: usize, out: &mut Vec<f32>) {
+        for p in &self.parts {
+            if r < p.rows {
+                let rb = p.data.len() / p.rows;
+                dequantize_into(p.format, &p.data[r * rb..(r + 1) * rb], out);
+                return;
+            }
+            r -= p.rows;
+        }
+        panic!("row {r} past the matrix's end");
+    }
+
+    /// The whole matrix as f32, row-major.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = Vec::with_capacity(self.rows() * self.cols);
+        for p in &self.parts {
+            dequantize_into(p.format, &p.data, &mut out);
+        }
+        out
+    }
+
+    /// `y = x · Wᵀ` for `n` rows of `x` (`[n, cols]`): `[n, rows]`. Rows of Q8_0 and Q4_0 take
+    /// the activations quantised to Q8_0 per row (llama.cpp's way), the other formats the f32
+    /// activations ([`super::dot`]).
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let k = self.cols;
+        assert!(x.len() == n * k, "quantised product: {} activations, not {n} x {k}", x.len());
+        let xq: Option<Vec<u8>> = self.parts.iter().any(|p| takes_q8(p.format)).then(|| {
+            let per_row = Format::Q8_0.row_bytes(k).expect("checked in new");
+            let mut q = vec![0u8; n * per_row];
+            q.par_chunks_mut(per_row).zip(x.par_chunks(k)).for_each(|(q, x)| {
+                q.copy_from_slice(&quantize_activations(x).expect("whole blocks"));
+            });
+            q
+        });
+        let m = self.rows();
+        // Work on `[rows, n]` (each task owns whole weight rows), transposed at the end.
+        let mut yt = vec![0.0f32; m * n];
+        let mut tasks = Vec::new();
+        let mut rest = yt.as_mut_slice();
+        for p in &self.parts {
+            let rb = p.data.len() / p.rows;
+            for w in p.data.chunks(rb * ROWS_PER_TASK) {
+                let rows = w.len() / rb;
+                let (out, tail) = std::mem::take(&mut rest).split_at_mut(rows * n);
+                rest = tail;
+                tasks.push((p.format, rb, w, out));
+            }
+        }
+        tasks.into_par_iter().for_each(|(format, rb, w, out)| {
+            for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+                for (i, o) in o.iter_mut().enumerate() {
+                    *o = match &xq {
+                        Some(xq) if takes_q8(format) => {
+                            let per_row = xq.len() / n;
+                            dot_q8(format, row, &xq[i * per_row..(i + 1) * per_row])
+                        }
+                        _ => dot_f32(format, row, &x[i * k..(i + 1) * k]),
+                    };
+                }
+            }
+        });
+        if n == 1 {
+            return yt;
+        }
+        let mut y = vec![0.0f32; n * m];
+        y.par_chunks_mut(m).enumerate().for_each(|(i, row)| {
+            for (j, v) in row.iter_mut().enumerate() {
+                *v = yt[j * n + i];
+            }
+        });
+        y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::quantize;
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_product_is_each_rows_dot_and_parts_stack() {
+        let (k, n) = (64, 3);
+        let a = values(40 * k, 1);
+        let b = values(70 * k, 2);
+        let parts = vec![
+            QuantPart {
+                name: "a".into(),
+                format: Format::Q8_0,
+                rows: 40,
+                data: Bytes::from_vec(quantize(Format::Q8_0, &a).unwrap()),
+            },
+            QuantPart {
+                name: "b".into(),
+                format: Format::Q4_1,
+                rows: 70,
+                data: Bytes::from_vec(quantize(Format::Q4_1, &b).unwrap()),
+            },
+        ];
+        let m = QuantMatrix::new(k, parts).unwrap();
+        assert_eq!(m.rows(), 110);
+        let x = values(n * k, 3);
+        let y = m.matmul(&x, n);
+        let w = m.dequantize();
+        for i in 0..n {
+            let xi = &x[i * k..(i + 1) * k];
+            let xq = quantize_activations(xi).unwrap();
+            for r in 0..110 {
+                let row = &m.parts[(r >= 40) as usize];
+                let rr = if r >= 40 { r - 40 } else { r };
+                let rb = row.data.len() / row.rows;
+                let bytes = &row.data[rr * rb..(rr + 1) * rb];
+                let want = if r < 40 {
+                    dot_q8(row.format, bytes, &xq)
+                } else {
+                    dot_f32(row.format, bytes, xi)
+                };
+                assert_eq!(y[i * 110 + r].to_bits(), want.to_bits(), "row {i}, column {r}");
+                let mut got = Vec::new();
+                m.row_into(r, &mut got);
+                assert_eq!(got, w[r * k..(r + 1) * k]);
+            }
+        }
+        let one = m.matmul(&x[..k], 1);
+        assert_eq!(one, y[..110]);
+    }
+
+    #[test]
+    fn parts_of_the_wrong_size_are_refused() {
+        let part = QuantPart {
+            name: "w".into(),
+            format: Format::Q4_0,
+            rows: 2,
+            data: Bytes::from_vec(vec![0; 35]),
+        };
+        let e = QuantMatrix::new(32, vec![part.clone()]).err().unwrap().to_string();
+        assert!(e.contains("w: 2 rows of 32 values in Q4_0 take 36 bytes, not 35"), "{e}");
+        let e = QuantMatrix::new(48, vec![part]).err().unwrap().to_string();
+        assert!(e.contains("not a whole number of blocks"), "{e}");
+    }
+}

@@ -1,0 +1,190 @@
+//! An f32 model's weight matrices stored in a block format (`attnres quantize`).
+//!
+//! What is quantised: the matrices that products read whole ([`Layout::matrices`]): each
+//! layer's q/k/v, o_proj, gate/up and down projections, the embedding and the LM head. What stays
+//! f32: every RMSNorm gain and all depth-attention parameters (pseudo-queries, key-norm gains),
+//! which are a few values per sublayer, cost nothing to read, and set which layers a sublayer
+//! listens to; a small error there moves every later layer. The matrix the LM head reads (the
+//! embedding when tied) is stored in Q8_0 when the target is a 4-bit format, as llama.cpp keeps
+//! its output matrix at more bits than the rest: its error goes straight into every logit.
+
+use super::Model;
+use crate::kernels::quant::{self, Bytes, Format, QuantMatrix, QuantPart};
+use anyhow::{ensure, Result};
+use rayon::prelude::*;
+use std::collections::{BTreeMap, BTreeSet};
+
+/// What [`quantize`] made.
+pub struct Quantized {
+    pub model: Model,
+    /// Tensors per format, f32 ones included.
+    pub tensors: BTreeMap<&'static str, usize>,
+    /// The weight matrices' bytes before and after.
+    pub bytes: (usize, usize),
+}
+
+/// The formats `quantize` writes (the K-quants are read, not made).
+pub const TARGETS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
+
+/// `model`'s matrices in `to` (see the module's notes); every other tensor as it is.
+pub fn quantize(model: &Model, to: Format) -> Result<Quantized> {
+    ensure!(TARGETS.contains(&to), "quantize writes {}, not {}", names(&TARGETS), to.name());
+    ensure!(
+        !model.is_quantized(),
+        "the model is already quantised: quantise its f32 original (for an imported GGUF: attnres import --dtype f32)"
+    );
+    let lay = &model.layout;
+    let head = lay.head.start;
+    let mut quant = BTreeMap::new();
+    let mut tensors = BTreeMap::new();
+    let mut quantised = BTreeSet::new();
+    for m in lay.matrices() {
+        let format = if m.start == head && to != Format::Q8_0 { Format::Q8_0 } else { to };
+        let specs = lay.specs_in(&m);
+        let cols = *lay.specs[specs[0]].shape.last().unwrap_or(&1);
+        if format.row_bytes(cols).is_err() {
+            // A row that is not a whole number of blocks stays f32.
+            continue;
+        }
+        let mut parts = Vec::new();
+        for &i in &specs {
+            let s = &lay.specs[i];
+            let values = &model.params[s.range.clone()];
+            let row = format.row_bytes(cols)?;
+            let mut data = vec![0u8; s.shape[0] * row];
+            data.par_chunks_mut(row).zip(values.par_chunks(cols)).try_for_each(|(out, v)| {
+                out.copy_from_slice(&quant::quantize(format, v)?);
+                anyhow::Ok(())
+            })?;
+            parts.push(QuantPart {
+                name: s.name.clone(),
+                format,
+                rows: s.shape[0],
+                data: Bytes::from_vec(data),
+            });
+            quantised.insert(i);
+            *tensors.entry(format.name()).or_insert(0) += 1;
+        }
+        quant.insert(m.start, QuantMatrix::new(cols, parts)?);
+    }
+    let f32_count = lay.specs.len() - quantised.len();
+    if f32_count > 0 {
+        tensors.insert("F32", f32_count);
+    }
+    // The quantised tensors' f32 values are not carried: their ranges stay zero pages.
+    let mut params = vec![0.0f32; lay.total];
+    for (i, s) in lay.specs.iter().enumerate() {
+        if !quantised.contains(&i) {
+            params[s.range.clone()].copy_from_slice(&model.params[s.range.clone()]);
+        }
+    }
+    let before = model.weight_bytes();
+    let model = Model::new(model.config.clone(), params)?.with_quant(quant)?;
+    let after = model.weight_bytes();
+    Ok(Quantized { model, tensors, bytes: (before, after) })
+}
+
+/// The formats' names, lower case as the command line takes them: `q8_0, q4_0, q4_1`.
+pub fn names(formats: &[Format]) -> String {
+    formats.iter().map(|f| f.name().to_lowercase()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::{Config, ResidualKind};
+
+    fn config(residual: ResidualKind, tied: bool) -> Config {
+        // Rows of 64 and 96 values: whole blocks of 32.
+        Config {
+            vocab_size: 50,
+            hidden_size: 64,
+            intermediate_size: 96,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 1,
+            head_dim: 32,
+            max_position_embeddings: 16,
+            residual,
+            num_blocks: 2,
+            tie_word_embeddings: tied,
+            ..Config::default()
+        }
+    }
+
+    /// Every matrix is quantised in the asked format (the head's in Q8_0), every other tensor
+    /// keeps its bits, and the quantised model computes what its dequantised copy computes,
+    /// within the activations' rounding.
+    #[test]
+    fn matrices_are_quantised_and_the_rest_kept() {
+        for (residual, tied) in [
+            (ResidualKind::Standard, true),
+            (ResidualKind::Block, false),
+            (ResidualKind::Full, true),
+        ] {
+            let c = config(residual, tied);
+            let mut m = Model::init(c.clone(), 3).unwrap();
+            // Non-zero depth parameters, so that keeping them matters.
+            for s in &m.layout.specs.clone() {
+                if s.name.contains("_res") {
+                    m.params[s.range.clone()]
+                        .iter_mut()
+                        .enumerate()
+                        .for_each(|(i, v)| *v = 0.01 * i as f32);
+                }
+            }
+            let q = quantize(&m, Format::Q4_0).unwrap();
+            let lay = &m.layout;
+            for s in &lay.specs {
+                match q.model.quant_part(s) {
+                    Some(p) => {
+                        let head =
+                            lay.specs_in(&lay.head).iter().any(|&i| lay.specs[i].name == s.name);
+                        assert_eq!(
+                            p.format,
+                            if head { Format::Q8_0 } else { Format::Q4_0 },
+                            "{}",
+                            s.name
+                        );
+                        assert!(s.shape.len() == 2 && !s.name.contains("_res"), "{}", s.name);
+                    }
+                    None => {
+                        assert!(
+                            s.shape.len() == 1 || s.name.contains("_res"),
+                            "{} kept f32",
+                            s.name
+                        );
+                        assert_eq!(q.model.params[s.range.clone()], m.params[s.range.clone()]);
+                    }
+                }
+            }
+            assert!(q.bytes.1 * 3 < q.bytes.0, "{:?}", q.bytes);
+            // The same model with the dequantised values in f32.
+            let mut params = m.params.clone();
+            for (start, mat) in &q.model.quant {
+                let w = mat.dequantize();
+                params[*start..*start + w.len()].copy_from_slice(&w);
+            }
+            let f = Model::new(c.clone(), params).unwrap();
+            let ids: Vec<u32> = (0..16).map(|i| (i * 7 % c.vocab_size) as u32).collect();
+            let a = q.model.forward(&ids, 2, 8).unwrap().logits;
+            let b = f.forward(&ids, 2, 8).unwrap().logits;
+            let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            // Q8_0 activations carry a relative rounding of 1/254 per value; through a few
+            // layers that stays within a few percent of the logits' scale.
+            assert!(worst <= 0.05 * scale, "{residual:?}: {worst} of {scale}");
+            assert!(worst > 0.0, "the products did run on the blocks");
+        }
+    }
+
+    #[test]
+    fn quantising_twice_or_to_a_k_quant_is_refused() {
+        let m = Model::init(config(ResidualKind::Standard, true), 1).unwrap();
+        let e = quantize(&m, Format::Q6K).err().unwrap().to_string();
+        assert!(e.contains("q8_0, q4_0, q4_1, not Q6_K"), "{e}");
+        let q = quantize(&m, Format::Q8_0).unwrap();
+        let e = quantize(&q.model, Format::Q8_0).err().unwrap().to_string();
+        assert!(e.contains("already quantised"), "{e}");
+    }
+}
