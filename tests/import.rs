@@ -7,7 +7,7 @@
 
 use attnres::model::checkpoint;
 use attnres::text::tokenizer::Bpe;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -398,12 +398,13 @@ fn import_ok(from: &Path, out: &Path) {
     assert!(err.contains("imported"), "{err}");
 }
 
+/// The imported weights (block formats dequantised) are `expected` bit for bit.
 fn assert_weights(out: &Path, expected: &BTreeMap<String, Vec<f32>>) {
     let model = checkpoint::load(out).unwrap();
     assert_eq!(model.layout.specs.len(), expected.len());
     for s in &model.layout.specs {
         let want = &expected[&s.name];
-        let got = &model.params[s.range.clone()];
+        let got = &model.values(s);
         let bad = got.iter().zip(want).position(|(a, b)| a.to_bits() != b.to_bits());
         assert!(
             bad.is_none(),
@@ -425,6 +426,29 @@ fn a_gguf_of_every_supported_type_imports_exactly() {
     let out = tmp.path().join("ck");
     import_ok(&file, &out);
     assert_weights(&out, &expected);
+    // The products whose tensors are all in block formats keep them; with --dtype f32 none.
+    let kept = checkpoint::load(&out).unwrap();
+    let formats: BTreeSet<&str> =
+        kept.quant.values().flat_map(|q| q.parts.iter().map(|p| p.format.name())).collect();
+    assert_eq!(formats, BTreeSet::from(["Q4_0", "Q4_1", "Q8_0"]));
+    // Layer 0's q/k/v mix Q4_0 and Q4_1 with F16 (expanded, read by one product with them);
+    // layer 1's are Q4_1, Q4_0 and Q8_0, kept as three parts of one product.
+    let (l0, l1) = (&kept.layout.layers[0], &kept.layout.layers[1]);
+    assert!(!kept.quant.contains_key(&l0.qkv.start));
+    assert_eq!(kept.quant[&l1.qkv.start].parts.len(), 3);
+    let f32_out = tmp.path().join("ck-f32");
+    let o = attnres(&[
+        "import",
+        "--from",
+        file.to_str().unwrap(),
+        "--out",
+        f32_out.to_str().unwrap(),
+        "--dtype",
+        "f32",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!checkpoint::load(&f32_out).unwrap().is_quantized());
+    assert_weights(&f32_out, &expected);
 
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
@@ -732,7 +756,7 @@ fn bad_gguf_files_are_named_errors() {
     let out = tmp.path().join("ck");
     for cut in (0..good.len()).step_by(97) {
         write(&good[..cut]);
-        assert!(attnres::import::import(&file, &out, false).is_err(), "cut at {cut}");
+        assert!(attnres::import::import(&file, &out, false, true).is_err(), "cut at {cut}");
         assert!(!out.exists());
     }
 }

@@ -50,11 +50,16 @@ fn stdout_full(env: &RunEnv, mut c: Command) -> Output {
     c.output().unwrap()
 }
 
-/// Runs with stdout a pipe whose reader is closed before the command writes anything.
+/// The writing end of a pipe whose reader is already closed: every write fails with EPIPE.
+fn broken_pipe() -> std::io::PipeWriter {
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    writer
+}
+
+/// Runs with stdout a pipe whose reader is closed before the command starts.
 fn stdout_closed(mut c: Command) -> Output {
-    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    drop(child.stdout.take());
-    child.wait_with_output().unwrap()
+    c.stdout(broken_pipe()).stderr(Stdio::piped()).output().unwrap()
 }
 
 /// Runs with stdout closed from the start (a shell's `>&-`): Rust's runtime would put
@@ -81,11 +86,9 @@ fn fails_on_shut_stdout(o: &Output, what: &str) {
     );
 }
 
-/// Runs with stderr a pipe whose reader is closed before the command writes anything.
+/// Runs with stderr a pipe whose reader is closed before the command starts.
 fn stderr_closed(mut c: Command) -> Output {
-    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    drop(child.stderr.take());
-    child.wait_with_output().unwrap()
+    c.stdout(Stdio::piped()).stderr(broken_pipe()).output().unwrap()
 }
 
 fn text(b: &[u8]) -> String {

@@ -218,13 +218,22 @@ pub fn tensors_from_safetensors(
     for s in &layout.specs {
         let t = st.tensor(&s.name)?;
         match meta.get(&quant_key(&s.name)) {
-            None => ensure!(
-                t.shape() == s.shape.as_slice(),
-                "tensor {:?} has shape {:?}, expected {:?}",
-                s.name,
-                t.shape(),
-                s.shape
-            ),
+            None => {
+                ensure!(
+                    t.dtype() == Dtype::F32,
+                    "tensor {:?} has dtype {:?}, expected F32 (a quantised tensor's format goes in the metadata as {:?})",
+                    s.name,
+                    t.dtype(),
+                    quant_key(&s.name)
+                );
+                ensure!(
+                    t.shape() == s.shape.as_slice(),
+                    "tensor {:?} has shape {:?}, expected {:?}",
+                    s.name,
+                    t.shape(),
+                    s.shape
+                )
+            }
             Some(f) => {
                 let format = Format::ALL
                     .into_iter()

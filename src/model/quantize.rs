@@ -92,6 +92,7 @@ pub fn names(formats: &[Format]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::checkpoint;
     use crate::model::config::{Config, ResidualKind};
 
     fn config(residual: ResidualKind, tied: bool) -> Config {
@@ -176,6 +177,61 @@ mod tests {
             assert!(worst <= 0.05 * scale, "{residual:?}: {worst} of {scale}");
             assert!(worst > 0.0, "the products did run on the blocks");
         }
+    }
+
+    /// A quantised checkpoint saves and loads back to the same blocks and the same logits; a
+    /// file whose marks and tensors disagree is refused with the tensor's name.
+    #[test]
+    fn quantised_checkpoints_round_trip() {
+        let m = Model::init(config(ResidualKind::Block, false), 5).unwrap();
+        let q = quantize(&m, Format::Q4_1).unwrap().model;
+        let dir = tempfile::tempdir().unwrap();
+        checkpoint::save(&q, dir.path()).unwrap();
+        let back = checkpoint::load(dir.path()).unwrap();
+        assert_eq!(back.quant.len(), q.quant.len());
+        for (k, a) in &q.quant {
+            let b = &back.quant[k];
+            for (x, y) in a.parts.iter().zip(&b.parts) {
+                assert_eq!((&x.name, x.format, &x.data[..]), (&y.name, y.format, &y.data[..]));
+            }
+        }
+        let ids: Vec<u32> = (0..8).collect();
+        let (a, b) =
+            (q.forward(&ids, 1, 8).unwrap().logits, back.forward(&ids, 1, 8).unwrap().logits);
+        assert_eq!(a, b);
+
+        // Blocks without their mark, a mark of the wrong format, an unknown format: refused.
+        let path = dir.path().join(checkpoint::WEIGHTS_FILE);
+        let bytes = std::fs::read(&path).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+        let edit = |from: &str, to: &str| {
+            let h = header.replacen(from, to, 1);
+            assert_ne!(h, header, "{from} is in the header");
+            let mut b = (h.len() as u64).to_le_bytes().to_vec();
+            b.extend(h.as_bytes());
+            b.extend(&bytes[8 + n..]);
+            std::fs::write(&path, b).unwrap();
+            format!("{:#}", checkpoint::load(dir.path()).err().unwrap())
+        };
+        let e = edit(
+            "\"quant.model.layers.0.self_attn.k_proj.weight\"",
+            "\"other.model.layers.0.self_attn.k_proj.weight\"",
+        );
+        assert!(
+            e.contains("\"model.layers.0.self_attn.k_proj.weight\" has dtype U8, expected F32"),
+            "{e}"
+        );
+        let e = edit(
+            "\"quant.model.layers.0.self_attn.k_proj.weight\":\"Q4_1\"",
+            "\"quant.model.layers.0.self_attn.k_proj.weight\":\"Q4_0\"",
+        );
+        assert!(e.contains("k_proj") && e.contains("expected [32, 36]"), "{e}");
+        let e = edit(
+            "\"quant.model.layers.0.self_attn.k_proj.weight\":\"Q4_1\"",
+            "\"quant.model.layers.0.self_attn.k_proj.weight\":\"Q5_1\"",
+        );
+        assert!(e.contains("unknown block format \"Q5_1\""), "{e}");
     }
 
     #[test]

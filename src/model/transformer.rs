@@ -178,6 +178,14 @@ impl Model {
         q.parts.iter().find(|p| p.name == spec.name)
     }
 
+    /// Tensor `spec`'s values as f32: its blocks dequantised when it is quantised.
+    pub fn values(&self, spec: &ParamSpec) -> Vec<f32> {
+        match self.quant_part(spec) {
+            Some(p) => crate::kernels::quant::dequantize(p.format, &p.data),
+            None => self.params[spec.range.clone()].to_vec(),
+        }
+    }
+
     /// The bytes of the weights that one decoding step reads: every matrix (f32 or its blocks)
     /// once; the embedding row lookups are left out unless the head shares the table.
     pub fn weight_bytes(&self) -> usize {
@@ -453,6 +461,10 @@ impl Model {
 
     /// Loss and the gradient of every parameter (same layout as `params`).
     pub fn backward(&self, fwd: &Forward, targets: &[u32]) -> Result<(f32, Vec<f32>)> {
+        ensure!(
+            !self.is_quantized(),
+            "the model is quantised: gradients need its f32 weights (start from the f32 original)"
+        );
         self.check_targets(targets, fwd)?;
         let lay = &self.layout;
         let sh = self.attn_shape(fwd.batch, fwd.seq);

@@ -47,6 +47,21 @@ pub fn dot_q8(format: Format, row: &[u8], xq: &[u8]) -> f32 {
     dot_q8_portable(format, row, xq)
 }
 
+/// [`dot_q8`] of one row with four activation rows: `xd` holds each activation block's scale
+/// as f32. The vector kernel shares the row's unpacking among the four.
+pub fn dot_q8_x4(format: Format, row: &[u8], xq: [&[u8]; 4], xd: [&[f32]; 4]) -> [f32; 4] {
+    assert!(takes_q8(format), "dot_q8 takes Q8_0 and Q4_0 rows, not {}", format.name());
+    let blocks = row.len() / format.block_bytes();
+    assert!(xq.iter().zip(xd).all(|(q, d)| q.len() == blocks * 34 && d.len() == blocks));
+    #[cfg(target_arch = "x86_64")]
+    if super::x86::has_avx2() {
+        // SAFETY: the processor has AVX2, FMA and F16C (just checked); the format is Q8_0 or
+        // Q4_0, and every activation row holds as many blocks as the row (checked above).
+        return unsafe { super::x86::dot_q8_x4(format, row, xq, xd) };
+    }
+    xq.map(|x| dot_q8_portable(format, row, x))
+}
+
 /// [`dot_q8`] in plain Rust: the form the vector kernels are checked against.
 pub fn dot_q8_portable(format: Format, row: &[u8], xq: &[u8]) -> f32 {
     let mut sum = 0.0f32;

@@ -4,7 +4,7 @@
 //! tensors, which a GGUF file may store in different formats); every row holds `cols` values.
 //! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
 
-use super::dot::{dot_f32, dot_q8, quantize_activations, takes_q8};
+use super::dot::{dot_f32, dot_q8, dot_q8_x4, quantize_activations, takes_q8};
 use super::{dequantize_into, Format};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
@@ -141,16 +141,35 @@ impl QuantMatrix {
                 tasks.push((p.format, rb, w, out));
             }
         }
+        // Each activation block's scale as f32, for the four-row kernel.
+        let xd: Vec<f32> = xq.as_deref().map_or(Vec::new(), |q| {
+            q.chunks_exact(34)
+                .map(|b| super::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+                .collect()
+        });
         tasks.into_par_iter().for_each(|(format, rb, w, out)| {
             for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-                for (i, o) in o.iter_mut().enumerate() {
-                    *o = match &xq {
-                        Some(xq) if takes_q8(format) => {
-                            let per_row = xq.len() / n;
-                            dot_q8(format, row, &xq[i * per_row..(i + 1) * per_row])
+                match &xq {
+                    Some(xq) if takes_q8(format) => {
+                        let (qr, dr) = (xq.len() / n, xd.len() / n);
+                        let act = |i: usize| (&xq[i * qr..(i + 1) * qr], &xd[i * dr..(i + 1) * dr]);
+                        let mut i = 0;
+                        while i + 4 <= n {
+                            let [a, b, c, d] = [act(i), act(i + 1), act(i + 2), act(i + 3)];
+                            let y =
+                                dot_q8_x4(format, row, [a.0, b.0, c.0, d.0], [a.1, b.1, c.1, d.1]);
+                            o[i..i + 4].copy_from_slice(&y);
+                            i += 4;
                         }
-                        _ => dot_f32(format, row, &x[i * k..(i + 1) * k]),
-                    };
+                        for (i, o) in o.iter_mut().enumerate().skip(i) {
+                            *o = dot_q8(format, row, act(i).0);
+                        }
+                    }
+                    _ => {
+                        for (i, o) in o.iter_mut().enumerate() {
+                            *o = dot_f32(format, row, &x[i * k..(i + 1) * k]);
+                        }
+                    }
                 }
             }
         });
