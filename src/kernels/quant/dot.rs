@@ -39,10 +39,15 @@ pub fn takes_q8(format: Format) -> bool {
 pub fn dot_q8(format: Format, row: &[u8], xq: &[u8]) -> f32 {
     assert!(takes_q8(format), "dot_q8 takes Q8_0 and Q4_0 rows, not {}", format.name());
     #[cfg(target_arch = "x86_64")]
-    if super::x86::has_avx2() {
-        // SAFETY: the processor has AVX2, FMA and F16C (just checked); the format is Q8_0 or
-        // Q4_0.
-        return unsafe { super::x86::dot_q8(format, row, xq) };
+    {
+        use super::x86::{avx2, isa, vnni, Isa};
+        // SAFETY: the processor has the instruction set (just checked); the format is Q8_0 or
+        // Q4_0 and the blocks whole (the caller's rows).
+        match isa() {
+            Some(Isa::Vnni) => return unsafe { vnni::dot_q8(format, row, xq) },
+            Some(Isa::Avx2) => return unsafe { avx2::dot_q8(format, row, xq) },
+            None => {}
+        }
     }
     dot_q8_portable(format, row, xq)
 }
@@ -54,12 +59,37 @@ pub fn dot_q8_x4(format: Format, row: &[u8], xq: [&[u8]; 4], xd: [&[f32]; 4]) ->
     let blocks = row.len() / format.block_bytes();
     assert!(xq.iter().zip(xd).all(|(q, d)| q.len() == blocks * 34 && d.len() == blocks));
     #[cfg(target_arch = "x86_64")]
-    if super::x86::has_avx2() {
-        // SAFETY: the processor has AVX2, FMA and F16C (just checked); the format is Q8_0 or
+    {
+        use super::x86::{avx2, isa, vnni, Isa};
+        // SAFETY: the processor has the instruction set (just checked); the format is Q8_0 or
         // Q4_0, and every activation row holds as many blocks as the row (checked above).
-        return unsafe { super::x86::dot_q8_x4(format, row, xq, xd) };
+        match isa() {
+            Some(Isa::Vnni) => return unsafe { vnni::dot_q8_x4(format, row, xq, xd) },
+            Some(Isa::Avx2) => return unsafe { avx2::dot_q8_x4(format, row, xq, xd) },
+            None => {}
+        }
     }
     xq.map(|x| dot_q8_portable(format, row, x))
+}
+
+/// [`dot_q8`] of four rows with one activation row: `xd` holds each activation block's scale
+/// as f32. The vector kernel shares the activations' loads among the four.
+pub fn dot_q8_rows4(format: Format, rows: [&[u8]; 4], xq: &[u8], xd: &[f32]) -> [f32; 4] {
+    assert!(takes_q8(format), "dot_q8 takes Q8_0 and Q4_0 rows, not {}", format.name());
+    let blocks = xd.len();
+    assert!(xq.len() == blocks * 34 && rows.iter().all(|r| r.len() == blocks * format.block_bytes()));
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::x86::{avx2, isa, vnni, Isa};
+        // SAFETY: the processor has the instruction set (just checked); the format is Q8_0 or
+        // Q4_0, and every row holds as many blocks as the activations (checked above).
+        match isa() {
+            Some(Isa::Vnni) => return unsafe { vnni::dot_q8_rows4(format, rows, xq, xd) },
+            Some(Isa::Avx2) => return unsafe { avx2::dot_q8_rows4(format, rows, xq, xd) },
+            None => {}
+        }
+    }
+    rows.map(|r| dot_q8_portable(format, r, xq))
 }
 
 /// [`dot_q8`] in plain Rust: the form the vector kernels are checked against.

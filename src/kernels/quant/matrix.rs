@@ -4,7 +4,7 @@
 //! tensors, which a GGUF file may store in different formats); every row holds `cols` values.
 //! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
 
-use super::dot::{dot_f32, dot_q8, dot_q8_x4, quantize_activations, takes_q8};
+use super::dot::{dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, quantize_activations, takes_q8};
 use super::{dequantize_into, Format};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
@@ -147,28 +147,50 @@ impl QuantMatrix {
                 .map(|b| super::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
                 .collect()
         });
-        tasks.into_par_iter().for_each(|(format, rb, w, out)| {
-            for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-                match &xq {
-                    Some(xq) if takes_q8(format) => {
-                        let (qr, dr) = (xq.len() / n, xd.len() / n);
-                        let act = |i: usize| (&xq[i * qr..(i + 1) * qr], &xd[i * dr..(i + 1) * dr]);
-                        let mut i = 0;
-                        while i + 4 <= n {
-                            let [a, b, c, d] = [act(i), act(i + 1), act(i + 2), act(i + 3)];
-                            let y =
-                                dot_q8_x4(format, row, [a.0, b.0, c.0, d.0], [a.1, b.1, c.1, d.1]);
-                            o[i..i + 4].copy_from_slice(&y);
-                            i += 4;
+        tasks.into_par_iter().for_each(|(format, rb, w, out)| match &xq {
+            Some(xq) if takes_q8(format) => {
+                let (qr, dr) = (xq.len() / n, xd.len() / n);
+                let act = |i: usize| (&xq[i * qr..(i + 1) * qr], &xd[i * dr..(i + 1) * dr]);
+                if n < 4 {
+                    // Decoding: four rows at a time against each token.
+                    let mut rows = w.chunks_exact(rb);
+                    let mut r = 0;
+                    while let (Some(a), Some(b), Some(c), Some(d)) =
+                        (rows.next(), rows.next(), rows.next(), rows.next())
+                    {
+                        for i in 0..n {
+                            let y = dot_q8_rows4(format, [a, b, c, d], act(i).0, act(i).1);
+                            for (j, y) in y.into_iter().enumerate() {
+                                out[(r + j) * n + i] = y;
+                            }
                         }
-                        for (i, o) in o.iter_mut().enumerate().skip(i) {
-                            *o = dot_q8(format, row, act(i).0);
+                        r += 4;
+                    }
+                    for (j, row) in w.chunks_exact(rb).enumerate().skip(r) {
+                        for i in 0..n {
+                            out[j * n + i] = dot_q8(format, row, act(i).0);
                         }
                     }
-                    _ => {
-                        for (i, o) in o.iter_mut().enumerate() {
-                            *o = dot_f32(format, row, &x[i * k..(i + 1) * k]);
-                        }
+                    return;
+                }
+                // Prefill: each row against four tokens at a time.
+                for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+                    let mut i = 0;
+                    while i + 4 <= n {
+                        let [a, b, c, d] = [act(i), act(i + 1), act(i + 2), act(i + 3)];
+                        let y = dot_q8_x4(format, row, [a.0, b.0, c.0, d.0], [a.1, b.1, c.1, d.1]);
+                        o[i..i + 4].copy_from_slice(&y);
+                        i += 4;
+                    }
+                    for (i, o) in o.iter_mut().enumerate().skip(i) {
+                        *o = dot_q8(format, row, act(i).0);
+                    }
+                }
+            }
+            _ => {
+                for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+                    for (i, o) in o.iter_mut().enumerate() {
+                        *o = dot_f32(format, row, &x[i * k..(i + 1) * k]);
                     }
                 }
             }
@@ -203,7 +225,8 @@ mod tests {
 
     #[test]
     fn the_product_is_each_rows_dot_and_parts_stack() {
-        let (k, n) = (64, 3);
+        // Six tokens: four through the prefill kernel, two alone.
+        let (k, n) = (64, 6);
         let a = values(40 * k, 1);
         let b = values(70 * k, 2);
         let parts = vec![
@@ -244,8 +267,12 @@ mod tests {
                 assert_eq!(got, w[r * k..(r + 1) * k]);
             }
         }
-        let one = m.matmul(&x[..k], 1);
-        assert_eq!(one, y[..110]);
+        // Decoding kernels (fewer than four tokens) give each token the same bits: a token's
+        // result does not depend on what else is in the batch.
+        for few in [1, 3] {
+            let y_few = m.matmul(&x[..few * k], few);
+            assert!(y_few.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "{few} tokens");
+        }
     }
 
     #[test]

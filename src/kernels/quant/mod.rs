@@ -17,7 +17,7 @@
 pub mod dot;
 mod matrix;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub mod x86;
 
 use anyhow::{bail, ensure, Result};
 pub use matrix::{Bytes, QuantMatrix, QuantPart};

@@ -1,17 +1,37 @@
-//! [`super::dot::dot_q8`] with AVX2, FMA and F16C: per block the 32 integer products summed in
-//! one register (`vpmaddubsw` on the weights' magnitudes and the activations with the weights'
-//! signs, then `vpmaddwd`: exact), converted to f32 and added into an f32 accumulator scaled by
-//! both blocks' scales; the eight lanes are summed once per row. The sums run in another order
-//! than the portable code's, so the two agree within f32 rounding, not bit for bit.
+//! [`super::dot::dot_q8`] on x86-64, in two instruction sets made from one body: AVX2 (with FMA
+//! and F16C) and, where the processor has it, AVX-512 VNNI on 256-bit registers. Per block the
+//! 32 integer products are summed in one register, exactly (AVX2: `vpmaddubsw` on the weights'
+//! magnitudes and the activations with the weights' signs, then `vpmaddwd`; VNNI: `vpdpbusd`
+//! on the same operands), converted to f32 and added into an f32 accumulator scaled by both
+//! blocks' scales; the eight lanes are summed once per row. The sums run in another order than
+//! the portable code's, so they agree with it within f32 rounding, not bit for bit.
 
 use super::Format;
 use std::arch::x86_64::*;
+use std::sync::OnceLock;
 
-/// Whether this processor has AVX2, FMA and F16C (the standard library caches the answer).
-pub fn has_avx2() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
+/// The instruction sets, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Vnni,
+    Avx2,
+}
+
+/// The best instruction set this processor has for the block products, if any.
+pub fn isa() -> Option<Isa> {
+    static ISA: OnceLock<Option<Isa>> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        let vnni = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+        match (avx2, vnni) {
+            (true, true) if std::env::var_os("NO_VNNI").is_none() => Some(Isa::Vnni),
+            (true, _) => Some(Isa::Avx2),
+
+            _ => None,
+        }
+    })
 }
 
 /// The sum of the eight lanes.
@@ -24,32 +44,11 @@ fn sum_f32(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// `Σ w[j] · x[j]` over 32 pairs of signed bytes, as eight exact partial sums.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn dot32(w: __m256i, x: __m256i) -> __m256i {
-    // vpmaddubsw multiplies unsigned by signed bytes: |w| by x with w's sign. Its 16-bit pair
-    // sums cannot saturate: |w| ≤ 128 and |x| ≤ 127 (Q8_0 stores -127..127), 2·128·127 < 2^15.
-    let products = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    _mm256_madd_epi16(products, _mm256_set1_epi16(1))
-}
-
-/// The product of two blocks' f16 scales (the first two bytes of each).
+/// A block's f16 scale (its first two bytes).
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-fn scales(w: &[u8], x: &[u8]) -> f32 {
-    let h = _mm_set_epi16(
-        0,
-        0,
-        0,
-        0,
-        0,
-        0,
-        i16::from_le_bytes([x[0], x[1]]),
-        i16::from_le_bytes([w[0], w[1]]),
-    );
-    let f = _mm_cvtph_ps(h);
-    _mm_cvtss_f32(_mm_mul_ss(f, _mm_movehdup_ps(f)))
+fn scale(w: &[u8]) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([w[0], w[1]]) as i32)))
 }
 
 /// A Q8_0 or Q4_0 block's 32 values as signed bytes.
@@ -69,51 +68,111 @@ unsafe fn values(format: Format, w: &[u8]) -> __m256i {
     }
 }
 
-/// The AVX2 form of [`super::dot::dot_q8`].
-///
-/// # Safety
-/// The processor must have AVX2, FMA and F16C ([`has_avx2`]); `row` and `xq` whole blocks of
-/// `format` (Q8_0 or Q4_0) and of Q8_0.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8(format: Format, row: &[u8], xq: &[u8]) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 2];
-    for (i, (w, x)) in row.chunks_exact(format.block_bytes()).zip(xq.chunks_exact(34)).enumerate() {
-        // SAFETY: a Q8_0 block holds 32 bytes after its scale.
-        let xs = unsafe { _mm256_loadu_si256(x[2..].as_ptr() as *const __m256i) };
-        let ws = unsafe { values(format, w) };
-        let sum = _mm256_cvtepi32_ps(dot32(ws, xs));
-        // Two accumulators, so that consecutive blocks' additions need not wait on each other.
-        acc[i & 1] = _mm256_fmadd_ps(sum, _mm256_set1_ps(scales(w, x)), acc[i & 1]);
-    }
-    sum_f32(_mm256_add_ps(acc[0], acc[1]))
-}
-
-/// [`dot_q8`] of one row with four activation rows at once (prefill): the row's block is loaded,
-/// unpacked and its scale converted once for all four. `xd` holds each activation block's scale
-/// as f32.
-///
-/// # Safety
-/// As [`dot_q8`], for each of the four activation rows.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_q8_x4(format: Format, row: &[u8], xq: [&[u8]; 4], xd: [&[f32]; 4]) -> [f32; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for (b, w) in row.chunks_exact(format.block_bytes()).enumerate() {
-        let ws = unsafe { values(format, w) };
-        let (wabs, dw) = (_mm256_sign_epi8(ws, ws), scale(w));
-        for j in 0..4 {
-            // SAFETY: activation block `b` lies inside `xq[j]` (whole blocks, as many as the row).
-            let xs = unsafe { _mm256_loadu_si256(xq[j][b * 34 + 2..].as_ptr() as *const __m256i) };
-            let products = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(xs, ws));
-            let sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, _mm256_set1_epi16(1)));
-            acc[j] = _mm256_fmadd_ps(sum, _mm256_set1_ps(dw * xd[j][b]), acc[j]);
-        }
-    }
-    acc.map(|a| sum_f32(a))
-}
-
-/// A block's f16 scale (its first two bytes).
+/// Eight exact partial sums of `|w[j]| · (x[j] with w[j]'s sign)` over 32 pairs of bytes.
+/// vpmaddubsw's 16-bit pair sums cannot saturate: |w| ≤ 128 and |x| ≤ 127 (Q8_0 stores
+/// -127..127), 2·128·127 < 2^15.
 #[inline]
-#[target_feature(enable = "avx2,f16c")]
-fn scale(w: &[u8]) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([w[0], w[1]]) as i32)))
+#[target_feature(enable = "avx2")]
+fn products_avx2(wabs: __m256i, xs: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1))
 }
+
+/// [`products_avx2`] in one instruction, without intermediate 16-bit sums.
+#[inline]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+fn products_vnni(wabs: __m256i, xs: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, xs)
+}
+
+macro_rules! kernels {
+    ($name:ident, $features:literal, $products:ident) => {
+        /// The kernels for one instruction set.
+        pub mod $name {
+            use super::*;
+
+            /// [`super::super::dot::dot_q8`].
+            ///
+            /// # Safety
+            /// The processor must have this module's instruction set ([`isa`]); `row` and `xq`
+            /// whole blocks of `format` (Q8_0 or Q4_0) and of Q8_0, as many.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q8(format: Format, row: &[u8], xq: &[u8]) -> f32 {
+                // One accumulator, as in the kernels below: every kernel gives a row and a
+                // token the same bits, whatever else runs with them (batch invariance).
+                let mut acc = _mm256_setzero_ps();
+                for (w, x) in row.chunks_exact(format.block_bytes()).zip(xq.chunks_exact(34)) {
+                    // SAFETY: a Q8_0 block holds 32 bytes after its scale.
+                    let xs = unsafe { _mm256_loadu_si256(x[2..].as_ptr() as *const __m256i) };
+                    let ws = unsafe { values(format, w) };
+                    let sum = $products(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xs, ws));
+                    let d = _mm256_set1_ps(scale(w) * scale(x));
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc);
+                }
+                sum_f32(acc)
+            }
+
+            /// [`dot_q8`] of one row with four activation rows at once (prefill): the row's
+            /// block is loaded, unpacked and its scale converted once for all four. `xd` holds
+            /// each activation block's scale as f32.
+            ///
+            /// # Safety
+            /// As [`dot_q8`], for each of the four activation rows.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q8_x4(
+                format: Format,
+                row: &[u8],
+                xq: [&[u8]; 4],
+                xd: [&[f32]; 4],
+            ) -> [f32; 4] {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                for (b, w) in row.chunks_exact(format.block_bytes()).enumerate() {
+                    let ws = unsafe { values(format, w) };
+                    let (wabs, dw) = (_mm256_sign_epi8(ws, ws), scale(w));
+                    for j in 0..4 {
+                        // SAFETY: block `b` lies inside `xq[j]` (as many blocks as the row).
+                        let xs = unsafe {
+                            _mm256_loadu_si256(xq[j][b * 34 + 2..].as_ptr() as *const __m256i)
+                        };
+                        let sum = $products(wabs, _mm256_sign_epi8(xs, ws));
+                        let d = _mm256_set1_ps(dw * xd[j][b]);
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[j]);
+                    }
+                }
+                acc.map(|a| sum_f32(a))
+            }
+
+            /// [`dot_q8`] of four rows with one activation row (decoding): the activations'
+            /// block is loaded once for all four rows. `xd` holds each activation block's
+            /// scale as f32.
+            ///
+            /// # Safety
+            /// As [`dot_q8`], for each of the four rows.
+            #[target_feature(enable = $features)]
+            pub unsafe fn dot_q8_rows4(
+                format: Format,
+                rows: [&[u8]; 4],
+                xq: &[u8],
+                xd: &[f32],
+            ) -> [f32; 4] {
+                let mut acc = [_mm256_setzero_ps(); 4];
+                let bb = format.block_bytes();
+                for (b, x) in xq.chunks_exact(34).enumerate() {
+                    // SAFETY: an activation block holds 32 bytes after its scale; block `b`
+                    // lies inside every row (as many blocks as the activations).
+                    let xs = unsafe { _mm256_loadu_si256(x[2..].as_ptr() as *const __m256i) };
+                    for j in 0..4 {
+                        let w = &rows[j][b * bb..(b + 1) * bb];
+                        let ws = unsafe { values(format, w) };
+                        let sum = $products(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xs, ws));
+                        let d = _mm256_set1_ps(scale(w) * xd[b]);
+                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[j]);
+                    }
+                }
+                acc.map(|a| sum_f32(a))
+            }
+        }
+    };
+}
+
+kernels!(avx2, "avx2,fma,f16c", products_avx2);
+kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", products_vnni);
