@@ -145,6 +145,18 @@ pub fn read_utf8(path: &Path) -> Result<String> {
     })
 }
 
+/// `path` mapped read-only into memory (a regular file only). A file that another process
+/// truncates while it is mapped is outside what the callers guard against: checkpoints are
+/// replaced by renaming a new file over them, which leaves a mapped old one intact.
+pub fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let meta = file.metadata().with_context(|| format!("cannot read {}", path.display()))?;
+    anyhow::ensure!(meta.is_file(), "{} is not a regular file", path.display());
+    // SAFETY: the map is only read; see above for files changed under it.
+    unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,16 +244,4 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "new");
         assert_eq!(leftovers(tmp.path()), Vec::<String>::new());
     }
-}
-
-/// `path` mapped read-only into memory (a regular file only). A file that another process
-/// truncates while it is mapped is outside what the callers guard against: checkpoints are
-/// replaced by renaming a new file over them, which leaves a mapped old one intact.
-pub fn map_file(path: &Path) -> Result<memmap2::Mmap> {
-    let file =
-        std::fs::File::open(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let meta = file.metadata().with_context(|| format!("cannot read {}", path.display()))?;
-    anyhow::ensure!(meta.is_file(), "{} is not a regular file", path.display());
-    // SAFETY: the map is only read; see above for files changed under it.
-    unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))
 }

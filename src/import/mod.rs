@@ -17,7 +17,7 @@ pub mod quantize;
 pub mod tokenizer;
 
 use crate::base::fs::write_atomic;
-use crate::kernels::quant::{Bytes, QuantMatrix, QuantPart};
+use crate::kernels::quant::matrix::{Bytes, QuantMatrix, QuantPart};
 use crate::model::checkpoint::{self, CONFIG_FILE};
 use crate::model::params::{Layout, ParamSpec};
 use crate::model::{Config, Model};

@@ -230,3 +230,33 @@ impl SendPtr {
 }
 
 pub(crate) use simd::{axpy, dot};
+
+/// The memory's read bandwidth in bytes per second, as a STREAM-like sum over a buffer of
+/// 256 MiB (eight times the largest last-level caches of the machines this runs on) by all
+/// threads of the pool; the best of three reads, so that one slowed by other work counts less.
+pub fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    const BYTES: usize = 256 << 20;
+    let buf: Vec<f32> = (0..BYTES / 4).into_par_iter().map(|i| (i % 251) as f32).collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        // Sixteen independent sums per chunk: the compiler keeps them in vector registers, so
+        // the read, not the additions, sets the pace.
+        let total: f32 = buf
+            .par_chunks(1 << 16)
+            .map(|c| {
+                let mut acc = [0.0f32; 16];
+                for v in c.chunks_exact(16) {
+                    for (a, x) in acc.iter_mut().zip(v) {
+                        *a += x;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        std::hint::black_box(total);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    BYTES as f64 / best
+}

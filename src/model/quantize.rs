@@ -9,7 +9,8 @@
 //! its output matrix at more bits than the rest: its error goes straight into every logit.
 
 use super::Model;
-use crate::kernels::quant::{self, Bytes, Format, QuantMatrix, QuantPart};
+use crate::kernels::quant::matrix::{Bytes, QuantMatrix, QuantPart};
+use crate::kernels::quant::{self, Format};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};

@@ -10,7 +10,7 @@ use super::residual::{ResidualBackward, ResidualForward};
 use crate::base::profile::phase;
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear, linear_backward};
-use crate::kernels::quant::{QuantMatrix, QuantPart};
+use crate::kernels::quant::matrix::{QuantMatrix, QuantPart};
 use crate::kernels::rmsnorm::mean_rms;
 use crate::kernels::rope::{self, Positions, RopeTable};
 use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
@@ -176,6 +176,28 @@ impl Model {
     pub fn quant_part(&self, spec: &ParamSpec) -> Option<&QuantPart> {
         let (_, q) = self.quant.range(..=spec.range.start).next_back()?;
         q.parts.iter().find(|p| p.name == spec.name)
+    }
+
+    /// How the weight matrices are stored: `f32`, or their block formats (`Q4_0 + Q8_0`, in the
+    /// order of the bytes they hold, most first).
+    pub fn storage_label(&self) -> String {
+        let mut bytes: BTreeMap<&str, usize> = BTreeMap::new();
+        for p in self.quant.values().flat_map(|q| &q.parts) {
+            *bytes.entry(p.format.name()).or_default() += p.data.len();
+        }
+        let f32_bytes: usize = self
+            .layout
+            .matrices()
+            .iter()
+            .filter(|r| !self.quant.contains_key(&r.start))
+            .map(|r| 4 * r.len())
+            .sum();
+        if f32_bytes > 0 {
+            bytes.insert("f32", f32_bytes);
+        }
+        let mut v: Vec<(&str, usize)> = bytes.into_iter().collect();
+        v.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+        v.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(" + ")
     }
 
     /// Tensor `spec`'s values as f32: its blocks dequantised when it is quantised.

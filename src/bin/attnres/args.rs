@@ -390,6 +390,10 @@ pub(crate) struct BenchArgs {
     /// With --generate: batch sizes (sequences decoded together).
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
     pub batches: Vec<usize>,
+    /// With --generate: benchmark these checkpoint directories (any format, e.g. an f32 model
+    /// and its quantised copies) instead of fresh models of each mode; repeat for several.
+    #[arg(long = "checkpoint", value_name = "DIR")]
+    pub checkpoints: Vec<PathBuf>,
 }
 
 #[derive(Args)]

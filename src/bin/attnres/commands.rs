@@ -309,6 +309,10 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         return bench_generate(&a, &configs);
     }
     ensure!(
+        a.checkpoints.is_empty(),
+        "--checkpoint goes with --generate (training steps run fresh models)"
+    );
+    ensure!(
         a.seq <= base.max_position_embeddings,
         "--seq {} exceeds max_position_embeddings = {}",
         a.seq,
@@ -335,7 +339,19 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 }
 
 fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
-    let base = &configs[0];
+    let named = if a.checkpoints.is_empty() {
+        bench::generate::Named::modes(configs)?
+    } else {
+        a.checkpoints
+            .iter()
+            .map(|dir| {
+                let model = checkpoint::load(dir)?;
+                let name = format!("{} ({})", dir.display(), model.storage_label());
+                Ok(bench::generate::Named { name, model })
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
+    let base = &named[0].model.config;
     ensure!(
         a.prompt_tokens > 0 && a.new_tokens > 0,
         "--prompt-tokens and --new-tokens must be positive"
@@ -361,7 +377,7 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         rayon::current_num_threads()
     ));
     let report = bench::generate::run_generate(
-        configs,
+        named,
         a.prompt_tokens,
         a.new_tokens,
         &a.batches,

@@ -1,5 +1,7 @@
-//! The generation benchmark: prefill and decoding of each residual mode, interleaved round by
-//! round, with the decode latency's ratio to the first mode.
+//! The generation benchmark: prefill and decoding of each residual mode (or of checkpoints, in
+//! whatever format they are stored), interleaved round by round, with the decode latency's ratio
+//! to the reference model; and the machine's memory bandwidth measured in the same run, with
+//! the decoding speed it allows: one decode step reads every weight once.
 
 use super::{median, mode_name, pseudo_tokens, ratio_to, relative};
 use crate::model::{Config, Model, ResidualKind};
@@ -33,8 +35,15 @@ pub struct DecodeResult {
 
 #[derive(Serialize, Debug, Clone)]
 pub struct GenerateModeResult {
+    /// The mode, or the checkpoint and the format of its matrices.
+    pub name: String,
     pub residual: String,
     pub num_blocks: usize,
+    /// Bytes of weights one decoding step reads ([`Model::weight_bytes`]).
+    pub weight_bytes: usize,
+    /// Decoding tokens per second at batch 1 if reading the weights at the measured bandwidth
+    /// were all a step did.
+    pub bound_tokens_per_second: f64,
     /// Bytes per token: key/value cache (kept for the whole context) and depth cache (kept
     /// while the token passes through the layers).
     pub kv_cache_bytes_per_token: usize,
@@ -44,6 +53,10 @@ pub struct GenerateModeResult {
 
 #[derive(Serialize, Debug)]
 pub struct GenerateReport {
+    /// The model the ratios compare with.
+    pub reference: Option<String>,
+    /// Memory read bandwidth, bytes per second ([`crate::kernels::read_bandwidth`]).
+    pub read_bandwidth: f64,
     pub prompt_tokens: usize,
     pub new_tokens: usize,
     pub rounds: usize,
@@ -54,12 +67,33 @@ pub struct GenerateReport {
 /// Decoding steps each mode runs in one turn of the generation benchmark.
 const TURN: usize = 8;
 
-/// The generation benchmark: per round and batch size, every mode prefills `batch` prompts of
+/// A model under test and its name in the tables.
+pub struct Named {
+    pub name: String,
+    pub model: Model,
+}
+
+impl Named {
+    /// A freshly initialised model of each mode's config, named by its mode.
+    pub fn modes(configs: &[Config]) -> Result<Vec<Named>> {
+        configs
+            .iter()
+            .map(|c| {
+                let name = mode_name(&format!("{:?}", c.residual).to_lowercase(), c.num_blocks);
+                Ok(Named { name, model: Model::init(c.clone(), 0)? })
+            })
+            .collect()
+    }
+}
+
+/// The generation benchmark: per round and batch size, every model prefills `batch` prompts of
 /// `prompt_tokens` tokens in one pass and then decodes `new_tokens` tokens per sequence, one step
-/// at a time, the modes taking turns of [`TURN`] steps. Tokens fed are fixed pseudo-random ids,
-/// so all modes do the same work whatever their logits say.
+/// at a time, the models taking turns of [`TURN`] steps. Tokens fed are fixed pseudo-random ids,
+/// so all models do the same work whatever their logits say. Ratios are to the `standard` mode
+/// when there is one, else to the first model.
+#[allow(clippy::too_many_arguments)]
 pub fn run_generate(
-    configs: &[Config],
+    named: Vec<Named>,
     prompt_tokens: usize,
     new_tokens: usize,
     batches: &[usize],
@@ -72,9 +106,12 @@ pub fn run_generate(
         new_tokens >= 2,
         "--new-tokens must be at least 2 (the first decoding step of each turn is not timed)"
     );
-    let models: Vec<Model> =
-        configs.iter().map(|c| Model::init(c.clone(), 0)).collect::<Result<_>>()?;
-    let vocab = configs[0].vocab_size;
+    anyhow::ensure!(!named.is_empty(), "no model to benchmark");
+    let vocab = named.iter().map(|n| n.model.config.vocab_size).min().unwrap_or(1);
+    let names: Vec<String> = named.iter().map(|n| n.name.clone()).collect();
+    let models: Vec<Model> = named.into_iter().map(|n| n.model).collect();
+    progress("measuring the memory bandwidth");
+    let bandwidth = crate::kernels::read_bandwidth();
     // [mode][batch] -> per-round seconds
     let mut prefill = vec![vec![Vec::new(); batches.len()]; models.len()];
     let mut decode = vec![vec![Vec::new(); batches.len()]; models.len()];
@@ -136,10 +173,10 @@ pub fn run_generate(
                     round_steps[i][bi].push(median(&dec[i]));
                 }
             }
-            let per_mode: Vec<String> = models
+            let per_mode: Vec<String> = names
                 .iter()
                 .zip(&dec)
-                .map(|(m, d)| format!("{} {:.2} ms", m.config.residual_label(), median(d) * 1e3))
+                .map(|(m, d)| format!("{} {:.2} ms", m, median(d) * 1e3))
                 .collect();
             progress(&format!(
                 "{} round {:>2}/{} batch {batch}: decode step {}",
@@ -150,7 +187,10 @@ pub fn run_generate(
             ));
         }
     }
-    let base = models.iter().position(|m| m.config.residual == ResidualKind::Standard);
+    let base = models
+        .iter()
+        .position(|m| m.config.residual == ResidualKind::Standard && !m.is_quantized())
+        .or(Some(0));
     let modes = models
         .iter()
         .enumerate()
@@ -186,6 +226,9 @@ pub fn run_generate(
                 })
                 .collect();
             GenerateModeResult {
+                name: names[i].clone(),
+                weight_bytes: m.weight_bytes(),
+                bound_tokens_per_second: bandwidth / m.weight_bytes() as f64,
                 residual: format!("{:?}", m.config.residual).to_lowercase(),
                 num_blocks: m.config.num_blocks,
                 kv_cache_bytes_per_token: 4 * fp.kv,
@@ -195,6 +238,8 @@ pub fn run_generate(
         })
         .collect();
     Ok(GenerateReport {
+        reference: base.map(|b| names[b].clone()),
+        read_bandwidth: bandwidth,
         prompt_tokens,
         new_tokens,
         rounds,
@@ -208,9 +253,10 @@ impl GenerateReport {
     /// the phases of a decode step.
     pub fn table(&self) -> String {
         let mut t = String::new();
-        t.push_str("| mode | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs standard (95% CI) | prefill time vs standard |\n");
+        let reference = self.reference.as_deref().unwrap_or("-");
+        let _ = writeln!(t, "| model | batch | prefill tokens/s | decode ms/step | decode tokens/s | decode latency vs {reference} (95% CI) | prefill time vs {reference} |");
         t.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
-        let name = |m: &GenerateModeResult| mode_name(&m.residual, m.num_blocks);
+        let name = |m: &GenerateModeResult| m.name.clone();
         let batches = self.modes.first().map_or(0, |m| m.batches.len());
         for b in 0..batches {
             for m in &self.modes {
@@ -228,17 +274,29 @@ impl GenerateReport {
                 );
             }
         }
-        t.push_str("\n| mode | KV cache bytes/token (whole context) | depth cache bytes/token (while in flight) |\n");
-        t.push_str("|---|---:|---:|\n");
+        t.push_str("\n| model | KV cache bytes/token (whole context) | depth cache bytes/token (while in flight) | weights read per step | decode tokens/s bound by bandwidth | batch-1 decode, share of the bound |\n");
+        t.push_str("|---|---:|---:|---:|---:|---:|\n");
         for m in &self.modes {
+            let one = m.batches.iter().find(|r| r.batch == 1);
             let _ = writeln!(
                 t,
-                "| {} | {} | {} |",
+                "| {} | {} | {} | {} | {:.0} | {} |",
                 name(m),
                 m.kv_cache_bytes_per_token,
-                m.depth_cache_bytes_per_token
+                m.depth_cache_bytes_per_token,
+                crate::base::memory::format_bytes(m.weight_bytes as u128),
+                m.bound_tokens_per_second,
+                one.map_or("-".into(), |r| format!(
+                    "{:.0}%",
+                    100.0 * r.decode_tokens_per_second / m.bound_tokens_per_second
+                ))
             );
         }
+        let _ = writeln!(
+            t,
+            "\nmemory read bandwidth: {:.1} GB/s (a read of 256 MiB, all threads, best of 3)",
+            self.read_bandwidth / 1e9
+        );
         for m in &self.modes {
             for r in m.batches.iter().filter(|r| !r.decode_profile.is_empty()) {
                 let _ = writeln!(t, "\nphases of one {} decode step, batch {}:", name(m), r.batch);

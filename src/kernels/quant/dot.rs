@@ -77,7 +77,9 @@ pub fn dot_q8_x4(format: Format, row: &[u8], xq: [&[u8]; 4], xd: [&[f32]; 4]) ->
 pub fn dot_q8_rows4(format: Format, rows: [&[u8]; 4], xq: &[u8], xd: &[f32]) -> [f32; 4] {
     assert!(takes_q8(format), "dot_q8 takes Q8_0 and Q4_0 rows, not {}", format.name());
     let blocks = xd.len();
-    assert!(xq.len() == blocks * 34 && rows.iter().all(|r| r.len() == blocks * format.block_bytes()));
+    assert!(
+        xq.len() == blocks * 34 && rows.iter().all(|r| r.len() == blocks * format.block_bytes())
+    );
     #[cfg(target_arch = "x86_64")]
     {
         use super::x86::{avx2, isa, vnni, Isa};

@@ -15,12 +15,11 @@
 //! values 16..32.
 
 pub mod dot;
-mod matrix;
+pub mod matrix;
 #[cfg(target_arch = "x86_64")]
-pub mod x86;
+mod x86;
 
 use anyhow::{bail, ensure, Result};
-pub use matrix::{Bytes, QuantMatrix, QuantPart};
 
 /// A block format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
