@@ -224,12 +224,7 @@ fn gguf_blocks(g: &Gguf, layout: &Layout, config: &Config) -> Result<BTreeMap<us
                 Some(h) => unpermute_rows(bytes, h, bytes.len() / rows),
                 None => bytes.to_vec(),
             };
-            parts.push(QuantPart {
-                name: spec.name.clone(),
-                format,
-                rows,
-                data: Bytes::from_vec(data),
-            });
+            parts.push(QuantPart::new(spec.name.clone(), format, rows, Bytes::from_vec(data)));
         }
         let cols = *layout.specs[specs[0]].shape.last().unwrap_or(&1);
         let matrix = QuantMatrix::new(cols, parts)?;

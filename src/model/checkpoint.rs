@@ -256,7 +256,7 @@ pub fn tensors_from_safetensors(
                 );
                 let start = t.data().as_ptr() as usize - bytes.as_ptr() as usize;
                 let data = Bytes::new(file.clone(), start..start + t.data().len())?;
-                parts.insert(&s.name, QuantPart { name: s.name.clone(), format, rows, data });
+                parts.insert(&s.name, QuantPart::new(s.name.clone(), format, rows, data));
             }
         }
     }

@@ -57,12 +57,7 @@ pub fn quantize(model: &Model, to: Format) -> Result<Quantized> {
                 out.copy_from_slice(&quant::quantize(format, v)?);
                 anyhow::Ok(())
             })?;
-            parts.push(QuantPart {
-                name: s.name.clone(),
-                format,
-                rows: s.shape[0],
-                data: Bytes::from_vec(data),
-            });
+            parts.push(QuantPart::new(s.name.clone(), format, s.shape[0], Bytes::from_vec(data)));
             quantised.insert(i);
             *tensors.entry(format.name()).or_insert(0) += 1;
         }

@@ -5,6 +5,7 @@
 //! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
 
 use super::dot::{dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, quantize_activations, takes_q8};
+use super::packed::{self, group_dot, Activations};
 use super::{dequantize_into, Format};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
@@ -50,6 +51,16 @@ pub struct QuantPart {
     pub format: Format,
     pub rows: usize,
     pub data: Bytes,
+    /// The rows regrouped for the products ([`packed`]), made by [`QuantMatrix::new`] for
+    /// Q8_0 and Q4_0 parts of whole groups of eight rows.
+    pub packed: Option<Arc<Vec<u8>>>,
+}
+
+impl QuantPart {
+    /// A part as a file holds it (not regrouped yet).
+    pub fn new(name: String, format: Format, rows: usize, data: Bytes) -> QuantPart {
+        QuantPart { name, format, rows, data, packed: None }
+    }
 }
 
 /// A `[rows, cols]` matrix of quantised parts stacked by rows.
@@ -64,10 +75,11 @@ pub struct QuantMatrix {
 const ROWS_PER_TASK: usize = 32;
 
 impl QuantMatrix {
-    /// Checks that every part holds whole rows of `cols` values in its format.
-    pub fn new(cols: usize, parts: Vec<QuantPart>) -> Result<QuantMatrix> {
+    /// Checks that every part holds whole rows of `cols` values in its format, and regroups
+    /// the Q8_0 and Q4_0 parts for the products.
+    pub fn new(cols: usize, mut parts: Vec<QuantPart>) -> Result<QuantMatrix> {
         ensure!(!parts.is_empty(), "a quantised matrix needs at least one part");
-        for p in &parts {
+        for p in &mut parts {
             let row = p.format.row_bytes(cols).map_err(|e| anyhow::anyhow!("{}: {e}", p.name))?;
             ensure!(
                 p.data.len() == p.rows * row,
@@ -78,6 +90,9 @@ impl QuantMatrix {
                 p.rows * row,
                 p.data.len()
             );
+            if packed::packs(p.format) && p.rows % packed::ROWS == 0 && p.packed.is_none() {
+                p.packed = Some(Arc::new(packed::pack(p.format, &p.data, p.rows)));
+            }
         }
         Ok(QuantMatrix { cols, parts })
     }
@@ -134,20 +149,44 @@ impl QuantMatrix {
         let mut rest = yt.as_mut_slice();
         for p in &self.parts {
             let rb = p.data.len() / p.rows;
-            for w in p.data.chunks(rb * ROWS_PER_TASK) {
-                let rows = w.len() / rb;
+            // A regrouped part's tasks take whole groups of its regrouped bytes.
+            let (bytes, per_row) = match &p.packed {
+                Some(g) => (&g[..], g.len() / p.rows),
+                None => (&p.data[..], rb),
+            };
+            for w in bytes.chunks(per_row * ROWS_PER_TASK) {
+                let rows = w.len() / per_row;
                 let (out, tail) = std::mem::take(&mut rest).split_at_mut(rows * n);
                 rest = tail;
-                tasks.push((p.format, rb, w, out));
+                tasks.push((p.format, p.packed.is_some(), rb, w, out));
             }
         }
-        // Each activation block's scale as f32, for the four-row kernel.
+        // Each activation block's scale as f32 and its values' sum, for the kernels that take
+        // them.
         let xd: Vec<f32> = xq.as_deref().map_or(Vec::new(), |q| {
             q.chunks_exact(34)
                 .map(|b| super::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
                 .collect()
         });
-        tasks.into_par_iter().for_each(|(format, rb, w, out)| match &xq {
+        let xs: Vec<i32> = xq.as_deref().map_or(Vec::new(), |q| {
+            q.chunks_exact(34).map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum()).collect()
+        });
+        tasks.into_par_iter().for_each(|(format, regrouped, rb, w, out)| match &xq {
+            Some(xq) if regrouped => {
+                let (qr, dr) = (xq.len() / n, xd.len() / n);
+                let mut y = vec![0.0f32; out.len() / n];
+                for i in 0..n {
+                    let act = Activations {
+                        blocks: &xq[i * qr..(i + 1) * qr],
+                        scales: &xd[i * dr..(i + 1) * dr],
+                        sums: &xs[i * dr..(i + 1) * dr],
+                    };
+                    group_dot(format, w, &act, &mut y);
+                    for (r, &v) in y.iter().enumerate() {
+                        out[r * n + i] = v;
+                    }
+                }
+            }
             Some(xq) if takes_q8(format) => {
                 let (qr, dr) = (xq.len() / n, xd.len() / n);
                 let act = |i: usize| (&xq[i * qr..(i + 1) * qr], &xd[i * dr..(i + 1) * dr]);
@@ -229,39 +268,72 @@ mod tests {
         let (k, n) = (64, 6);
         let a = values(40 * k, 1);
         let b = values(70 * k, 2);
+        let c = values(12 * k, 4);
+        // Q8_0 in whole groups of eight rows (regrouped), Q4_1 (f32 activations), and Q4_0 in
+        // twelve rows (not whole groups: the per-row kernels).
         let parts = vec![
-            QuantPart {
-                name: "a".into(),
-                format: Format::Q8_0,
-                rows: 40,
-                data: Bytes::from_vec(quantize(Format::Q8_0, &a).unwrap()),
-            },
-            QuantPart {
-                name: "b".into(),
-                format: Format::Q4_1,
-                rows: 70,
-                data: Bytes::from_vec(quantize(Format::Q4_1, &b).unwrap()),
-            },
+            QuantPart::new(
+                "a".into(),
+                Format::Q8_0,
+                40,
+                Bytes::from_vec(quantize(Format::Q8_0, &a).unwrap()),
+            ),
+            QuantPart::new(
+                "b".into(),
+                Format::Q4_1,
+                70,
+                Bytes::from_vec(quantize(Format::Q4_1, &b).unwrap()),
+            ),
+            QuantPart::new(
+                "c".into(),
+                Format::Q4_0,
+                12,
+                Bytes::from_vec(quantize(Format::Q4_0, &c).unwrap()),
+            ),
         ];
         let m = QuantMatrix::new(k, parts).unwrap();
-        assert_eq!(m.rows(), 110);
+        assert!(
+            m.parts[0].packed.is_some()
+                && m.parts[1].packed.is_none()
+                && m.parts[2].packed.is_none()
+        );
+        let rows = m.rows();
+        assert_eq!(rows, 122);
         let x = values(n * k, 3);
         let y = m.matmul(&x, n);
         let w = m.dequantize();
         for i in 0..n {
             let xi = &x[i * k..(i + 1) * k];
             let xq = quantize_activations(xi).unwrap();
-            for r in 0..110 {
-                let row = &m.parts[(r >= 40) as usize];
-                let rr = if r >= 40 { r - 40 } else { r };
-                let rb = row.data.len() / row.rows;
-                let bytes = &row.data[rr * rb..(rr + 1) * rb];
-                let want = if r < 40 {
-                    dot_q8(row.format, bytes, &xq)
-                } else {
-                    dot_f32(row.format, bytes, xi)
+            let xd: Vec<f32> = xq
+                .chunks(34)
+                .map(|b| super::super::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+                .collect();
+            let sums: Vec<i32> =
+                xq.chunks(34).map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum()).collect();
+            let mut grouped = vec![0.0; 40];
+            let act = Activations { blocks: &xq, scales: &xd, sums: &sums };
+            packed::group_dot_portable(
+                Format::Q8_0,
+                m.parts[0].packed.as_ref().unwrap(),
+                &act,
+                &mut grouped,
+            );
+            for r in 0..rows {
+                let (p, rr) = match r {
+                    0..40 => (0, r),
+                    40..110 => (1, r - 40),
+                    _ => (2, r - 110),
                 };
-                assert_eq!(y[i * 110 + r].to_bits(), want.to_bits(), "row {i}, column {r}");
+                let part = &m.parts[p];
+                let rb = part.data.len() / part.rows;
+                let bytes = &part.data[rr * rb..(rr + 1) * rb];
+                let want = match p {
+                    0 => grouped[rr],
+                    1 => dot_f32(part.format, bytes, xi),
+                    _ => dot_q8(part.format, bytes, &xq),
+                };
+                assert_eq!(y[i * rows + r].to_bits(), want.to_bits(), "row {i}, column {r}");
                 let mut got = Vec::new();
                 m.row_into(r, &mut got);
                 assert_eq!(got, w[r * k..(r + 1) * k]);
@@ -277,12 +349,7 @@ mod tests {
 
     #[test]
     fn parts_of_the_wrong_size_are_refused() {
-        let part = QuantPart {
-            name: "w".into(),
-            format: Format::Q4_0,
-            rows: 2,
-            data: Bytes::from_vec(vec![0; 35]),
-        };
+        let part = QuantPart::new("w".into(), Format::Q4_0, 2, Bytes::from_vec(vec![0; 35]));
         let e = QuantMatrix::new(32, vec![part.clone()]).err().unwrap().to_string();
         assert!(e.contains("w: 2 rows of 32 values in Q4_0 take 36 bytes, not 35"), "{e}");
         let e = QuantMatrix::new(48, vec![part]).err().unwrap().to_string();

@@ -16,6 +16,7 @@
 
 pub mod dot;
 pub mod matrix;
+pub mod packed;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -84,8 +84,30 @@ fn products_vnni(wabs: __m256i, xs: __m256i) -> __m256i {
     _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, xs)
 }
 
+/// `acc` plus the eight partial sums of [`products_avx2`].
+#[inline]
+#[target_feature(enable = "avx2")]
+fn add_products_avx2(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    _mm256_add_epi32(acc, products_avx2(a, b))
+}
+
+/// [`add_products_avx2`] in one instruction.
+#[inline]
+#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
+fn add_products_vnni(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+    _mm256_dpbusd_epi32(acc, a, b)
+}
+
+/// Four activation bytes (values `at..at + 4` of a block's 32) in every 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn broadcast4(xs: &[u8], at: usize) -> __m256i {
+    let four = &xs[at..at + 4];
+    _mm256_set1_epi32(i32::from_le_bytes([four[0], four[1], four[2], four[3]]))
+}
+
 macro_rules! kernels {
-    ($name:ident, $features:literal, $products:ident) => {
+    ($name:ident, $features:literal, $products:ident, $add_products:ident) => {
         /// The kernels for one instruction set.
         pub mod $name {
             use super::*;
@@ -170,9 +192,63 @@ macro_rules! kernels {
                 }
                 acc.map(|a| sum_f32(a))
             }
+
+            /// [`super::super::packed::group_dot`]: each lane one of a group's eight rows.
+            ///
+            /// # Safety
+            /// The processor must have this module's instruction set ([`isa`]); the sizes as
+            /// `group_dot` checks them.
+            #[target_feature(enable = $features)]
+            pub unsafe fn group_dot(
+                format: Format,
+                packed: &[u8],
+                x: &super::super::packed::Activations,
+                y: &mut [f32],
+            ) {
+                let blocks = x.scales.len();
+                let gb = super::super::packed::group_block_bytes(format);
+                for (group, out) in packed.chunks_exact(blocks * gb).zip(y.chunks_exact_mut(8)) {
+                    let mut acc = _mm256_setzero_ps();
+                    for (b, g) in group.chunks_exact(gb).enumerate() {
+                        let xs = &x.blocks[b * 34 + 2..b * 34 + 34];
+                        // SAFETY: a group's block starts with 16 bytes of scales, then 256
+                        // (Q8_0) or 128 (Q4_0) of values; unaligned loads.
+                        let scales = unsafe { _mm_loadu_si128(g.as_ptr() as *const __m128i) };
+                        let d = _mm256_mul_ps(_mm256_cvtph_ps(scales), _mm256_set1_ps(x.scales[b]));
+                        let load = |c: usize| unsafe {
+                            _mm256_loadu_si256(g[16 + 32 * c..].as_ptr() as *const __m256i)
+                        };
+                        let mut sum = _mm256_setzero_si256();
+                        if format == Format::Q8_0 {
+                            for c in 0..8 {
+                                let (w, xb) = (load(c), broadcast4(xs, 4 * c));
+                                sum = $add_products(
+                                    sum,
+                                    _mm256_sign_epi8(w, w),
+                                    _mm256_sign_epi8(xb, w),
+                                );
+                            }
+                        } else {
+                            let low = _mm256_set1_epi8(0x0f);
+                            for c in 0..4 {
+                                let v = load(c);
+                                let lo = _mm256_and_si256(v, low);
+                                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                                sum = $add_products(sum, lo, broadcast4(xs, 4 * c));
+                                sum = $add_products(sum, hi, broadcast4(xs, 16 + 4 * c));
+                            }
+                            // The stored values are q + 8.
+                            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * x.sums[b]));
+                        }
+                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc);
+                    }
+                    // SAFETY: `out` holds eight values.
+                    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
+                }
+            }
         }
     };
 }
 
-kernels!(avx2, "avx2,fma,f16c", products_avx2);
-kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", products_vnni);
+kernels!(avx2, "avx2,fma,f16c", products_avx2, add_products_avx2);
+kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", products_vnni, add_products_vnni);
