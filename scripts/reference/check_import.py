@@ -285,7 +285,7 @@ def spm_checks(args, work, fails):
     n = write_spm_gguf(path)
     log(f"  wrote {path}: a SentencePiece vocabulary of {n} tokens")
     ours = os.path.join(work, "spm")
-    run([args.attnres, "import", "--from", path, "--out", ours, "--force"])
+    run([args.attnres, "import", "--from", path, "--out", ours, "--force", "--dtype", "f32"])
     tok = AutoTokenizer.from_pretrained(gdir, gguf_file="spm.gguf")
     model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file="spm.gguf", dtype=torch.float32)
     model.eval()
@@ -349,7 +349,7 @@ def checks(args, gguf, work, fails):
 
     ours = os.path.join(work, "smollm2")
     t = time.time()
-    run([args.attnres, "import", "--from", gguf, "--out", ours, "--force"])
+    run([args.attnres, "import", "--from", gguf, "--out", ours, "--force", "--dtype", "f32"])
     log(f"  import took {time.time() - t:.1f} s")
 
     gdir, gname = os.path.dirname(gguf), os.path.basename(gguf)
@@ -374,6 +374,26 @@ def checks(args, gguf, work, fails):
     # 2. Tokenizer, 3. logits.
     check_tokens(fails, tok, args.tokenize, ours, "GGUF")
     check_logits(fails, model, tok, args.attnres, ours, work, "GGUF", not args.no_f64)
+
+    # 3b. The same file imported with its block formats kept (the default): the products run on
+    # the blocks, and the Q8_0 LM head quantises its activations to Q8_0 as llama.cpp does, so
+    # the logits move by the activations' rounding, not by f32 rounding.
+    kept = os.path.join(work, "smollm2-blocks")
+    run([args.attnres, "import", "--from", gguf, "--out", kept, "--force"])
+    worst, scale, agree, total = 0.0, 0.0, 0, 0
+    for prompt in PROMPTS:
+        ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        logits = our_logits(args.attnres, kept, ids, work)
+        with torch.no_grad():
+            t32 = model(torch.tensor([ids])).logits[0].double().numpy()
+        worst = max(worst, float(np.abs(logits - t32).max()))
+        scale = max(scale, float(np.abs(t32).max()))
+        agree += int((logits.argmax(-1) == t32.argmax(-1)).sum())
+        total += len(ids)
+    fails.check(worst <= 0.03 * scale and agree >= 0.95 * total,
+                f"GGUF, blocks kept: max |ours - transformers f32| = {worst:.2e} of logits up to "
+                f"{scale:.1f} (bound 3%), the most likely next token agrees at {agree}/{total} positions "
+                f"(bound 95%)")
 
     # 4. A Hugging Face directory: bf16, sharded, with its tokenizer.
     hf = os.path.join(work, "hf-bf16")
