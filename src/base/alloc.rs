@@ -89,12 +89,82 @@ pub fn release_kept() {
     for &(s, a, p) in &f.blocks[..f.len] {
         // SAFETY: as in `dealloc`: a kept block came from `System` with this size and
         // alignment and nobody holds it; the list is emptied below, so none goes back twice.
-        unsafe {
-            System.dealloc(p as *mut u8, system_layout(Layout::from_size_align_unchecked(s, a)))
-        };
+        unsafe { system_dealloc(p as *mut u8, Layout::from_size_align_unchecked(s, a)) };
     }
     f.len = 0;
     f.bytes = 0;
+}
+
+/// Blocks of at least this size come straight from the kernel (`mmap`), whose fresh pages are
+/// zero: a zeroed block then costs nothing until it is written (`System` would fill an
+/// over-aligned block with zeros itself, touching every page of it).
+pub const MAPPED_BYTES: usize = 32 << 20;
+
+#[cfg(target_os = "linux")]
+extern "C" {
+    fn mmap(
+        addr: *mut std::ffi::c_void,
+        len: usize,
+        prot: i32,
+        flags: i32,
+        fd: i32,
+        off: i64,
+    ) -> *mut std::ffi::c_void;
+    fn munmap(addr: *mut std::ffi::c_void, len: usize) -> i32;
+}
+
+/// The bytes a mapped block of `size` spans: whole small pages.
+fn mapped_len(size: usize) -> usize {
+    size.next_multiple_of(4096)
+}
+
+/// A block from the system for `layout`: mapped from the kernel (zeroed) when it is at least
+/// [`MAPPED_BYTES`] (Linux), else from `System` with [`system_layout`]. Null when refused.
+unsafe fn system_alloc(layout: Layout, zeroed: bool) -> *mut u8 {
+    #[cfg(target_os = "linux")]
+    if layout.size() >= MAPPED_BYTES && layout.align() <= HUGE_PAGE {
+        const PROT_READ_WRITE: i32 = 0x1 | 0x2;
+        const MAP_PRIVATE_ANONYMOUS: i32 = 0x02 | 0x20;
+        let len = mapped_len(layout.size());
+        // Map a huge page more than needed, then give back the ends around a block that
+        // starts on a huge-page boundary.
+        let p = mmap(
+            std::ptr::null_mut(),
+            len + HUGE_PAGE,
+            PROT_READ_WRITE,
+            MAP_PRIVATE_ANONYMOUS,
+            -1,
+            0,
+        );
+        if p as isize == -1 {
+            return std::ptr::null_mut();
+        }
+        let start = (p as usize).next_multiple_of(HUGE_PAGE);
+        let head = start - p as usize;
+        if head > 0 {
+            munmap(p, head);
+        }
+        let tail = HUGE_PAGE - head;
+        if tail > 0 {
+            munmap((start + len) as *mut _, tail);
+        }
+        return start as *mut u8;
+    }
+    if zeroed {
+        System.alloc_zeroed(system_layout(layout))
+    } else {
+        System.alloc(system_layout(layout))
+    }
+}
+
+/// Gives back a block [`system_alloc`] made for `layout`.
+unsafe fn system_dealloc(p: *mut u8, layout: Layout) {
+    #[cfg(target_os = "linux")]
+    if layout.size() >= MAPPED_BYTES && layout.align() <= HUGE_PAGE {
+        munmap(p.cast(), mapped_len(layout.size()));
+        return;
+    }
+    System.dealloc(p, system_layout(layout))
 }
 
 /// The layout a block of `layout` is allocated with from `System`: aligned to [`HUGE_PAGE`]
@@ -127,6 +197,30 @@ fn advise_huge(p: *mut u8, size: usize) {
     let _ = (p, size);
 }
 
+/// `n` zeros in a buffer of which most pages may never be touched (a quantised model's f32
+/// parameters, whose quantised ranges are never read): the kernel is told not to back it with
+/// huge pages, since one touched page would then commit 2 MiB, and the kernel's background
+/// collapsing of pages would in time commit all of it.
+pub fn untouched_zeros(n: usize) -> Vec<f32> {
+    let v = vec![0.0f32; n];
+    #[cfg(target_os = "linux")]
+    {
+        extern "C" {
+            fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
+        }
+        const MADV_NOHUGEPAGE: i32 = 15;
+        let (p, size) = (v.as_ptr() as usize, n * 4);
+        // Whole pages inside the buffer only.
+        let start = p.next_multiple_of(4096);
+        if p + size > start + 4096 {
+            // SAFETY: the range lies inside the buffer just allocated; the advice changes only
+            // how its pages are backed, never their contents.
+            unsafe { madvise(start as *mut _, (p + size - start) / 4096 * 4096, MADV_NOHUGEPAGE) };
+        }
+    }
+    v
+}
+
 pub struct Recycling;
 
 impl Recycling {
@@ -151,7 +245,7 @@ unsafe impl GlobalAlloc for Recycling {
             }
         }
         // SAFETY: `layout` has a non-zero size (the caller's contract), as `System` needs.
-        let p = System.alloc(system_layout(layout));
+        let p = system_alloc(layout, false);
         advise_huge(p, layout.size());
         p
     }
@@ -165,14 +259,15 @@ unsafe impl GlobalAlloc for Recycling {
             }
         }
         // SAFETY: as in `alloc`.
-        let p = System.alloc_zeroed(system_layout(layout));
+        let p = system_alloc(layout, true);
         advise_huge(p, layout.size());
         p
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         if layout.size() < MIN_BYTES {
-            // SAFETY: small blocks only ever come from `System`, with this layout.
+            // SAFETY: small blocks only ever come from `System`, with this layout (below
+            // `MAPPED_BYTES` and `HUGE_PAGE`, so `system_layout` leaves it as it is).
             return System.dealloc(ptr, layout);
         }
         let mut f = FREE.lock().unwrap_or_else(|e| e.into_inner());
@@ -181,7 +276,7 @@ unsafe impl GlobalAlloc for Recycling {
             // which a valid `Layout` had, and is in no list (it just left it, or is the block
             // being freed), so nobody holds it. `System` never calls back into this allocator,
             // so releasing under the lock cannot deadlock.
-            System.dealloc(p as *mut u8, system_layout(Layout::from_size_align_unchecked(s, a)));
+            system_dealloc(p as *mut u8, Layout::from_size_align_unchecked(s, a));
         });
     }
 }
@@ -210,6 +305,26 @@ mod tests {
             assert_ne!(r, p, "a different size is not served from the cache");
             assert_eq!(r as usize % HUGE_PAGE, 0, "a huge page's worth starts on a boundary");
             a.dealloc(r, other);
+        }
+    }
+
+    /// A block of [`MAPPED_BYTES`] or more comes zeroed from the kernel, on a huge-page
+    /// boundary, and is zeroed again when it is handed out a second time.
+    #[test]
+    fn large_blocks_are_mapped_zeroed_and_recycled() {
+        let a = Recycling;
+        let l = Layout::from_size_align(MAPPED_BYTES + 12345, 64).unwrap();
+        // SAFETY: each block is used within its layout and freed once, with that layout.
+        unsafe {
+            let p = a.alloc_zeroed(l);
+            assert_eq!(p as usize % HUGE_PAGE, 0);
+            assert!((0..l.size()).step_by(4093).all(|i| *p.add(i) == 0));
+            std::ptr::write_bytes(p, 7, l.size());
+            a.dealloc(p, l);
+            let q = a.alloc_zeroed(l);
+            assert_eq!(q, p, "the freed block is reused");
+            assert!((0..l.size()).all(|i| *q.add(i) == 0));
+            a.dealloc(q, l);
         }
     }
 

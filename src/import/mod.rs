@@ -255,7 +255,7 @@ fn from_gguf(path: &Path, keep_blocks: bool) -> Result<(Files, Summary)> {
     let config = gguf_config(&g)?;
     let layout = Layout::new(&config);
     let quant = if keep_blocks { gguf_blocks(&g, &layout, &config)? } else { BTreeMap::new() };
-    let mut params = vec![0.0f32; layout.total];
+    let mut params = crate::base::alloc::untouched_zeros(layout.total);
     let mut used = BTreeSet::new();
     let mut types = BTreeMap::new();
     for spec in &layout.specs {

@@ -279,7 +279,11 @@ pub fn tensors_from_safetensors(
     if let Some(name) = parts.keys().next() {
         bail!("tensor {name:?} is marked quantised, but only weight matrices may be");
     }
-    let mut params = vec![0.0f32; layout.total];
+    let mut params = if quant.is_empty() {
+        vec![0.0f32; layout.total]
+    } else {
+        crate::base::alloc::untouched_zeros(layout.total)
+    };
     for s in &layout.specs {
         if quant_stored(&quant, s) {
             continue;

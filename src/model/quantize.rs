@@ -68,7 +68,7 @@ pub fn quantize(model: &Model, to: Format) -> Result<Quantized> {
         tensors.insert("F32", f32_count);
     }
     // The quantised tensors' f32 values are not carried: their ranges stay zero pages.
-    let mut params = vec![0.0f32; lay.total];
+    let mut params = crate::base::alloc::untouched_zeros(lay.total);
     for (i, s) in lay.specs.iter().enumerate() {
         if !quantised.contains(&i) {
             params[s.range.clone()].copy_from_slice(&model.params[s.range.clone()]);

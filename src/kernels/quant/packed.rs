@@ -39,7 +39,7 @@ pub fn packs(format: Format) -> bool {
 /// `rows` rows of `format` blocks (`bytes`, as a file holds them), a multiple of [`ROWS`],
 /// regrouped.
 pub fn pack(format: Format, bytes: &[u8], rows: usize) -> Vec<u8> {
-    assert!(packs(format) && rows % ROWS == 0 && bytes.len() % rows == 0);
+    assert!(packs(format) && rows.is_multiple_of(ROWS) && bytes.len().is_multiple_of(rows));
     let rb = bytes.len() / rows;
     let (bb, blocks) = (format.block_bytes(), rb / format.block_bytes());
     let gb = group_block_bytes(format);
