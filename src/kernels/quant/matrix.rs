@@ -90,7 +90,8 @@ impl QuantMatrix {
                 p.rows * row,
                 p.data.len()
             );
-            if packed::packs(p.format) && p.rows.is_multiple_of(packed::ROWS) && p.packed.is_none() {
+            if packed::packs(p.format) && p.rows.is_multiple_of(packed::ROWS) && p.packed.is_none()
+            {
                 p.packed = Some(Arc::new(packed::pack(p.format, &p.data, p.rows)));
             }
         }
