@@ -9,17 +9,9 @@ use std::path::{Path, PathBuf};
 /// A short Block AttnRes run (`tiny`: hidden 64, whole blocks of 32; its intermediate size of
 /// 176 is not, so down_proj stays f32).
 fn trained(env: &RunEnv) -> PathBuf {
-    let run = env.path("run");
     let sets =
         ["vocab_size=400", "seq_len=64", "micro_batch=4", "batch_tokens=512", "max_tokens=20480"];
-    let args = common::run_args(
-        &["train", "--preset", "tiny", "--no-progress"],
-        &run,
-        &env.path("corpus.txt"),
-        &sets,
-    );
-    common::ok(&env.run(&args));
-    run
+    common::train_tiny(env, "run", &sets)
 }
 
 fn eval_loss(env: &RunEnv, model: &Path) -> f64 {

@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 /// A small model with a long context (so that a long generation takes a while), trained briefly.
 fn trained(env: &RunEnv) -> std::path::PathBuf {
-    let run = env.path("run");
     let sets = [
         "vocab_size=400",
         "seq_len=64",
@@ -26,14 +25,7 @@ fn trained(env: &RunEnv) -> std::path::PathBuf {
         "eval_tokens=512",
         "max_position_embeddings=4096",
     ];
-    let args = common::run_args(
-        &["train", "--preset", "tiny", "--no-progress"],
-        &run,
-        &env.path("corpus.txt"),
-        &sets,
-    );
-    common::ok(&env.run(&args));
-    run
+    common::train_tiny(env, "run", &sets)
 }
 
 /// A running server, stopped when dropped.

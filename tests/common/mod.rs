@@ -161,6 +161,20 @@ pub fn run_args(head: &[&str], out: &Path, data: &Path, sets: &[&str]) -> Vec<St
     v
 }
 
+/// Trains the `tiny` preset on the environment's corpus into the run directory `name`, with
+/// `sets` on top; panics if training fails.
+pub fn train_tiny(env: &RunEnv, name: &str, sets: &[&str]) -> std::path::PathBuf {
+    let run = env.path(name);
+    let args = run_args(
+        &["train", "--preset", "tiny", "--no-progress"],
+        &run,
+        &env.path("corpus.txt"),
+        sets,
+    );
+    ok(&env.run(&args));
+    run
+}
+
 /// Makes a character device `major:minor` at `path` with `mknod` (1:3 a null device, 1:7 a full
 /// one), so that a test writes to a device of its own, never to the machine's. Needs root, as
 /// CI has.

@@ -141,41 +141,9 @@ pub fn matvec(format: Format, w: &[u8], rows: usize, x: &[f32]) -> Result<Vec<f3
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{raw_blocks, values};
     use super::super::{dequantize, quantize};
     use super::*;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-            })
-            .collect()
-    }
-
-    /// Raw blocks of `format` with every bit pattern likely, and small finite scales.
-    fn raw_blocks(format: Format, blocks: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed;
-        let mut bytes: Vec<u8> = (0..blocks * format.block_bytes())
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (s >> 56) as u8
-            })
-            .collect();
-        let scale = super::super::f32_to_f16(0.01).to_le_bytes();
-        for b in bytes.chunks_exact_mut(format.block_bytes()) {
-            let at: &[usize] = match format {
-                Format::Q6K => &[208],
-                Format::Q4K | Format::Q4_1 => &[0, 2],
-                _ => &[0],
-            };
-            for &i in at {
-                b[i..i + 2].copy_from_slice(&scale);
-            }
-        }
-        bytes
-    }
 
     /// The f32 product of the dequantised row, in f64.
     fn exact(format: Format, row: &[u8], x: &[f32]) -> (f64, f64) {

@@ -251,17 +251,8 @@ impl QuantMatrix {
 #[cfg(test)]
 mod tests {
     use super::super::quantize;
+    use super::super::testing::values;
     use super::*;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-            })
-            .collect()
-    }
 
     #[test]
     fn the_product_is_each_rows_dot_and_parts_stack() {

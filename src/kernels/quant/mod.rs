@@ -17,6 +17,8 @@
 pub mod dot;
 pub mod matrix;
 pub mod packed;
+#[cfg(test)]
+mod testing;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

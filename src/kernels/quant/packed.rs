@@ -132,23 +132,9 @@ pub fn group_dot_portable(format: Format, packed: &[u8], x: &Activations, y: &mu
 #[cfg(test)]
 mod tests {
     use super::super::dot::quantize_activations;
-    use super::super::{f16_to_f32, f32_to_f16};
+    use super::super::f16_to_f32;
+    use super::super::testing::raw_blocks;
     use super::*;
-
-    /// Raw blocks with every bit pattern likely and small finite scales.
-    fn raw(format: Format, blocks: usize, seed: u64) -> Vec<u8> {
-        let mut s = seed;
-        let mut bytes: Vec<u8> = (0..blocks * format.block_bytes())
-            .map(|_| {
-                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                (s >> 56) as u8
-            })
-            .collect();
-        for (i, b) in bytes.chunks_exact_mut(format.block_bytes()).enumerate() {
-            b[..2].copy_from_slice(&f32_to_f16(0.01 + 0.001 * (i % 7) as f32).to_le_bytes());
-        }
-        bytes
-    }
 
     fn activations(x: &[f32]) -> (Vec<u8>, Vec<f32>, Vec<i32>) {
         let q = quantize_activations(x).unwrap();
@@ -190,7 +176,7 @@ mod tests {
     fn regrouped_products_are_each_rows_product_bit_for_bit() {
         for format in [Format::Q8_0, Format::Q4_0] {
             for (rows, blocks) in [(8, 1), (16, 3), (24, 18)] {
-                let bytes = raw(format, rows * blocks, 5 + rows as u64);
+                let bytes = raw_blocks(format, rows * blocks, 5 + rows as u64);
                 let mut x: Vec<f32> =
                     (0..blocks * 32).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
                 x[0] = 1e3;
