@@ -1,4 +1,5 @@
-//! An f32 model's weight matrices stored in a block format (`attnres quantize`).
+//! A model whose weight matrices are kept in block formats: how it holds them (the `impl Model`
+//! below), and an f32 model's matrices stored in a block format (`attnres quantize`).
 //!
 //! What is quantised: the matrices that products read whole ([`Layout::matrices`]): each
 //! layer's q/k/v, o_proj, gate/up and down projections, the embedding and the LM head. What stays
@@ -8,10 +9,11 @@
 //! embedding when tied) is stored in Q8_0 when the target is a 4-bit format, as llama.cpp keeps
 //! its output matrix at more bits than the rest: its error goes straight into every logit.
 
+use super::params::ParamSpec;
 use super::Model;
 use crate::kernels::quant::matrix::{Bytes, QuantMatrix, QuantPart};
 use crate::kernels::quant::{self, Format};
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use rayon::prelude::*;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -26,6 +28,94 @@ pub struct Quantized {
 
 /// The formats `quantize` writes (the K-quants are read, not made).
 pub const TARGETS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
+
+impl Model {
+    /// This model with the matrices of `quant` (keyed by their range's start) computed from
+    /// their blocks; each must be one of [`Layout::matrices`] and of its shape.
+    pub fn with_quant(mut self, quant: BTreeMap<usize, QuantMatrix>) -> Result<Model> {
+        let matrices = self.layout.matrices();
+        for (&start, q) in &quant {
+            let range = matrices.iter().find(|r| r.start == start && !r.is_empty());
+            let range = range.with_context(|| {
+                format!("{}: only weight matrices may be quantised", q.parts[0].name)
+            })?;
+            let specs = self.layout.specs_in(range);
+            let names: Vec<&str> =
+                specs.iter().map(|&i| self.layout.specs[i].name.as_str()).collect();
+            let have: Vec<&str> = q.parts.iter().map(|p| p.name.as_str()).collect();
+            ensure!(
+                names == have,
+                "the quantised tensors {} must be {} (one product reads them together)",
+                have.join(", "),
+                names.join(", ")
+            );
+            for (&i, p) in specs.iter().zip(&q.parts) {
+                let shape = &self.layout.specs[i].shape;
+                ensure!(
+                    shape[..] == [p.rows, q.cols],
+                    "tensor {} holds {} x {} values, the config implies {shape:?}",
+                    p.name,
+                    p.rows,
+                    q.cols
+                );
+            }
+        }
+        self.quant = quant;
+        Ok(self)
+    }
+
+    /// Whether some matrices are kept in block formats (such a model runs, but does not train).
+    pub fn is_quantized(&self) -> bool {
+        !self.quant.is_empty()
+    }
+
+    /// The quantised part that holds tensor `spec` of the layout, if it is quantised.
+    pub fn quant_part(&self, spec: &ParamSpec) -> Option<&QuantPart> {
+        let (_, q) = self.quant.range(..=spec.range.start).next_back()?;
+        q.parts.iter().find(|p| p.name == spec.name)
+    }
+
+    /// How the weight matrices are stored: `f32`, or their block formats (`Q4_0 + Q8_0`, in the
+    /// order of the bytes they hold, most first).
+    pub fn storage_label(&self) -> String {
+        let mut bytes: BTreeMap<&str, usize> = BTreeMap::new();
+        for p in self.quant.values().flat_map(|q| &q.parts) {
+            *bytes.entry(p.format.name()).or_default() += p.data.len();
+        }
+        let f32_bytes: usize = self
+            .layout
+            .matrices()
+            .iter()
+            .filter(|r| !self.quant.contains_key(&r.start))
+            .map(|r| 4 * r.len())
+            .sum();
+        if f32_bytes > 0 {
+            bytes.insert("f32", f32_bytes);
+        }
+        let mut v: Vec<(&str, usize)> = bytes.into_iter().collect();
+        v.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
+        v.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(" + ")
+    }
+
+    /// Tensor `spec`'s values as f32: its blocks dequantised when it is quantised.
+    pub fn values(&self, spec: &ParamSpec) -> Vec<f32> {
+        match self.quant_part(spec) {
+            Some(p) => crate::kernels::quant::dequantize(p.format, &p.data),
+            None => self.params[spec.range.clone()].to_vec(),
+        }
+    }
+
+    /// The bytes of the weights that one decoding step reads: every matrix (f32 or its blocks)
+    /// once; the embedding row lookups are left out unless the head shares the table.
+    pub fn weight_bytes(&self) -> usize {
+        let lay = &self.layout;
+        lay.matrices()
+            .iter()
+            .filter(|r| **r != lay.embed || lay.head == lay.embed)
+            .map(|r| self.quant.get(&r.start).map_or(4 * r.len(), |q| q.bytes()))
+            .sum()
+    }
+}
 
 /// `model`'s matrices in `to` (see the module's notes); every other tensor as it is.
 pub fn quantize(model: &Model, to: Format) -> Result<Quantized> {

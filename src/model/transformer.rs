@@ -5,16 +5,16 @@
 //! step by step, and are checked against each other by reading them together.
 
 use super::config::Config;
-use super::params::{LayerParams, Layout, ParamSpec};
+use super::params::{LayerParams, Layout};
 use super::residual::{ResidualBackward, ResidualForward};
 use crate::base::profile::phase;
 use crate::kernels::attention::{self, AttnShape};
 use crate::kernels::matmul::{linear, linear_backward};
-use crate::kernels::quant::matrix::{QuantMatrix, QuantPart};
+use crate::kernels::quant::matrix::QuantMatrix;
 use crate::kernels::rmsnorm::mean_rms;
 use crate::kernels::rope::{self, Positions, RopeTable};
 use crate::kernels::{cross_entropy, embedding, rmsnorm, swiglu, zeros};
-use anyhow::{ensure, Context, Result};
+use anyhow::{ensure, Result};
 use rayon::prelude::*;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -131,92 +131,6 @@ impl Model {
         let rope =
             RopeTable::new(config.head_dim, config.max_position_embeddings, config.rope_theta);
         Model { config, layout, params, rope, quant: BTreeMap::new() }
-    }
-
-    /// This model with the matrices of `quant` (keyed by their range's start) computed from
-    /// their blocks; each must be one of [`Layout::matrices`] and of its shape.
-    pub fn with_quant(mut self, quant: BTreeMap<usize, QuantMatrix>) -> Result<Model> {
-        let matrices = self.layout.matrices();
-        for (&start, q) in &quant {
-            let range = matrices.iter().find(|r| r.start == start && !r.is_empty());
-            let range = range.with_context(|| {
-                format!("{}: only weight matrices may be quantised", q.parts[0].name)
-            })?;
-            let specs = self.layout.specs_in(range);
-            let names: Vec<&str> =
-                specs.iter().map(|&i| self.layout.specs[i].name.as_str()).collect();
-            let have: Vec<&str> = q.parts.iter().map(|p| p.name.as_str()).collect();
-            ensure!(
-                names == have,
-                "the quantised tensors {} must be {} (one product reads them together)",
-                have.join(", "),
-                names.join(", ")
-            );
-            for (&i, p) in specs.iter().zip(&q.parts) {
-                let shape = &self.layout.specs[i].shape;
-                ensure!(
-                    shape[..] == [p.rows, q.cols],
-                    "tensor {} holds {} x {} values, the config implies {shape:?}",
-                    p.name,
-                    p.rows,
-                    q.cols
-                );
-            }
-        }
-        self.quant = quant;
-        Ok(self)
-    }
-
-    /// Whether some matrices are kept in block formats (such a model runs, but does not train).
-    pub fn is_quantized(&self) -> bool {
-        !self.quant.is_empty()
-    }
-
-    /// The quantised part that holds tensor `spec` of the layout, if it is quantised.
-    pub fn quant_part(&self, spec: &ParamSpec) -> Option<&QuantPart> {
-        let (_, q) = self.quant.range(..=spec.range.start).next_back()?;
-        q.parts.iter().find(|p| p.name == spec.name)
-    }
-
-    /// How the weight matrices are stored: `f32`, or their block formats (`Q4_0 + Q8_0`, in the
-    /// order of the bytes they hold, most first).
-    pub fn storage_label(&self) -> String {
-        let mut bytes: BTreeMap<&str, usize> = BTreeMap::new();
-        for p in self.quant.values().flat_map(|q| &q.parts) {
-            *bytes.entry(p.format.name()).or_default() += p.data.len();
-        }
-        let f32_bytes: usize = self
-            .layout
-            .matrices()
-            .iter()
-            .filter(|r| !self.quant.contains_key(&r.start))
-            .map(|r| 4 * r.len())
-            .sum();
-        if f32_bytes > 0 {
-            bytes.insert("f32", f32_bytes);
-        }
-        let mut v: Vec<(&str, usize)> = bytes.into_iter().collect();
-        v.sort_by_key(|&(_, b)| std::cmp::Reverse(b));
-        v.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(" + ")
-    }
-
-    /// Tensor `spec`'s values as f32: its blocks dequantised when it is quantised.
-    pub fn values(&self, spec: &ParamSpec) -> Vec<f32> {
-        match self.quant_part(spec) {
-            Some(p) => crate::kernels::quant::dequantize(p.format, &p.data),
-            None => self.params[spec.range.clone()].to_vec(),
-        }
-    }
-
-    /// The bytes of the weights that one decoding step reads: every matrix (f32 or its blocks)
-    /// once; the embedding row lookups are left out unless the head shares the table.
-    pub fn weight_bytes(&self) -> usize {
-        let lay = &self.layout;
-        lay.matrices()
-            .iter()
-            .filter(|r| **r != lay.embed || lay.head == lay.embed)
-            .map(|r| self.quant.get(&r.start).map_or(4 * r.len(), |q| q.bytes()))
-            .sum()
     }
 
     /// `x · Wᵀ` for the matrix at `range` (`[n, d_in]` → `[n, d_out]`), from its blocks when
