@@ -130,8 +130,9 @@ impl QuantMatrix {
     }
 
     /// `y = x · Wᵀ` for `n` rows of `x` (`[n, cols]`): `[n, rows]`. Rows of Q8_0 and Q4_0 take
-    /// the activations quantised to Q8_0 per row (llama.cpp's way), the other formats the f32
-    /// activations ([`super::dot`]).
+    /// the activations quantised to Q8_0 per row (llama.cpp's way): regrouped parts through
+    /// [`packed`], eight rows at a time, the rest through [`super::dot`]; the other formats
+    /// take the f32 activations. Every token's result has the same bits whatever `n` is.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let k = self.cols;
         assert!(x.len() == n * k, "quantised product: {} activations, not {n} x {k}", x.len());
