@@ -5,7 +5,7 @@
 //! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
 
 use super::dot::{dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, quantize_activations, takes_q8};
-use super::packed::{self, group_dot, Activations};
+use super::packed::{self, group_dot, group_dot4, Activations};
 use super::{dequantize_into, Format};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
@@ -176,15 +176,28 @@ impl QuantMatrix {
         tasks.into_par_iter().for_each(|(format, regrouped, rb, w, out)| match &xq {
             Some(xq) if regrouped => {
                 let (qr, dr) = (xq.len() / n, xd.len() / n);
-                let mut y = vec![0.0f32; out.len() / n];
-                for i in 0..n {
-                    let act = Activations {
-                        blocks: &xq[i * qr..(i + 1) * qr],
-                        scales: &xd[i * dr..(i + 1) * dr],
-                        sums: &xs[i * dr..(i + 1) * dr],
-                    };
-                    group_dot(format, w, &act, &mut y);
-                    for (r, &v) in y.iter().enumerate() {
+                let rows = out.len() / n;
+                let act = |i: usize| Activations {
+                    blocks: &xq[i * qr..(i + 1) * qr],
+                    scales: &xd[i * dr..(i + 1) * dr],
+                    sums: &xs[i * dr..(i + 1) * dr],
+                };
+                // Four tokens at a time (prefill), then one at a time: the same bits.
+                let mut y = vec![0.0f32; 4 * rows];
+                let mut i = 0;
+                while i + 4 <= n {
+                    let a = [act(i), act(i + 1), act(i + 2), act(i + 3)];
+                    group_dot4(format, w, [&a[0], &a[1], &a[2], &a[3]], &mut y);
+                    for (t, y) in y.chunks_exact(rows).enumerate() {
+                        for (r, &v) in y.iter().enumerate() {
+                            out[r * n + i + t] = v;
+                        }
+                    }
+                    i += 4;
+                }
+                for i in i..n {
+                    group_dot(format, w, &act(i), &mut y[..rows]);
+                    for (r, &v) in y[..rows].iter().enumerate() {
                         out[r * n + i] = v;
                     }
                 }

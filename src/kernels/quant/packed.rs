@@ -101,6 +101,32 @@ pub fn group_dot(format: Format, packed: &[u8], x: &Activations, y: &mut [f32]) 
     group_dot_portable(format, packed, x, y)
 }
 
+/// [`group_dot`] for four tokens: `y` holds the four tokens' outputs one after another
+/// (`8 · groups` values each), the same bits as four calls of [`group_dot`].
+pub fn group_dot4(format: Format, packed: &[u8], x: [&Activations; 4], y: &mut [f32]) {
+    let blocks = x[0].scales.len();
+    assert!(x.iter().all(|x| {
+        x.blocks.len() == blocks * 34 && x.sums.len() == blocks && x.scales.len() == blocks
+    }));
+    assert!(y.len().is_multiple_of(4 * ROWS));
+    assert!(packed.len() == y.len() / 4 / ROWS * blocks * group_block_bytes(format));
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::x86::{avx2, isa, vnni, Isa};
+        // SAFETY: the processor has the instruction set (just checked); the sizes agree
+        // (checked above).
+        match isa() {
+            Some(Isa::Vnni) => return unsafe { vnni::group_dot4(format, packed, x, y) },
+            Some(Isa::Avx2) => return unsafe { avx2::group_dot4(format, packed, x, y) },
+            None => {}
+        }
+    }
+    let width = y.len() / 4;
+    for (x, y) in x.iter().zip(y.chunks_exact_mut(width)) {
+        group_dot_portable(format, packed, x, y);
+    }
+}
+
 /// [`group_dot`] in plain Rust: the form the vector kernels are checked against, bit for bit.
 pub fn group_dot_portable(format: Format, packed: &[u8], x: &Activations, y: &mut [f32]) {
     let blocks = x.scales.len();
@@ -188,6 +214,33 @@ mod tests {
                 group_dot_portable(format, &packed, &act, &mut portable);
                 let mut fast = vec![0.0; rows];
                 group_dot(format, &packed, &act, &mut fast);
+                // Four tokens at once: four different tokens, each the bits it gets alone.
+                let xs4: Vec<Vec<f32>> = (0..4)
+                    .map(|t| {
+                        x.iter()
+                            .enumerate()
+                            .map(|(i, v)| v * (1.0 + 0.1 * ((i + t) % 5) as f32))
+                            .collect()
+                    })
+                    .collect();
+                let acts4: Vec<_> = xs4.iter().map(|x| activations(x)).collect();
+                let a4: Vec<Activations> = acts4
+                    .iter()
+                    .map(|(q, d, s)| Activations { blocks: q, scales: d, sums: s })
+                    .collect();
+                let mut four = vec![0.0; 4 * rows];
+                group_dot4(format, &packed, [&a4[0], &a4[1], &a4[2], &a4[3]], &mut four);
+                for (t, a) in a4.iter().enumerate() {
+                    let mut alone = vec![0.0; rows];
+                    group_dot_portable(format, &packed, a, &mut alone);
+                    for r in 0..rows {
+                        assert_eq!(
+                            four[t * rows + r].to_bits(),
+                            alone[r].to_bits(),
+                            "{format:?} token {t} row {r}"
+                        );
+                    }
+                }
                 for r in 0..rows {
                     assert_eq!(
                         portable[r].to_bits(),

@@ -246,6 +246,115 @@ macro_rules! kernels {
                     unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
                 }
             }
+
+            /// [`group_dot`] for four tokens at once (prefill): each group's block is loaded,
+            /// unpacked and its scales converted once for the four; every lane computes what
+            /// `group_dot` computes for its row and token, in the same order. `y` holds the
+            /// four tokens' outputs one after another.
+            ///
+            /// # Safety
+            /// As [`group_dot`], for each token.
+            #[target_feature(enable = $features)]
+            pub unsafe fn group_dot4(
+                format: Format,
+                packed: &[u8],
+                x: [&super::super::packed::Activations; 4],
+                y: &mut [f32],
+            ) {
+                let blocks = x[0].scales.len();
+                let gb = super::super::packed::group_block_bytes(format);
+                let width = y.len() / 4;
+                let [x0, x1, x2, x3] = x;
+                // SAFETY (the loads below): every activation row holds `blocks` blocks of 34
+                // bytes, a group's block 16 bytes of scales and then its values.
+                let bcast = |x: &super::super::packed::Activations, b: usize, at: usize| unsafe {
+                    _mm256_set1_epi32(
+                        (x.blocks.as_ptr().add(b * 34 + 2 + at) as *const i32).read_unaligned(),
+                    )
+                };
+                let low = _mm256_set1_epi8(0x0f);
+                for (gi, group) in packed.chunks_exact(blocks * gb).enumerate() {
+                    let (mut a0, mut a1, mut a2, mut a3) = (
+                        _mm256_setzero_ps(),
+                        _mm256_setzero_ps(),
+                        _mm256_setzero_ps(),
+                        _mm256_setzero_ps(),
+                    );
+                    for (b, g) in group.chunks_exact(gb).enumerate() {
+                        let gp = g.as_ptr();
+                        let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(gp as *const __m128i) });
+                        let load = |c: usize| unsafe {
+                            _mm256_loadu_si256(gp.add(16 + 32 * c) as *const __m256i)
+                        };
+                        let z = _mm256_setzero_si256();
+                        let (mut s0, mut s1, mut s2, mut s3) = (z, z, z, z);
+                        if format == Format::Q8_0 {
+                            for c in 0..8 {
+                                let w = load(c);
+                                let wabs = _mm256_sign_epi8(w, w);
+                                s0 = $add_products(
+                                    s0,
+                                    wabs,
+                                    _mm256_sign_epi8(bcast(x0, b, 4 * c), w),
+                                );
+                                s1 = $add_products(
+                                    s1,
+                                    wabs,
+                                    _mm256_sign_epi8(bcast(x1, b, 4 * c), w),
+                                );
+                                s2 = $add_products(
+                                    s2,
+                                    wabs,
+                                    _mm256_sign_epi8(bcast(x2, b, 4 * c), w),
+                                );
+                                s3 = $add_products(
+                                    s3,
+                                    wabs,
+                                    _mm256_sign_epi8(bcast(x3, b, 4 * c), w),
+                                );
+                            }
+                        } else {
+                            for c in 0..4 {
+                                let v = load(c);
+                                let lo = _mm256_and_si256(v, low);
+                                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                                let (l, h) = (4 * c, 16 + 4 * c);
+                                s0 = $add_products(s0, lo, bcast(x0, b, l));
+                                s0 = $add_products(s0, hi, bcast(x0, b, h));
+                                s1 = $add_products(s1, lo, bcast(x1, b, l));
+                                s1 = $add_products(s1, hi, bcast(x1, b, h));
+                                s2 = $add_products(s2, lo, bcast(x2, b, l));
+                                s2 = $add_products(s2, hi, bcast(x2, b, h));
+                                s3 = $add_products(s3, lo, bcast(x3, b, l));
+                                s3 = $add_products(s3, hi, bcast(x3, b, h));
+                            }
+                            // The stored values are q + 8.
+                            let off = |x: &super::super::packed::Activations| {
+                                _mm256_set1_epi32(8 * x.sums[b])
+                            };
+                            s0 = _mm256_sub_epi32(s0, off(x0));
+                            s1 = _mm256_sub_epi32(s1, off(x1));
+                            s2 = _mm256_sub_epi32(s2, off(x2));
+                            s3 = _mm256_sub_epi32(s3, off(x3));
+                        }
+                        let d = |x: &super::super::packed::Activations| {
+                            _mm256_mul_ps(dw, _mm256_set1_ps(x.scales[b]))
+                        };
+                        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), d(x0), a0);
+                        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), d(x1), a1);
+                        a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), d(x2), a2);
+                        a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s3), d(x3), a3);
+                    }
+                    // SAFETY: `y` holds four rows of `width` values, each eight per group.
+                    unsafe {
+                        let o = y.as_mut_ptr().add(8 * gi);
+                        _mm256_storeu_ps(o, a0);
+                        _mm256_storeu_ps(o.add(width), a1);
+                        _mm256_storeu_ps(o.add(2 * width), a2);
+                        _mm256_storeu_ps(o.add(3 * width), a3);
+                    }
+                }
+            }
         }
     };
 }
