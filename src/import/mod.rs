@@ -20,6 +20,7 @@ use crate::base::fs::write_atomic;
 use crate::kernels::quant::matrix::{Bytes, QuantMatrix, QuantPart};
 use crate::model::checkpoint::{self, CONFIG_FILE};
 use crate::model::params::{Layout, ParamSpec};
+use crate::model::quantize::part_of;
 use crate::model::{Config, Model};
 use crate::text::tokenizer::{eos_token, Bpe};
 use anyhow::{bail, ensure, Context, Result};
@@ -262,8 +263,7 @@ fn from_gguf(path: &Path, keep_blocks: bool) -> Result<(Files, Summary)> {
         let (t, heads) = gguf_tensor(&g, spec, &config)?;
         used.insert(t.name.clone());
         *types.entry(gguf::type_name(t.type_id)).or_insert(0) += 1;
-        let kept = quant.range(..=spec.range.start).next_back();
-        if kept.is_some_and(|(_, q)| q.parts.iter().any(|p| p.name == spec.name)) {
+        if part_of(&quant, spec).is_some() {
             continue;
         }
         let mut values = g.dequantize(t)?;

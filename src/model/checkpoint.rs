@@ -3,7 +3,8 @@
 //! a temporary name and renamed, so a crash never leaves a half-written file under the real name.
 
 use super::config::Config;
-use super::params::{Layout, ParamSpec};
+use super::params::Layout;
+use super::quantize::part_of;
 use super::transformer::Model;
 use crate::base::fs::{write_atomic, write_atomic_parts};
 use crate::base::memory::format_bytes;
@@ -285,7 +286,7 @@ pub fn tensors_from_safetensors(
         crate::base::alloc::untouched_zeros(layout.total)
     };
     for s in &layout.specs {
-        if quant_stored(&quant, s) {
+        if part_of(&quant, s).is_some() {
             continue;
         }
         let t = st.tensor(&s.name)?;
@@ -296,14 +297,6 @@ pub fn tensors_from_safetensors(
         params[s.range.clone()].copy_from_slice(&vals);
     }
     Ok((params, quant))
-}
-
-/// Whether tensor `s` is one of `quant`'s parts.
-fn quant_stored(quant: &BTreeMap<usize, QuantMatrix>, s: &ParamSpec) -> bool {
-    quant
-        .range(..=s.range.start)
-        .next_back()
-        .is_some_and(|(_, q)| q.parts.iter().any(|p| p.name == s.name))
 }
 
 /// A run's latest model and the tokenizer stored beside it (any checkpoint directory with a

@@ -71,8 +71,7 @@ impl Model {
 
     /// The quantised part that holds tensor `spec` of the layout, if it is quantised.
     pub fn quant_part(&self, spec: &ParamSpec) -> Option<&QuantPart> {
-        let (_, q) = self.quant.range(..=spec.range.start).next_back()?;
-        q.parts.iter().find(|p| p.name == spec.name)
+        part_of(&self.quant, spec)
     }
 
     /// How the weight matrices are stored: `f32`, or their block formats (`Q4_0 + Q8_0`, in the
@@ -115,6 +114,16 @@ impl Model {
             .map(|r| self.quant.get(&r.start).map_or(4 * r.len(), |q| q.bytes()))
             .sum()
     }
+}
+
+/// The part of `quant` (matrices by the start of their range in the layout) that holds tensor
+/// `spec`, if any.
+pub fn part_of<'a>(
+    quant: &'a BTreeMap<usize, QuantMatrix>,
+    spec: &ParamSpec,
+) -> Option<&'a QuantPart> {
+    let (_, q) = quant.range(..=spec.range.start).next_back()?;
+    q.parts.iter().find(|p| p.name == spec.name)
 }
 
 /// `model`'s matrices in `to` (see the module's notes); every other tensor as it is.

@@ -7,7 +7,7 @@
 //! tests state the bound).
 
 use super::{dequantize_into, Format};
-use anyhow::{ensure, Result};
+use anyhow::Result;
 
 /// `Σ row[j] · x[j]` for one quantised row of `x.len()` values.
 pub fn dot_f32(format: Format, row: &[u8], x: &[f32]) -> f32 {
@@ -118,27 +118,6 @@ pub fn dot_q8_portable(format: Format, row: &[u8], xq: &[u8]) -> f32 {
     sum
 }
 
-/// `y[r] = Σ_j W[r, j] · x[j]` for the `rows` quantised rows of `w` (each `x.len()` values):
-/// rows of Q8_0 and Q4_0 through [`dot_q8`], the others through [`dot_f32`].
-pub fn matvec(format: Format, w: &[u8], rows: usize, x: &[f32]) -> Result<Vec<f32>> {
-    let row_bytes = format.row_bytes(x.len())?;
-    ensure!(
-        w.len() == rows * row_bytes,
-        "a {rows} x {} matrix in {} takes {} bytes, not {}",
-        x.len(),
-        format.name(),
-        rows * row_bytes,
-        w.len()
-    );
-    use rayon::prelude::*;
-    if takes_q8(format) {
-        let xq = quantize_activations(x)?;
-        Ok(w.par_chunks_exact(row_bytes).map(|r| dot_q8(format, r, &xq)).collect())
-    } else {
-        Ok(w.par_chunks_exact(row_bytes).map(|r| dot_f32(format, r, x)).collect())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::testing::{raw_blocks, values};
@@ -220,27 +199,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn matvec_is_each_rows_product() {
-        for format in Format::ALL {
-            let n = format.block_values();
-            let w = raw_blocks(format, 3, 21);
-            let x = values(n, 9);
-            let y = matvec(format, &w, 3, &x).unwrap();
-            let rb = format.block_bytes();
-            for (r, &yr) in y.iter().enumerate() {
-                let row = &w[r * rb..(r + 1) * rb];
-                let want = if takes_q8(format) {
-                    dot_q8(format, row, &quantize_activations(&x).unwrap())
-                } else {
-                    dot_f32(format, row, &x)
-                };
-                assert_eq!(yr.to_bits(), want.to_bits(), "{format:?} row {r}");
-            }
-        }
-        let e = matvec(Format::Q8_0, &[0; 10], 1, &[0.0; 32]).unwrap_err().to_string();
-        assert!(e.contains("takes 34 bytes, not 10"), "{e}");
     }
 }

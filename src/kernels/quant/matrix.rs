@@ -265,7 +265,7 @@ impl QuantMatrix {
 #[cfg(test)]
 mod tests {
     use super::super::quantize;
-    use super::super::testing::values;
+    use super::super::testing::{raw_blocks, values};
     use super::*;
 
     #[test]
@@ -350,6 +350,29 @@ mod tests {
         for few in [1, 3] {
             let y_few = m.matmul(&x[..few * k], few);
             assert!(y_few.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "{few} tokens");
+        }
+    }
+
+    /// Every format, through a one-part matrix of three rows (not a whole group of eight):
+    /// each output is its row's product with the token.
+    #[test]
+    fn every_format_multiplies_as_its_rows_dot() {
+        for format in Format::ALL {
+            let n = format.block_values();
+            let w = raw_blocks(format, 3, 21);
+            let x = values(n, 9);
+            let part = QuantPart::new("w".into(), format, 3, Bytes::from_vec(w.clone()));
+            let y = QuantMatrix::new(n, vec![part]).unwrap().matmul(&x, 1);
+            let rb = format.block_bytes();
+            for (r, &yr) in y.iter().enumerate() {
+                let row = &w[r * rb..(r + 1) * rb];
+                let want = if takes_q8(format) {
+                    dot_q8(format, row, &quantize_activations(&x).unwrap())
+                } else {
+                    dot_f32(format, row, &x)
+                };
+                assert_eq!(yr.to_bits(), want.to_bits(), "{format:?} row {r}");
+            }
         }
     }
 
