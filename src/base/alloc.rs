@@ -221,6 +221,34 @@ pub fn untouched_zeros(n: usize) -> Vec<f32> {
     v
 }
 
+/// Keeps the system allocator from handing small blocks (below [`MIN_BYTES`], which
+/// [`Recycling`] keeps itself) back to the kernel after every use (glibc on Linux; elsewhere it
+/// does nothing). By default glibc maps each block of 128 KiB or more afresh and returns the
+/// freed top of its heaps, so every prefill's per-layer buffers of a few hundred KiB cost page
+/// faults and zeroing again: prefill of 128 tokens ran about 1.4x faster with this
+/// (docs/performance-log.md, "The system allocator"). The bounds cap what the process holds
+/// without using it at [`KEPT_BY_SYSTEM`] per heap.
+pub fn keep_small_blocks() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        extern "C" {
+            fn mallopt(param: i32, value: i32) -> i32;
+        }
+        const M_TRIM_THRESHOLD: i32 = -1;
+        const M_MMAP_THRESHOLD: i32 = -3;
+        // SAFETY: mallopt only changes the allocator's thresholds; a refused value (0) leaves
+        // glibc's own, which is only slower.
+        unsafe {
+            mallopt(M_MMAP_THRESHOLD, MIN_BYTES as i32);
+            mallopt(M_TRIM_THRESHOLD, KEPT_BY_SYSTEM as i32);
+        }
+    }
+}
+
+/// Free bytes at the top of one of the system allocator's heaps that it keeps rather than
+/// returns to the kernel ([`keep_small_blocks`]).
+pub const KEPT_BY_SYSTEM: usize = 64 << 20;
+
 pub struct Recycling;
 
 impl Recycling {

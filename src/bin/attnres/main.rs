@@ -23,6 +23,7 @@ static ALLOC: attnres::base::alloc::Recycling = attnres::base::alloc::Recycling;
 const CLOSED_PIPE_EXIT: i32 = 141;
 
 fn main() {
+    attnres::base::alloc::keep_small_blocks();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
