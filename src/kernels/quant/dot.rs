@@ -6,8 +6,10 @@
 //! both blocks' scales: the weights' format sets how far that is from the f32 product (the
 //! tests state the bound).
 
+use super::packed::Activations;
 use super::{dequantize_into, Format};
 use anyhow::Result;
+use rayon::prelude::*;
 
 /// `Σ row[j] · x[j]` for one quantised row of `x.len()` values.
 pub fn dot_f32(format: Format, row: &[u8], x: &[f32]) -> f32 {
@@ -25,6 +27,70 @@ pub fn dot_f32(format: Format, row: &[u8], x: &[f32]) -> f32 {
 /// Activations quantised to Q8_0, blocks of 32, for [`dot_q8`].
 pub fn quantize_activations(x: &[f32]) -> Result<Vec<u8>> {
     super::quantize(Format::Q8_0, x)
+}
+
+/// Rows of activations quantised to Q8_0 (the same bytes as [`quantize_activations`] gives
+/// each), with what the kernels read beside the blocks: each block's scale as f32 and the sum
+/// of its 32 values.
+pub struct QuantRows {
+    blocks: Vec<u8>,
+    scales: Vec<f32>,
+    sums: Vec<i32>,
+    /// Blocks per row.
+    per_row: usize,
+}
+
+impl QuantRows {
+    /// `x` as rows of `cols` values, a whole number of blocks of 32; the rows in parallel.
+    pub fn new(x: &[f32], cols: usize) -> QuantRows {
+        assert!(cols.is_multiple_of(32) && cols > 0 && x.len().is_multiple_of(cols));
+        let (per_row, n) = (cols / 32, x.len() / cols);
+        let mut blocks = vec![0u8; n * per_row * 34];
+        let mut scales = vec![0.0f32; n * per_row];
+        let mut sums = vec![0i32; n * per_row];
+        (
+            blocks.par_chunks_mut(34 * per_row),
+            scales.par_chunks_mut(per_row),
+            sums.par_chunks_mut(per_row),
+            x.par_chunks(cols),
+        )
+            .into_par_iter()
+            .for_each(|(q, d, s, x)| {
+                for (((q, d), s), x) in q.chunks_exact_mut(34).zip(d).zip(s).zip(x.chunks_exact(32))
+                {
+                    (*d, *s) = quantize_block(x.try_into().expect("32 values"), q);
+                }
+            });
+        QuantRows { blocks, scales, sums, per_row }
+    }
+
+    /// Row `i`.
+    pub fn row(&self, i: usize) -> Activations<'_> {
+        let b = i * self.per_row..(i + 1) * self.per_row;
+        Activations {
+            blocks: &self.blocks[34 * b.start..34 * b.end],
+            scales: &self.scales[b.clone()],
+            sums: &self.sums[b],
+        }
+    }
+}
+
+/// One block of 32 activations into its 34 bytes of Q8_0 (`out`), as [`super::quantize`]
+/// makes them; returns the block's scale as f32 (after its f16 rounding) and the sum of its
+/// values. With AVX2 where the processor has it: the same bits.
+fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
+    #[cfg(target_arch = "x86_64")]
+    if super::x86::isa().is_some() {
+        // SAFETY: the processor has AVX2 (`isa` found it); `out` holds 34 bytes (checked
+        // inside).
+        return unsafe { super::x86::quantize_block(x, out) };
+    }
+    quantize_block_portable(x, out)
+}
+
+pub(super) fn quantize_block_portable(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
+    out.copy_from_slice(&super::quantize(Format::Q8_0, x).expect("one whole block"));
+    (super::half(out), out[2..].iter().map(|&v| v as i8 as i32).sum())
 }
 
 /// Whether [`dot_q8`] takes rows of `format`.
@@ -130,6 +196,39 @@ mod tests {
         let dot = w.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>();
         let abs = w.iter().zip(x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum::<f64>();
         (dot, abs)
+    }
+
+    /// The vector quantiser of activations gives the reference's bytes: ties of the rounding
+    /// (values that land exactly on k + 1/2), zeros, tiny and huge values, a block with a NaN
+    /// or an infinity; and each block's scale and sum.
+    #[test]
+    fn quantised_rows_are_the_reference_quantisation() {
+        let mut x = values(32 * 40, 17);
+        // Block 1: the largest magnitude 127, so the inverse scale is 1 and every value is its
+        // own rounding: halves round away from zero, and 0.49999997 down.
+        for (j, v) in x[32..64].iter_mut().enumerate() {
+            *v = [0.5, -0.5, 1.5, -2.5, 126.5, -3.49999, 0.49999997, 2.0][j % 8];
+        }
+        x[63] = 127.0;
+        x[64..96].fill(0.0);
+        x[96..128].iter_mut().enumerate().for_each(|(j, v)| *v = 1e-30 * j as f32);
+        x[128..160].iter_mut().enumerate().for_each(|(j, v)| *v = -3e38 + 1e37 * j as f32);
+        x[170] = f32::NAN;
+        x[210] = f32::INFINITY;
+        x[250] = f32::NEG_INFINITY;
+        for cols in [32, 64, 160] {
+            let q = QuantRows::new(&x, cols);
+            for (i, row) in x.chunks(cols).enumerate() {
+                let want = quantize_activations(row).unwrap();
+                let got = q.row(i);
+                assert_eq!(got.blocks, &want[..], "row {i} of {cols}");
+                for (b, block) in want.chunks(34).enumerate() {
+                    assert_eq!(got.scales[b].to_bits(), super::super::half(block).to_bits());
+                    let sum: i32 = block[2..].iter().map(|&v| v as i8 as i32).sum();
+                    assert_eq!(got.sums[b], sum, "row {i} block {b}");
+                }
+            }
+        }
     }
 
     #[test]

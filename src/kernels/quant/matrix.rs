@@ -4,8 +4,8 @@
 //! tensors, which a GGUF file may store in different formats); every row holds `cols` values.
 //! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
 
-use super::dot::{dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, quantize_activations, takes_q8};
-use super::packed::{self, group_dot, group_dot4, Activations};
+use super::dot::{dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, takes_q8, QuantRows};
+use super::packed::{self, group_dot, group_dot4};
 use super::{dequantize_into, Format};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
@@ -136,19 +136,13 @@ impl QuantMatrix {
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let k = self.cols;
         assert!(x.len() == n * k, "quantised product: {} activations, not {n} x {k}", x.len());
-        let xq: Option<Vec<u8>> = self.parts.iter().any(|p| takes_q8(p.format)).then(|| {
-            let per_row = Format::Q8_0.row_bytes(k).expect("checked in new");
-            let mut q = vec![0u8; n * per_row];
-            q.par_chunks_mut(per_row).zip(x.par_chunks(k)).for_each(|(q, x)| {
-                q.copy_from_slice(&quantize_activations(x).expect("whole blocks"));
-            });
-            q
-        });
+        let xq = self.parts.iter().any(|p| takes_q8(p.format)).then(|| QuantRows::new(x, k));
         let m = self.rows();
-        // Work on `[rows, n]` (each task owns whole weight rows), transposed at the end.
-        let mut yt = vec![0.0f32; m * n];
+        let mut y = vec![0.0f32; n * m];
+        // Each task owns whole weight rows, `r0..r0 + rows`: the same columns of every
+        // token's output.
         let mut tasks = Vec::new();
-        let mut rest = yt.as_mut_slice();
+        let mut r0 = 0;
         for p in &self.parts {
             let rb = p.data.len() / p.rows;
             // A regrouped part's tasks take whole groups of its regrouped bytes.
@@ -158,112 +152,133 @@ impl QuantMatrix {
             };
             for w in bytes.chunks(per_row * ROWS_PER_TASK) {
                 let rows = w.len() / per_row;
-                let (out, tail) = std::mem::take(&mut rest).split_at_mut(rows * n);
-                rest = tail;
-                tasks.push((p.format, p.packed.is_some(), rb, w, out));
+                tasks.push(Task { format: p.format, regrouped: p.packed.is_some(), w, rows, r0 });
+                r0 += rows;
             }
         }
-        // Each activation block's scale as f32 and its values' sum, for the kernels that take
-        // them.
-        let xd: Vec<f32> = xq.as_deref().map_or(Vec::new(), |q| {
-            q.chunks_exact(34)
-                .map(|b| super::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-                .collect()
-        });
-        let xs: Vec<i32> = xq.as_deref().map_or(Vec::new(), |q| {
-            q.chunks_exact(34).map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum()).collect()
-        });
-        tasks.into_par_iter().for_each(|(format, regrouped, rb, w, out)| match &xq {
-            Some(xq) if regrouped => {
-                let (qr, dr) = (xq.len() / n, xd.len() / n);
-                let rows = out.len() / n;
-                let act = |i: usize| Activations {
-                    blocks: &xq[i * qr..(i + 1) * qr],
-                    scales: &xd[i * dr..(i + 1) * dr],
-                    sums: &xs[i * dr..(i + 1) * dr],
-                };
-                // Four tokens at a time (prefill), then one at a time: the same bits.
-                let mut y = vec![0.0f32; 4 * rows];
-                let mut i = 0;
-                while i + 4 <= n {
-                    let a = [act(i), act(i + 1), act(i + 2), act(i + 3)];
-                    group_dot4(format, w, [&a[0], &a[1], &a[2], &a[3]], &mut y);
-                    for (t, y) in y.chunks_exact(rows).enumerate() {
-                        for (r, &v) in y.iter().enumerate() {
-                            out[r * n + i + t] = v;
-                        }
-                    }
-                    i += 4;
-                }
-                for i in i..n {
-                    group_dot(format, w, &act(i), &mut y[..rows]);
-                    for (r, &v) in y[..rows].iter().enumerate() {
-                        out[r * n + i] = v;
-                    }
-                }
-            }
-            Some(xq) if takes_q8(format) => {
-                let (qr, dr) = (xq.len() / n, xd.len() / n);
-                let act = |i: usize| (&xq[i * qr..(i + 1) * qr], &xd[i * dr..(i + 1) * dr]);
-                if n < 4 {
-                    // Decoding: four rows at a time against each token.
-                    let mut rows = w.chunks_exact(rb);
-                    let mut r = 0;
-                    while let (Some(a), Some(b), Some(c), Some(d)) =
-                        (rows.next(), rows.next(), rows.next(), rows.next())
-                    {
-                        for i in 0..n {
-                            let y = dot_q8_rows4(format, [a, b, c, d], act(i).0, act(i).1);
-                            for (j, y) in y.into_iter().enumerate() {
-                                out[(r + j) * n + i] = y;
-                            }
-                        }
-                        r += 4;
-                    }
-                    for (j, row) in w.chunks_exact(rb).enumerate().skip(r) {
-                        for i in 0..n {
-                            out[j * n + i] = dot_q8(format, row, act(i).0);
-                        }
-                    }
-                    return;
-                }
-                // Prefill: each row against four tokens at a time.
-                for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+        let out = Columns { y: y.as_mut_ptr(), n, m };
+        tasks.into_par_iter().for_each(|t| {
+            // SAFETY: the tasks' row ranges are disjoint, so no two write the same columns.
+            let put = |i: usize, r: usize, v: &[f32]| unsafe { out.put(i, t.r0 + r, v) };
+            match &xq {
+                Some(xq) if t.regrouped => {
+                    // Four tokens at a time (prefill), then one at a time: the same bits.
+                    let mut v = vec![0.0f32; 4 * t.rows];
                     let mut i = 0;
                     while i + 4 <= n {
-                        let [a, b, c, d] = [act(i), act(i + 1), act(i + 2), act(i + 3)];
-                        let y = dot_q8_x4(format, row, [a.0, b.0, c.0, d.0], [a.1, b.1, c.1, d.1]);
-                        o[i..i + 4].copy_from_slice(&y);
+                        let a = [xq.row(i), xq.row(i + 1), xq.row(i + 2), xq.row(i + 3)];
+                        group_dot4(t.format, t.w, [&a[0], &a[1], &a[2], &a[3]], &mut v);
+                        for (j, v) in v.chunks_exact(t.rows).enumerate() {
+                            put(i + j, 0, v);
+                        }
                         i += 4;
                     }
-                    for (i, o) in o.iter_mut().enumerate().skip(i) {
-                        *o = dot_q8(format, row, act(i).0);
+                    for i in i..n {
+                        group_dot(t.format, t.w, &xq.row(i), &mut v[..t.rows]);
+                        put(i, 0, &v[..t.rows]);
                     }
                 }
-            }
-            _ => {
-                for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-                    for (i, o) in o.iter_mut().enumerate() {
-                        *o = dot_f32(format, row, &x[i * k..(i + 1) * k]);
+                Some(xq) if takes_q8(t.format) => {
+                    let rb = t.w.len() / t.rows;
+                    let rows: Vec<&[u8]> = t.w.chunks_exact(rb).collect();
+                    if n < 4 {
+                        // Decoding: four rows at a time against each token.
+                        for i in 0..n {
+                            let a = xq.row(i);
+                            let mut v = vec![0.0f32; t.rows];
+                            for (r, four) in rows.chunks(4).enumerate() {
+                                if let &[w0, w1, w2, w3] = four {
+                                    let y = dot_q8_rows4(
+                                        t.format,
+                                        [w0, w1, w2, w3],
+                                        a.blocks,
+                                        a.scales,
+                                    );
+                                    v[4 * r..4 * r + 4].copy_from_slice(&y);
+                                } else {
+                                    for (j, w) in four.iter().enumerate() {
+                                        v[4 * r + j] = dot_q8(t.format, w, a.blocks);
+                                    }
+                                }
+                            }
+                            put(i, 0, &v);
+                        }
+                        return;
+                    }
+                    // Prefill: each row against four tokens at a time.
+                    for (r, row) in rows.iter().enumerate() {
+                        let mut i = 0;
+                        while i + 4 <= n {
+                            let a = [xq.row(i), xq.row(i + 1), xq.row(i + 2), xq.row(i + 3)];
+                            let q = a.each_ref().map(|a| a.blocks);
+                            let d = a.each_ref().map(|a| a.scales);
+                            let y = dot_q8_x4(t.format, row, q, d);
+                            for (j, y) in y.into_iter().enumerate() {
+                                put(i + j, r, &[y]);
+                            }
+                            i += 4;
+                        }
+                        for i in i..n {
+                            put(i, r, &[dot_q8(t.format, row, xq.row(i).blocks)]);
+                        }
                     }
                 }
-            }
-        });
-        if n == 1 {
-            return yt;
-        }
-        let mut y = vec![0.0f32; n * m];
-        y.par_chunks_mut(m).enumerate().for_each(|(i, row)| {
-            for (j, v) in row.iter_mut().enumerate() {
-                *v = yt[j * n + i];
+                _ => {
+                    let rb = t.w.len() / t.rows;
+                    for (r, row) in t.w.chunks_exact(rb).enumerate() {
+                        for i in 0..n {
+                            put(i, r, &[dot_f32(t.format, row, &x[i * k..(i + 1) * k])]);
+                        }
+                    }
+                }
             }
         });
         y
     }
 }
 
+/// A product's share of work: `rows` weight rows (`w`, regrouped or as the file holds them)
+/// whose outputs are columns `r0..r0 + rows` of every token's.
+struct Task<'a> {
+    format: Format,
+    regrouped: bool,
+    w: &'a [u8],
+    rows: usize,
+    r0: usize,
+}
+
+/// A product's output `[n, m]`, written by tasks that each own some of its columns.
+struct Columns {
+    y: *mut f32,
+    n: usize,
+    m: usize,
+}
+
+// SAFETY: tasks on other threads write through the pointer only into columns they own (see
+// `put`); the buffer outlives them (the product waits for its tasks).
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// Writes `v` to token `i`'s columns `r..r + v.len()`.
+    ///
+    /// # Safety
+    /// No other thread writes or reads those columns meanwhile.
+    unsafe fn put(&self, i: usize, r: usize, v: &[f32]) {
+        assert!(
+            i < self.n && r + v.len() <= self.m,
+            "output ({i}, {r}) past [{}, {}]",
+            self.n,
+            self.m
+        );
+        // SAFETY: inside the buffer (checked above); the caller owns these columns.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), self.y.add(i * self.m + r), v.len()) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::super::dot::quantize_activations;
+    use super::super::packed::Activations;
     use super::super::quantize;
     use super::super::testing::{raw_blocks, values};
     use super::*;

@@ -106,6 +106,57 @@ fn broadcast4(xs: &[u8], at: usize) -> __m256i {
     _mm256_set1_epi32(i32::from_le_bytes([four[0], four[1], four[2], four[3]]))
 }
 
+/// [`super::dot`]'s `quantize_block` in AVX2: the largest magnitude, the scale and its
+/// inverse as the reference computes them, each value times the inverse rounded half away
+/// from zero (as `f32::round`: truncate, then step away from zero where the dropped part is at
+/// least one half, which is exact), packed to bytes. A block with a value that is not finite
+/// goes to the portable code, whose conversions of NaN and infinities to bytes the vector
+/// instructions do not share.
+///
+/// # Safety
+/// The processor must have AVX2, FMA and F16C ([`isa`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
+    assert!(out.len() == 34);
+    let sign = _mm256_set1_ps(-0.0);
+    // SAFETY: `x` holds 32 values; unaligned loads.
+    let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(x.as_ptr().add(8 * i)) });
+    let abs = v.map(|v| _mm256_andnot_ps(sign, v));
+    let inf = _mm256_set1_ps(f32::INFINITY);
+    let finite =
+        abs.iter().fold(0xff, |m, &a| m & _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(a, inf)));
+    if finite != 0xff {
+        return super::dot::quantize_block_portable(x, out);
+    }
+    let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
+    let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    let d = amax / 127.0;
+    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let (one, half) = (_mm256_set1_ps(1.0), _mm256_set1_ps(0.5));
+    let q = v.map(|v| {
+        let t = _mm256_mul_ps(v, id);
+        let whole = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(t);
+        let dropped = _mm256_andnot_ps(sign, _mm256_sub_ps(t, whole));
+        let away = _mm256_or_ps(_mm256_and_ps(t, sign), one);
+        let step = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(dropped, half), away);
+        _mm256_cvttps_epi32(_mm256_add_ps(whole, step))
+    });
+    let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let sum = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
+    let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0b01_00_11_10>(sum));
+    let sum = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32::<0b10_11_00_01>(sum)));
+    // The packs work within 128-bit halves; the permutation puts the 32 bytes back in order.
+    let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    let h = super::f32_to_f16(d);
+    out[..2].copy_from_slice(&h.to_le_bytes());
+    // SAFETY: `out` holds 34 bytes (checked above); an unaligned store of 32 from byte 2.
+    unsafe { _mm256_storeu_si256(out[2..].as_mut_ptr() as *mut __m256i, bytes) };
+    (super::f16_to_f32(h), sum)
+}
+
 macro_rules! kernels {
     ($name:ident, $features:literal, $products:ident, $add_products:ident) => {
         /// The kernels for one instruction set.
