@@ -317,7 +317,7 @@ fn llama_tensors(vocab: usize, rng: &mut Rng) -> (Vec<RawTensor>, BTreeMap<Strin
         ("output.weight".into(), "lm_head.weight".into(), vec![vocab, HIDDEN], Q4_0, 0),
     ];
     let types =
-        [[Q4_0, Q4_1, F16, BF16, Q8_0, Q4_1, Q4_0], [Q4_1, Q4_0, Q8_0, F16, BF16, F32, F16]];
+        [[Q4_0, Q4_1, F16, BF16, Q8_0, Q4_1, Q4_0], [Q4_1, Q4_0, Q8_0, F16, Q8_0, BF16, F32]];
     for (i, ty) in types.iter().enumerate() {
         let l = |g: &str, h: &str, shape: Vec<usize>, t: u32, heads: usize| {
             (format!("blk.{i}.{g}.weight"), format!("model.layers.{i}.{h}.weight"), shape, t, heads)
@@ -426,15 +426,20 @@ fn a_gguf_of_every_supported_type_imports_exactly() {
     let out = tmp.path().join("ck");
     import_ok(&file, &out);
     assert_weights(&out, &expected);
-    // The products whose tensors are all in block formats keep them; with --dtype f32 none.
+    // The products whose tensors are all in F16 or block formats keep them; with --dtype f32
+    // none.
     let kept = checkpoint::load(&out).unwrap();
     let formats: BTreeSet<&str> =
         kept.quant.values().flat_map(|q| q.parts.iter().map(|p| p.format.name())).collect();
-    assert_eq!(formats, BTreeSet::from(["Q4_0", "Q4_1", "Q8_0"]));
-    // Layer 0's q/k/v mix Q4_0 and Q4_1 with F16 (expanded, read by one product with them);
-    // layer 1's are Q4_1, Q4_0 and Q8_0, kept as three parts of one product.
+    assert_eq!(formats, BTreeSet::from(["F16", "Q4_0", "Q4_1", "Q8_0"]));
+    // Layer 0's q/k/v (Q4_0, Q4_1, F16) are kept as three parts of one product, its o_proj
+    // (BF16) is expanded; layer 1's gate and up mix Q8_0 with BF16, read by one product: both
+    // expanded.
     let (l0, l1) = (&kept.layout.layers[0], &kept.layout.layers[1]);
-    assert!(!kept.quant.contains_key(&l0.qkv.start));
+    let qkv = &kept.quant[&l0.qkv.start].parts;
+    assert_eq!(qkv.iter().map(|p| p.format.name()).collect::<Vec<_>>(), ["Q4_0", "Q4_1", "F16"]);
+    assert!(!kept.quant.contains_key(&l0.o_proj.start));
+    assert!(!kept.quant.contains_key(&l1.gate_up.start));
     assert_eq!(kept.quant[&l1.qkv.start].parts.len(), 3);
     let f32_out = tmp.path().join("ck-f32");
     let o = attnres(&[

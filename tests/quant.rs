@@ -1,6 +1,6 @@
 //! ggml's block formats against ggml's own Python package (`gguf`): fixtures written by
 //! `scripts/reference/make_quant_fixtures.py`. Dequantisation of every format and quantisation
-//! to Q8_0, Q4_0 and Q4_1 must give the same bits.
+//! to F16, Q8_0, Q4_0 and Q4_1 must give the same bits.
 
 use attnres::kernels::quant::{dequantize, quantize, Format};
 use std::path::PathBuf;
@@ -33,9 +33,9 @@ fn dequantisation_of_every_format_is_ggmls_bit_for_bit() {
 }
 
 #[test]
-fn quantisation_to_q8_0_q4_0_and_q4_1_is_ggmls_bit_for_bit() {
+fn quantisation_to_f16_q8_0_q4_0_and_q4_1_is_ggmls_bit_for_bit() {
     let source = floats(&fixture("source"));
-    for format in [Format::Q8_0, Format::Q4_0, Format::Q4_1] {
+    for format in [Format::F16, Format::Q8_0, Format::Q4_0, Format::Q4_1] {
         let want = fixture(&format!("{}.blocks", format.name().to_lowercase()));
         let got = quantize(format, &source).unwrap();
         assert_eq!(got.len(), want.len(), "{}", format.name());

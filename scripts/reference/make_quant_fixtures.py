@@ -2,7 +2,7 @@
 """Writes tests/fixtures/quant/: blocks of ggml's formats with their values as ggml's own Python
 package (`gguf`, pinned in requirements.txt) computes them, for tests/quant.rs.
 
-`source`: f32 values; for each of Q8_0, Q4_0 and Q4_1, `NAME.blocks` (gguf's quantisation of
+`source`: f32 values; for each of F16, Q8_0, Q4_0 and Q4_1, `NAME.blocks` (gguf's quantisation of
 them) and `NAME.values` (gguf's dequantisation of the blocks). For Q4_K and Q6_K, which gguf
 reads but does not make: `NAME.blocks` of random bits with finite scales, and `NAME.values`.
 All little-endian; the values are f32.
@@ -52,7 +52,7 @@ def main() -> None:
     rng = np.random.default_rng(20261203)
     src = source_values(rng)
     src.tofile(os.path.join(OUT, "source"))
-    for qtype in (T.Q8_0, T.Q4_0, T.Q4_1):
+    for qtype in (T.F16, T.Q8_0, T.Q4_0, T.Q4_1):
         blocks = quantize(src.reshape(1, -1), qtype)
         values = dequantize(blocks, qtype).astype(np.float32)
         name = qtype.name.lower()

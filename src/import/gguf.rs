@@ -3,7 +3,7 @@
 //! `ggml-common.h`. It reads the metadata and the tensor table, checks every length and offset
 //! against the file before using it, and dequantises the tensor types listed in [`GgmlType`].
 
-use crate::kernels::quant::{self, bf16_to_f32, f16_to_f32, Format};
+use crate::kernels::quant::{self, bf16_to_f32, Format};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
 
@@ -98,9 +98,9 @@ impl Value {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GgmlType {
     F32,
-    F16,
     BF16,
-    /// One of ggml's block formats.
+    /// One of the formats the products take as they are ([`Format`]: F16 and ggml's block
+    /// formats).
     Blocks(Format),
 }
 
@@ -147,7 +147,6 @@ impl GgmlType {
     pub fn from_id(id: u32) -> Option<GgmlType> {
         Some(match id {
             0 => GgmlType::F32,
-            1 => GgmlType::F16,
             30 => GgmlType::BF16,
             _ => GgmlType::Blocks(Format::from_ggml_id(id)?),
         })
@@ -156,7 +155,6 @@ impl GgmlType {
     pub fn id(self) -> u32 {
         match self {
             GgmlType::F32 => 0,
-            GgmlType::F16 => 1,
             GgmlType::BF16 => 30,
             GgmlType::Blocks(f) => f.ggml_id(),
         }
@@ -166,7 +164,7 @@ impl GgmlType {
     pub fn block(self) -> (usize, usize) {
         match self {
             GgmlType::F32 => (1, 4),
-            GgmlType::F16 | GgmlType::BF16 => (1, 2),
+            GgmlType::BF16 => (1, 2),
             GgmlType::Blocks(f) => (f.block_values(), f.block_bytes()),
         }
     }
@@ -478,7 +476,6 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
         GgmlType::F32 => {
             bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
         }
-        GgmlType::F16 => bytes.chunks_exact(2).map(|b| f16_to_f32(two(b))).collect(),
         GgmlType::BF16 => bytes.chunks_exact(2).map(|b| bf16_to_f32(two(b))).collect(),
         GgmlType::Blocks(f) => quant::dequantize(f, bytes),
     }
@@ -493,7 +490,7 @@ mod tests {
         assert_eq!(type_name(12), "Q4_K");
         assert_eq!(type_name(77), "type 77");
         let blocks = Format::ALL.map(GgmlType::Blocks);
-        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16].into_iter().chain(blocks) {
+        for ty in [GgmlType::F32, GgmlType::BF16].into_iter().chain(blocks) {
             assert_eq!(GgmlType::from_id(ty.id()), Some(ty));
         }
     }

@@ -41,7 +41,7 @@ pub struct Summary {
     pub parameters: usize,
     /// Tensor types or dtypes of the source and how many tensors had each.
     pub types: BTreeMap<String, usize>,
-    /// Tensors kept in their block formats (the others are f32).
+    /// Tensors kept in their own formats, F16 or blocks (the others are f32).
     pub kept: usize,
     pub tokenizer: String,
 }
@@ -63,7 +63,7 @@ impl Summary {
             types.join(", "),
             match self.kept {
                 0 => "all f32".to_string(),
-                n => format!("{n} tensors kept in their block formats, the rest f32"),
+                n => format!("{n} tensors kept in their own formats, the rest f32"),
             },
             self.tokenizer
         )
@@ -642,7 +642,7 @@ fn to_f32(name: &str, t: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
     use safetensors::tensor::Dtype;
     let ty = match t.dtype() {
         Dtype::F32 => gguf::GgmlType::F32,
-        Dtype::F16 => gguf::GgmlType::F16,
+        Dtype::F16 => gguf::GgmlType::Blocks(crate::kernels::quant::Format::F16),
         Dtype::BF16 => gguf::GgmlType::BF16,
         other => bail!("tensor {name:?} has dtype {other:?}; import reads F32, F16 and BF16"),
     };

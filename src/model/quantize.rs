@@ -7,7 +7,8 @@
 //! which are a few values per sublayer, cost nothing to read, and set which layers a sublayer
 //! listens to; a small error there moves every later layer. The matrix the LM head reads (the
 //! embedding when tied) is stored in Q8_0 when the target is a 4-bit format, as llama.cpp keeps
-//! its output matrix at more bits than the rest: its error goes straight into every logit.
+//! its output matrix at more bits than the rest: its error goes straight into every logit. F16
+//! is not a block format but takes the same path: a matrix's values rounded to halves.
 
 use super::params::ParamSpec;
 use super::Model;
@@ -27,7 +28,7 @@ pub struct Quantized {
 }
 
 /// The formats `quantize` writes (the K-quants are read, not made).
-pub const TARGETS: [Format; 3] = [Format::Q8_0, Format::Q4_0, Format::Q4_1];
+pub const TARGETS: [Format; 4] = [Format::F16, Format::Q8_0, Format::Q4_0, Format::Q4_1];
 
 impl Model {
     /// This model with the matrices of `quant` (keyed by their range's start) computed from
@@ -139,7 +140,8 @@ pub fn quantize(model: &Model, to: Format) -> Result<Quantized> {
     let mut tensors = BTreeMap::new();
     let mut quantised = BTreeSet::new();
     for m in lay.matrices() {
-        let format = if m.start == head && to != Format::Q8_0 { Format::Q8_0 } else { to };
+        let four_bits = matches!(to, Format::Q4_0 | Format::Q4_1);
+        let format = if m.start == head && four_bits { Format::Q8_0 } else { to };
         let specs = lay.specs_in(&m);
         let cols = *lay.specs[specs[0]].shape.last().unwrap_or(&1);
         if format.row_bytes(cols).is_err() {
@@ -229,7 +231,13 @@ mod tests {
                         .for_each(|(i, v)| *v = 0.01 * i as f32);
                 }
             }
+            // Under F16 the LM head is F16 like the rest; under a 4-bit format, Q8_0.
+            let f16 = quantize(&m, Format::F16).unwrap();
+            let head_part = |q: &Quantized| q.model.quant[&m.layout.head.start].parts[0].format;
+            assert_eq!(head_part(&f16), Format::F16);
+            assert!(f16.bytes.1 * 2 == f16.bytes.0, "{:?}", f16.bytes);
             let q = quantize(&m, Format::Q4_0).unwrap();
+            assert_eq!(head_part(&q), Format::Q8_0);
             let lay = &m.layout;
             for s in &lay.specs {
                 match q.model.quant_part(s) {

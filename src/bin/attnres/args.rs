@@ -57,14 +57,16 @@ pub(crate) enum Command {
     /// Upcycle a standard checkpoint to Full or Block AttnRes: the same weights plus depth
     /// parameters that start as the standard residual (pseudo-queries zero, key-norm gains one).
     Convert(ConvertArgs),
-    /// Store a checkpoint's weight matrices in a block format (Q8_0, Q4_0, Q4_1) for faster,
-    /// smaller inference; norms and depth-attention parameters stay f32.
+    /// Store a checkpoint's weight matrices in a smaller format (F16, Q8_0, Q4_0, Q4_1) for
+    /// faster, smaller inference; norms and depth-attention parameters stay f32.
     Quantize(QuantizeArgs),
 }
 
-/// A block format `quantize` writes.
+/// A format `quantize` writes.
 #[derive(Clone, Copy, ValueEnum)]
 pub(crate) enum QuantTarget {
+    #[value(name = "f16")]
+    F16,
     #[value(name = "q8_0")]
     Q8_0,
     #[value(name = "q4_0")]
@@ -77,6 +79,7 @@ impl QuantTarget {
     pub fn format(self) -> attnres::kernels::quant::Format {
         use attnres::kernels::quant::Format;
         match self {
+            QuantTarget::F16 => Format::F16,
             QuantTarget::Q8_0 => Format::Q8_0,
             QuantTarget::Q4_0 => Format::Q4_0,
             QuantTarget::Q4_1 => Format::Q4_1,

@@ -24,6 +24,51 @@ pub fn dot_f32(format: Format, row: &[u8], x: &[f32]) -> f32 {
     sum
 }
 
+/// `Σ row[j] · x[j]` for `R` rows of F16 values and `T` tokens (`[[f32; T]; R]`), each pair
+/// computed as [`dot_f16`] does it alone: 32 lanes, lane `l` a chain of fused multiply-adds
+/// over values `l, l + 32, l + 64, …`; the four groups of eight lanes added as `(g0 + g1) +
+/// (g2 + g3)`, those eight summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`;
+/// then the values past the last whole 32 added one by one. The vector kernel does the same
+/// operations, so every token's result has the same bits whatever runs with it. Four chains
+/// per pair keep the multiply-adds' latency hidden when one row and one token run alone, as
+/// in decoding (a row at a time reads memory fastest).
+pub fn dot_f16_many<const R: usize, const T: usize>(
+    rows: [&[u8]; R],
+    xs: [&[f32]; T],
+) -> [[f32; T]; R] {
+    let k = xs.first().map_or(0, |x| x.len());
+    assert!(rows.iter().all(|r| r.len() == 2 * k) && xs.iter().all(|x| x.len() == k));
+    #[cfg(target_arch = "x86_64")]
+    if super::x86::isa().is_some() {
+        // SAFETY: the processor has AVX2, FMA and F16C (`isa` found them); every row holds
+        // two bytes per value of every token (checked above).
+        return unsafe { super::x86::dot_f16_many(rows, xs) };
+    }
+    rows.map(|row| xs.map(|x| dot_f16_portable(row, x)))
+}
+
+/// [`dot_f16_many`] of one row and one token.
+pub fn dot_f16(row: &[u8], x: &[f32]) -> f32 {
+    dot_f16_many([row], [x])[0][0]
+}
+
+fn dot_f16_portable(row: &[u8], x: &[f32]) -> f32 {
+    let whole = x.len() / 32 * 32;
+    let mut lanes = [0.0f32; 32];
+    for (w, x) in row[..2 * whole].chunks_exact(64).zip(x[..whole].chunks_exact(32)) {
+        for (l, lane) in lanes.iter_mut().enumerate() {
+            *lane = super::half(&w[2 * l..]).mul_add(x[l], *lane);
+        }
+    }
+    let g: Vec<f32> =
+        (0..8).map(|l| (lanes[l] + lanes[8 + l]) + (lanes[16 + l] + lanes[24 + l])).collect();
+    let mut sum = ((g[0] + g[4]) + (g[2] + g[6])) + ((g[1] + g[5]) + (g[3] + g[7]));
+    for j in whole..x.len() {
+        sum = super::half(&row[2 * j..]).mul_add(x[j], sum);
+    }
+    sum
+}
+
 /// Activations quantised to Q8_0, blocks of 32, for [`dot_q8`].
 pub fn quantize_activations(x: &[f32]) -> Result<Vec<u8>> {
     super::quantize(Format::Q8_0, x)
@@ -227,6 +272,32 @@ mod tests {
                     let sum: i32 = block[2..].iter().map(|&v| v as i8 as i32).sum();
                     assert_eq!(got.sums[b], sum, "row {i} block {b}");
                 }
+            }
+        }
+    }
+
+    /// F16 rows: the vector kernel gives the portable code's bits, for one row and token and
+    /// in the batched forms (four rows, four tokens), with lengths that end in a partial eight;
+    /// and the result is the exact product within f32 rounding.
+    #[test]
+    fn f16_products_are_the_portable_bits_in_every_form() {
+        for k in [8, 37, 100, 576] {
+            let rows: Vec<Vec<u8>> = (0..4).map(|r| raw_blocks(Format::F16, k, 40 + r)).collect();
+            let xs: Vec<Vec<f32>> = (0..4).map(|t| values(k, 50 + t)).collect();
+            let rows4 = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+            let xs4 = [&xs[0][..], &xs[1], &xs[2], &xs[3]];
+            let by_rows = dot_f16_many(rows4, [xs4[1]]);
+            let by_tokens = dot_f16_many([rows4[2]], xs4);
+            for r in 0..4 {
+                for t in 0..4 {
+                    let want = dot_f16_portable(rows4[r], xs4[t]);
+                    assert_eq!(dot_f16(rows4[r], xs4[t]).to_bits(), want.to_bits(), "{k} {r} {t}");
+                    let (exact, abs) = exact(Format::F16, rows4[r], xs4[t]);
+                    let bound = abs * k as f64 * f32::EPSILON as f64;
+                    assert!((want as f64 - exact).abs() <= bound, "{k}: {want} vs {exact}");
+                }
+                assert_eq!(by_rows[r][0].to_bits(), dot_f16_portable(rows4[r], xs4[1]).to_bits());
+                assert_eq!(by_tokens[0][r].to_bits(), dot_f16_portable(rows4[2], xs4[r]).to_bits());
             }
         }
     }

@@ -4,7 +4,9 @@
 //! tensors, which a GGUF file may store in different formats); every row holds `cols` values.
 //! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
 
-use super::dot::{dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, takes_q8, QuantRows};
+use super::dot::{
+    dot_f16, dot_f16_many, dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, takes_q8, QuantRows,
+};
 use super::packed::{self, group_dot, group_dot4};
 use super::{dequantize_into, Format};
 use anyhow::{ensure, Result};
@@ -178,50 +180,37 @@ impl QuantMatrix {
                         put(i, 0, &v[..t.rows]);
                     }
                 }
-                Some(xq) if takes_q8(t.format) => {
-                    let rb = t.w.len() / t.rows;
-                    let rows: Vec<&[u8]> = t.w.chunks_exact(rb).collect();
-                    if n < 4 {
-                        // Decoding: four rows at a time against each token.
-                        for i in 0..n {
-                            let a = xq.row(i);
-                            let mut v = vec![0.0f32; t.rows];
-                            for (r, four) in rows.chunks(4).enumerate() {
-                                if let &[w0, w1, w2, w3] = four {
-                                    let y = dot_q8_rows4(
-                                        t.format,
-                                        [w0, w1, w2, w3],
-                                        a.blocks,
-                                        a.scales,
-                                    );
-                                    v[4 * r..4 * r + 4].copy_from_slice(&y);
-                                } else {
-                                    for (j, w) in four.iter().enumerate() {
-                                        v[4 * r + j] = dot_q8(t.format, w, a.blocks);
-                                    }
-                                }
-                            }
-                            put(i, 0, &v);
-                        }
-                        return;
-                    }
-                    // Prefill: each row against four tokens at a time.
-                    for (r, row) in rows.iter().enumerate() {
-                        let mut i = 0;
-                        while i + 4 <= n {
-                            let a = [xq.row(i), xq.row(i + 1), xq.row(i + 2), xq.row(i + 3)];
-                            let q = a.each_ref().map(|a| a.blocks);
-                            let d = a.each_ref().map(|a| a.scales);
-                            let y = dot_q8_x4(t.format, row, q, d);
-                            for (j, y) in y.into_iter().enumerate() {
-                                put(i + j, r, &[y]);
-                            }
-                            i += 4;
-                        }
-                        for i in i..n {
-                            put(i, r, &[dot_q8(t.format, row, xq.row(i).blocks)]);
-                        }
-                    }
+                Some(xq) if takes_q8(t.format) => by_rows(
+                    &t,
+                    n,
+                    put,
+                    |row, i| dot_q8(t.format, row, xq.row(i).blocks),
+                    |rows, i| {
+                        let a = xq.row(i);
+                        dot_q8_rows4(t.format, rows, a.blocks, a.scales)
+                    },
+                    |row, i| {
+                        let a = [xq.row(i), xq.row(i + 1), xq.row(i + 2), xq.row(i + 3)];
+                        let q = a.each_ref().map(|a| a.blocks);
+                        dot_q8_x4(t.format, row, q, a.each_ref().map(|a| a.scales))
+                    },
+                ),
+                _ if t.format == Format::F16 => {
+                    let x = |i: usize| &x[i * k..(i + 1) * k];
+                    by_rows(
+                        &t,
+                        n,
+                        put,
+                        |row, i| dot_f16(row, x(i)),
+                        // One row at a time, each a single stream through memory.
+                        |rows, i| rows.map(|row| dot_f16(row, x(i))),
+                        // Two tokens at a time: four would need more registers than AVX2 has.
+                        |row, i| {
+                            let [[a, b]] = dot_f16_many([row], [x(i), x(i + 1)]);
+                            let [[c, d]] = dot_f16_many([row], [x(i + 2), x(i + 3)]);
+                            [a, b, c, d]
+                        },
+                    )
                 }
                 _ => {
                     let rb = t.w.len() / t.rows;
@@ -234,6 +223,48 @@ impl QuantMatrix {
             }
         });
         y
+    }
+}
+
+/// A task's rows (as the file holds them) by `n` tokens, through a kernel's three forms, each
+/// giving a row and a token the same bits: `one` (a row, token `i`), `rows4` (four rows, token
+/// `i`: decoding, fewer than four tokens) and `tokens4` (a row, tokens `i..i + 4`: prefill).
+fn by_rows(
+    t: &Task,
+    n: usize,
+    put: impl Fn(usize, usize, &[f32]),
+    one: impl Fn(&[u8], usize) -> f32,
+    rows4: impl Fn([&[u8]; 4], usize) -> [f32; 4],
+    tokens4: impl Fn(&[u8], usize) -> [f32; 4],
+) {
+    let rows: Vec<&[u8]> = t.w.chunks_exact(t.w.len() / t.rows).collect();
+    if n < 4 {
+        let mut v = vec![0.0f32; t.rows];
+        for i in 0..n {
+            for (r, four) in rows.chunks(4).enumerate() {
+                if let &[a, b, c, d] = four {
+                    v[4 * r..4 * r + 4].copy_from_slice(&rows4([a, b, c, d], i));
+                } else {
+                    for (j, w) in four.iter().enumerate() {
+                        v[4 * r + j] = one(w, i);
+                    }
+                }
+            }
+            put(i, 0, &v);
+        }
+        return;
+    }
+    for (r, row) in rows.iter().enumerate() {
+        let mut i = 0;
+        while i + 4 <= n {
+            for (j, y) in tokens4(row, i).into_iter().enumerate() {
+                put(i + j, r, &[y]);
+            }
+            i += 4;
+        }
+        for i in i..n {
+            put(i, r, &[one(row, i)]);
+        }
     }
 }
 
@@ -290,8 +321,10 @@ mod tests {
         let a = values(40 * k, 1);
         let b = values(70 * k, 2);
         let c = values(12 * k, 4);
-        // Q8_0 in whole groups of eight rows (regrouped), Q4_1 (f32 activations), and Q4_0 in
-        // twelve rows (not whole groups: the per-row kernels).
+        let d = values(9 * k, 6);
+        // Q8_0 in whole groups of eight rows (regrouped), Q4_1 (f32 activations), Q4_0 in
+        // twelve rows (not whole groups: the per-row kernels), and F16 in nine (four rows at a
+        // time, then one).
         let parts = vec![
             QuantPart::new(
                 "a".into(),
@@ -311,15 +344,22 @@ mod tests {
                 12,
                 Bytes::from_vec(quantize(Format::Q4_0, &c).unwrap()),
             ),
+            QuantPart::new(
+                "d".into(),
+                Format::F16,
+                9,
+                Bytes::from_vec(quantize(Format::F16, &d).unwrap()),
+            ),
         ];
         let m = QuantMatrix::new(k, parts).unwrap();
         assert!(
             m.parts[0].packed.is_some()
                 && m.parts[1].packed.is_none()
                 && m.parts[2].packed.is_none()
+                && m.parts[3].packed.is_none()
         );
         let rows = m.rows();
-        assert_eq!(rows, 122);
+        assert_eq!(rows, 131);
         let x = values(n * k, 3);
         let y = m.matmul(&x, n);
         let w = m.dequantize();
@@ -344,7 +384,8 @@ mod tests {
                 let (p, rr) = match r {
                     0..40 => (0, r),
                     40..110 => (1, r - 40),
-                    _ => (2, r - 110),
+                    110..122 => (2, r - 110),
+                    _ => (3, r - 122),
                 };
                 let part = &m.parts[p];
                 let rb = part.data.len() / part.rows;
@@ -352,7 +393,8 @@ mod tests {
                 let want = match p {
                     0 => grouped[rr],
                     1 => dot_f32(part.format, bytes, xi),
-                    _ => dot_q8(part.format, bytes, &xq),
+                    2 => dot_q8(part.format, bytes, &xq),
+                    _ => dot_f16(bytes, xi),
                 };
                 assert_eq!(y[i * rows + r].to_bits(), want.to_bits(), "row {i}, column {r}");
                 let mut got = Vec::new();
@@ -383,6 +425,8 @@ mod tests {
                 let row = &w[r * rb..(r + 1) * rb];
                 let want = if takes_q8(format) {
                     dot_q8(format, row, &quantize_activations(&x).unwrap())
+                } else if format == Format::F16 {
+                    dot_f16(row, &x)
                 } else {
                     dot_f32(format, row, &x)
                 };

@@ -5,6 +5,7 @@
 //!
 //! | format | values per block | bytes per block | a value |
 //! |---|---|---|---|
+//! | F16 | 1 | 2: an IEEE half | the half as f32 |
 //! | Q8_0 | 32 | 34: f16 `d`, 32 × i8 `q` | `q · d` |
 //! | Q4_0 | 32 | 18: f16 `d`, 16 bytes of nibbles | `(q − 8) · d` |
 //! | Q4_1 | 32 | 20: f16 `d`, f16 `m`, 16 bytes of nibbles | `q · d + m` |
@@ -27,6 +28,7 @@ use anyhow::{bail, ensure, Result};
 /// A block format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Format {
+    F16,
     Q8_0,
     Q4_0,
     Q4_1,
@@ -39,12 +41,13 @@ pub const QK_K: usize = 256;
 
 impl Format {
     /// Every format, in ggml's order of type ids.
-    pub const ALL: [Format; 5] =
-        [Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q4K, Format::Q6K];
+    pub const ALL: [Format; 6] =
+        [Format::F16, Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q4K, Format::Q6K];
 
     /// ggml's type id.
     pub fn ggml_id(self) -> u32 {
         match self {
+            Format::F16 => 1,
             Format::Q4_0 => 2,
             Format::Q4_1 => 3,
             Format::Q8_0 => 8,
@@ -60,6 +63,7 @@ impl Format {
     /// ggml's name: `Q8_0`, `Q4_K`, ...
     pub fn name(self) -> &'static str {
         match self {
+            Format::F16 => "F16",
             Format::Q8_0 => "Q8_0",
             Format::Q4_0 => "Q4_0",
             Format::Q4_1 => "Q4_1",
@@ -71,6 +75,7 @@ impl Format {
     /// Values per block.
     pub fn block_values(self) -> usize {
         match self {
+            Format::F16 => 1,
             Format::Q8_0 | Format::Q4_0 | Format::Q4_1 => 32,
             Format::Q4K | Format::Q6K => QK_K,
         }
@@ -79,6 +84,7 @@ impl Format {
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
         match self {
+            Format::F16 => 2,
             Format::Q8_0 => 34,
             Format::Q4_0 => 18,
             Format::Q4_1 => 20,
@@ -174,8 +180,12 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 
 /// Appends the values of whole blocks of `format` to `out`.
 pub fn dequantize_into(format: Format, bytes: &[u8], out: &mut Vec<f32>) {
+    if format == Format::F16 {
+        return out.extend(bytes.chunks_exact(2).map(half));
+    }
     for b in bytes.chunks_exact(format.block_bytes()) {
         match format {
+            Format::F16 => unreachable!("handled above"),
             Format::Q8_0 => {
                 let d = half(b);
                 out.extend(b[2..].iter().map(|&q| (q as i8) as f32 * d));
@@ -251,6 +261,7 @@ pub fn quantize(format: Format, values: &[f32]) -> Result<Vec<u8>> {
     let mut out = Vec::with_capacity(bytes);
     for x in values.chunks_exact(format.block_values()) {
         match format {
+            Format::F16 => out.extend(f32_to_f16(x[0]).to_le_bytes()),
             Format::Q8_0 => {
                 let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 let d = amax / 127.0;

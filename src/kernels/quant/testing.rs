@@ -16,6 +16,10 @@ pub fn values(n: usize, seed: u64) -> Vec<f32> {
 /// Raw blocks of `format` with every bit pattern likely, and small finite scales that differ
 /// from block to block (0.010 to 0.016), so that a scale read from the wrong block shows.
 pub fn raw_blocks(format: Format, blocks: usize, seed: u64) -> Vec<u8> {
+    if format == Format::F16 {
+        // Halves of values in [-1, 1) instead: random bits would hold infinities and NaNs.
+        return values(blocks, seed).iter().flat_map(|&v| f32_to_f16(v).to_le_bytes()).collect();
+    }
     let mut s = seed;
     let mut bytes: Vec<u8> = (0..blocks * format.block_bytes())
         .map(|_| {

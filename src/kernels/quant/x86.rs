@@ -157,6 +157,50 @@ pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
     (super::f16_to_f32(h), sum)
 }
 
+/// [`super::dot::dot_f16_many`]: eight values of a row converted from F16 at once and
+/// multiplied into each token's accumulators; the same operations as the portable code.
+///
+/// # Safety
+/// The processor must have AVX2, FMA and F16C ([`isa`]); every row must hold two bytes per
+/// value of every token.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_many<const R: usize, const T: usize>(
+    rows: [&[u8]; R],
+    xs: [&[f32]; T],
+) -> [[f32; T]; R] {
+    let k = xs.first().map_or(0, |x| x.len());
+    let whole = k / 32 * 32;
+    let mut acc = [[[_mm256_setzero_ps(); 4]; T]; R];
+    for j in (0..whole).step_by(32) {
+        for a in 0..4 {
+            let at = j + 8 * a;
+            // SAFETY: values at..at + 8 lie inside every row and token (`whole` ≤ k);
+            // unaligned loads.
+            let x: [__m256; T] = xs.map(|x| unsafe { _mm256_loadu_ps(x.as_ptr().add(at)) });
+            for (acc, row) in acc.iter_mut().zip(rows) {
+                let w = unsafe { _mm_loadu_si128(row.as_ptr().add(2 * at) as *const __m128i) };
+                let w = _mm256_cvtph_ps(w);
+                for (acc, &x) in acc.iter_mut().zip(&x) {
+                    acc[a] = _mm256_fmadd_ps(w, x, acc[a]);
+                }
+            }
+        }
+    }
+    let mut out = [[0.0f32; T]; R];
+    for ((out, acc), row) in out.iter_mut().zip(&acc).zip(rows) {
+        for ((o, a), x) in out.iter_mut().zip(acc).zip(xs) {
+            let lanes = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+            let mut sum = sum_f32(lanes);
+            for j in whole..k {
+                let h = super::f16_to_f32(u16::from_le_bytes([row[2 * j], row[2 * j + 1]]));
+                sum = h.mul_add(x[j], sum);
+            }
+            *o = sum;
+        }
+    }
+    out
+}
+
 macro_rules! kernels {
     ($name:ident, $features:literal, $products:ident, $add_products:ident) => {
         /// The kernels for one instruction set.
