@@ -410,3 +410,58 @@ fn kills_at_random_moments_and_second_writers_never_lose_or_change_a_run() {
         "kill -9: {kills} kills ({in_checkpoint} during a checkpoint write), {refused} second writers refused; the run resumed bit-identical"
     );
 }
+
+/// Weights so large that their squares overflow f32: RMSNorm computes its statistic without
+/// overflowing (once it gave 0, a uniform output and a plausible loss of ln(vocab)), and what
+/// overflows after it is an error naming the non-finite values, never a loss.
+#[test]
+fn overflowing_weights_are_an_error_not_a_loss() {
+    let env = &RunEnv::new(20_000, 2);
+    let run = common::train_tiny(env, "run", &["max_tokens=4096", "vocab_size=300"]);
+    let text = env.path("corpus.txt");
+    let eval = |name: &str, scale: f32, all: bool| {
+        let dir = env.path(name);
+        copy_dir(&run, &dir);
+        let mut model = attnres::model::checkpoint::load(&dir).unwrap();
+        let last =
+            format!("model.layers.{}.mlp.down_proj.weight", model.config.num_hidden_layers - 1);
+        for s in model.layout.specs.clone() {
+            if all || s.name == last {
+                model.params[s.range.clone()].iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+        attnres::model::checkpoint::save(&model, &dir).unwrap();
+        env.run(&[
+            "eval",
+            "--model",
+            dir.to_str().unwrap(),
+            "--text",
+            text.to_str().unwrap(),
+            "--json",
+        ])
+    };
+    // The last MLP's output scaled up until it dominates the residual stream: at 1e12 its
+    // squares fit f32, at 1e37 they do not. The final RMSNorm sees the same direction in both.
+    let loss = |o: &Output| -> f64 {
+        common::ok(o);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["loss"].as_f64().unwrap()
+    };
+    let (fits, overflows) = (loss(&eval("e12", 1e12, false)), loss(&eval("e37", 1e37, false)));
+    assert!((fits / overflows - 1.0).abs() < 1e-5, "{fits} vs {overflows}");
+    assert!((overflows - (300f64).ln()).abs() > 1e-3, "a uniform output: {overflows}");
+    // Every weight near f32's largest: the products overflow, and that is an error.
+    let o = eval("all", 1e37, true);
+    clean_failure(&o, "eval of huge weights", "the forward pass overflowed");
+    let huge = env.path("all");
+    let o = env.run(&[
+        "generate",
+        "--model",
+        huge.to_str().unwrap(),
+        "--prompt",
+        "the",
+        "--max-tokens",
+        "4",
+    ]);
+    clean_failure(&o, "generate with huge weights", "non-finite value");
+}

@@ -58,6 +58,7 @@ pub struct ForwardOutput {
 pub fn run(model: &Model, batch: &BatchFile) -> Result<ForwardOutput> {
     let (ids, b, t) = flatten_ids(&batch.input_ids, "input_ids")?;
     let fwd = model.forward(&ids, b, t)?;
+    model.check_finite(&fwd.logits)?;
     let v = model.config.vocab_size;
     let mut tensors: Vec<(String, Vec<usize>, &[f32])> =
         vec![("logits".into(), vec![b, t, v], &fwd.logits)];

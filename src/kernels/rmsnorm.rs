@@ -7,7 +7,14 @@ use std::mem::MaybeUninit;
 /// The reciprocal RMS of one row, `1 / sqrt(mean(x²) + eps)`: every pass that takes it computes
 /// it here, so that they all give the same bits.
 fn row_rstd(row: &[f32], eps: f32) -> f32 {
-    1.0 / (dot(row, row) / row.len() as f32 + eps).sqrt()
+    let rstd = 1.0 / (dot(row, row) / row.len() as f32 + eps).sqrt();
+    if rstd != 0.0 || row.iter().any(|x| !x.is_finite()) {
+        return rstd;
+    }
+    // The squares overflowed f32 (values beyond about 1.8e19, finite all of them): the same
+    // statistic in f64, whose range holds them, so that such a row normalises as any other.
+    let ms = row.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / row.len() as f64;
+    (1.0 / (ms + eps as f64).sqrt()) as f32
 }
 
 /// Per-row reciprocal RMS, `1 / sqrt(mean(x²) + eps)`, into `rstd[rows]`.
@@ -156,6 +163,29 @@ pub fn mean_rms(v: &[f32], d: usize) -> f64 {
 mod tests {
     use super::*;
     use crate::testutil::{assert_close, fd_check, rand_vec};
+
+    /// Values whose squares overflow f32 (up to f32's largest) normalise as in f64; a row with
+    /// an infinity still gives no finite statistic.
+    #[test]
+    fn rows_whose_squares_overflow_normalise() {
+        let d = 7;
+        for scale in [1e20f32, 3e38, f32::MAX] {
+            let x: Vec<f32> = (0..d).map(|i| scale * (1.0 - 0.13 * i as f32).min(1.0)).collect();
+            let g = vec![2.0f32; d];
+            let (y, _) = forward(&x, &g, d, 1e-6);
+            let ms = x.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / d as f64;
+            for (yi, xi) in y.iter().zip(&x) {
+                let want = 2.0 * *xi as f64 / ms.sqrt();
+                assert!(
+                    (*yi as f64 - want).abs() <= 1e-5 * want.abs().max(1.0),
+                    "{scale}: {yi} vs {want}"
+                );
+            }
+        }
+        let mut r = [1.0f32];
+        rstd(&mut r, &[1.0, f32::INFINITY, 2.0], 3, 1e-6);
+        assert_eq!(r[0], 0.0);
+    }
 
     #[test]
     fn add_assign_rstd_and_sum_rstd_match_sum_then_rstd() {

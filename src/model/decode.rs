@@ -277,7 +277,9 @@ impl Model {
                 .flat_map(|s| h[(s.row0 + s.len - 1) * d..(s.row0 + s.len) * d].iter().copied())
                 .collect();
         }
-        Ok(self.head(&h).2)
+        let logits = self.head(&h).2;
+        self.check_finite(&logits)?;
+        Ok(logits)
     }
 }
 

@@ -392,7 +392,33 @@ impl Model {
     /// Mean cross-entropy of the forward pass against `targets`.
     pub fn loss(&self, fwd: &Forward, targets: &[u32]) -> Result<f32> {
         self.check_targets(targets, fwd)?;
-        Ok(cross_entropy::loss(&fwd.logits, targets, self.config.vocab_size))
+        let loss = cross_entropy::loss(&fwd.logits, targets, self.config.vocab_size);
+        if !loss.is_finite() {
+            self.check_finite(&fwd.logits)?;
+        }
+        Ok(loss)
+    }
+
+    /// An error when `logits` hold a value that is not finite: the forward pass overflowed
+    /// f32 (weights or activations too large), which must not pass for a result. It names the
+    /// f32 tensor of largest magnitude, the likeliest cause.
+    pub fn check_finite(&self, logits: &[f32]) -> Result<()> {
+        let Some(i) = logits.iter().position(|x| !x.is_finite()) else { return Ok(()) };
+        let v = self.config.vocab_size;
+        let largest = self
+            .layout
+            .specs
+            .iter()
+            .map(|s| (s, self.params[s.range.clone()].iter().fold(0f32, |m, x| m.max(x.abs()))))
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let hint = largest.map_or(String::new(), |(s, m)| {
+            format!(" (the largest f32 weight: {m:e} in {})", s.name)
+        });
+        anyhow::bail!(
+            "the forward pass overflowed: the logits of token {} hold a non-finite value ({}){hint}",
+            i / v,
+            logits[i]
+        )
     }
 
     /// Loss and the gradient of every parameter (same layout as `params`).
