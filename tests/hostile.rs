@@ -286,6 +286,10 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
         // Checked before anything is allocated: a slot list of this many would not fit.
         (["--max-batch", "10000000000"], "--max-batch 10000000000 is too many sequences"),
         (["--max-queue", "1000000000"], "--max-queue must be at most 65536"),
+        (["--max-connections", "0"], "--max-connections must lie in 1..=65536, got 0"),
+        (["--max-connections", "1000000"], "--max-connections must lie in 1..=65536"),
+        (["--header-timeout", "0"], "--header-timeout must lie in 1..=86400 seconds, got 0"),
+        (["--body-timeout", "999999999"], "--body-timeout must lie in 1..=86400 seconds"),
     ] {
         let mut args = vec!["serve", "--model", &m, "--port", "0"];
         args.extend(flags);

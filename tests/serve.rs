@@ -468,3 +468,84 @@ fn overload_disconnects_and_shutdown_lose_no_request() {
     let exit = server.child.wait().unwrap();
     assert!(exit.success(), "the server exited with {exit}");
 }
+
+/// Reads from `s` until the server closes it or `limit` passes; what came, and whether it closed.
+fn read_until_closed(s: &mut TcpStream, limit: Duration) -> (String, bool) {
+    s.set_read_timeout(Some(limit)).unwrap();
+    let mut raw = Vec::new();
+    let closed = s.read_to_end(&mut raw).is_ok();
+    (String::from_utf8_lossy(&raw).into_owned(), closed)
+}
+
+/// The server's bounds on one client: a body too large is refused from its header at once, a
+/// malformed one is a 400, a slow one a 408, all as error objects; a request head that does
+/// not arrive, or a keep-alive connection left idle, is closed after the header timeout; and no
+/// more connections are served at once than allowed, the next one served when one closes.
+#[test]
+fn network_limits_bound_what_a_client_holds() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let flags = ["--max-connections", "3", "--header-timeout", "2", "--body-timeout", "1"];
+    let server = Server::start(env, &model, &flags);
+    let port = server.port;
+    let connect = || TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let error_of = |answer: &str, status: u16| {
+        let (head, body) = answer.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{answer:?}"));
+        assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{answer}");
+        let body =
+            if head.to_ascii_lowercase().contains("chunked") { dechunk(body) } else { body.into() };
+        let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {answer}"));
+        assert!(v["error"]["message"].is_string(), "{answer}");
+    };
+
+    // 413 from the header alone: nothing of the body is sent, the answer comes at once.
+    let t = Instant::now();
+    let mut s = connect();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999\r\n\r\n")
+        .unwrap();
+    let (answer, _) = read_until_closed(&mut s, Duration::from_secs(10));
+    error_of(&answer, 413);
+    assert!(t.elapsed() < Duration::from_secs(1), "413 took {:?}", t.elapsed());
+
+    // A chunked body whose chunk size is not a number: 400.
+    let mut s = connect();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n").unwrap();
+    let (answer, _) = read_until_closed(&mut s, Duration::from_secs(10));
+    error_of(&answer, 400);
+
+    // A body that stops coming: 408 after the body timeout.
+    let mut s = connect();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{{\"prompt\""
+    )
+    .unwrap();
+    let (answer, _) = read_until_closed(&mut s, Duration::from_secs(10));
+    error_of(&answer, 408);
+
+    // Half a request head, and a keep-alive connection after its answer: both closed after
+    // the header timeout (2 s), not held.
+    let t = Instant::now();
+    let mut half = connect();
+    write!(half, "GET /health HTTP/1.1\r\nHost: x\r\n").unwrap();
+    let mut idle = connect();
+    write!(idle, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let (answer, closed) = read_until_closed(&mut idle, Duration::from_secs(10));
+    assert!(closed && answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    let (answer, closed) = read_until_closed(&mut half, Duration::from_secs(10));
+    assert!(closed, "a half-sent head was held open: {answer:?}");
+    assert!(t.elapsed() < Duration::from_secs(8), "closed after {:?}", t.elapsed());
+
+    // Three connections allowed: with three open, a fourth waits; when one closes, it is served.
+    let held: Vec<TcpStream> = (0..3).map(|_| connect()).collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let mut waiting = connect();
+    write!(waiting, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    waiting.set_read_timeout(Some(Duration::from_millis(700))).unwrap();
+    let mut byte = [0u8; 1];
+    assert!(waiting.read(&mut byte).is_err(), "a fourth connection was served at once");
+    drop(held);
+    let (answer, _) = read_until_closed(&mut waiting, Duration::from_secs(10));
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
+    assert_eq!(http(port, "GET", "/health", "").0, 200);
+}

@@ -167,6 +167,16 @@ pub(crate) struct ServeArgs {
     /// The model's name in the API (default: the model directory's name).
     #[arg(long)]
     pub name: Option<String>,
+    /// Connections served at once; more wait until one closes.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// Seconds a client may take to send a request's head; also how long an idle keep-alive
+    /// connection stays open.
+    #[arg(long, default_value_t = 30)]
+    pub header_timeout: u64,
+    /// Seconds a client may take to send a request's body (then 408).
+    #[arg(long, default_value_t = 60)]
+    pub body_timeout: u64,
 }
 
 #[derive(Args)]

@@ -64,6 +64,11 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
                 prefill_tokens: a.prefill_tokens,
             },
             name: a.name,
+            net: attnres::infer::serve::NetLimits {
+                max_connections: a.max_connections,
+                header_timeout: std::time::Duration::from_secs(a.header_timeout),
+                body_timeout: std::time::Duration::from_secs(a.body_timeout),
+            },
         }),
     }
 }

@@ -15,7 +15,7 @@ use crate::model::Model;
 use anyhow::{Context, Result};
 use api::{error, prepare_chat, prepare_completion, Invalid, Prepared, Served};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// What `attnres serve` was asked for.
 pub struct ServeOptions {
@@ -36,6 +36,44 @@ pub struct ServeOptions {
     pub engine: EngineOptions,
     /// The name clients use in `model` (default: the model directory's name).
     pub name: Option<String>,
+    pub net: NetLimits,
+}
+
+/// What one client may hold of the server (docs/serving.md, "Limits").
+#[derive(Clone, Copy, Debug)]
+pub struct NetLimits {
+    /// Connections served at once; more wait in the kernel's queue until one closes.
+    pub max_connections: usize,
+    /// How long a client may take to send a request's head, and how long a keep-alive
+    /// connection may sit idle before the next one.
+    pub header_timeout: Duration,
+    /// How long a client may take to send a request's body.
+    pub body_timeout: Duration,
+}
+
+/// The most connections `--max-connections` may allow (each holds a task and a socket).
+pub const MAX_CONNECTIONS: usize = 65_536;
+/// The longest `--header-timeout` and `--body-timeout`, in seconds (a day).
+pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+
+impl NetLimits {
+    pub fn check(&self) -> Result<()> {
+        anyhow::ensure!(
+            (1..=MAX_CONNECTIONS).contains(&self.max_connections),
+            "--max-connections must lie in 1..={MAX_CONNECTIONS}, got {}",
+            self.max_connections
+        );
+        for (flag, t) in
+            [("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout)]
+        {
+            anyhow::ensure!(
+                (1..=MAX_TIMEOUT_SECS).contains(&t.as_secs()),
+                "{flag} must lie in 1..={MAX_TIMEOUT_SECS} seconds, got {}",
+                t.as_secs()
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Everything a request handler needs.
@@ -46,6 +84,7 @@ struct App {
     /// Numbers the ids of responses.
     next_id: AtomicU64,
     started: u64,
+    body_timeout: Duration,
 }
 
 /// Serves until SIGTERM or Ctrl-C; requests under way are finished before it returns.
@@ -63,6 +102,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     };
     let e = &opts.engine;
     engine::check_options(&model.config, e)?;
+    opts.net.check()?;
     let chat = crate::text::chat::ChatTemplate::find(&opts.model)?;
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
@@ -74,6 +114,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         metrics,
         next_id: AtomicU64::new(0),
         started: unix_time(),
+        body_timeout: opts.net.body_timeout,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -112,10 +153,55 @@ async fn serve(app: Arc<App>, opts: &ServeOptions, model: &Model) -> Result<()> 
             error(StatusCode::METHOD_NOT_ALLOWED, "this endpoint does not take that method", None)
         })
         .with_state(app);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("the server failed")
+    accept_loop(listener, router, opts.net).await;
+    Ok(())
+}
+
+/// Serves connections until SIGTERM or Ctrl-C, at most `net.max_connections` at once, each
+/// with hyper's header timeout (which also ends idle keep-alive connections); then asks every
+/// open connection to finish its request under way and close, and waits for them.
+async fn accept_loop(listener: tokio::net::TcpListener, router: Router, net: NetLimits) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let permits = Arc::new(tokio::sync::Semaphore::new(net.max_connections));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut connections = tokio::task::JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown_signal());
+    loop {
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            _ = &mut shutdown => break,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait, and try again.
+                    log(&format!("cannot accept a connection: {e}"));
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let mut stopped = stopped.clone();
+        connections.spawn(async move {
+            let _permit = permit;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(TokioTimer::new()).header_read_timeout(net.header_timeout);
+            let conn = http.serve_connection(TokioIo::new(stream), service);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = stopped.changed() => conn.as_mut().graceful_shutdown(),
+            }
+            let _ = conn.await;
+        });
+        // Forget the connections that have ended.
+        while connections.try_join_next().is_some() {}
+    }
+    let _ = stop.send(true);
+    while connections.join_next().await.is_some() {}
 }
 
 /// SIGTERM or Ctrl-C: stop taking connections; requests under way finish.
@@ -162,16 +248,54 @@ async fn models(State(app): State<Arc<App>>) -> impl IntoResponse {
 /// The largest request body taken, in bytes.
 const MAX_BODY: usize = 16 << 20;
 
-/// The request body, up to [`MAX_BODY`]; a larger one is answered with 413 and an error object.
-async fn read_body(body: axum::body::Body) -> Result<axum::body::Bytes, Response> {
-    axum::body::to_bytes(body, MAX_BODY).await.map_err(|_| {
-        let msg = format!("the request body is larger than {} MB or was cut off", MAX_BODY >> 20);
+/// The request body, up to [`MAX_BODY`], within `app.body_timeout`; each failure an error
+/// object: 413 for a body too large (at once when its `Content-Length` says so), 400 for one
+/// that is malformed or cut off, 408 for one that does not arrive in time.
+async fn read_body(
+    app: &App,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+) -> Result<axum::body::Bytes, Response> {
+    use futures_util::StreamExt;
+    let too_large = || {
+        let msg = format!("the request body is larger than {} MB", MAX_BODY >> 20);
         error(StatusCode::PAYLOAD_TOO_LARGE, &msg, None)
-    })
+    };
+    let declared = headers.get(axum::http::header::CONTENT_LENGTH).and_then(|v| v.to_str().ok());
+    if declared.and_then(|v| v.parse::<u128>().ok()).is_some_and(|n| n > MAX_BODY as u128) {
+        return Err(too_large());
+    }
+    let read = async {
+        let mut bytes = Vec::new();
+        let mut stream = body.into_data_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| {
+                let msg = format!("the request body is malformed or was cut off: {e}");
+                error(StatusCode::BAD_REQUEST, &msg, None)
+            })?;
+            if bytes.len() + chunk.len() > MAX_BODY {
+                return Err(too_large());
+            }
+            bytes.extend_from_slice(&chunk);
+        }
+        Ok(axum::body::Bytes::from(bytes))
+    };
+    match tokio::time::timeout(app.body_timeout, read).await {
+        Ok(body) => body,
+        Err(_) => {
+            let secs = app.body_timeout.as_secs();
+            let msg = format!("the request body did not arrive within {secs} s");
+            Err(error(StatusCode::REQUEST_TIMEOUT, &msg, None))
+        }
+    }
 }
 
-async fn completions(State(app): State<Arc<App>>, body: axum::body::Body) -> Response {
-    let body = match read_body(body).await {
+async fn completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };
@@ -179,8 +303,12 @@ async fn completions(State(app): State<Arc<App>>, body: axum::body::Body) -> Res
     respond(app, prepared, Kind::Completion).await
 }
 
-async fn chat_completions(State(app): State<Arc<App>>, body: axum::body::Body) -> Response {
-    let body = match read_body(body).await {
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: axum::body::Body,
+) -> Response {
+    let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
         Err(r) => return r,
     };

@@ -128,12 +128,14 @@ fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
     if super::x86::isa().is_some() {
         // SAFETY: the processor has AVX2 (`isa` found it); `out` holds 34 bytes (checked
         // inside).
-        return unsafe { super::x86::quantize_block(x, out) };
+        if let Some(done) = unsafe { super::x86::quantize_block(x, out) } {
+            return done;
+        }
     }
     quantize_block_portable(x, out)
 }
 
-pub(super) fn quantize_block_portable(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
+fn quantize_block_portable(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
     out.copy_from_slice(&super::quantize(Format::Q8_0, x).expect("one whole block"));
     (super::half(out), out[2..].iter().map(|&v| v as i8 as i32).sum())
 }

@@ -109,14 +109,14 @@ fn broadcast4(xs: &[u8], at: usize) -> __m256i {
 /// [`super::dot`]'s `quantize_block` in AVX2: the largest magnitude, the scale and its
 /// inverse as the reference computes them, each value times the inverse rounded half away
 /// from zero (as `f32::round`: truncate, then step away from zero where the dropped part is at
-/// least one half, which is exact), packed to bytes. A block with a value that is not finite
-/// goes to the portable code, whose conversions of NaN and infinities to bytes the vector
-/// instructions do not share.
+/// least one half, which is exact), packed to bytes. `None`, writing nothing, for a block with a
+/// value that is not finite: the portable code's conversions of NaN and infinities to bytes are
+/// not the vector instructions'.
 ///
 /// # Safety
 /// The processor must have AVX2, FMA and F16C ([`isa`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
+pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> Option<(f32, i32)> {
     assert!(out.len() == 34);
     let sign = _mm256_set1_ps(-0.0);
     // SAFETY: `x` holds 32 values; unaligned loads.
@@ -126,7 +126,7 @@ pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
     let finite =
         abs.iter().fold(0xff, |m, &a| m & _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_LT_OQ>(a, inf)));
     if finite != 0xff {
-        return super::dot::quantize_block_portable(x, out);
+        return None;
     }
     let m = _mm256_max_ps(_mm256_max_ps(abs[0], abs[1]), _mm256_max_ps(abs[2], abs[3]));
     let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
@@ -154,7 +154,7 @@ pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
     out[..2].copy_from_slice(&h.to_le_bytes());
     // SAFETY: `out` holds 34 bytes (checked above); an unaligned store of 32 from byte 2.
     unsafe { _mm256_storeu_si256(out[2..].as_mut_ptr() as *mut __m256i, bytes) };
-    (super::f16_to_f32(h), sum)
+    Some((super::f16_to_f32(h), sum))
 }
 
 /// [`super::dot::dot_f16_many`]: eight values of a row converted from F16 at once and
