@@ -364,6 +364,14 @@ fn a_checkpoint_that_does_not_fit_leaves_no_temporary_files_and_the_run_resumes(
         "temporary files left on the full disk"
     );
     assert!(run.join("ckpt/train_state.json").exists(), "the previous checkpoint is kept");
+    // A model into a new directory on the full disk: refused, and no directory is left.
+    let fresh = mnt.join("fresh");
+    let o = env
+        .cmd(&args(&["init", "--preset", "small", "--out", fresh.to_str().unwrap()]))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stderr));
+    assert!(!fresh.exists(), "init left {} behind", fresh.display());
 
     // With room again, the run resumes from its last checkpoint and finishes.
     disk.remount(&format!("remount,size={}", size * 4));

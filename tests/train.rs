@@ -534,7 +534,9 @@ fn non_finite_values_are_errors_naming_the_step_and_the_setting() {
     let cases = [
         ("adam_eps=0", "the weights became non-finite in the update of step 1", "adam_eps = 0"),
         ("rope_theta=1e-300", "the training loss became NaN at step 1", "model settings"),
-        ("initializer_range=1e30", "the gradient norm became NaN at step 1", "model settings"),
+        ("initializer_range=1e30", "the training loss became NaN at step 1", "model settings"),
+        // Weights of about 1e11: the forward pass stays finite, its gradients do not.
+        ("initializer_range=1e11", "the gradient norm became NaN at step 1", "model settings"),
     ];
     for (i, (set, what, advice)) in cases.into_iter().enumerate() {
         let out = format!("n{i}");

@@ -279,7 +279,14 @@ fn init(a: InitArgs) -> Result<()> {
         a.out.display()
     );
     let model = Model::init(config, a.seed)?;
-    checkpoint::save(&model, &a.out)?;
+    let created = !a.out.exists();
+    let saved = checkpoint::save(&model, &a.out);
+    if saved.is_err() && created {
+        // A failed write (a full disk) leaves no new directory; `remove_dir` takes only an
+        // empty one, and the write removes its own temporary files.
+        let _ = std::fs::remove_dir(&a.out);
+    }
+    saved?;
     log(&format!(
         "wrote {} ({} parameters, residual = {})",
         a.out.display(),
