@@ -395,7 +395,7 @@ fn bad_requests_get_openai_errors_and_the_server_goes_on() {
     }
     assert!(!complete(port, &json!({"prompt": "To be", "max_tokens": 3})).is_empty());
     let (_, metrics) = http(port, "GET", "/metrics", "");
-    assert!(metrics.contains("attnres_requests_total{outcome=\"invalid\"} 19"), "{metrics}");
+    assert!(metrics.contains("attnres_requests_total{outcome=\"invalid\"} 20"), "{metrics}");
     assert!(metrics.contains("attnres_requests_total{outcome=\"completed\"} 1"), "{metrics}");
     let (_, models) = http(port, "GET", "/v1/models", "");
     assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "run");

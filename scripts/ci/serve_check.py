@@ -6,7 +6,10 @@
 Without --bench: starts the server, then checks with the client what people rely on (models,
 completions and chat, whole and streamed, usage, errors) and runs a bounded load test: 64
 concurrent streaming requests of mixed lengths, each of which must complete with its usage or
-be refused with 429, none lost. Exits non-zero on any failure.
+be refused with 429, none lost; then a soak (`soak`): 2,000 requests from 32 clients with
+cancelled streams, slow readers and bad bodies, after which every request has its answer,
+/metrics counts each one and the server's memory is within 10% of its size after warm-up.
+Exits non-zero on any failure.
 
 With --bench: throughput and latency at concurrency 1, 4, 16 and 64 (a markdown table).
 
@@ -21,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -160,6 +164,116 @@ def load(client, model, n=64):
     print(f"load: {n} concurrent streamed requests (max_tokens 8..100): {done} completed, {refused} refused with 429, none lost")
 
 
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:"))
+
+
+def outcomes(port):
+    """The server's request counts by outcome, from /metrics."""
+    text = raw(port, "GET", "/metrics")[1].decode()
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r'attnres_requests_total\{outcome="(\w+)"\} (\d+)', text)}
+
+
+def raw(port, method, path, body=b"", read_slowly=False, cancel_after=None, head=None):
+    """One request on its own connection: (status, whole answer). `cancel_after` bytes read,
+    the connection is closed and status is None; `read_slowly` reads 64 bytes at a time with
+    pauses; `head` replaces the request's head (for lies about the body)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+    try:
+        head = head or (
+            f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        s.sendall(head.encode() + body)
+        got = b""
+        while True:
+            chunk = s.recv(64 if read_slowly else 65536)
+            if not chunk:
+                break
+            got += chunk
+            if cancel_after is not None and len(got) >= cancel_after:
+                return None, got
+            if read_slowly:
+                time.sleep(0.005)
+    finally:
+        s.close()
+    status = int(got.split(b" ", 2)[1]) if got.startswith(b"HTTP/1.1 ") else None
+    assert status is not None, f"no answer to {method} {path}: {got[:200]!r}"
+    assert b"\r\n\r\n" in got, f"a cut answer to {method} {path}: {got[:200]!r}"
+    return status, got
+
+
+def soak(proc, port, model, total=2000, clients=32, warmup=200):
+    """`total` requests from `clients` threads: whole and streamed completions, streams closed
+    after their first piece, streams read slowly, malformed and oversized bodies, health and
+    model listings. Every request must get its whole answer (but the ones closed on purpose),
+    /metrics must count every completion request once, and the server's RSS after the soak must
+    be within 10% of its RSS after the warm-up."""
+    rng_lock = threading.Lock()
+    import random
+    rng = random.Random(20261204)
+
+    def one(i):
+        with rng_lock:
+            kind, n, stream = rng.randrange(100), rng.randrange(1, 24), rng.random() < 0.5
+        body = json.dumps({"model": model, "prompt": f"Act {i}.", "max_tokens": n, "temperature": 0.8, "seed": i, "stream": stream}).encode()
+        if kind < 55:
+            status, _ = raw(port, "POST", "/v1/completions", body)
+            assert status in (200, 429), status
+            return "api"
+        if kind < 70:
+            # As long a stream as the tiny model's context allows, closed at its first bytes.
+            sbody = json.dumps({"model": model, "prompt": f"Act {i}.", "max_tokens": 115, "stream": True}).encode()
+            raw(port, "POST", "/v1/completions", sbody, cancel_after=1)
+            return "api"
+        if kind < 77:
+            status, _ = raw(port, "POST", "/v1/completions", body, read_slowly=True)
+            assert status in (200, 429), status
+            return "api"
+        if kind < 85:
+            status, answer = raw(port, "POST", "/v1/completions", b'{"prompt": "unclosed')
+            assert status == 400 and b'"error"' in answer, answer[:300]
+            return "api"
+        if kind < 90:
+            head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n"
+                    "Connection: close\r\n\r\n")
+            status, answer = raw(port, "POST", "/v1/chat/completions", head=head)
+            assert status == 413 and b'"error"' in answer, answer[:300]
+            return "api"
+        status, _ = raw(port, "GET", "/health" if kind < 95 else "/v1/models")
+        assert status == 200, status
+        return "other"
+
+    def run(ids):
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            return list(pool.map(one, ids))
+
+    before = outcomes(port)
+    t0 = time.perf_counter()
+    kinds = run(range(warmup))
+    settled = rss_kib(proc.pid)
+    kinds += run(range(warmup, total))
+    elapsed = time.perf_counter() - t0
+    # Cancelled streams finish on the server a step later: wait for every count to land.
+    api = kinds.count("api")
+    deadline = time.time() + 30
+    while True:
+        after = outcomes(port)
+        counted = sum(after.values()) - sum(before.values())
+        if counted == api or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert counted == api, f"/metrics counts {counted} completion requests of {api}: {after}"
+    end = rss_kib(proc.pid)
+    growth = end / settled - 1
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    print(f"soak: {total} requests from {clients} clients in {elapsed:.0f} s, every one answered; "
+          f"/metrics counts all {api} completion requests {delta}; RSS {settled / 1024:.0f} MiB after "
+          f"{warmup} requests, {end / 1024:.0f} MiB at the end ({growth:+.1%})")
+    assert growth <= 0.10, f"the server's memory grew by {growth:.1%}"
+
+
 def bench(client, model, levels, tokens=64):
     rows = []
     for c in levels:
@@ -287,6 +401,7 @@ def main():
             check(client, model)
             curl(port, model)
             load(client, model)
+            soak(proc, port, model)
             if a.browser:
                 browser(a.browser, port, a.screenshot)
     finally:

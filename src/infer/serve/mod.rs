@@ -297,7 +297,10 @@ async fn completions(
 ) -> Response {
     let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => {
+            app.metrics.finished("invalid");
+            return r;
+        }
     };
     let prepared = prepare_completion(&app.served, &body);
     respond(app, prepared, Kind::Completion).await
@@ -310,7 +313,10 @@ async fn chat_completions(
 ) -> Response {
     let body = match read_body(&app, &headers, body).await {
         Ok(b) => b,
-        Err(r) => return r,
+        Err(r) => {
+            app.metrics.finished("invalid");
+            return r;
+        }
     };
     let prepared = prepare_chat(&app.served, &body);
     respond(app, prepared, Kind::Chat).await
