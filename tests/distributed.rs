@@ -484,6 +484,68 @@ fn a_pipeline_rank_killed_mid_step_ends_the_job_and_the_run_resumes() {
     one_process_dies_and_ranks_resume(&env, 4, &["--pp", "2"]);
 }
 
+#[cfg_attr(
+    not(feature = "mpi"),
+    ignore = "needs a build with --features mpi and Open MPI's mpirun (docs/distributed.md)"
+)]
+#[test]
+fn a_stalled_or_killed_rank_ends_the_job_and_the_run_resumes() {
+    let env = Env::for_mpirun();
+    env.train(0, &env.train_args("alone", "block", &[]));
+
+    // Rank 1 stops itself (SIGSTOP) in step 6, mid-step, as a hung or swapped-out process
+    // would: the ranks waiting for it end the job after --comm-timeout, naming it; the same
+    // command with --resume finishes the run as if nothing had happened.
+    for (ranks, shape, out) in
+        [(2, &["--pp", "2"][..], "stop2"), (4, &["--pp", "2", "--vpp", "2"][..], "stop4")]
+    {
+        let mut args = env.train_args(out, "block", shape);
+        args.extend(["--comm-timeout", "3"].map(String::from));
+        let died = dies(&env, ranks, &args, "ATTNRES_TEST_STOP_AT", "1:6");
+        let err = String::from_utf8_lossy(&died.stderr);
+        assert!(err.contains("waited more than 3 s for rank 1 ("), "{err}");
+        assert_eq!(metrics(&env.path(out)).len(), 5, "{out}");
+        let mut resume = env.resume_args(out);
+        resume.extend(shape.iter().map(|s| s.to_string()));
+        env.train(ranks, &resume);
+        same_run(&env, "alone", out);
+    }
+
+    // A rank killed from outside (SIGKILL, not a hook of ours) at moments of the test's
+    // choosing (once the run has logged 2, 4 and 6 steps; the one killed alternates), each time
+    // continued by the same command with --resume: the run ends as an undisturbed one.
+    let args = env.train_args("killed", "block", &["--pp", "2"]);
+    let mut resume = env.resume_args("killed");
+    resume.extend(["--pp", "2"].map(String::from));
+    let mut killed = 0;
+    for (i, steps) in [2usize, 4, 6].into_iter().enumerate() {
+        let mut c = env.cmd(2, if i == 0 { &args } else { &resume });
+        let mut child = c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+        let logged = || {
+            std::fs::read_to_string(env.path("killed/metrics.jsonl"))
+                .map_or(0, |m| m.lines().count())
+        };
+        let t = Instant::now();
+        while logged() < steps && child.try_wait().unwrap().is_none() && t.elapsed() < LIMIT {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let ranks = Command::new("pgrep").args(["-P", &child.id().to_string()]).output().unwrap();
+        let pids: Vec<String> =
+            String::from_utf8_lossy(&ranks.stdout).split_whitespace().map(String::from).collect();
+        if let Some(pid) = pids.get(i % 2) {
+            let _ = Command::new("kill").args(["-KILL", pid]).status();
+        }
+        // Ended by the kill, or finished just before it: either way it ends.
+        let status = child.wait().unwrap();
+        if !status.success() {
+            killed += 1;
+        }
+    }
+    assert_eq!(killed, 3, "a kill did not land while the job ran");
+    env.train(2, &resume);
+    same_run(&env, "alone", "killed");
+}
+
 /// Runs `args` on `ranks` ranks with the test hook `var=value`, which ends the job: asserts
 /// that the job fails within a minute, and returns its output.
 fn dies(env: &Env, ranks: usize, args: &[String], var: &str, value: &str) -> Output {

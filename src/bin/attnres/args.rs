@@ -299,6 +299,10 @@ pub(crate) struct TrainArgs {
     /// ones; off: every transition resends every completed block.
     #[arg(long, value_enum, default_value_t = PpCache::On)]
     pub pp_cache: PpCache,
+    /// Under mpirun: seconds a rank waits for another (a message, a sum over the ranks) before
+    /// it ends the job, naming the rank: one that was stopped or hangs (docs/distributed.md).
+    #[arg(long, default_value_t = 600)]
+    pub comm_timeout: u64,
 }
 
 #[derive(Args)]

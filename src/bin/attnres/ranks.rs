@@ -14,12 +14,12 @@ pub(crate) type Ranks = std::convert::Infallible;
 #[cfg(feature = "mpi")]
 pub(crate) fn ranks(command: &Command) -> Result<Option<Ranks>> {
     let Some((size, rank)) = attnres::train::parallel::comm::launched() else { return Ok(None) };
-    if !matches!(command, Command::Train(_)) {
+    let Command::Train(t) = command else {
         // Every rank would do the same work: say so once.
         ensure!(rank != 0, "only train runs on several ranks; start this command without mpirun ({size} ranks here)");
         return Err(Reported.into());
-    }
-    Ok(Some(Ranks::init()?))
+    };
+    Ok(Some(Ranks::init(attnres::train::parallel::comm::mpi::timeout(t.comm_timeout)?)?))
 }
 
 #[cfg(not(feature = "mpi"))]

@@ -27,3 +27,14 @@ pub fn fault_point_kill(rank: usize, step: usize) {
         std::process::abort();
     }
 }
+
+/// A test hook: `ATTNRES_TEST_STOP_AT=RANK:STEP` makes rank RANK stop itself with SIGSTOP in
+/// the middle of step STEP (from 1), as a process that hangs or is swapped out would: the
+/// other ranks wait for it until their watchdog ends the job.
+pub fn fault_point_stop(rank: usize, step: usize) {
+    static AT: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    if *AT.get_or_init(|| hook_at("ATTNRES_TEST_STOP_AT")) == Some((rank, step)) {
+        let pid = std::process::id().to_string();
+        let _ = std::process::Command::new("kill").args(["-STOP", &pid]).status();
+    }
+}

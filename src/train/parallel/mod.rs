@@ -386,6 +386,7 @@ impl<'c> Group<'c> {
         let n = model.layout.updated();
         let mut traffic = StepTraffic::default();
         fault::fault_point_kill(self.rank(), step + 1);
+        fault::fault_point_stop(self.rank(), step + 1);
         // Nothing in the passes fails but a bug, and the other ranks may be waiting for this
         // one's messages: such an error is not agreed on, so the job ends through MPI_Abort.
         // The first replica's sum starts from zero: it adds its micro-batches as they complete.

@@ -1,5 +1,9 @@
 //! [`Comm`] over MPI (the `mpi` crate, on the system's MPI library). Only the thread that
 //! initialised MPI calls it; the worker threads of the kernels never do.
+//!
+//! A rank that stops answering (stopped, swapped out, hung) would leave the others waiting in
+//! MPI for ever: every blocking call says what it waits for to a watchdog thread, which ends
+//! the job when a wait passes the timeout (`train --comm-timeout`), naming the rank waited for.
 
 use super::{Comm, Receiving};
 use anyhow::{Context, Result};
@@ -9,6 +13,51 @@ use mpi::request::{Request, StaticScope};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Threading;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The longest `--comm-timeout`, in seconds (a day).
+pub const MAX_TIMEOUT_SECS: u64 = 86_400;
+
+/// `--comm-timeout`, checked.
+pub fn timeout(secs: u64) -> Result<Duration> {
+    anyhow::ensure!(
+        (1..=MAX_TIMEOUT_SECS).contains(&secs),
+        "--comm-timeout must lie in 1..={MAX_TIMEOUT_SECS} seconds, got {secs}"
+    );
+    Ok(Duration::from_secs(secs))
+}
+
+/// What a rank waits for now, and since when: shared with its watchdog thread.
+type Waiting = Arc<Mutex<Option<(Instant, String)>>>;
+
+/// Starts the thread that ends the job when `waiting` has waited longer than `timeout`.
+fn start_watchdog(rank: usize, timeout: Duration, waiting: Waiting) -> Result<()> {
+    let tick = (timeout / 10).clamp(Duration::from_millis(50), Duration::from_secs(1));
+    std::thread::Builder::new()
+        .name("comm-watchdog".into())
+        .spawn(move || loop {
+            std::thread::sleep(tick);
+            let late = waiting.lock().unwrap_or_else(|e| e.into_inner()).as_ref().and_then(
+                |(since, what)| (since.elapsed() > timeout).then(|| what.clone()),
+            );
+            if let Some(what) = late {
+                crate::base::progress::log(&format!(
+                    "error: rank {rank} waited more than {} s for {what}, which stopped answering (stopped, hung or swapped out): ending the job; continue it with --resume (the wait is --comm-timeout)",
+                    timeout.as_secs()
+                ));
+                // At once, without MPI's teardown, which would wait for the silent rank too;
+                // mpirun then ends the other ranks.
+                extern "C" {
+                    fn _exit(code: i32) -> !;
+                }
+                // SAFETY: ends the process; nothing of it is used afterwards.
+                unsafe { _exit(1) }
+            }
+        })
+        .context("cannot start the communication watchdog")?;
+    Ok(())
+}
 
 /// MPI's world: every rank of the job. Dropping it finalises MPI, which every rank must reach.
 pub struct Mpi {
@@ -17,16 +66,33 @@ pub struct Mpi {
     local: usize,
     /// Holds MPI's buffer for posted messages ([`Comm::post_f32`]).
     universe: std::cell::RefCell<Universe>,
+    waiting: Waiting,
 }
 
 impl Mpi {
-    /// Initialises MPI. Only the calling thread may use it (MPI's "funneled" level).
-    pub fn init() -> Result<Mpi> {
+    /// Initialises MPI. Only the calling thread may use it (MPI's "funneled" level). A wait
+    /// for other ranks longer than `timeout` ends the job.
+    pub fn init(timeout: Duration) -> Result<Mpi> {
         let (universe, _) = mpi::initialize_with_threading(Threading::Funneled)
             .context("MPI is already initialised")?;
         let world = universe.world();
         let local = world.split_shared(world.rank()).size() as usize;
-        Ok(Mpi { world, local, universe: std::cell::RefCell::new(universe) })
+        let waiting = Waiting::default();
+        start_watchdog(world.rank() as usize, timeout, waiting.clone())?;
+        Ok(Mpi { world, local, universe: std::cell::RefCell::new(universe), waiting })
+    }
+
+    /// `f`, a call that waits for other ranks, watched: `what` names them for the error.
+    fn wait<T>(&self, what: impl FnOnce() -> String, f: impl FnOnce() -> T) -> T {
+        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = Some((Instant::now(), what()));
+        let out = f();
+        *self.waiting.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        out
+    }
+
+    /// The other ranks, for a collective's error.
+    fn others(&self) -> String {
+        format!("the other ranks ({} in all) in a collective operation", self.size())
     }
 
     /// How many ranks run on this rank's machine.
@@ -52,35 +118,40 @@ impl Comm for Mpi {
 
     fn all_gather_f32(&self, mine: &[f32]) -> Vec<f32> {
         let mut all = vec![0.0f32; mine.len() * self.size()];
-        self.world.all_gather_into(mine, &mut all[..]);
+        self.wait(|| self.others(), || self.world.all_gather_into(mine, &mut all[..]));
         all
     }
 
     fn all_gather_u64(&self, mine: &[u64]) -> Vec<u64> {
         let mut all = vec![0u64; mine.len() * self.size()];
-        self.world.all_gather_into(mine, &mut all[..]);
+        self.wait(|| self.others(), || self.world.all_gather_into(mine, &mut all[..]));
         all
     }
 
     fn broadcast_f32(&self, root: usize, buf: &mut [f32]) {
-        self.world.process_at_rank(root as i32).broadcast_into(buf);
+        let what = || format!("rank {root} (a broadcast from it)");
+        self.wait(what, || self.world.process_at_rank(root as i32).broadcast_into(buf));
     }
 
     fn broadcast_u8(&self, root: usize, buf: &mut [u8]) {
-        self.world.process_at_rank(root as i32).broadcast_into(buf);
+        let what = || format!("rank {root} (a broadcast from it)");
+        self.wait(what, || self.world.process_at_rank(root as i32).broadcast_into(buf));
     }
 
     fn all_reduce_sum_f32(&self, buf: &mut [f32]) {
         let mine = buf.to_vec();
-        self.world.all_reduce_into(&mine[..], buf, SystemOperation::sum());
+        let sum = || self.world.all_reduce_into(&mine[..], buf, SystemOperation::sum());
+        self.wait(|| self.others(), sum);
     }
 
     fn send_f32(&self, to: usize, buf: &[f32]) {
-        self.world.process_at_rank(to as i32).send(buf);
+        let what = || format!("rank {to} (to take a message)");
+        self.wait(what, || self.world.process_at_rank(to as i32).send(buf));
     }
 
     fn receive_f32(&self, from: usize, buf: &mut [f32]) {
-        self.world.process_at_rank(from as i32).receive_into(buf);
+        let what = || format!("rank {from} (a message from it)");
+        self.wait(what, || self.world.process_at_rank(from as i32).receive_into(buf));
     }
 
     fn post_f32(&self, to: usize, tag: u16, buf: &[f32]) {
@@ -89,7 +160,9 @@ impl Comm for Mpi {
     }
 
     fn receive_posted_f32(&self, from: usize, tag: u16, buf: &mut [f32]) {
-        self.world.process_at_rank(from as i32).receive_into_with_tag(buf, tag as i32);
+        let what = || format!("rank {from} (a pipeline message from it)");
+        let at = self.world.process_at_rank(from as i32);
+        self.wait(what, || at.receive_into_with_tag(buf, tag as i32));
     }
 
     fn start_receive(&self, from: usize, tag: u16, len: usize) -> Receiving {
@@ -113,7 +186,8 @@ impl Comm for Mpi {
             return buf;
         };
         if let Some(request) = started.request.take() {
-            request.wait_without_status();
+            let what = || format!("rank {} (a pipeline message from it)", r.from);
+            self.wait(what, || request.wait_without_status());
         }
         started.take_values()
     }
