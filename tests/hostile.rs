@@ -290,6 +290,7 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
         (["--max-connections", "1000000"], "--max-connections must lie in 1..=65536"),
         (["--header-timeout", "0"], "--header-timeout must lie in 1..=86400 seconds, got 0"),
         (["--body-timeout", "999999999"], "--body-timeout must lie in 1..=86400 seconds"),
+        (["--request-timeout", "0"], "--request-timeout must lie in 1..=86400 seconds, got 0"),
     ] {
         let mut args = vec!["serve", "--model", &m, "--port", "0"];
         args.extend(flags);

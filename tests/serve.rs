@@ -485,7 +485,16 @@ fn read_until_closed(s: &mut TcpStream, limit: Duration) -> (String, bool) {
 fn network_limits_bound_what_a_client_holds() {
     let env = &RunEnv::new(12_000, 2);
     let model = trained(env);
-    let flags = ["--max-connections", "3", "--header-timeout", "2", "--body-timeout", "1"];
+    let flags = [
+        "--max-connections",
+        "3",
+        "--header-timeout",
+        "2",
+        "--body-timeout",
+        "1",
+        "--request-timeout",
+        "1",
+    ];
     let server = Server::start(env, &model, &flags);
     let port = server.port;
     let connect = || TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -548,4 +557,24 @@ fn network_limits_bound_what_a_client_holds() {
     let (answer, _) = read_until_closed(&mut waiting, Duration::from_secs(10));
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
     assert_eq!(http(port, "GET", "/health", "").0, 200);
+
+    // Requests that run past --request-timeout (1 s): three long choices each, cancelled;
+    // answered with 504 whole, or with an error event and [DONE] streamed.
+    let long = json!({"prompt": "To be", "max_tokens": 4000, "n": 3, "temperature": 1.0});
+    let t = Instant::now();
+    let (status, v) = post(port, "/v1/completions", &long);
+    assert_eq!(status, 504, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("deadline of 1 s"), "{v}");
+    let mut streamed = long.clone();
+    streamed["stream"] = json!(true);
+    let got = events(port, "/v1/completions", &streamed);
+    assert!(got[got.len() - 2].contains("deadline of 1 s"), "{:?}", &got[got.len() - 2..]);
+    assert_eq!(got.last().unwrap(), "[DONE]");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    // The engine frees their slots at its next step.
+    let t = Instant::now();
+    while outcome(port, "cancelled") == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "the late requests were not cancelled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

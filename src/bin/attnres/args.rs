@@ -177,6 +177,10 @@ pub(crate) struct ServeArgs {
     /// Seconds a client may take to send a request's body (then 408).
     #[arg(long, default_value_t = 60)]
     pub body_timeout: u64,
+    /// Seconds a request may take from its arrival to its last token; then it is cancelled
+    /// and answered with 504 (a stream ends with an error event).
+    #[arg(long, default_value_t = 600)]
+    pub request_timeout: u64,
 }
 
 #[derive(Args)]

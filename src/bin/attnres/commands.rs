@@ -68,6 +68,7 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
                 max_connections: a.max_connections,
                 header_timeout: std::time::Duration::from_secs(a.header_timeout),
                 body_timeout: std::time::Duration::from_secs(a.body_timeout),
+                request_timeout: std::time::Duration::from_secs(a.request_timeout),
             },
         }),
     }

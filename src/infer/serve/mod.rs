@@ -49,6 +49,8 @@ pub struct NetLimits {
     pub header_timeout: Duration,
     /// How long a client may take to send a request's body.
     pub body_timeout: Duration,
+    /// How long a request may take from its arrival to its last token.
+    pub request_timeout: Duration,
 }
 
 /// The most connections `--max-connections` may allow (each holds a task and a socket).
@@ -63,9 +65,12 @@ impl NetLimits {
             "--max-connections must lie in 1..={MAX_CONNECTIONS}, got {}",
             self.max_connections
         );
-        for (flag, t) in
-            [("--header-timeout", self.header_timeout), ("--body-timeout", self.body_timeout)]
-        {
+        let timeouts = [
+            ("--header-timeout", self.header_timeout),
+            ("--body-timeout", self.body_timeout),
+            ("--request-timeout", self.request_timeout),
+        ];
+        for (flag, t) in timeouts {
             anyhow::ensure!(
                 (1..=MAX_TIMEOUT_SECS).contains(&t.as_secs()),
                 "{flag} must lie in 1..={MAX_TIMEOUT_SECS} seconds, got {}",
@@ -84,7 +89,7 @@ struct App {
     /// Numbers the ids of responses.
     next_id: AtomicU64,
     started: u64,
-    body_timeout: Duration,
+    net: NetLimits,
 }
 
 /// Serves until SIGTERM or Ctrl-C; requests under way are finished before it returns.
@@ -114,7 +119,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         metrics,
         next_id: AtomicU64::new(0),
         started: unix_time(),
-        body_timeout: opts.net.body_timeout,
+        net: opts.net,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -280,10 +285,10 @@ async fn read_body(
         }
         Ok(axum::body::Bytes::from(bytes))
     };
-    match tokio::time::timeout(app.body_timeout, read).await {
+    match tokio::time::timeout(app.net.body_timeout, read).await {
         Ok(body) => body,
         Err(_) => {
-            let secs = app.body_timeout.as_secs();
+            let secs = app.net.body_timeout.as_secs();
             let msg = format!("the request body did not arrive within {secs} s");
             Err(error(StatusCode::REQUEST_TIMEOUT, &msg, None))
         }
@@ -340,6 +345,12 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
     // The request's choices share one channel; each event names its choice.
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let received = Instant::now();
+    // Past it the request is given up: dropping `rx` makes the engine cancel its choices.
+    let deadline = tokio::time::Instant::now() + app.net.request_timeout;
+    let late = format!(
+        "the request ran past the server's deadline of {} s (--request-timeout)",
+        app.net.request_timeout.as_secs()
+    );
     for choice in 0..p.choices {
         let job = Job {
             prompt: p.prompt.clone(),
@@ -378,7 +389,11 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
     let mut tally = Tally::new(p.choices);
     if !p.stream {
         let mut texts = vec![String::new(); p.choices];
-        while let Some((i, ev)) = rx.recv().await {
+        loop {
+            let Ok(next) = tokio::time::timeout_at(deadline, rx.recv()).await else {
+                return error(StatusCode::GATEWAY_TIMEOUT, &late, None);
+            };
+            let Some((i, ev)) = next else { break };
             match ev {
                 Event::Text(t) => texts[i].push_str(&t),
                 Event::Done { finish, prompt_tokens, completion_tokens } => {
@@ -403,6 +418,8 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
         include_usage: p.include_usage,
         queue: std::collections::VecDeque::new(),
         ended: false,
+        deadline,
+        late,
     };
     let stream = futures_util::stream::unfold(state, |mut st| async move {
         loop {
@@ -458,13 +475,23 @@ struct Events {
     /// Events made and not yet sent.
     queue: std::collections::VecDeque<SseEvent>,
     ended: bool,
+    /// When the request is given up, and what the stream then says.
+    deadline: tokio::time::Instant,
+    late: String,
 }
 
 impl Events {
     /// Turns the engine's next message into events.
     async fn next(&mut self) {
         let data = |v: Value| SseEvent::default().data(v.to_string());
-        match self.rx.recv().await {
+        let Ok(next) = tokio::time::timeout_at(self.deadline, self.rx.recv()).await else {
+            let late = json!({"error": {"message": self.late, "type": "server_error"}});
+            self.queue.push_back(data(late));
+            self.queue.push_back(SseEvent::default().data("[DONE]"));
+            self.ended = true;
+            return;
+        };
+        match next {
             Some((i, Event::Text(t))) => {
                 let chunk = self.shape.chunk(i, Some(&t), None, &mut self.first[i]);
                 self.queue.push_back(data(chunk));

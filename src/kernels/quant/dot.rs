@@ -4,7 +4,7 @@
 //! made and multiplied in registers); [`dot_q8`] takes activations quantised to Q8_0
 //! ([`quantize_activations`]), so that each block is a sum of integer products scaled once by
 //! both blocks' scales: the weights' format sets how far that is from the f32 product (the
-//! tests state the bound).
+//! tests state the bound). F16 rows have their own product ([`dot_f16_many`]), in f32.
 
 use super::packed::Activations;
 use super::{dequantize_into, Format};
@@ -60,8 +60,8 @@ fn dot_f16_portable(row: &[u8], x: &[f32]) -> f32 {
             *lane = super::half(&w[2 * l..]).mul_add(x[l], *lane);
         }
     }
-    let g: Vec<f32> =
-        (0..8).map(|l| (lanes[l] + lanes[8 + l]) + (lanes[16 + l] + lanes[24 + l])).collect();
+    let g: [f32; 8] =
+        std::array::from_fn(|l| (lanes[l] + lanes[8 + l]) + (lanes[16 + l] + lanes[24 + l]));
     let mut sum = ((g[0] + g[4]) + (g[2] + g[6])) + ((g[1] + g[5]) + (g[3] + g[7]));
     for j in whole..x.len() {
         sum = super::half(&row[2 * j..]).mul_add(x[j], sum);
