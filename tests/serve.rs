@@ -516,6 +516,20 @@ fn network_limits_bound_what_a_client_holds() {
     error_of(&answer, 413);
     assert!(t.elapsed() < Duration::from_secs(1), "413 took {:?}", t.elapsed());
 
+    // What hyper cannot parse (a broken request line, a URI or headers too large) gets the
+    // API's error object too, not a bare status.
+    let long_header =
+        format!("GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n", "a".repeat(500_000));
+    let long_uri = format!("GET /{} HTTP/1.1\r\nHost: x\r\n\r\n", "a".repeat(70_000));
+    for (request, status) in
+        [("GARBAGE\r\n\r\n".to_string(), 400), (long_header, 431), (long_uri, 414)]
+    {
+        let mut s = connect();
+        let _ = s.write_all(request.as_bytes());
+        let (answer, _) = read_until_closed(&mut s, Duration::from_secs(10));
+        error_of(&answer, status);
+    }
+
     // A chunked body whose chunk size is not a number: 400.
     let mut s = connect();
     write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nzz\r\n{{}}\r\n0\r\n\r\n").unwrap();

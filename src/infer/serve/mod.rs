@@ -7,6 +7,7 @@
 //! a page to try the model.
 
 mod api;
+mod conn;
 pub mod engine;
 pub mod metrics;
 
@@ -158,55 +159,10 @@ async fn serve(app: Arc<App>, opts: &ServeOptions, model: &Model) -> Result<()> 
             error(StatusCode::METHOD_NOT_ALLOWED, "this endpoint does not take that method", None)
         })
         .with_state(app);
-    accept_loop(listener, router, opts.net).await;
+    let net = opts.net;
+    conn::accept_loop(listener, router, net.max_connections, net.header_timeout, shutdown_signal())
+        .await;
     Ok(())
-}
-
-/// Serves connections until SIGTERM or Ctrl-C, at most `net.max_connections` at once, each
-/// with hyper's header timeout (which also ends idle keep-alive connections); then asks every
-/// open connection to finish its request under way and close, and waits for them.
-async fn accept_loop(listener: tokio::net::TcpListener, router: Router, net: NetLimits) {
-    use hyper_util::rt::{TokioIo, TokioTimer};
-    let permits = Arc::new(tokio::sync::Semaphore::new(net.max_connections));
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut connections = tokio::task::JoinSet::new();
-    let mut shutdown = std::pin::pin!(shutdown_signal());
-    loop {
-        let permit = tokio::select! {
-            p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
-            _ = &mut shutdown => break,
-        };
-        let stream = tokio::select! {
-            r = listener.accept() => match r {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    // Out of file descriptors and the like: wait, and try again.
-                    log(&format!("cannot accept a connection: {e}"));
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
-        let service = hyper_util::service::TowerToHyperService::new(router.clone());
-        let mut stopped = stopped.clone();
-        connections.spawn(async move {
-            let _permit = permit;
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(TokioTimer::new()).header_read_timeout(net.header_timeout);
-            let conn = http.serve_connection(TokioIo::new(stream), service);
-            let mut conn = std::pin::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => return,
-                _ = stopped.changed() => conn.as_mut().graceful_shutdown(),
-            }
-            let _ = conn.await;
-        });
-        // Forget the connections that have ended.
-        while connections.try_join_next().is_some() {}
-    }
-    let _ = stop.send(true);
-    while connections.join_next().await.is_some() {}
 }
 
 /// SIGTERM or Ctrl-C: stop taking connections; requests under way finish.
