@@ -319,7 +319,32 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
         std::fs::metadata(&null).unwrap().file_type().is_char_device(),
         "the device was replaced"
     );
-    println!("impossible sizes, bad batches, corpora and settings: {} cases", cases.len() + 1);
+    // A run that would write over the model it starts from, or over the tokenizer it is given:
+    // refused before anything is written, the run left as it was.
+    let weights = std::fs::read(run.join("model.safetensors")).unwrap();
+    let tokenizer = run.join("tokenizer.json");
+    let (t, data) = (tokenizer.to_str().unwrap(), env.path("corpus.txt"));
+    let head = [
+        "train",
+        "--no-progress",
+        "--overwrite",
+        "--set",
+        "max_tokens=4096",
+        "--set",
+        "seq_len=64",
+        "--out",
+        &m,
+    ];
+    for (extra, needle) in
+        [(["--init", m.as_str()], "is --init's"), (["--tokenizer", t], "is --tokenizer")]
+    {
+        let mut args: Vec<&str> = head.to_vec();
+        args.extend(extra);
+        args.extend(["--data", data.to_str().unwrap()]);
+        clean_failure(&env.run(&args), &args.join(" "), needle);
+        assert_eq!(std::fs::read(run.join("model.safetensors")).unwrap(), weights);
+    }
+    println!("impossible sizes, bad batches, corpora and settings: {} cases", cases.len() + 3);
 }
 
 /// Spawns the run's command, quiet.

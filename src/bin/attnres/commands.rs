@@ -112,6 +112,18 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
 }
 
 fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
+    // The run writes its own files into --out (never replacing the directory): refused when one
+    // of them is the model it starts from or the tokenizer it is given. A corpus inside --out
+    // is left alone and allowed.
+    let refuse = attnres::base::fs::refuse_output_over_input;
+    if let Some(init) = &a.init {
+        for name in [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE] {
+            refuse(&a.out.join(name), &init.join(name), "--init's")?;
+        }
+    }
+    if let Some(tokenizer) = &a.tokenizer {
+        refuse(&a.out.join("tokenizer.json"), tokenizer, "--tokenizer")?;
+    }
     let run = run::setup::settings(&Settings {
         config: a.config.as_deref(),
         preset: a.preset.as_deref(),
