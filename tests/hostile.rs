@@ -335,16 +335,27 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
         "--out",
         &m,
     ];
-    for (extra, needle) in
-        [(["--init", m.as_str()], "is --init's"), (["--tokenizer", t], "is --tokenizer")]
-    {
+    // And a corpus inside the run's directory.
+    let inside = run.join("corpus.txt");
+    std::fs::copy(&data, &inside).unwrap();
+    for (extra, needle) in [
+        (["--init", m.as_str(), "--data", data.to_str().unwrap()], "is --init's"),
+        (["--tokenizer", t, "--data", data.to_str().unwrap()], "is --tokenizer"),
+        (["--data", inside.to_str().unwrap(), "--set", "seed=1"], "is --data"),
+    ] {
         let mut args: Vec<&str> = head.to_vec();
         args.extend(extra);
-        args.extend(["--data", data.to_str().unwrap()]);
         clean_failure(&env.run(&args), &args.join(" "), needle);
         assert_eq!(std::fs::read(run.join("model.safetensors")).unwrap(), weights);
     }
-    println!("impossible sizes, bad batches, corpora and settings: {} cases", cases.len() + 3);
+    let cmp = env.path("cmp");
+    std::fs::create_dir(&cmp).unwrap();
+    std::fs::copy(&data, cmp.join("c.txt")).unwrap();
+    let (c, cd) = (cmp.to_str().unwrap(), cmp.join("c.txt"));
+    let o = env.run(&["compare", "--quick", "--out", c, "--data", cd.to_str().unwrap()]);
+    clean_failure(&o, "compare --data inside --out", "is --data");
+    assert!(!cmp.join("compare.json").exists());
+    println!("impossible sizes, bad batches, corpora and settings: {} cases", cases.len() + 5);
 }
 
 /// Spawns the run's command, quiet.

@@ -75,6 +75,10 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
 }
 
 fn compare_cmd(a: CompareArgs) -> Result<()> {
+    if let Some(data) = &a.data {
+        // The report directory is the comparison's own: its runs and pages are rewritten.
+        attnres::base::fs::refuse_output_over_input(&a.out, data, "--data")?;
+    }
     let base = suite::base(a.quick)?.with_overrides(&a.sets)?;
     let name = a.suite.name();
     let variants = suite::suite(&name, &base)?;
@@ -112,10 +116,13 @@ fn plan_cmd(a: PlanArgs) -> Result<()> {
 }
 
 fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
-    // The run writes its own files into --out (never replacing the directory): refused when one
-    // of them is the model it starts from or the tokenizer it is given. A corpus inside --out
-    // is left alone and allowed.
+    // The run writes its own files into --out: refused when one of them is the model it starts
+    // from or the tokenizer it is given, and when --out holds the corpus (a run's directory is
+    // its own, which --overwrite clears of runs' files).
     let refuse = attnres::base::fs::refuse_output_over_input;
+    if let Some(data) = &a.data {
+        refuse(&a.out, data, "--data")?;
+    }
     if let Some(init) = &a.init {
         for name in [checkpoint::CONFIG_FILE, checkpoint::WEIGHTS_FILE] {
             refuse(&a.out.join(name), &init.join(name), "--init's")?;
