@@ -403,6 +403,12 @@ impl Model {
     /// f32 (weights or activations too large), which must not pass for a result. It names the
     /// f32 tensor of largest magnitude, the likeliest cause.
     pub fn check_finite(&self, logits: &[f32]) -> Result<()> {
+        // A test of every value's exponent bits, without an early exit, vectorises: a decoding
+        // step of 64 sequences checks 3 million logits.
+        let exponent = 0x7f80_0000;
+        if !logits.iter().fold(false, |any, x| any | (x.to_bits() & exponent == exponent)) {
+            return Ok(());
+        }
         let Some(i) = logits.iter().position(|x| !x.is_finite()) else { return Ok(()) };
         let v = self.config.vocab_size;
         let largest = self

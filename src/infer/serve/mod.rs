@@ -56,7 +56,7 @@ pub struct NetLimits {
 
 /// The most connections `--max-connections` may allow (each holds a task and a socket).
 pub const MAX_CONNECTIONS: usize = 65_536;
-/// The longest `--header-timeout` and `--body-timeout`, in seconds (a day).
+/// The longest `--header-timeout`, `--body-timeout` and `--request-timeout`, in seconds (a day).
 pub const MAX_TIMEOUT_SECS: u64 = 86_400;
 
 impl NetLimits {
@@ -209,7 +209,7 @@ async fn models(State(app): State<Arc<App>>) -> impl IntoResponse {
 /// The largest request body taken, in bytes.
 const MAX_BODY: usize = 16 << 20;
 
-/// The request body, up to [`MAX_BODY`], within `app.body_timeout`; each failure an error
+/// The request body, up to [`MAX_BODY`], within `--body-timeout`; each failure an error
 /// object: 413 for a body too large (at once when its `Content-Length` says so), 400 for one
 /// that is malformed or cut off, 408 for one that does not arrive in time.
 async fn read_body(
