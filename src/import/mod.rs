@@ -568,8 +568,9 @@ fn hf_config(text: &str) -> Result<Config> {
     let value: Json = serde_json::from_str(text).context("config.json is not valid JSON")?;
     let Json::Object(mut map) = value else { bail!("config.json must hold a JSON object") };
     if let Some(a) = map.get("architectures") {
-        let ok = a.as_array().is_some_and(|a| a.iter().any(|x| x == "LlamaForCausalLM"));
-        ensure!(ok, "architectures = {a}: only LlamaForCausalLM imports");
+        let known = ["LlamaForCausalLM", crate::model::config::ATTNRES_ARCHITECTURE];
+        let ok = a.as_array().is_some_and(|a| a.iter().any(|x| known.iter().any(|k| x == k)));
+        ensure!(ok, "architectures = {a}: only LlamaForCausalLM and AttnResForCausalLM (an attnres checkpoint saved by transformers) import");
     }
     if let Some(q) = map.get("quantization_config") {
         bail!("quantization_config = {q}: quantised Hugging Face checkpoints are not supported (f32, f16 and bf16 are)");

@@ -161,7 +161,38 @@ pub fn save(model: &Model, dir: &Path) -> Result<()> {
     }
     parts.insert(0, Cow::Owned(header_of(&entries, Some(meta))?));
     write_atomic_parts(&dir.join(WEIGHTS_FILE), &parts)?;
-    write_atomic(&dir.join(CONFIG_FILE), model.config.to_json().as_bytes())
+    // The PyTorch module reads f32 tensors only.
+    let quantised = model.layout.specs.iter().any(|s| model.quant_part(s).is_some());
+    let remote_code = model.config.block_size().is_some() && !quantised;
+    write_remote_code(remote_code, dir)?;
+    let mut config = model.config.to_json();
+    if !remote_code {
+        let mut v: serde_json::Value = serde_json::from_str(&config)?;
+        v.as_object_mut().expect("a config is an object").remove("auto_map");
+        config = serde_json::to_string_pretty(&v)?;
+    }
+    write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
+}
+
+/// The PyTorch module an AttnRes checkpoint carries for `transformers` (its `auto_map`),
+/// written from docs/method.md; needs only torch and transformers (docs/interop.md).
+pub const REMOTE_CODE: [(&str, &str); 2] = [
+    ("configuration_attnres.py", include_str!("hf/configuration_attnres.py")),
+    ("modeling_attnres.py", include_str!("hf/modeling_attnres.py")),
+];
+
+/// Writes the remote-code files beside an f32 AttnRes checkpoint (`write`), or removes stale
+/// ones (a standard checkpoint is plain Llama, which `transformers` loads without them).
+fn write_remote_code(write: bool, dir: &Path) -> Result<()> {
+    for (name, text) in REMOTE_CODE {
+        let path = dir.join(name);
+        if write {
+            write_atomic(&path, text.as_bytes())?;
+        } else if path.exists() {
+            fs::remove_file(&path).with_context(|| format!("cannot remove {}", path.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// Loads and validates a checkpoint directory. Every mismatch is an error naming the tensor.
@@ -341,5 +372,44 @@ mod tests {
         assert_eq!(m.metadata().as_ref(), Some(&meta));
         let bad = vec![("x".to_string(), vec![3], &a[..])];
         assert!(safetensors_bytes(&bad, None).unwrap_err().to_string().contains("shape [3]"));
+    }
+
+    /// An AttnRes checkpoint carries the PyTorch module its `auto_map` names, byte for byte;
+    /// saving a standard model over it removes the files (plain Llama needs none).
+    #[test]
+    fn attnres_checkpoints_carry_their_transformers_module() {
+        use crate::model::config::{ResidualKind, AUTO_MAP};
+        let dir = tempfile::tempdir().unwrap();
+        let small = |residual| Config {
+            vocab_size: 32,
+            hidden_size: 16,
+            intermediate_size: 32,
+            num_hidden_layers: 2,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            residual,
+            num_blocks: 2,
+            ..Config::default()
+        };
+        for residual in [ResidualKind::Full, ResidualKind::Block] {
+            save(&Model::init(small(residual), 0).unwrap(), dir.path()).unwrap();
+            let config: serde_json::Value =
+                serde_json::from_str(&fs::read_to_string(dir.path().join(CONFIG_FILE)).unwrap())
+                    .unwrap();
+            for (class, module) in AUTO_MAP {
+                assert_eq!(config["auto_map"][class], module);
+                let file = format!("{}.py", module.split('.').next().unwrap());
+                let (_, text) = REMOTE_CODE.iter().find(|(f, _)| *f == file).unwrap();
+                assert_eq!(fs::read_to_string(dir.path().join(&file)).unwrap(), *text);
+                assert!(text.contains(&format!("class {}", module.split('.').nth(1).unwrap())));
+            }
+            assert_eq!(config["model_type"], "attnres");
+            assert_eq!(load(dir.path()).unwrap().config, small(residual));
+        }
+        save(&Model::init(small(ResidualKind::Standard), 0).unwrap(), dir.path()).unwrap();
+        let config = fs::read_to_string(dir.path().join(CONFIG_FILE)).unwrap();
+        assert!(config.contains("\"LlamaForCausalLM\"") && !config.contains("auto_map"));
+        assert!(REMOTE_CODE.iter().all(|(f, _)| !dir.path().join(f).exists()));
     }
 }

@@ -120,6 +120,19 @@ const IGNORED_HF_KEYS: &[&str] = &[
     "pretraining_tp",
     "rope_scaling",
     "rope_parameters",
+    "auto_map",
+    "attn_res_block_size",
+];
+
+/// What `model_type` and `architectures` say in a checkpoint we write: `standard` models are
+/// plain Llama models; AttnRes models name the module their checkpoint carries for
+/// `transformers` (`trust_remote_code`, docs/interop.md).
+pub const ATTNRES_MODEL_TYPE: &str = "attnres";
+pub const ATTNRES_ARCHITECTURE: &str = "AttnResForCausalLM";
+/// The `auto_map` of an AttnRes checkpoint: the files [`super::checkpoint::save`] writes beside it.
+pub const AUTO_MAP: [(&str, &str); 2] = [
+    ("AutoConfig", "configuration_attnres.AttnResConfig"),
+    ("AutoModelForCausalLM", "modeling_attnres.AttnResForCausalLM"),
 ];
 
 impl Default for Config {
@@ -198,7 +211,7 @@ impl Config {
     pub fn validate(&self) -> Result<()> {
         ensure!(
             self.model_type == "llama",
-            "config: model_type must be \"llama\", got {:?}",
+            "config: model_type must be \"llama\" or \"{ATTNRES_MODEL_TYPE}\", got {:?}",
             self.model_type
         );
         for (key, v) in [
@@ -276,7 +289,7 @@ impl Config {
                 "config: num_blocks = {} must be a positive divisor of the sublayer count 2 * num_hidden_layers = {l} \
                  (for example {})",
                 self.num_blocks,
-                divisors(l).iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+                join(&divisors(l))
             );
         }
         if self.residual != ResidualKind::Standard {
@@ -450,9 +463,12 @@ impl Config {
     /// given too.
     pub fn with_values(&self, values: Map<String, Value>) -> Result<Config> {
         let Value::Object(mut map) = serde_json::to_value(self)? else { unreachable!() };
+        if values.contains_key("attn_res_block_size") && !values.contains_key("num_blocks") {
+            map.remove("num_blocks");
+        }
         for k in values.keys() {
             ensure!(
-                map.contains_key(k),
+                map.contains_key(k) || k == "attn_res_block_size",
                 "unknown config key {k:?} (known: {})",
                 map.keys().cloned().collect::<Vec<_>>().join(", ")
             );
@@ -466,17 +482,39 @@ impl Config {
         Self::from_map(map)
     }
 
-    /// `config.json` text: our fields plus `rope_parameters`, which newer `transformers` reads.
+    /// `config.json` text: our fields plus `rope_parameters`, which newer `transformers` reads;
+    /// for AttnRes the model type, architecture and `auto_map` of the module the checkpoint
+    /// carries, and for Block `attn_res_block_size` when blocks are whole layers.
     pub fn to_json(&self) -> String {
         let mut v = serde_json::to_value(self).expect("config serialises");
         v["rope_parameters"] =
             serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
+        if let Some(s) = self.block_size() {
+            v["model_type"] = ATTNRES_MODEL_TYPE.into();
+            v["architectures"] = serde_json::json!([ATTNRES_ARCHITECTURE]);
+            v["auto_map"] =
+                AUTO_MAP.iter().map(|(k, m)| (k.to_string(), Value::from(*m))).collect();
+            if self.residual == ResidualKind::Block && s % 2 == 0 {
+                v["attn_res_block_size"] = Value::from(s / 2);
+            }
+        }
         serde_json::to_string_pretty(&v).expect("config serialises")
     }
 }
 
-/// Validates and removes the Hugging Face keys we accept but do not store.
+/// Validates and removes the Hugging Face keys we accept but do not store; takes the model type
+/// an AttnRes checkpoint writes as ours and turns `attn_res_block_size` into `num_blocks`.
 fn check_hf_extras(map: &mut Map<String, Value>) -> Result<()> {
+    if map.get("model_type").is_some_and(|t| t == ATTNRES_MODEL_TYPE) {
+        map.insert("model_type".into(), "llama".into());
+        map.remove("architectures");
+    }
+    if let Some(v) = map.get("auto_map") {
+        ensure!(v.is_object(), "config: auto_map must be an object, got {v}");
+    }
+    if let Some(v) = map.get("attn_res_block_size").filter(|v| !v.is_null()).cloned() {
+        block_size_in_layers(map, &v)?;
+    }
     if let Some(v) = map.get("pretraining_tp") {
         ensure!(v.as_u64() == Some(1), "config: pretraining_tp must be 1, got {v}");
     }
@@ -508,6 +546,42 @@ fn check_hf_extras(map: &mut Map<String, Value>) -> Result<()> {
         map.remove(*k);
     }
     Ok(())
+}
+
+/// Sets `num_blocks` from `attn_res_block_size`, the block size in transformer layers (two
+/// sublayers each) as Kimi's and Megatron's configs count it. Given both, they must agree.
+fn block_size_in_layers(map: &mut Map<String, Value>, v: &Value) -> Result<()> {
+    let layers = v.as_u64().filter(|&b| b > 0);
+    let layers = layers.with_context(|| {
+        format!(
+            "config: attn_res_block_size must be a positive integer (layers per block), got {v}"
+        )
+    })?;
+    if map.get("residual").is_some_and(|r| r != "block") {
+        return Ok(());
+    }
+    let n = map.get("num_hidden_layers").and_then(Value::as_u64);
+    let n = n.context("config: attn_res_block_size needs num_hidden_layers")?;
+    ensure!(
+        n % layers == 0,
+        "config: attn_res_block_size = {layers} layers does not divide num_hidden_layers = {n}: \
+         the last block would be shorter, which this engine does not run (valid: {})",
+        join(&divisors(n as usize))
+    );
+    let blocks = n / layers;
+    if let Some(given) = map.get("num_blocks") {
+        ensure!(
+            given.as_u64() == Some(blocks),
+            "config: num_blocks = {given} disagrees with attn_res_block_size = {layers} layers \
+             ({n} layers make {blocks} blocks)"
+        );
+    }
+    map.insert("num_blocks".into(), Value::from(blocks));
+    Ok(())
+}
+
+fn join(values: &[usize]) -> String {
+    values.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
 }
 
 /// Checks that `v` has the JSON kind of the default `d` (integers stay non-negative integers);
@@ -663,6 +737,59 @@ mod tests {
             .contains("missing key"));
         let ok = c.with_overrides(&["residual=full".into(), "num_blocks=3".into()]).unwrap();
         assert_eq!(ok.block_size(), Some(1));
+    }
+
+    /// `attn_res_block_size` counts transformer layers (two sublayers each): written beside
+    /// `num_blocks` when blocks are whole layers, read as `num_blocks = layers / size`, refused
+    /// when it leaves a shorter last block or disagrees with `num_blocks`. AttnRes configs name
+    /// their own model type and module; standard ones stay Llama.
+    #[test]
+    fn block_size_in_layers_reads_and_writes() {
+        let written = |num_blocks: usize, residual| {
+            let c = Config { num_blocks, residual, ..Config::default() };
+            serde_json::from_str::<Value>(&c.to_json()).unwrap()
+        };
+        // 8 layers = 16 sublayers: 8 blocks of 1 layer, 4 of 2, 2 of 4; 16 blocks of one
+        // sublayer are not whole layers.
+        for (blocks, layers) in [(8, Some(1)), (4, Some(2)), (2, Some(4)), (16, None)] {
+            let v = written(blocks, ResidualKind::Block);
+            assert_eq!(v.get("attn_res_block_size").and_then(Value::as_u64), layers, "{blocks}");
+            assert_eq!(v["model_type"], ATTNRES_MODEL_TYPE);
+            assert_eq!(v["architectures"], json!([ATTNRES_ARCHITECTURE]));
+            assert_eq!(v["auto_map"]["AutoModelForCausalLM"], AUTO_MAP[1].1);
+        }
+        assert!(written(4, ResidualKind::Full).get("attn_res_block_size").is_none());
+        let standard = written(4, ResidualKind::Standard);
+        assert_eq!(
+            (standard["model_type"].clone(), standard.get("auto_map")),
+            (json!("llama"), None)
+        );
+
+        let read = |extra: Value| {
+            let mut v = written(8, ResidualKind::Block);
+            let map = v.as_object_mut().unwrap();
+            map.remove("num_blocks");
+            map.remove("attn_res_block_size");
+            map.extend(extra.as_object().unwrap().clone());
+            Config::from_json(&v.to_string())
+        };
+        let c = read(json!({"attn_res_block_size": 2})).unwrap();
+        assert_eq!((c.num_blocks, c.block_size()), (4, Some(4)));
+        let c = read(json!({"attn_res_block_size": 8, "num_blocks": 1})).unwrap();
+        assert_eq!(c.block_size(), Some(16));
+        let c = read(json!({"attn_res_block_size": null, "num_blocks": 2})).unwrap();
+        assert_eq!(c.num_blocks, 2);
+        let err = |extra| read(extra).unwrap_err().to_string();
+        let e = err(json!({"attn_res_block_size": 3}));
+        assert!(e.contains("attn_res_block_size = 3 layers") && e.contains("shorter"), "{e}");
+        assert!(e.contains("1, 2, 4, 8"), "{e}");
+        assert!(err(json!({"attn_res_block_size": 2, "num_blocks": 8})).contains("disagrees"));
+        assert!(err(json!({"attn_res_block_size": 0})).contains("positive integer"));
+        assert!(err(json!({"auto_map": 3})).contains("auto_map"));
+        assert!(err(json!({"model_type": "mistral"})).contains("model_type"));
+        // On the command line too, replacing the preset's block count.
+        let c = Config::default().with_overrides(&["attn_res_block_size=4".into()]).unwrap();
+        assert_eq!((c.num_blocks, c.block_size()), (2, Some(8)));
     }
 
     #[test]

@@ -289,7 +289,13 @@ mod tests {
         let m = Model::init(config(ResidualKind::Block, false), 5).unwrap();
         let q = quantize(&m, Format::Q4_1).unwrap().model;
         let dir = tempfile::tempdir().unwrap();
+        checkpoint::save(&m, dir.path()).unwrap();
         checkpoint::save(&q, dir.path()).unwrap();
+        // The PyTorch module reads f32 tensors: a quantised AttnRes checkpoint names none and
+        // the f32 one's files are gone.
+        let config = std::fs::read_to_string(dir.path().join(checkpoint::CONFIG_FILE)).unwrap();
+        assert!(!config.contains("auto_map"), "{config}");
+        assert!(checkpoint::REMOTE_CODE.iter().all(|(f, _)| !dir.path().join(f).exists()));
         let back = checkpoint::load(dir.path()).unwrap();
         assert_eq!(back.quant.len(), q.quant.len());
         for (k, a) in &q.quant {
