@@ -54,7 +54,7 @@ fn init_then_forward_writes_logits_loss_and_every_gradient() {
         (cfg["residual"].as_str(), cfg["num_blocks"].as_u64(), cfg["head_dim"].as_u64()),
         (Some("block"), Some(2), Some(8))
     );
-    assert_eq!(cfg["model_type"], "llama");
+    assert_eq!(cfg["model_type"], "attnres");
     let batch = tmp.path().join("b.json");
     std::fs::write(
         &batch,
