@@ -110,10 +110,9 @@ pub fn export(model: &Path, to: Option<Format>, out: &Path, force: bool) -> Resu
         .ok()
         .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| "attnres".into());
-    let mut file = gguf_writer::File::default();
-    file.metadata = metadata(&stored.config, &name, to);
-    file.metadata.extend(described.metadata);
-    file.tensors = tensors(&stored)?;
+    let mut meta = metadata(&stored.config, &name, to);
+    meta.extend(described.metadata);
+    let file = gguf_writer::File { metadata: meta, tensors: tensors(&stored)? };
     let header = file.header()?;
     write_atomic_with(out, |w| file.write(&header, w))?;
 

@@ -18,17 +18,12 @@ pub struct Tensor {
 }
 
 /// A whole GGUF file before it is written: metadata in the order given, and tensors.
-#[derive(Default)]
 pub struct File {
     pub metadata: Vec<(String, Value)>,
     pub tensors: Vec<Tensor>,
 }
 
 impl File {
-    pub fn set(&mut self, key: &str, value: Value) {
-        self.metadata.push((key.to_string(), value));
-    }
-
     /// Header, metadata and tensor table, padded to where the data section starts.
     pub fn header(&self) -> Result<Vec<u8>> {
         let mut out = MAGIC.to_vec();
@@ -139,7 +134,7 @@ mod tests {
     /// dims, types, offsets (aligned) and bytes.
     #[test]
     fn the_reader_reads_what_the_writer_writes() {
-        let mut f = File::default();
+        let mut f = File { metadata: Vec::new(), tensors: Vec::new() };
         let values = [
             Value::U8(7),
             Value::I8(-7),
@@ -157,9 +152,9 @@ mod tests {
             Value::Array(vec![Value::Array(vec![Value::I32(1)]), Value::Array(vec![])]),
         ];
         for (i, v) in values.iter().enumerate() {
-            f.set(&format!("k{i}"), v.clone());
+            f.metadata.push((format!("k{i}"), v.clone()));
         }
-        f.set("general.alignment", Value::U32(ALIGNMENT as u32));
+        f.metadata.push(("general.alignment".into(), Value::U32(ALIGNMENT as u32)));
         let q8 = GgmlType::Blocks(Format::Q8_0);
         f.tensors.push(Tensor {
             name: "a".into(),
@@ -187,7 +182,7 @@ mod tests {
         f.tensors[1].data.pop();
         assert!(f.header().unwrap_err().to_string().contains("\"b\""));
         f.tensors.pop();
-        f.set("mixed", Value::Array(vec![Value::U8(1), Value::I8(1)]));
+        f.metadata.push(("mixed".into(), Value::Array(vec![Value::U8(1), Value::I8(1)])));
         assert!(format!("{:#}", f.header().unwrap_err()).contains("mixes"));
     }
 }

@@ -10,6 +10,9 @@
 //!
 //! The output directory is written under a temporary name beside it and renamed into place, so
 //! a failed import leaves nothing behind.
+//!
+//! The way back, a standard checkpoint as a GGUF file for llama.cpp, is [`export`], written with
+//! [`gguf_writer`].
 
 pub mod convert;
 pub mod export;
