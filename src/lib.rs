@@ -13,7 +13,7 @@
 //! 5. [`train`], [`infer`], [`import`], side by side: training (data, settings, optimisers, the
 //!    loop, and parallel training over ranks); inference (generation, evaluation, one batch
 //!    through a model, and the OpenAI-compatible server); Llama checkpoints from GGUF files and
-//!    Hugging Face directories, and upcycling.
+//!    Hugging Face directories, standard ones back to GGUF, and upcycling.
 //! 6. [`experiments`]: comparisons of residual modes over seeds with their report, and
 //!    benchmarks.
 //!

@@ -10,9 +10,14 @@
 //!
 //! The output directory is written under a temporary name beside it and renamed into place, so
 //! a failed import leaves nothing behind.
+//!
+//! The way back, a standard checkpoint as a GGUF file for llama.cpp, is [`export`], written with
+//! [`gguf_writer`].
 
 pub mod convert;
+pub mod export;
 pub mod gguf;
+pub mod gguf_writer;
 pub mod quantize;
 pub mod tokenizer;
 
@@ -342,9 +347,11 @@ fn gguf_config(g: &Gguf) -> Result<Config> {
         |k: &str| -> Result<u64> { int(k)?.with_context(|| format!("the file lacks llama.{k}")) };
     let float = |k: &str| -> Result<Option<f64>> {
         get(k)
-            .map(|v| {
-                v.as_f64()
-                    .with_context(|| format!("llama.{k} is a {}, not a number", v.type_name()))
+            .map(|v| match v {
+                Value::F32(x) => Ok(as_written(*x)),
+                _ => v
+                    .as_f64()
+                    .with_context(|| format!("llama.{k} is a {}, not a number", v.type_name())),
             })
             .transpose()
     };
@@ -411,6 +418,13 @@ fn gguf_config(g: &Gguf) -> Result<Config> {
     Config::from_map(map).context("the metadata describes a model this engine cannot run")
 }
 
+/// A float32 value as the decimal it was written from: `1e-5` is stored as 9.99999975e-6, whose
+/// shortest decimal form, read as f64, is `1e-5` again (so an exported model imports with its
+/// own config values, and an imported one with those of the model's Hugging Face config).
+fn as_written(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 /// The GGUF name of one of our tensors, and for `q_proj` and `k_proj` the number of heads whose
 /// rows llama.cpp reordered.
 fn gguf_name(name: &str, c: &Config) -> Option<(String, Option<usize>)> {
@@ -455,6 +469,25 @@ pub fn unpermute_rows<T: Copy + Default>(w: &[T], heads: usize, cols: usize) -> 
             for j in 0..2 {
                 let src = (h * hd + 2 * i + j) * cols;
                 let dst = (h * hd + j * half + i) * cols;
+                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
+/// llama.cpp's reordering of the query and key rows, which [`unpermute_rows`] undoes: within
+/// each head, row `j·head_dim/2 + i` moves to row `2i + j` (export writes rows in its order).
+pub fn permute_rows<T: Copy + Default>(w: &[T], heads: usize, cols: usize) -> Vec<T> {
+    let rows = w.len() / cols;
+    let hd = rows / heads;
+    let half = hd / 2;
+    let mut out = vec![T::default(); w.len()];
+    for h in 0..heads {
+        for i in 0..half {
+            for j in 0..2 {
+                let src = (h * hd + j * half + i) * cols;
+                let dst = (h * hd + 2 * i + j) * cols;
                 out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
             }
         }
@@ -675,6 +708,19 @@ mod tests {
         }
         assert_ne!(permuted, original);
         assert_eq!(unpermute_rows(&permuted, heads, cols), original);
+        assert_eq!(permute_rows(&original, heads, cols), permuted);
+    }
+
+    /// Export's row order is undone by import's, for queries and keys alike, on values and on
+    /// rows of quantised bytes.
+    #[test]
+    fn unpermute_inverts_permute() {
+        for (heads, hd, cols) in [(4, 16, 64), (1, 4, 3), (2, 64, 34)] {
+            let w: Vec<u16> = (0..heads * hd * cols).map(|x| (x * 7919 % 65521) as u16).collect();
+            let p = permute_rows(&w, heads, cols);
+            assert_ne!(p, w);
+            assert_eq!(unpermute_rows(&p, heads, cols), w);
+        }
     }
 
     #[test]

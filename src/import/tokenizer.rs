@@ -16,12 +16,16 @@
 //! added tokens, so that they are matched whole in text.
 
 use super::gguf::{Gguf, Value};
+use crate::text::tokenizer::{special_token, END_OF_TEXT};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Map, Value as Json};
 use std::collections::HashMap;
 
+// llama.cpp's token types.
+const NORMAL: i64 = 1;
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
+const UNUSED: i64 = 5;
 
 /// Llama 3's split (also used by several later models).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -243,15 +247,7 @@ pub fn rebuild(g: &Gguf) -> Result<Rebuilt> {
                 known.join(", ")
             )
         };
-        let byte_level_pre = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
-        let pre = match split {
-            PreSplit::Gpt2 => byte_level_pre(true),
-            PreSplit::DigitsThenGpt2 => json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Digits", "individual_digits": true}, byte_level_pre(true)]}),
-            PreSplit::Regex(r) => json!({"type": "Sequence", "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false},
-                byte_level_pre(false)]}),
-        };
+        let pre = pre_tokenizer(split);
         let decoder = json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true});
         (pre, decoder, json!({"unk_token": null, "fuse_unk": false, "byte_fallback": false}))
     } else {
@@ -313,10 +309,201 @@ pub fn rebuild(g: &Gguf) -> Result<Rebuilt> {
     Ok(Rebuilt { tokenizer, config, kind: model, vocab_size: n })
 }
 
+/// The Hugging Face pre-tokenizer that cuts text as `split` does.
+fn pre_tokenizer(split: PreSplit) -> Json {
+    let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
+    match split {
+        PreSplit::Gpt2 => byte_level(true),
+        PreSplit::DigitsThenGpt2 => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true}, byte_level(true)]}),
+        PreSplit::Regex(r) => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false},
+            byte_level(false)]}),
+    }
+}
+
 fn flag(g: &Gguf, key: &str) -> Result<Option<bool>> {
     g.get(key)
         .map(|v| v.as_bool().with_context(|| format!("{key} is a {}, not a bool", v.type_name())))
         .transpose()
+}
+
+/// The `tokenizer.ggml.pre` name export writes for each split rule: one llama.cpp applies that
+/// rule for (and import reads back).
+const EXPORT_PRE_NAMES: [(&str, PreSplit); 4] = [
+    ("gpt-2", PreSplit::Gpt2),
+    ("smollm", PreSplit::DigitsThenGpt2),
+    ("llama-bpe", PreSplit::Regex(LLAMA3_SPLIT)),
+    ("qwen2", PreSplit::Regex(QWEN2_SPLIT)),
+];
+
+/// A tokenizer as `tokenizer.ggml.*` metadata, and what the log line says of it.
+pub struct Described {
+    pub metadata: Vec<(String, Value)>,
+    pub pre: &'static str,
+    pub merges: usize,
+}
+
+/// The inverse of [`rebuild`] for byte-level BPE: a Hugging Face `tokenizer.json` (with its
+/// `tokenizer_config.json` and chat template, where there are) as llama.cpp's `gpt2` tokenizer
+/// metadata of `vocab_size` tokens. Added tokens are control tokens when special, user-defined
+/// otherwise; ids the tokenizer leaves out become unused tokens `[PADn]`, as llama.cpp's
+/// converter writes them. Without a `bos_token` the end-of-text token stands in, as in GPT-2
+/// (llama.cpp would otherwise take id 11).
+pub fn describe(
+    tokenizer: &Json,
+    config: Option<&Json>,
+    chat_template: Option<&str>,
+    vocab_size: usize,
+) -> Result<Described> {
+    let model = &tokenizer["model"];
+    ensure!(
+        model["type"] == "BPE",
+        "the tokenizer's model is {}: only byte-level BPE tokenizers export",
+        model["type"]
+    );
+    ensure!(
+        model["byte_fallback"] != true && tokenizer["normalizer"].is_null(),
+        "the tokenizer is SentencePiece-style (byte fallback, a normalizer): only byte-level BPE tokenizers export (llama.cpp's \"gpt2\" tokenizer)"
+    );
+    let pre = pre_name(&tokenizer["pre_tokenizer"])?;
+
+    let mut tokens: Vec<Option<String>> = vec![None; vocab_size];
+    let mut types = vec![NORMAL; vocab_size];
+    let mut place = |id: &Json, token: &str, ty: i64| -> Result<()> {
+        let i = id.as_u64().with_context(|| format!("token {token:?} has id {id}"))? as usize;
+        ensure!(
+            i < vocab_size,
+            "token {token:?} has id {i}, but the model's vocabulary has {vocab_size} entries"
+        );
+        tokens[i] = Some(token.to_string());
+        types[i] = ty;
+        Ok(())
+    };
+    let vocab = model["vocab"].as_object().context("the tokenizer has no model.vocab object")?;
+    for (token, id) in vocab {
+        place(id, token, NORMAL)?;
+    }
+    let added = tokenizer["added_tokens"].as_array().map_or(&[][..], Vec::as_slice);
+    for t in added {
+        let content = t["content"].as_str().context("an added token has no content")?;
+        place(&t["id"], content, if t["special"] == true { CONTROL } else { USER_DEFINED })?;
+    }
+    let tokens: Vec<String> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            t.unwrap_or_else(|| {
+                types[i] = UNUSED;
+                format!("[PAD{i}]")
+            })
+        })
+        .collect();
+    let mut ids = HashMap::new();
+    for (i, t) in tokens.iter().enumerate() {
+        if let Some(j) = ids.insert(t.as_str(), i) {
+            bail!("the tokenizer spells ids {j} and {i} alike ({t:?}): llama.cpp's token list cannot hold both");
+        }
+    }
+
+    let merges = model["merges"].as_array().context("the tokenizer has no model.merges list")?;
+    let merges = merges
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let pair = match m {
+                Json::String(s) => s.split_once(' '),
+                Json::Array(p) => {
+                    p.first().and_then(Json::as_str).zip(p.get(1).and_then(Json::as_str))
+                }
+                _ => None,
+            };
+            let (a, b) =
+                pair.with_context(|| format!("merge {i} ({m}) is not a pair of tokens"))?;
+            ensure!(
+                !a.contains(' ') && !b.contains(' '),
+                "merge {i} ({m}) holds a space, which llama.cpp's \"a b\" form cannot"
+            );
+            Ok(Value::Str(format!("{a} {b}")))
+        })
+        .collect::<Result<Vec<_>>>()?;
+
+    let none = Json::Null;
+    let config = config.unwrap_or(&none);
+    let id_of = |key: &str| -> Result<Option<u32>> {
+        let Some(name) = special_token(config, key) else { return Ok(None) };
+        let id = ids.get(name).with_context(|| {
+            format!("tokenizer_config.json names {key} {name:?}, which the vocabulary lacks")
+        })?;
+        Ok(Some(*id as u32))
+    };
+    let eos = match id_of("eos_token")? {
+        Some(id) => id,
+        None => *ids.get(END_OF_TEXT).with_context(|| {
+            format!("the tokenizer has no end-of-text token ({END_OF_TEXT}, or an eos_token in tokenizer_config.json)")
+        })? as u32,
+    };
+    let bos = id_of("bos_token")?.unwrap_or(eos);
+    let (unk, pad) = (id_of("unk_token")?, id_of("pad_token")?);
+    let flag = |key: &str| config[key].as_bool();
+
+    let merge_count = merges.len();
+    let strings = |v: Vec<String>| Value::Array(v.into_iter().map(Value::Str).collect());
+    let mut metadata = vec![
+        ("tokenizer.ggml.model".to_string(), Value::Str("gpt2".into())),
+        ("tokenizer.ggml.pre".to_string(), Value::Str(pre.into())),
+        ("tokenizer.ggml.tokens".to_string(), strings(tokens)),
+        (
+            "tokenizer.ggml.token_type".to_string(),
+            Value::Array(types.into_iter().map(|t| Value::I32(t as i32)).collect()),
+        ),
+        ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
+        ("tokenizer.ggml.bos_token_id".to_string(), Value::U32(bos)),
+        ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(eos)),
+    ];
+    for (key, id) in [("unknown_token_id", unk), ("padding_token_id", pad)] {
+        if let Some(id) = id {
+            metadata.push((format!("tokenizer.ggml.{key}"), Value::U32(id)));
+        }
+    }
+    metadata.push((
+        "tokenizer.ggml.add_bos_token".to_string(),
+        Value::Bool(flag("add_bos_token").unwrap_or(false)),
+    ));
+    if let Some(b) = flag("add_eos_token") {
+        metadata.push(("tokenizer.ggml.add_eos_token".to_string(), Value::Bool(b)));
+    }
+    if let Some(t) = chat_template {
+        metadata.push(("tokenizer.chat_template".to_string(), Value::Str(t.to_string())));
+    }
+    Ok(Described { metadata, pre, merges: merge_count })
+}
+
+/// The `tokenizer.ggml.pre` name of a Hugging Face pre-tokenizer: the split rule it applies, as
+/// [`pre_tokenizer`] writes it (`trim_offsets` aside, which moves offsets, not ids).
+fn pre_name(pre: &Json) -> Result<&'static str> {
+    fn without_offsets(j: &Json) -> Json {
+        match j {
+            Json::Object(m) => Json::Object(
+                m.iter()
+                    .filter(|(k, _)| *k != "trim_offsets")
+                    .map(|(k, v)| (k.clone(), without_offsets(v)))
+                    .collect(),
+            ),
+            Json::Array(a) => Json::Array(a.iter().map(without_offsets).collect()),
+            other => other.clone(),
+        }
+    }
+    let pre = without_offsets(pre);
+    EXPORT_PRE_NAMES
+        .iter()
+        .find(|(_, split)| without_offsets(&pre_tokenizer(*split)) == pre)
+        .map(|(name, _)| *name)
+        .with_context(|| {
+            format!(
+                "the tokenizer's pre-tokenizer {pre} is not one llama.cpp knows by name (export writes GPT-2's split, single digits then GPT-2's, Llama 3's and Qwen 2's)"
+            )
+        })
 }
 
 /// The merges a SentencePiece vocabulary implies: every way to cut a token into two tokens of

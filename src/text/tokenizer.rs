@@ -16,7 +16,13 @@ pub const END_OF_TEXT: &str = "<|endoftext|>";
 /// The end-of-text token a `tokenizer_config.json` names (`eos_token`, a string or
 /// `{"content": ...}`).
 pub fn eos_token(tokenizer_config: &serde_json::Value) -> Option<&str> {
-    match &tokenizer_config["eos_token"] {
+    special_token(tokenizer_config, "eos_token")
+}
+
+/// The token a `tokenizer_config.json` names under `key` (`bos_token`, ...: a string or
+/// `{"content": ...}`).
+pub fn special_token<'a>(tokenizer_config: &'a serde_json::Value, key: &str) -> Option<&'a str> {
+    match &tokenizer_config[key] {
         serde_json::Value::String(s) => Some(s),
         serde_json::Value::Object(o) => o.get("content").and_then(serde_json::Value::as_str),
         _ => None,

@@ -60,6 +60,58 @@ pub(crate) enum Command {
     /// Store a checkpoint's weight matrices in a smaller format (F16, Q8_0, Q4_0, Q4_1) for
     /// faster, smaller inference; norms and depth-attention parameters stay f32.
     Quantize(QuantizeArgs),
+    /// Write a standard checkpoint as a GGUF file that llama.cpp loads (llama architecture, with
+    /// its tokenizer); AttnRes models are refused.
+    Export(ExportArgs),
+}
+
+/// A file format `export` writes.
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum ExportFormat {
+    Gguf,
+}
+
+/// How `export` stores the weight matrices.
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum ExportType {
+    #[value(name = "f32")]
+    F32,
+    #[value(name = "f16")]
+    F16,
+    #[value(name = "q8_0")]
+    Q8_0,
+}
+
+impl ExportType {
+    /// The block format of the weight matrices (`None`: f32).
+    pub fn format(self) -> Option<attnres::kernels::quant::Format> {
+        use attnres::kernels::quant::Format;
+        match self {
+            ExportType::F32 => None,
+            ExportType::F16 => Some(Format::F16),
+            ExportType::Q8_0 => Some(Format::Q8_0),
+        }
+    }
+}
+
+#[derive(Args)]
+pub(crate) struct ExportArgs {
+    /// A standard f32 checkpoint directory with its tokenizer.json (a training run, an import).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// The file format: gguf (llama.cpp).
+    #[arg(long, value_enum)]
+    pub to: ExportFormat,
+    /// The weight matrices' type: f32, f16, or q8_0 (the same bytes as `quantize`; matrices
+    /// whose rows are not whole 32-value blocks stay f32); norms stay f32.
+    #[arg(long = "type", value_name = "TYPE", value_enum, default_value = "f32")]
+    pub ty: ExportType,
+    /// The file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Replace an existing --out.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// A format `quantize` writes.

@@ -54,6 +54,12 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
             log(&done.line(&a.model, &a.out));
             Ok(())
         }
+        Command::Export(a) => {
+            let ExportFormat::Gguf = a.to;
+            let done = attnres::import::export::export(&a.model, a.ty.format(), &a.out, a.force)?;
+            log(&done.line(&a.model, &a.out));
+            Ok(())
+        }
         Command::Serve(a) => attnres::infer::serve::run(attnres::infer::serve::ServeOptions {
             model: a.model,
             host: a.host,

@@ -69,7 +69,7 @@ fn exit(result: Result<()>) -> ! {
 fn usage_error(e: &clap::Error) -> String {
     if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
         return "no command given: one of init, forward, train, eval, generate, serve, bench, \
-                compare, report, plan, import, convert, quantize (see attnres --help)"
+                compare, report, plan, import, convert, quantize, export (see attnres --help)"
             .into();
     }
     // The message runs to the first blank line or the usage block; a list of missing
