@@ -135,6 +135,21 @@ fn gradients_block_single() {
     check_gradients(tiny(ResidualKind::Block, 1));
 }
 
+/// Three layers in blocks of two (`attn_res_block_size = 2`): blocks of 4 and 2 sublayers.
+fn uneven() -> Config {
+    Config { num_hidden_layers: 3, ..tiny(ResidualKind::Block, 2) }
+        .with_overrides(&["attn_res_block_size=2".into()])
+        .unwrap()
+}
+
+/// A shorter last block: closed after the last sublayer, read by the output aggregation only.
+#[test]
+fn gradients_block_with_a_shorter_last_block() {
+    let c = uneven();
+    assert_eq!((c.block_size(), c.num_blocks, c.attn_res_block_size), (Some(4), 2, Some(2)));
+    check_gradients(c);
+}
+
 /// A tiny AttnRes config with ablation settings (docs/method.md §5) applied.
 fn ablation(kind: ResidualKind, nb: usize, sets: &[&str]) -> Config {
     tiny(kind, nb).with_overrides(&sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
@@ -153,12 +168,16 @@ const ABLATIONS: &[&[&str]] = &[
 
 #[test]
 fn gradients_of_every_ablation() {
-    for sets in ABLATIONS {
+    let sets = |s: &[&str]| s.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    for s in ABLATIONS {
         for (kind, nb) in [(ResidualKind::Full, 0), (ResidualKind::Block, 2)] {
-            let cfg = ablation(kind, nb, sets);
+            let cfg = ablation(kind, nb, s);
             let r = std::panic::catch_unwind(|| check_gradients_f32(cfg.clone()));
-            assert!(r.is_ok(), "{kind:?}/{nb} with {sets:?}");
+            assert!(r.is_ok(), "{kind:?}/{nb} with {s:?}");
         }
+        let cfg = uneven().with_overrides(&sets(s)).unwrap();
+        let r = std::panic::catch_unwind(|| check_gradients_f32(cfg.clone()));
+        assert!(r.is_ok(), "a shorter last block with {s:?}");
     }
 }
 

@@ -5,14 +5,15 @@ module they carry (`trust_remote_code=True`; docs/interop.md).
     cargo build --release --bin attnres
     python scripts/reference/check_transformers.py [--attnres target/release/attnres] [--work DIR]
 
-Trains short runs (the `tiny` preset, seconds each) of Block and Full AttnRes and of every
-ablation option that changes parameters, then for each checkpoint, against the engine:
+Trains short runs (the `tiny` preset, seconds each) of Block and Full AttnRes, of Block with a
+shorter last block (4 layers in blocks of 3) and of every ablation option that changes
+parameters, then for each checkpoint, against the engine:
 1. logits of a batch: `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` in
    float32 against `attnres forward`, max |a - b| / max |b| <= LOGIT_TOL;
 2. gradients of the mean cross-entropy of that batch, every parameter, the same measure per
    tensor <= GRAD_TOL (its scale floored at GRAD_FLOOR times the model's largest gradient);
 3. padding: a left-padded batch (attention_mask) gives each row the logits it has alone;
-and for Block and Full, trained longer:
+and for Block, Full and the shorter last block, trained longer:
 4. greedy text: `generate()` with and without the key/value cache gives the same tokens as
    `attnres generate --temperature 0`;
 5. the way back: one SGD step in PyTorch, `save_pretrained`, `attnres import` of that directory,
@@ -45,6 +46,7 @@ PROMPTS = ["ROMEO:", "First Citizen:\nWe are accounted poor"]
 MODELS = [
     ("block", ["residual=block", "num_blocks=4"], 120),
     ("full", ["residual=full"], 120),
+    ("block-uneven", ["residual=block", "attn_res_block_size=3"], 120),
     ("block-S3-untied", ["residual=block", "num_hidden_layers=3", "num_blocks=2", "tie_word_embeddings=false"], 10),
     ("block-one", ["residual=block", "num_blocks=1"], 10),
     ("no-key-norm", ["residual=full", "attn_res_key_norm=false"], 10),

@@ -95,6 +95,11 @@ pub struct Config {
     /// Read only the embedding and the latest `attn_res_window` completed sources (0: all).
     #[serde(default)]
     pub attn_res_window: usize,
+    /// For `residual = block` whose blocks are counted in transformer layers that do not
+    /// divide `num_hidden_layers`: blocks of `2 * attn_res_block_size` sublayers, the last one
+    /// shorter, `num_blocks` of them in all. `None`: `num_blocks` equal blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_res_block_size: Option<usize>,
 }
 
 fn default_true() -> bool {
@@ -121,7 +126,6 @@ const IGNORED_HF_KEYS: &[&str] = &[
     "rope_scaling",
     "rope_parameters",
     "auto_map",
-    "attn_res_block_size",
 ];
 
 /// What `model_type` and `architectures` say in a checkpoint we write: `standard` models are
@@ -164,23 +168,44 @@ impl Default for Config {
             attn_res_gate: DepthGate::Softmax,
             attn_res_heads: 1,
             attn_res_window: 0,
+            attn_res_block_size: None,
         }
     }
 }
 
+/// The block size in transformer layers, a model key that a config holds only when its last
+/// block is shorter (otherwise it becomes `num_blocks`).
+pub const BLOCK_SIZE_IN_LAYERS: &str = "attn_res_block_size";
+
 impl Config {
+    /// The keys `--set` may give: every field, and the block size in layers.
+    pub fn keys(&self) -> Vec<String> {
+        let Value::Object(map) = serde_json::to_value(self).expect("config serialises") else {
+            unreachable!("a config serialises to an object")
+        };
+        let mut keys: Vec<String> = map.keys().cloned().collect();
+        if !map.contains_key(BLOCK_SIZE_IN_LAYERS) {
+            keys.push(BLOCK_SIZE_IN_LAYERS.into());
+        }
+        keys
+    }
+
     /// Number of sublayers `L = 2 · num_hidden_layers`.
     pub fn sublayers(&self) -> usize {
         2 * self.num_hidden_layers
     }
 
-    /// Sublayers per depth block: 1 for `full`, `L / num_blocks` for `block`, `None` for
-    /// `standard`.
+    /// Sublayers per depth block: 1 for `full`, `L / num_blocks` for `block` (or twice
+    /// `attn_res_block_size`, the last block shorter), `None` for `standard`. Blocks close
+    /// after sublayers `S - 1, 2S - 1, ...` and after the last one.
     pub fn block_size(&self) -> Option<usize> {
         match self.residual {
             ResidualKind::Standard => None,
             ResidualKind::Full => Some(1),
-            ResidualKind::Block => Some(self.sublayers() / self.num_blocks),
+            ResidualKind::Block => Some(match self.attn_res_block_size {
+                Some(layers) => 2 * layers,
+                None => self.sublayers() / self.num_blocks,
+            }),
         }
     }
 
@@ -199,7 +224,7 @@ impl Config {
     pub fn depth_sources(&self) -> usize {
         match self.block_size() {
             None => 0,
-            Some(s) => 1 + self.sublayers() / s + (s > 1) as usize,
+            Some(s) => 1 + self.sublayers().div_ceil(s) + (s > 1) as usize,
         }
     }
 
@@ -282,7 +307,16 @@ impl Config {
             "config: only torch_dtype = \"float32\" is supported, got {:?}",
             self.torch_dtype
         );
-        if self.residual == ResidualKind::Block {
+        if let (ResidualKind::Block, Some(layers)) = (self.residual, self.attn_res_block_size) {
+            let n = self.num_hidden_layers;
+            ensure!(
+                layers > 0 && self.num_blocks == n.div_ceil(layers),
+                "config: num_blocks = {} disagrees with attn_res_block_size = {layers} layers \
+                 ({n} layers make {} blocks)",
+                self.num_blocks,
+                n.div_ceil(layers.max(1))
+            );
+        } else if self.residual == ResidualKind::Block {
             let l = self.sublayers();
             ensure!(
                 self.num_blocks > 0 && l.is_multiple_of(self.num_blocks),
@@ -325,7 +359,8 @@ impl Config {
                     ResidualKind::Full => sublayers + 1,
                     _ => {
                         let blocks = n(self.num_blocks.max(1));
-                        1 + blocks + (sublayers / blocks > 1) as u128
+                        let size = self.attn_res_block_size.map(|b| 2 * n(b));
+                        1 + blocks + (size.unwrap_or(sublayers / blocks) > 1) as u128
                     }
                 };
                 let query = match self.attn_res_query {
@@ -413,6 +448,9 @@ impl Config {
             serde_json::to_value(Config { residual: ResidualKind::Standard, ..Config::default() })?;
         let defaults = defaults.as_object().expect("struct serialises to an object");
         for (k, v) in &map {
+            if k == BLOCK_SIZE_IN_LAYERS {
+                continue; // checked by block_size_in_layers
+            }
             let Some(d) = defaults.get(k) else { bail!("config: unknown key {k:?}") };
             same_kind(d, v)
                 .map_err(|want| anyhow::anyhow!("config: {k} must be {want}, got {v}"))?;
@@ -463,15 +501,15 @@ impl Config {
     /// given too.
     pub fn with_values(&self, values: Map<String, Value>) -> Result<Config> {
         let Value::Object(mut map) = serde_json::to_value(self)? else { unreachable!() };
-        if values.contains_key("attn_res_block_size") && !values.contains_key("num_blocks") {
-            map.remove("num_blocks");
+        // One of the two block counts given replaces both.
+        match (values.contains_key(BLOCK_SIZE_IN_LAYERS), values.contains_key("num_blocks")) {
+            (true, false) => drop(map.remove("num_blocks")),
+            (false, true) => drop(map.remove(BLOCK_SIZE_IN_LAYERS)),
+            _ => {}
         }
+        let known = self.keys();
         for k in values.keys() {
-            ensure!(
-                map.contains_key(k) || k == "attn_res_block_size",
-                "unknown config key {k:?} (known: {})",
-                map.keys().cloned().collect::<Vec<_>>().join(", ")
-            );
+            ensure!(known.contains(k), "unknown config key {k:?} (known: {})", known.join(", "));
         }
         let reshaped =
             values.contains_key("hidden_size") || values.contains_key("num_attention_heads");
@@ -495,7 +533,7 @@ impl Config {
             v["auto_map"] =
                 AUTO_MAP.iter().map(|(k, m)| (k.to_string(), Value::from(*m))).collect();
             if self.residual == ResidualKind::Block && s % 2 == 0 {
-                v["attn_res_block_size"] = Value::from(s / 2);
+                v[BLOCK_SIZE_IN_LAYERS] = Value::from(s / 2);
             }
         }
         serde_json::to_string_pretty(&v).expect("config serialises")
@@ -512,8 +550,10 @@ fn check_hf_extras(map: &mut Map<String, Value>) -> Result<()> {
     if let Some(v) = map.get("auto_map") {
         ensure!(v.is_object(), "config: auto_map must be an object, got {v}");
     }
-    if let Some(v) = map.get("attn_res_block_size").filter(|v| !v.is_null()).cloned() {
-        block_size_in_layers(map, &v)?;
+    match map.get(BLOCK_SIZE_IN_LAYERS).cloned() {
+        Some(Value::Null) => drop(map.remove(BLOCK_SIZE_IN_LAYERS)),
+        Some(v) => block_size_in_layers(map, &v)?,
+        None => {}
     }
     if let Some(v) = map.get("pretraining_tp") {
         ensure!(v.as_u64() == Some(1), "config: pretraining_tp must be 1, got {v}");
@@ -549,7 +589,9 @@ fn check_hf_extras(map: &mut Map<String, Value>) -> Result<()> {
 }
 
 /// Sets `num_blocks` from `attn_res_block_size`, the block size in transformer layers (two
-/// sublayers each) as Kimi's and Megatron's configs count it. Given both, they must agree.
+/// sublayers each) as Kimi's and Megatron's configs count it; given both, they must agree.
+/// The key stays only when the size does not divide the layers (a shorter last block), the one
+/// case `num_blocks` cannot say.
 fn block_size_in_layers(map: &mut Map<String, Value>, v: &Value) -> Result<()> {
     let layers = v.as_u64().filter(|&b| b > 0);
     let layers = layers.with_context(|| {
@@ -558,17 +600,15 @@ fn block_size_in_layers(map: &mut Map<String, Value>, v: &Value) -> Result<()> {
         )
     })?;
     if map.get("residual").is_some_and(|r| r != "block") {
+        map.remove(BLOCK_SIZE_IN_LAYERS);
         return Ok(());
     }
     let n = map.get("num_hidden_layers").and_then(Value::as_u64);
     let n = n.context("config: attn_res_block_size needs num_hidden_layers")?;
-    ensure!(
-        n % layers == 0,
-        "config: attn_res_block_size = {layers} layers does not divide num_hidden_layers = {n}: \
-         the last block would be shorter, which this engine does not run (valid: {})",
-        join(&divisors(n as usize))
-    );
-    let blocks = n / layers;
+    if n % layers == 0 {
+        map.remove(BLOCK_SIZE_IN_LAYERS);
+    }
+    let blocks = n.div_ceil(layers);
     if let Some(given) = map.get("num_blocks") {
         ensure!(
             given.as_u64() == Some(blocks),
@@ -740,8 +780,9 @@ mod tests {
     }
 
     /// `attn_res_block_size` counts transformer layers (two sublayers each): written beside
-    /// `num_blocks` when blocks are whole layers, read as `num_blocks = layers / size`, refused
-    /// when it leaves a shorter last block or disagrees with `num_blocks`. AttnRes configs name
+    /// `num_blocks` when blocks are whole layers, read as `num_blocks = layers / size` (rounded
+    /// up: the last block may be shorter, and then the size is kept), refused when it disagrees
+    /// with `num_blocks`. AttnRes configs name
     /// their own model type and module; standard ones stay Llama.
     #[test]
     fn block_size_in_layers_reads_and_writes() {
@@ -779,10 +820,18 @@ mod tests {
         assert_eq!(c.block_size(), Some(16));
         let c = read(json!({"attn_res_block_size": null, "num_blocks": 2})).unwrap();
         assert_eq!(c.num_blocks, 2);
+        // 8 layers in blocks of 3: 3 blocks of 6, 6 and 4 sublayers; written back as given.
+        let c = read(json!({"attn_res_block_size": 3})).unwrap();
+        assert_eq!((c.num_blocks, c.block_size(), c.depth_sources()), (3, Some(6), 5));
+        let v: Value = serde_json::from_str(&c.to_json()).unwrap();
+        assert_eq!(
+            (v["attn_res_block_size"].as_u64(), v["num_blocks"].as_u64()),
+            (Some(3), Some(3))
+        );
+        assert_eq!(Config::from_json(&c.to_json()).unwrap(), c);
         let err = |extra| read(extra).unwrap_err().to_string();
-        let e = err(json!({"attn_res_block_size": 3}));
-        assert!(e.contains("attn_res_block_size = 3 layers") && e.contains("shorter"), "{e}");
-        assert!(e.contains("1, 2, 4, 8"), "{e}");
+        let e = err(json!({"attn_res_block_size": 3, "num_blocks": 2}));
+        assert!(e.contains("disagrees") && e.contains("make 3 blocks"), "{e}");
         assert!(err(json!({"attn_res_block_size": 2, "num_blocks": 8})).contains("disagrees"));
         assert!(err(json!({"attn_res_block_size": 0})).contains("positive integer"));
         assert!(err(json!({"auto_map": 3})).contains("auto_map"));
@@ -790,6 +839,10 @@ mod tests {
         // On the command line too, replacing the preset's block count.
         let c = Config::default().with_overrides(&["attn_res_block_size=4".into()]).unwrap();
         assert_eq!((c.num_blocks, c.block_size()), (2, Some(8)));
+        let c = c.with_overrides(&["attn_res_block_size=5".into()]).unwrap();
+        assert_eq!((c.num_blocks, c.block_size()), (2, Some(10)));
+        let c = c.with_overrides(&["num_blocks=4".into()]).unwrap();
+        assert_eq!((c.num_blocks, c.block_size(), c.attn_res_block_size), (4, Some(4), None));
     }
 
     #[test]

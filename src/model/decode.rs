@@ -134,7 +134,7 @@ impl CacheFootprint {
         let depth = match c.block_size() {
             None => d,
             Some(s) => {
-                let blocks = c.sublayers() / s;
+                let blocks = c.sublayers().div_ceil(s);
                 let partial = (s > 1) as usize;
                 (1 + blocks + partial) * (d + 1)
             }

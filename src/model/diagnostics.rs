@@ -99,7 +99,7 @@ pub fn diagnose(
 fn source_labels(sublayers: usize, block_size: Option<usize>) -> Vec<String> {
     let Some(s) = block_size else { return Vec::new() };
     let mut v = vec!["emb".to_string()];
-    v.extend((1..=sublayers / s).map(|n| format!("b{n}")));
+    v.extend((1..=sublayers.div_ceil(s)).map(|n| format!("b{n}")));
     if s > 1 {
         v.push("partial".into());
     }

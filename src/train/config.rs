@@ -281,16 +281,13 @@ impl RunConfig {
             Value::Object(m) => m,
             _ => unreachable!(),
         };
-        let model_keys = match serde_json::to_value(&self.model)? {
-            Value::Object(m) => m,
-            _ => unreachable!(),
-        };
+        let model_keys = self.model.keys();
         let (mut model_sets, mut train_sets) = (Vec::new(), Map::new());
         for s in sets {
             let (k, v) =
                 s.split_once('=').with_context(|| format!("--set {s:?}: expected key=value"))?;
             let k = k.trim();
-            if model_keys.contains_key(k) {
+            if model_keys.iter().any(|m| m == k) {
                 model_sets.push(s.clone());
             } else if train_keys.contains_key(k) {
                 let v = serde_json::from_str(v.trim())
@@ -299,7 +296,7 @@ impl RunConfig {
             } else {
                 bail!(
                     "--set {k}: unknown setting (model keys: {}; training keys: {})",
-                    model_keys.keys().cloned().collect::<Vec<_>>().join(", "),
+                    model_keys.join(", "),
                     train_keys.keys().cloned().collect::<Vec<_>>().join(", ")
                 );
             }

@@ -159,7 +159,10 @@ pub fn forward(
     let block = match c.residual {
         ResidualKind::Standard => None,
         ResidualKind::Full => Some(1),
-        ResidualKind::Block => Some(sublayers / c.num_blocks),
+        // Blocks of 2 * attn_res_block_size sublayers, the last one shorter, when it is given.
+        ResidualKind::Block => {
+            Some(c.attn_res_block_size.map_or(sublayers / c.num_blocks, |b| 2 * b))
+        }
     };
     let mut r = RefForward {
         inputs: vec![],
@@ -212,7 +215,7 @@ pub fn forward(
             Some(s) => {
                 let mut p = partial.take().unwrap_or_else(|| vec![vec![0.0; d]; rows]);
                 p.iter_mut().zip(&out).for_each(|(p, o)| add(p, o));
-                if (l + 1) % s == 0 {
+                if (l + 1) % s == 0 || l + 1 == sublayers {
                     blocks.push(p);
                 } else {
                     partial = Some(p);

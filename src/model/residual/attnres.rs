@@ -129,7 +129,7 @@ pub(super) struct Sources {
     /// Number of distinct sources (`Config::depth_sources`).
     pub depth_sources: usize,
     /// Sublayers of the model.
-    sublayers: usize,
+    pub sublayers: usize,
 }
 
 impl Sources {
@@ -137,7 +137,7 @@ impl Sources {
     pub fn new(c: &Config, block_size: usize, e: &[f32]) -> Sources {
         let (d, eps) = (c.hidden_size, c.rms_norm_eps as f32);
         // Completed sources by the output aggregation: the embedding and every block.
-        let (capacity, rows) = (c.sublayers() / block_size + 1, e.len() / d);
+        let (capacity, rows) = (c.sublayers().div_ceil(block_size) + 1, e.len() / d);
         let mut blocks = Blocks::new(capacity, rows, d, eps);
         blocks.push(e, None);
         Sources {
@@ -195,7 +195,7 @@ impl Sources {
     /// sublayer read (backward needs it).
     pub fn push_output(&mut self, l: usize, out: Vec<f32>, keep: bool) {
         let (d, eps) = (self.blocks.d, self.blocks.eps);
-        let last = (l + 1).is_multiple_of(self.block_size);
+        let last = (l + 1).is_multiple_of(self.block_size) || l + 1 == self.sublayers;
         let p = self.partial.take();
         // Backward needs the partial sum this sublayer read (its 1/rms is overwritten below).
         let read_rstd = (keep && p.is_some()).then(|| self.partial_rstd.clone());
@@ -232,7 +232,7 @@ pub(super) struct TwoPhase {
 impl TwoPhase {
     /// Buffers for blocks of `block_size` consumers over `rows` tokens.
     pub fn new(c: &Config, block_size: usize, rows: usize) -> TwoPhase {
-        let completed = c.sublayers() / block_size + 1;
+        let completed = c.sublayers().div_ceil(block_size) + 1;
         TwoPhase {
             phase1: Phase1::with_capacity(block_size, rows, completed),
             queries: Arc::from([]),
@@ -262,8 +262,9 @@ impl TwoPhase {
             // Phase 1 for every sublayer of the block that starts here (or, on a pipeline stage
             // whose chunk starts inside a block, of that whole block: the same pass as the
             // stage before made, so the same bits).
+            // The last block may be shorter.
             let b = l - l % s;
-            let ws = &self.queries[b * d..(b + s) * d];
+            let ws = &self.queries[b * d..(b + s).min(src.sublayers) * d];
             depth::phase1(&mut self.phase1, &blocks.values, &blocks.rstd, ws, blocks.rows, d);
         }
         let w = &self.queries[l * d..(l + 1) * d];
@@ -427,7 +428,7 @@ impl PendingGrads {
             .unzip();
         let (blocks, d) = (&src.blocks, src.blocks.d);
         // The whole model's pass over block n takes every consumer after it and the output.
-        let pass = src.sublayers - n * src.block_size + 1;
+        let pass = src.sublayers.saturating_sub(n * src.block_size) + 1;
         let (v, r) = (blocks.get(n), blocks.rstd(n));
         depth::backward_source(&mut dws, &consumers, n, v, r, d, pass, from.as_ref(), finish)
     }

@@ -252,7 +252,7 @@ impl ResidualBackward {
     pub fn output_grad(&mut self, l: usize, fwd: &ResidualForward) -> &[f32] {
         if let State::Depth { sources, .. } = &fwd.state {
             let s = sources.block_size;
-            if (l + 1).is_multiple_of(s) {
+            if (l + 1).is_multiple_of(s) || l + 1 == sources.sublayers {
                 // Last sublayer of its block: start from the gradient of that block's sum.
                 let n = l / s + 1;
                 self.acc = match &mut self.grads {

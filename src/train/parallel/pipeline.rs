@@ -754,9 +754,14 @@ mod tests {
     use crate::model::config::ResidualKind;
     use crate::train::parallel::comm;
 
+    /// `num_blocks` for [`model`]: blocks of two layers over three (`attn_res_block_size = 2`),
+    /// 4 sublayers and a shorter last one of 2.
+    const UNEVEN: usize = 0;
+
     /// A small model: 3 layers (6 sublayers), so that chunks of 1 and 2 sublayers and blocks of
     /// 2 and 3 cross each other.
     fn model(residual: ResidualKind, num_blocks: usize, tied: bool) -> Model {
+        let uneven = num_blocks == UNEVEN && residual == ResidualKind::Block;
         let c = Config {
             vocab_size: 50,
             hidden_size: 16,
@@ -767,7 +772,8 @@ mod tests {
             head_dim: 8,
             max_position_embeddings: 16,
             residual,
-            num_blocks,
+            num_blocks: if uneven { 2 } else { num_blocks },
+            attn_res_block_size: uneven.then_some(2),
             tie_word_embeddings: tied,
             ..Config::default()
         };
@@ -917,6 +923,8 @@ mod tests {
             (Block, 2, false, 2, 1), // blocks of 3, chunks of 3: aligned
             (Block, 2, true, 2, 3), // blocks of 3, chunks of 1
             (Block, 1, true, 3, 1), // one block over every chunk
+            (Block, UNEVEN, true, 2, 1), // blocks of 4 and 2, chunks of 3
+            (Block, UNEVEN, false, 3, 2), // blocks of 4 and 2, chunks of 1
         ] {
             let m = model(residual, blocks, tied);
             let mbs = micro_batches(2 * p, rows, seq);

@@ -16,7 +16,6 @@ use crate::train::parallel;
 use crate::train::presets;
 use crate::train::tokens::{cache_dir, content_key, Tokens, WindowOrder};
 use anyhow::{bail, ensure, Context, Result};
-use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 impl<'g> Trainer<'g> {
@@ -336,11 +335,11 @@ pub fn init_settings(dir: &Path, base: &RunConfig, sets: &[String]) -> Result<Ru
     );
     let model = crate::model::Config::from_json(&crate::base::fs::read_utf8(&path)?)
         .with_context(|| format!("in {}", path.display()))?;
-    let Value::Object(model_keys) = serde_json::to_value(&model)? else { unreachable!() };
+    let model_keys = model.keys();
     for s in sets {
         let k = s.split_once('=').map_or(s.as_str(), |(k, _)| k).trim();
         ensure!(
-            !model_keys.contains_key(k),
+            !model_keys.iter().any(|m| m == k),
             "--set {k}: with --init the model's settings are those of {} (to change the residual connection, convert it: attnres convert)",
             path.display()
         );
