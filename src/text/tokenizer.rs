@@ -96,6 +96,21 @@ impl Bpe {
         Self::from_json_with_eos(&json, eos).with_context(|| format!("in {}", path.display()))
     }
 
+    /// A `tokenizer_config.json` for a tokenizer trained here, so that Hugging Face's
+    /// `AutoTokenizer` (and lm-eval, PEFT, ...) knows its end-of-text token: no beginning-of-text
+    /// token is added, as `generate` and `eval` encode.
+    pub fn hf_tokenizer_config(max_length: usize) -> String {
+        let v = serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": END_OF_TEXT,
+            "add_bos_token": false,
+            "add_eos_token": false,
+            "clean_up_tokenization_spaces": false,
+            "model_max_length": max_length,
+        });
+        serde_json::to_string_pretty(&v).expect("a JSON object serialises")
+    }
+
     pub fn to_json(&self) -> Result<String> {
         self.inner.to_string(true).map_err(|e| anyhow!("cannot serialise the tokenizer: {e}"))
     }

@@ -56,7 +56,10 @@ impl<'g> Trainer<'g> {
         let (init, tokenizer_files) = match (&resume, &opts.init) {
             (Some(r), _) => (r.state.init.clone(), run_dir::read_tokenizer_extras(&r.dir)?),
             (None, Some(dir)) => (Some(dir.clone()), run_dir::read_tokenizer_extras(dir)?),
-            (None, None) => (None, Vec::new()),
+            (None, None) => {
+                let config = Bpe::hf_tokenizer_config(run.model.max_position_embeddings);
+                (None, vec![("tokenizer_config.json".to_string(), config)])
+            }
         };
         let tc = &run.train;
         parallel::check_share(tc, ranks)?;
