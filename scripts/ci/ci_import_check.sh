@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Runs scripts/reference/check_import.py (a real GGUF model imported and checked against
-# transformers; docs/import.md), then scripts/reference/check_upcycle.py on the imported model,
-# in a Python environment of its own, installed from PyPI on first use and kept under
+# Runs, in one Python environment of its own (installed from PyPI on first use and kept under
 # ~/.cache/attnres-import for later runs while the pinned versions in
-# scripts/reference/requirements.txt are unchanged (its comments do not count).
+# scripts/reference/requirements.txt are unchanged; its comments do not count):
+# - scripts/reference/check_import.py: a real GGUF model imported and checked against
+#   transformers (docs/import.md), then scripts/reference/check_upcycle.py on the imported model;
+# - scripts/reference/check_transformers.py: Block, Full and ablation checkpoints of short runs
+#   loaded by transformers through the module they carry (docs/interop.md);
+# - scripts/reference/check_export.py: GGUF exports run by llama.cpp (llama-cpp-python), of the
+#   imported SmolLM2 at f32 and of a short standard run at f32, f16 and q8_0 (docs/interop.md).
 # Needs python3 with venv and pip, PyPI, and the release build of attnres and of the tokenize
 # example (which `cargo test --release` leaves in target/release).
 set -euo pipefail
@@ -28,3 +32,9 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 "$venv/bin/python" scripts/reference/check_import.py --cache "$cache/model" --keep "$work"
 "$venv/bin/python" scripts/reference/check_upcycle.py --model "$work/smollm2" --work "$work/upcycle"
+"$venv/bin/python" scripts/reference/check_transformers.py --attnres target/release/attnres
+"$venv/bin/python" scripts/reference/check_export.py --attnres target/release/attnres \
+    --model "$work/smollm2" --types f32
+target/release/attnres train --preset tiny --set residual=standard --no-progress --out "$work/standard"
+"$venv/bin/python" scripts/reference/check_export.py --attnres target/release/attnres \
+    --model "$work/standard"

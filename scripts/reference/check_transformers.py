@@ -144,9 +144,11 @@ def check_model(args, fails, name, model_dir, work, vocab):
 
 
 def check_greedy(args, fails, name, model_dir, model, work):
-    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
 
-    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    # The run's tokenizer.json and tokenizer_config.json, as transformers (and lm-eval) load them.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    fails.check(tok.eos_token == "<|endoftext|>", f"{name}: AutoTokenizer loads the run's tokenizer, eos {tok.eos_token!r}")
     prompts = os.path.join(work, "prompts.txt")
     with open(prompts, "w") as f:
         f.write("\n".join(p.replace("\n", " ") for p in PROMPTS) + "\n")
@@ -154,12 +156,12 @@ def check_greedy(args, fails, name, model_dir, model, work):
                "--ignore-eos", "--max-tokens", str(GREEDY_TOKENS)])
     ours = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     for o in ours:
-        ids = torch.tensor([tok.encode(o["prompt"]).ids])
+        ids = torch.tensor([tok(o["prompt"]).input_ids])
         texts = []
         for cache in (True, False):
             out = model.generate(ids, max_new_tokens=GREEDY_TOKENS, do_sample=False, use_cache=cache,
                                  eos_token_id=None, pad_token_id=0)
-            texts.append(tok.decode(out[0, ids.shape[1]:].tolist()))
+            texts.append(tok.decode(out[0, ids.shape[1]:].tolist(), clean_up_tokenization_spaces=False))
         fails.check(texts[0] == texts[1], f"{name}: generate() with and without the cache agree")
         fails.check(texts[0] == o["completion"], f"{name}: greedy text of {o['prompt']!r} equals ours: {texts[0]!r}")
 
