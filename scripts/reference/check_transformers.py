@@ -140,6 +140,13 @@ def check_model(args, fails, name, model_dir, work, vocab):
             alone = model(inputs[b : b + 1, b:], use_cache=False).logits
             worst = max(worst, rel(batched[b, b:].numpy(), alone[0].numpy()))
     fails.check(worst <= LOGIT_TOL, f"{name}: a left-padded batch gives each row its own logits ({worst:.2e})")
+    # A new model from the config starts as the method does: pseudo-queries 0 (dense mixing 1),
+    # gains 1.
+    fresh = type(model)(model.config)
+    start = 1.0 if model.config.attn_res_query == "dense" else 0.0
+    ok = all(bool((p == (start if "res_proj" in n else 1.0)).all())
+             for n, p in fresh.named_parameters() if "res_" in n or n.endswith("norm.weight"))
+    fails.check(ok, f"{name}: a new model starts with pseudo-queries {start} and gains 1")
     return model
 
 

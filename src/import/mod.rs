@@ -460,34 +460,30 @@ fn gguf_name(name: &str, c: &Config) -> Option<(String, Option<usize>)> {
 /// (interleaved pairs), for its RoPE that rotates adjacent pairs. Our RoPE rotates the two
 /// halves, as Hugging Face's does, so the rows go back.
 pub fn unpermute_rows<T: Copy + Default>(w: &[T], heads: usize, cols: usize) -> Vec<T> {
-    let rows = w.len() / cols;
-    let hd = rows / heads;
-    let half = hd / 2;
-    let mut out = vec![T::default(); w.len()];
-    for h in 0..heads {
-        for i in 0..half {
-            for j in 0..2 {
-                let src = (h * hd + 2 * i + j) * cols;
-                let dst = (h * hd + j * half + i) * cols;
-                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
-            }
-        }
-    }
-    out
+    move_rows(w, heads, cols, |half, i, j| (2 * i + j, j * half + i))
 }
 
 /// llama.cpp's reordering of the query and key rows, which [`unpermute_rows`] undoes: within
 /// each head, row `j·head_dim/2 + i` moves to row `2i + j` (export writes rows in its order).
 pub fn permute_rows<T: Copy + Default>(w: &[T], heads: usize, cols: usize) -> Vec<T> {
-    let rows = w.len() / cols;
-    let hd = rows / heads;
+    move_rows(w, heads, cols, |half, i, j| (j * half + i, 2 * i + j))
+}
+
+/// Moves rows within each head: `(source, destination)` rows in the head for pair `i`, half `j`.
+fn move_rows<T: Copy + Default>(
+    w: &[T],
+    heads: usize,
+    cols: usize,
+    rows_of: impl Fn(usize, usize, usize) -> (usize, usize),
+) -> Vec<T> {
+    let hd = w.len() / cols / heads;
     let half = hd / 2;
     let mut out = vec![T::default(); w.len()];
     for h in 0..heads {
         for i in 0..half {
             for j in 0..2 {
-                let src = (h * hd + j * half + i) * cols;
-                let dst = (h * hd + 2 * i + j) * cols;
+                let (src, dst) = rows_of(half, i, j);
+                let (src, dst) = ((h * hd + src) * cols, (h * hd + dst) * cols);
                 out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
             }
         }
