@@ -1,8 +1,8 @@
 """An attnres model (Llama with Attention Residuals) for Hugging Face `transformers`.
 
 attnres writes this file into every checkpoint of a Block or Full AttnRes model, beside
-configuration_attnres.py, so that transformers, PEFT and lm-eval load the model with
-`trust_remote_code=True`. It needs only torch and transformers and follows the method as the
+configuration_attnres.py, so that transformers (and lm-eval's `hf` backend) load the model
+with `trust_remote_code=True`. It needs only torch and transformers and follows the method as the
 attnres repository's docs/method.md states it:
 
 - The network is a Llama (RMSNorm with gain, rotate-half rotary embedding, grouped-query causal
