@@ -599,12 +599,14 @@ fn block_size_in_layers(map: &mut Map<String, Value>, v: &Value) -> Result<()> {
             "config: attn_res_block_size must be a positive integer (layers per block), got {v}"
         )
     })?;
-    if map.get("residual").is_some_and(|r| r != "block") {
+    if map.get("residual").and_then(Value::as_str) != Some("block") {
         map.remove(BLOCK_SIZE_IN_LAYERS);
         return Ok(());
     }
     let n = map.get("num_hidden_layers").and_then(Value::as_u64);
     let n = n.context("config: attn_res_block_size needs num_hidden_layers")?;
+    // A block as long as the model or longer is the one block.
+    let layers = layers.min(n.max(1));
     if n % layers == 0 {
         map.remove(BLOCK_SIZE_IN_LAYERS);
     }
@@ -820,6 +822,8 @@ mod tests {
         assert_eq!(c.block_size(), Some(16));
         let c = read(json!({"attn_res_block_size": null, "num_blocks": 2})).unwrap();
         assert_eq!(c.num_blocks, 2);
+        let c = read(json!({"attn_res_block_size": u64::MAX})).unwrap();
+        assert_eq!((c.num_blocks, c.block_size(), c.attn_res_block_size), (1, Some(16), None));
         // 8 layers in blocks of 3: 3 blocks of 6, 6 and 4 sublayers; written back as given.
         let c = read(json!({"attn_res_block_size": 3})).unwrap();
         assert_eq!((c.num_blocks, c.block_size(), c.depth_sources()), (3, Some(6), 5));
