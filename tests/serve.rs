@@ -274,6 +274,166 @@ fn texts_equal_generate_and_do_not_depend_on_the_batch() {
     assert!(!text.contains("\nUser:"), "the plain template's stop string ends the reply");
 }
 
+/// `ln softmax` of every row of `logits` ([rows, vocab]) in f64.
+fn log_softmax(logits: &[f32], vocab: usize) -> Vec<Vec<f64>> {
+    logits
+        .chunks(vocab)
+        .map(|r| {
+            let m = r.iter().fold(f64::NEG_INFINITY, |a, &x| a.max(x as f64));
+            let lse = m + r.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
+            r.iter().map(|&x| x as f64 - lse).collect()
+        })
+        .collect()
+}
+
+/// The logits `attnres forward` gives for one sequence of ids, `[ids, vocab]`.
+fn forward_logits(env: &RunEnv, model: &Path, ids: &[u32]) -> Vec<f32> {
+    let (batch, out) = (env.path("batch.json"), env.path("out.safetensors"));
+    std::fs::write(&batch, json!({ "input_ids": [ids] }).to_string()).unwrap();
+    common::ok(&env.run(&[
+        "forward",
+        "--model",
+        model.to_str().unwrap(),
+        "--batch",
+        batch.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]));
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor("logits").unwrap();
+    t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+}
+
+/// The k largest entries of a row, ties to the lower index.
+fn top(row: &[f64], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().unwrap().iter().map(|t| t.as_str().unwrap().to_string()).collect()
+}
+
+/// Log-probabilities as the API defines them, against the model's own logits (`attnres
+/// forward`, log-softmax here): the prompt's with `echo` (the first null; `max_tokens: 0`
+/// scores the prompt alone; a prompt of token ids gives the same), the completion's of the
+/// distribution before temperature, the alternatives in order; offsets into prompt and
+/// completion; a stream carries the same; chat's form.
+#[test]
+fn logprobs_and_echo_are_the_models_own() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let bpe = attnres::text::tokenizer::Bpe::load(&model.join("tokenizer.json")).unwrap();
+    let server = Server::start(env, &model, &[]);
+    let port = server.port;
+    let prompt = "ROMEO: What say you";
+    let ids = bpe.encode(prompt).unwrap();
+    let close = |got: &Value, want: f64, what: &str| {
+        let got = got.as_f64().unwrap_or_else(|| panic!("{what}: {got}"));
+        assert!((got - want).abs() < 1e-4, "{what}: {got} vs {want}");
+    };
+
+    // The prompt alone, as text and as token ids.
+    let body = |p: Value| json!({"prompt": p, "echo": true, "max_tokens": 0, "logprobs": 3});
+    let (status, v) = post(port, "/v1/completions", &body(json!(prompt)));
+    assert_eq!(status, 200, "{v}");
+    let (_, by_ids) = post(port, "/v1/completions", &body(json!([ids.clone()])));
+    assert_eq!(by_ids["choices"], v["choices"]);
+    let c = &v["choices"][0];
+    assert_eq!((c["text"].as_str(), c["finish_reason"].as_str()), (Some(prompt), Some("length")));
+    assert_eq!(v["usage"]["completion_tokens"], 0);
+    let lp = &c["logprobs"];
+    assert_eq!(strings(&lp["tokens"]).concat(), prompt);
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    let want = log_softmax(&forward_logits(env, &model, &ids), 400);
+    for t in 1..ids.len() {
+        let row = &want[t - 1];
+        close(&lp["token_logprobs"][t], row[ids[t] as usize], &format!("prompt token {t}"));
+        let alts = lp["top_logprobs"][t].as_object().unwrap();
+        assert_eq!(alts.len(), 3);
+        for i in top(row, 3) {
+            let text = bpe.decode(&[i as u32]).unwrap();
+            close(&alts[&text], row[i], &format!("alternative {text:?} at {t}"));
+        }
+    }
+    let offsets: Vec<u64> =
+        lp["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+    let mut at = 0;
+    for (o, t) in offsets.iter().zip(strings(&lp["tokens"])) {
+        assert_eq!(*o, at);
+        at += t.chars().count() as u64;
+    }
+
+    // A sampled completion: the log-probabilities of the distribution before temperature, at
+    // the tokens drawn (ids read back from the texts), with offsets after the prompt.
+    let body =
+        json!({"prompt": prompt, "max_tokens": 6, "logprobs": 2, "temperature": 1.5, "seed": 5});
+    let (_, v) = post(port, "/v1/completions", &body);
+    let lp = &v["choices"][0]["logprobs"];
+    let drawn: Vec<u32> =
+        strings(&lp["tokens"]).iter().map(|t| bpe.encode(t).unwrap()[0]).collect();
+    assert_eq!(strings(&lp["tokens"]).concat(), v["choices"][0]["text"].as_str().unwrap());
+    let all: Vec<u32> = ids.iter().chain(&drawn).copied().collect();
+    let want = log_softmax(&forward_logits(env, &model, &all), 400);
+    for (j, &tok) in drawn.iter().enumerate() {
+        close(
+            &lp["token_logprobs"][j],
+            want[ids.len() - 1 + j][tok as usize],
+            &format!("token {j}"),
+        );
+    }
+    assert_eq!(lp["text_offset"][0].as_u64(), Some(prompt.chars().count() as u64));
+    // Streamed: the same entries, spread over the chunks.
+    let mut body = body;
+    body["stream"] = json!(true);
+    let mut streamed = Vec::new();
+    for e in events(port, "/v1/completions", &body) {
+        if let Ok(c) = serde_json::from_str::<Value>(&e) {
+            if let Some(t) = c["choices"][0]["logprobs"]["token_logprobs"].as_array() {
+                streamed.extend(t.iter().cloned());
+            }
+        }
+    }
+    assert_eq!(Value::from(streamed), lp["token_logprobs"]);
+
+    // Chat: per token, its text, logprob, bytes and alternatives.
+    let body = json!({"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let (status, v) = post(port, "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let text: String = content.iter().map(|e| e["token"].as_str().unwrap()).collect();
+    // The tokens make the answer (and any part of a stop string that ended it).
+    assert!(text.starts_with(v["choices"][0]["message"]["content"].as_str().unwrap()), "{text:?}");
+    for e in content {
+        assert_eq!(e["top_logprobs"].as_array().unwrap().len(), 2);
+        // Greedy: the chosen token is the most likely one.
+        close(&e["logprob"], e["top_logprobs"][0]["logprob"].as_f64().unwrap(), "greedy");
+        assert_eq!(e["bytes"], json!(e["token"].as_str().unwrap().as_bytes()));
+    }
+    // Out of range, and top_logprobs without logprobs: refused by name.
+    for (path, body, param) in [
+        ("/v1/completions", json!({"prompt": "a", "logprobs": 6}), "logprobs"),
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": 0}), "max_tokens"),
+        ("/v1/completions", json!({"prompt": [[400]]}), "prompt"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}),
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "a"}], "logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+        ),
+    ] {
+        let (status, v) = post(port, path, &body);
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+    }
+}
+
 #[test]
 fn bad_requests_get_openai_errors_and_the_server_goes_on() {
     let env = &RunEnv::new(12_000, 2);

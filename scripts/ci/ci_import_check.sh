@@ -7,7 +7,9 @@
 # - scripts/reference/check_transformers.py: Block, Full and ablation checkpoints of short runs
 #   loaded by transformers through the module they carry (docs/interop.md);
 # - scripts/reference/check_export.py: GGUF exports run by llama.cpp (llama-cpp-python), of the
-#   imported SmolLM2 at f32 and of a short standard run at f32, f16 and q8_0 (docs/interop.md).
+#   imported SmolLM2 at f32 and of a short standard run at f32, f16 and q8_0 (docs/interop.md);
+# - scripts/eval/check_lm_eval.py: lm-eval against `attnres serve` and on transformers, the same
+#   accuracy and log-likelihoods, on a short Block run (docs/serving.md).
 # Needs python3 with venv and pip, PyPI, and the release build of attnres and of the tokenize
 # example (which `cargo test --release` leaves in target/release).
 set -euo pipefail
@@ -38,3 +40,6 @@ trap 'rm -rf "$work"' EXIT
 target/release/attnres train --preset tiny --set residual=standard --no-progress --out "$work/standard"
 "$venv/bin/python" scripts/reference/check_export.py --attnres target/release/attnres \
     --model "$work/standard"
+target/release/attnres train --preset tiny --set max_tokens=409600 --no-progress --out "$work/block"
+"$venv/bin/python" scripts/eval/check_lm_eval.py --attnres target/release/attnres \
+    --model "$work/block" --items 40

@@ -144,15 +144,15 @@ impl CacheFootprint {
 
     /// Bytes one decoding call over `rows` new tokens holds at its peak, roughly: per token the
     /// depth cache, the embedding and the widest activations (q/k/v, gate/up, attention output),
-    /// and the logits it returns. `None` on overflow.
-    pub fn working(&self, c: &Config, rows: usize, all_logits: bool) -> Option<u128> {
+    /// and the `logit_rows` rows of logits it returns. `None` on overflow.
+    pub fn working(&self, c: &Config, rows: usize, logit_rows: usize) -> Option<u128> {
         let n = |x: usize| x as u128;
         let per_token = n(self.depth)
             + n(c.qkv_width())
             + 2 * n(c.intermediate_size)
             + n(c.num_attention_heads * c.head_dim)
             + 2 * n(c.hidden_size);
-        let logits = if all_logits { n(rows) } else { 1 }.checked_mul(n(c.vocab_size))?;
+        let logits = n(logit_rows).checked_mul(n(c.vocab_size))?;
         n(rows).checked_mul(per_token)?.checked_add(logits)?.checked_mul(4)
     }
 }
@@ -168,16 +168,28 @@ impl Model {
         chunks: &[(usize, &[u32])],
         all_logits: bool,
     ) -> Result<Vec<f32>> {
+        self.decode_rows(cache, chunks, &vec![all_logits; chunks.len()])
+    }
+
+    /// [`Self::decode`] with the choice per chunk: logits for every new token of chunk `k` when
+    /// `all_rows[k]` (a prompt whose every token is scored), else for its last token.
+    pub fn decode_rows(
+        &self,
+        cache: &mut KvCache,
+        chunks: &[(usize, &[u32])],
+        all_rows: &[bool],
+    ) -> Result<Vec<f32>> {
+        ensure!(all_rows.len() == chunks.len(), "one choice of logits per chunk");
         // Run on a worker of the thread pool: a decoding step makes hundreds of small parallel
         // calls, which are cheap from inside the pool and costly from outside it.
-        rayon::scope(|_| self.decode_in_pool(cache, chunks, all_logits))
+        rayon::scope(|_| self.decode_in_pool(cache, chunks, all_rows))
     }
 
     fn decode_in_pool(
         &self,
         cache: &mut KvCache,
         chunks: &[(usize, &[u32])],
-        all_logits: bool,
+        all_rows: &[bool],
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         let (d, v) = (c.hidden_size, c.vocab_size);
@@ -210,7 +222,9 @@ impl Model {
             rows += ids.len();
         }
         ensure!(rows > 0, "nothing to decode");
-        let working = CacheFootprint::of(c).working(c, rows, all_logits);
+        let logit_rows: usize =
+            spans.iter().zip(all_rows).map(|(s, &all)| if all { s.len } else { 1 }).sum();
+        let working = CacheFootprint::of(c).working(c, rows, logit_rows);
         ensure!(
             working.is_some_and(|b| b <= memory_limit() as u128),
             "running {rows} new token(s) at once needs {}; at most {} (the machine's memory) is \
@@ -270,11 +284,15 @@ impl Model {
             cache.len[s.slot] += s.len;
         }
         let mut h = phase("fwd residual", || res.output(p, lay));
-        if !all_logits {
-            // Only the last token of each chunk predicts what comes next.
+        if logit_rows < rows {
+            // Only the last token of a chunk predicts what comes next (unless all are scored).
             h = spans
                 .iter()
-                .flat_map(|s| h[(s.row0 + s.len - 1) * d..(s.row0 + s.len) * d].iter().copied())
+                .zip(all_rows)
+                .flat_map(|(s, &all)| {
+                    let first = if all { s.row0 } else { s.row0 + s.len - 1 };
+                    h[first * d..(s.row0 + s.len) * d].iter().copied()
+                })
                 .collect();
         }
         let logits = self.head(&h).2;

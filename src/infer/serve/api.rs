@@ -2,6 +2,7 @@
 //! served model (unknown fields, ranges, the context's room, the chat template), and the error
 //! object every refusal is answered with.
 
+use super::logprobs::{MAX_CHAT_ALTERNATIVES, MAX_COMPLETION_ALTERNATIVES};
 use crate::infer::generate::Sampling;
 use crate::text::chat::ChatTemplate;
 use crate::text::tokenizer::Bpe;
@@ -18,6 +19,8 @@ pub(super) struct Served {
     pub(super) name: String,
     /// The context length: prompt and new tokens together.
     pub(super) context: usize,
+    /// The vocabulary size (token ids in a prompt are below it).
+    pub(super) vocab: usize,
     /// The most choices (`n`) one request may ask for: all of them must fit in the queue.
     pub(super) max_choices: usize,
     /// The model's own chat template (an imported instruction model), else the plain one.
@@ -125,6 +128,11 @@ pub(super) struct Prepared {
     pub(super) include_usage: bool,
     /// Completions to make of the prompt (`n`).
     pub(super) choices: usize,
+    /// The prompt as text (sent back first with `echo`).
+    pub(super) prompt_text: String,
+    pub(super) echo: bool,
+    /// Log-probabilities with this many alternatives per token.
+    pub(super) logprobs: Option<usize>,
 }
 
 /// Parses a JSON body into `T`, naming the field at fault (unknown fields are errors).
@@ -145,6 +153,7 @@ impl Common {
         prompt: Vec<u32>,
         default_max: Option<usize>,
         mut stop: Vec<String>,
+        report: Report,
     ) -> Result<Prepared, Invalid> {
         if let Some(m) = &self.model {
             if *m != model.name {
@@ -181,10 +190,9 @@ impl Common {
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(invalid("logit_bias", "logit_bias is not supported"));
         }
-        if self.logprobs.as_ref().is_some_and(|v| !v.is_null() && *v != Value::Bool(false)) {
-            return Err(invalid("logprobs", "logprobs are not supported"));
-        }
         let _ = self.user;
+        // With `echo`, `max_tokens: 0` asks for the prompt alone (scored, with `logprobs`).
+        let prompt_only = report.echo && self.max_tokens == Some(0);
         let room = model.context + 1 - prompt.len().min(model.context + 1);
         if room == 0 {
             return Err(invalid(
@@ -197,6 +205,7 @@ impl Common {
             ));
         }
         let max_tokens = match self.max_tokens {
+            Some(0) if prompt_only => 0,
             Some(m) if m < 1 => {
                 return Err(invalid(
                     "max_tokens",
@@ -255,7 +264,51 @@ impl Common {
             stream,
             include_usage,
             choices,
+            prompt_text: report.prompt_text,
+            echo: report.echo,
+            logprobs: report.logprobs,
         })
+    }
+}
+
+/// What a request asks to get back beyond the completion's text.
+pub(super) struct Report {
+    pub(super) prompt_text: String,
+    pub(super) echo: bool,
+    pub(super) logprobs: Option<usize>,
+}
+
+/// The completions API's `logprobs`: null, or the number of alternatives per token (0 to 5).
+fn completion_logprobs(v: &Option<Value>) -> Result<Option<usize>, Invalid> {
+    let max = MAX_COMPLETION_ALTERNATIVES;
+    match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(k) if k as usize <= max => Ok(Some(k as usize)),
+            _ => Err(invalid(
+                "logprobs",
+                format!("logprobs must be an integer from 0 to {max}, got {v}"),
+            )),
+        },
+    }
+}
+
+/// The chat API's `logprobs` (true or false) and `top_logprobs` (0 to 20, with logprobs).
+fn chat_logprobs(v: &Option<Value>, top: Option<i64>) -> Result<Option<usize>, Invalid> {
+    let on = match v {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        Some(v) => {
+            return Err(invalid("logprobs", format!("logprobs must be true or false, got {v}")))
+        }
+    };
+    let max = MAX_CHAT_ALTERNATIVES as i64;
+    match top {
+        Some(k) if !(0..=max).contains(&k) => {
+            Err(invalid("top_logprobs", format!("top_logprobs must be from 0 to {max}, got {k}")))
+        }
+        Some(_) if !on => Err(invalid("top_logprobs", "top_logprobs needs logprobs: true")),
+        k => Ok(on.then_some(k.unwrap_or(0) as usize)),
     }
 }
 
@@ -316,37 +369,54 @@ pub(super) fn prepare_completion(model: &Served, body: &[u8]) -> Result<Prepared
     if r.common.max_tokens.is_none() {
         r.common.max_tokens = r.max_completion_tokens;
     }
-    if r.echo == Some(true) {
-        return Err(invalid("echo", "echo is not supported"));
-    }
     if r.best_of.is_some_and(|b| b != 1) {
         return Err(invalid("best_of", "best_of must be 1"));
     }
     if r.suffix.is_some() {
         return Err(invalid("suffix", "suffix is not supported"));
     }
-    let text = match &r.prompt {
-        Value::String(s) => s.clone(),
-        Value::Array(a) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap().to_string(),
-        Value::Array(a) if a.len() > 1 => {
+    // A string, or token ids; a list of one of those.
+    let one = match &r.prompt {
+        Value::Array(a) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => &a[0],
+        Value::Array(a) if a.len() > 1 && (a[0].is_string() || a[0].is_array()) => {
             return Err(invalid("prompt", "one prompt per request (send several requests)"))
         }
-        _ => return Err(invalid("prompt", "prompt must be a string")),
+        p => p,
     };
-    let prompt = encode(model, &text, "prompt")?;
-    r.common.prepare(model, prompt, Some(16), Vec::new())
+    let (prompt, text) = match one {
+        Value::String(s) => (encode(model, s, "prompt")?, s.clone()),
+        Value::Array(ids) => {
+            let vocab = model.vocab;
+            let ids: Vec<u32> = ids
+                .iter()
+                .map(|v| v.as_u64().filter(|&t| t < vocab as u64).map(|t| t as u32))
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    invalid(
+                        "prompt",
+                        format!("token ids must be integers below the vocabulary size {vocab}"),
+                    )
+                })?;
+            let text = model.bpe.decode(&ids).map_err(|e| invalid("prompt", format!("{e:#}")))?;
+            (ids, text)
+        }
+        _ => return Err(invalid("prompt", "prompt must be a string or a list of token ids")),
+    };
+    let echo = r.echo.unwrap_or(false);
+    let report =
+        Report { prompt_text: text, echo, logprobs: completion_logprobs(&r.common.logprobs)? };
+    r.common.prepare(model, prompt, Some(16), Vec::new(), report)
 }
 
 /// A `/v1/chat/completions` body, checked, put into the chat template and tokenized.
 pub(super) fn prepare_chat(model: &Served, body: &[u8]) -> Result<Prepared, Invalid> {
     let mut r: ChatRequest = parse(body)?;
-    if r.top_logprobs.is_some() {
-        return Err(invalid("top_logprobs", "logprobs are not supported"));
-    }
     if r.common.max_tokens.is_none() {
         r.common.max_tokens = r.max_completion_tokens;
     }
+    let logprobs = chat_logprobs(&r.common.logprobs, r.top_logprobs)?;
     let (text, stop) = chat_prompt(model, &r.messages)?;
     let prompt = encode(model, &text, "messages")?;
-    r.common.prepare(model, prompt, None, stop)
+    let report = Report { prompt_text: text, echo: false, logprobs };
+    r.common.prepare(model, prompt, None, stop, report)
 }

@@ -8,6 +8,7 @@
 //! slot and sampler, and every row of a decoding pass is computed on its own, so the text of a
 //! request does not depend on what else is in the batch.
 
+use super::logprobs::{score, token_text, TokenLogprob};
 use super::metrics::Metrics;
 use crate::infer::generate::{Sampler, Sampling};
 use crate::model::decode::{check_cache_size, KvCache};
@@ -37,10 +38,12 @@ impl Finish {
     }
 }
 
-/// What the engine tells a request, in order: pieces of text, then one `Done` (or `Failed`).
+/// What the engine tells a request, in order: pieces of text, each token's log-probabilities
+/// when asked for (before the text they make), then one `Done` (or `Failed`).
 #[derive(Debug)]
 pub enum Event {
     Text(String),
+    Logprobs(Vec<TokenLogprob>),
     Done { finish: Finish, prompt_tokens: usize, completion_tokens: usize },
     Failed(String),
 }
@@ -53,6 +56,13 @@ pub struct Job {
     pub seed: u64,
     /// Text that ends the completion where it first appears (not included).
     pub stop: Vec<String>,
+    /// The prompt's text, sent first when `echo` (its length in characters counts in the
+    /// tokens' offsets either way).
+    pub prompt_text: String,
+    pub echo: bool,
+    /// Report log-probabilities with this many alternatives per token; with `echo`, of the
+    /// prompt's tokens too.
+    pub logprobs: Option<usize>,
     /// Which of the request's `n` choices this is: its sampler's random stream, and the tag
     /// of its events (the choices of one request share one channel).
     pub choice: usize,
@@ -174,6 +184,8 @@ struct Sequence {
     /// Tokens not yet decoded into whole characters.
     pending: Vec<u32>,
     first_token: Option<Instant>,
+    /// Where the next token's text starts, in characters of prompt and completion together.
+    offset: usize,
 }
 
 struct Engine {
@@ -256,6 +268,7 @@ impl Engine {
                     continue;
                 }
             };
+            let offset = if job.echo { 0 } else { job.prompt_text.chars().count() };
             self.running.push(Sequence {
                 job,
                 slot,
@@ -266,6 +279,7 @@ impl Engine {
                 sent: 0,
                 pending: Vec::new(),
                 first_token: None,
+                offset,
             });
         }
     }
@@ -303,17 +317,42 @@ impl Engine {
                 (s.slot, ids)
             })
             .collect();
-        let logits = self.model.decode(&mut self.cache, &chunks, false)?;
+        // A prompt whose tokens are scored gets logits for each of them.
+        let scored: Vec<bool> = self.running.iter().map(Sequence::scores_prompt).collect();
+        let logits = self.model.decode_rows(&mut self.cache, &chunks, &scored)?;
         drop(chunks);
         let vocab = self.model.config.vocab_size;
         let now = Instant::now();
         let mut done = Vec::new();
-        for (row, seq) in self.running.iter_mut().enumerate() {
+        let mut row = 0;
+        for seq in self.running.iter_mut() {
             if seq.prefill {
+                if seq.scores_prompt() {
+                    let rows = seq.job.prompt.len();
+                    seq.prompt_logprobs(&logits[row * vocab..(row + rows) * vocab], &self.bpe);
+                    row += rows - 1;
+                }
+                if seq.job.echo {
+                    seq.job.send(Event::Text(seq.job.prompt_text.clone()));
+                }
                 seq.prefill = false;
                 self.metrics.add_prompt_tokens(seq.job.prompt.len());
+                if seq.job.max_tokens == 0 {
+                    // Only the prompt was asked for (`echo` with `max_tokens: 0`).
+                    done.push((seq.slot, Finish::Length));
+                    row += 1;
+                    continue;
+                }
             }
-            let tok = seq.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
+            let logits = &logits[row * vocab..(row + 1) * vocab];
+            row += 1;
+            let tok = seq.sampler.sample(logits);
+            if let Some(k) = seq.job.logprobs {
+                if tok != self.bpe.eot {
+                    let entry = seq.entry(logits, tok, k, &self.bpe);
+                    seq.job.send(Event::Logprobs(vec![entry]));
+                }
+            }
             seq.generated.push(tok);
             self.metrics.add_generated_tokens(1);
             if seq.first_token.is_none() {
@@ -336,6 +375,36 @@ impl Engine {
 }
 
 impl Sequence {
+    fn scores_prompt(&self) -> bool {
+        self.prefill && self.job.echo && self.job.logprobs.is_some()
+    }
+
+    /// The entry of token `tok` drawn from `logits`, advancing the offset.
+    fn entry(&mut self, logits: &[f32], tok: u32, k: usize, bpe: &Bpe) -> TokenLogprob {
+        let (lp, top) = score(logits, tok, k);
+        let text = token_text(bpe, tok);
+        let offset = self.offset;
+        self.offset += text.chars().count();
+        let top = top.into_iter().map(|(t, lp)| (token_text(bpe, t), lp)).collect();
+        TokenLogprob { text, logprob: Some(lp), top, offset }
+    }
+
+    /// Sends the prompt's tokens with their log-probabilities: `logits` holds a row per prompt
+    /// token, row `t` the distribution of token `t + 1`; nothing predicts the first token.
+    fn prompt_logprobs(&mut self, logits: &[f32], bpe: &Bpe) {
+        let (prompt, k) = (self.job.prompt.clone(), self.job.logprobs.unwrap_or(0));
+        let vocab = logits.len() / prompt.len();
+        let text = token_text(bpe, prompt[0]);
+        self.offset = text.chars().count();
+        let mut entries = vec![TokenLogprob { text, logprob: None, top: Vec::new(), offset: 0 }];
+        for (t, &tok) in prompt.iter().enumerate().skip(1) {
+            entries.push(self.entry(&logits[(t - 1) * vocab..t * vocab], tok, k, bpe));
+        }
+        // The completion's tokens follow the prompt's text as the client sees it.
+        self.offset = self.job.prompt_text.chars().count();
+        self.job.send(Event::Logprobs(entries));
+    }
+
     /// Takes the sampled token: its text, stop strings, the token limit. Returns how the
     /// sequence ends, if it does.
     fn advance(&mut self, tok: u32, bpe: &Bpe) -> Option<Finish> {

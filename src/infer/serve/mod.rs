@@ -9,6 +9,7 @@
 mod api;
 mod conn;
 pub mod engine;
+mod logprobs;
 pub mod metrics;
 
 use crate::base::progress::log;
@@ -22,6 +23,7 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use engine::{EngineHandle, EngineOptions, Event, Finish, Job, Refused};
+use logprobs::TokenLogprob;
 use metrics::Metrics;
 use serde_json::{json, Value};
 use std::path::PathBuf;
@@ -112,11 +114,11 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     let chat = crate::text::chat::ChatTemplate::find(&opts.model)?;
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
-    let context = model.config.max_position_embeddings;
+    let (context, vocab) = (model.config.max_position_embeddings, model.config.vocab_size);
     let (engine, thread) = engine::start(model.clone(), bpe.clone(), *e, metrics.clone())?;
     let app = Arc::new(App {
         engine,
-        served: Served { bpe, name, context, max_choices: e.max_queue, chat },
+        served: Served { bpe, name, context, vocab, max_choices: e.max_queue, chat },
         metrics,
         next_id: AtomicU64::new(0),
         started: unix_time(),
@@ -314,6 +316,9 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
             sampling: p.sampling,
             seed: p.seed,
             stop: p.stop.clone(),
+            prompt_text: p.prompt_text.clone(),
+            echo: p.echo,
+            logprobs: p.logprobs,
             choice,
             events: tx.clone(),
             received,
@@ -341,10 +346,12 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
         app.next_id.fetch_add(1, Relaxed)
     );
     let created = unix_time();
-    let shape = Shape { id, created, model: app.served.name.clone(), kind };
+    let shape =
+        Shape { id, created, model: app.served.name.clone(), kind, logprobs: p.logprobs.is_some() };
     let mut tally = Tally::new(p.choices);
     if !p.stream {
         let mut texts = vec![String::new(); p.choices];
+        let mut logprobs = vec![Vec::new(); p.choices];
         loop {
             let Ok(next) = tokio::time::timeout_at(deadline, rx.recv()).await else {
                 return error(StatusCode::GATEWAY_TIMEOUT, &late, None);
@@ -352,10 +359,11 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
             let Some((i, ev)) = next else { break };
             match ev {
                 Event::Text(t) => texts[i].push_str(&t),
+                Event::Logprobs(l) => logprobs[i].extend(l),
                 Event::Done { finish, prompt_tokens, completion_tokens } => {
                     tally.done(i, finish, prompt_tokens, completion_tokens);
                     if tally.all_done() {
-                        return axum::Json(shape.whole(&texts, &tally)).into_response();
+                        return axum::Json(shape.whole(&texts, &logprobs, &tally)).into_response();
                     }
                 }
                 Event::Failed(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
@@ -370,6 +378,7 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
         rx,
         shape,
         first: vec![true; p.choices],
+        logprobs: vec![Vec::new(); p.choices],
         tally,
         include_usage: p.include_usage,
         queue: std::collections::VecDeque::new(),
@@ -426,6 +435,8 @@ struct Events {
     shape: Shape,
     /// Per choice: no chunk sent yet (a chat stream's first chunk carries the role).
     first: Vec<bool>,
+    /// Per choice: token log-probabilities not sent yet (they go with the next chunk).
+    logprobs: Vec<Vec<TokenLogprob>>,
     tally: Tally,
     include_usage: bool,
     /// Events made and not yet sent.
@@ -449,12 +460,18 @@ impl Events {
         };
         match next {
             Some((i, Event::Text(t))) => {
-                let chunk = self.shape.chunk(i, Some(&t), None, &mut self.first[i]);
+                let logprobs = std::mem::take(&mut self.logprobs[i]);
+                let chunk = self.shape.chunk(i, Some(&t), &logprobs, None, &mut self.first[i]);
                 self.queue.push_back(data(chunk));
                 return;
             }
+            Some((i, Event::Logprobs(l))) => {
+                self.logprobs[i].extend(l);
+                return;
+            }
             Some((i, Event::Done { finish, prompt_tokens, completion_tokens })) => {
-                let chunk = self.shape.chunk(i, None, Some(finish), &mut self.first[i]);
+                let logprobs = std::mem::take(&mut self.logprobs[i]);
+                let chunk = self.shape.chunk(i, None, &logprobs, Some(finish), &mut self.first[i]);
                 self.queue.push_back(data(chunk));
                 self.tally.done(i, finish, prompt_tokens, completion_tokens);
                 if !self.tally.all_done() {
@@ -481,22 +498,34 @@ struct Shape {
     created: u64,
     model: String,
     kind: Kind,
+    /// Whether the request asked for log-probabilities.
+    logprobs: bool,
 }
 
 impl Shape {
-    fn whole(&self, texts: &[String], tally: &Tally) -> Value {
+    /// A choice's `logprobs` field: null unless asked for.
+    fn logprobs(&self, entries: &[TokenLogprob]) -> Value {
+        match (self.logprobs, self.kind) {
+            (false, _) => Value::Null,
+            (true, Kind::Completion) => logprobs::completion_object(entries),
+            (true, Kind::Chat) => logprobs::chat_object(entries),
+        }
+    }
+
+    fn whole(&self, texts: &[String], logprobs: &[Vec<TokenLogprob>], tally: &Tally) -> Value {
         let choices = texts
             .iter()
             .zip(&tally.finish)
+            .zip(logprobs)
             .enumerate()
-            .map(|(index, (text, finish))| {
-                let finish = finish.map(Finish::as_str);
+            .map(|(index, ((text, finish), lp))| {
+                let (finish, lp) = (finish.map(Finish::as_str), self.logprobs(lp));
                 match self.kind {
                     Kind::Completion => {
-                        json!({"index": index, "text": text, "logprobs": null, "finish_reason": finish})
+                        json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
                     }
                     Kind::Chat => {
-                        json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+                        json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish})
                     }
                 }
             })
@@ -509,13 +538,15 @@ impl Shape {
         &self,
         index: usize,
         text: Option<&str>,
+        logprobs: &[TokenLogprob],
         finish: Option<Finish>,
         first: &mut bool,
     ) -> Value {
         let finish = finish.map(Finish::as_str);
+        let lp = self.logprobs(logprobs);
         let choice = match self.kind {
             Kind::Completion => {
-                json!({"index": index, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
             }
             Kind::Chat => {
                 let mut delta = serde_json::Map::new();
@@ -525,7 +556,7 @@ impl Shape {
                 if let Some(t) = text {
                     delta.insert("content".into(), t.into());
                 }
-                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
         };
         self.envelope(vec![choice], None)
