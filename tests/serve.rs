@@ -36,10 +36,16 @@ struct Server {
 
 impl Server {
     fn start(env: &RunEnv, model: &Path, flags: &[&str]) -> Server {
+        Self::start_with(env, model, flags, &[])
+    }
+
+    /// With environment variables set for the server.
+    fn start_with(env: &RunEnv, model: &Path, flags: &[&str], vars: &[(&str, &str)]) -> Server {
         let mut args = vec!["serve", "--model", model.to_str().unwrap(), "--port", "0"];
         args.extend(flags);
-        let mut child =
-            env.cmd(&args).stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
+        let mut cmd = env.cmd(&args);
+        cmd.envs(vars.iter().copied());
+        let mut child = cmd.stderr(Stdio::piped()).stdout(Stdio::null()).spawn().unwrap();
         let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
         let first = lines.next().unwrap().unwrap();
         let port = first
@@ -62,12 +68,17 @@ impl Drop for Server {
 
 /// Status and body of one HTTP/1.1 request (the body de-chunked).
 fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    http_with(port, method, path, body, "")
+}
+
+/// [`http`] with more header lines (each ending in `\r\n`).
+fn http_with(port: u16, method: &str, path: &str, body: &str, headers: &str) -> (u16, String) {
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     // A server that refuses a body too large answers before reading all of it and closes the
     // connection: the rest of the write may fail, the answer is still there to read.
     let _ = write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n{body}",
         body.len()
     );
     let mut raw = Vec::new();
@@ -432,6 +443,43 @@ fn logprobs_and_echo_are_the_models_own() {
         let (status, v) = post(port, path, &body);
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
     }
+}
+
+/// `--api-key` (or ATTNRES_API_KEY): every route but /health and the page answers 401 with the
+/// API's error object unless the request carries the key; with it, everything works as before.
+#[test]
+fn an_api_key_guards_every_route_but_health_and_the_page() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let flag = Server::start(env, &model, &["--api-key", "s3cret"]);
+    let var = Server::start_with(env, &model, &[], &[("ATTNRES_API_KEY", "s3cret")]);
+    let body = json!({"prompt": "ROMEO:", "max_tokens": 3}).to_string();
+    for port in [flag.port, var.port] {
+        for (method, path) in [
+            ("GET", "/v1/models"),
+            ("GET", "/metrics"),
+            ("POST", "/v1/completions"),
+            ("POST", "/v1/chat/completions"),
+            ("GET", "/nowhere"),
+        ] {
+            for headers in ["", "Authorization: Bearer wrong\r\n", "Authorization: s3cret\r\n"] {
+                let (status, text) = http_with(port, method, path, &body, headers);
+                assert_eq!(status, 401, "{method} {path} with {headers:?}: {text}");
+                let v: Value = serde_json::from_str(&text).unwrap();
+                assert_eq!(v["error"]["type"], "invalid_request_error", "{text}");
+            }
+        }
+        let key = "Authorization: Bearer s3cret\r\n";
+        assert_eq!(http_with(port, "GET", "/v1/models", "", key).0, 200);
+        let (status, text) = http_with(port, "POST", "/v1/completions", &body, key);
+        assert_eq!(status, 200, "{text}");
+        assert_eq!(http(port, "GET", "/health", "").0, 200);
+        let (status, page) = http(port, "GET", "/", "");
+        assert!(status == 200 && page.contains("needs an API key"), "the page asks for the key");
+    }
+    // An empty key would look closed and be open: refused.
+    let o = env.run(&["serve", "--model", model.to_str().unwrap(), "--api-key", " "]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--api-key (or ATTNRES_API_KEY) is empty"));
 }
 
 #[test]

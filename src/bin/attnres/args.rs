@@ -233,6 +233,11 @@ pub(crate) struct ServeArgs {
     /// and answered with 504 (a stream ends with an error event).
     #[arg(long, default_value_t = 600)]
     pub request_timeout: u64,
+    /// Require this key (`Authorization: Bearer KEY`) on every route but /health and the page;
+    /// default: the environment variable ATTNRES_API_KEY, if set (which keeps the key out of
+    /// the process list).
+    #[arg(long)]
+    pub api_key: Option<String>,
 }
 
 #[derive(Args)]

@@ -76,6 +76,7 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
                 body_timeout: std::time::Duration::from_secs(a.body_timeout),
                 request_timeout: std::time::Duration::from_secs(a.request_timeout),
             },
+            api_key: api_key(a.api_key)?,
         }),
     }
 }
@@ -427,4 +428,15 @@ fn bench_generate(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     }
     output(&report.table())
+}
+
+/// `serve`'s key: `--api-key`, else the environment's ATTNRES_API_KEY; an empty key is refused
+/// (it would open the server while looking closed).
+fn api_key(given: Option<String>) -> Result<Option<String>> {
+    let key = given.or_else(|| std::env::var("ATTNRES_API_KEY").ok());
+    anyhow::ensure!(
+        key.as_ref().is_none_or(|k| !k.trim().is_empty()),
+        "--api-key (or ATTNRES_API_KEY) is empty"
+    );
+    Ok(key)
 }

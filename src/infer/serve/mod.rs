@@ -40,6 +40,8 @@ pub struct ServeOptions {
     /// The name clients use in `model` (default: the model directory's name).
     pub name: Option<String>,
     pub net: NetLimits,
+    /// When set, every route but `/health` and the page needs `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
 }
 
 /// What one client may hold of the server (docs/serving.md, "Limits").
@@ -93,6 +95,7 @@ struct App {
     next_id: AtomicU64,
     started: u64,
     net: NetLimits,
+    api_key: Option<String>,
 }
 
 /// Serves until SIGTERM or Ctrl-C; requests under way are finished before it returns.
@@ -123,6 +126,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
         next_id: AtomicU64::new(0),
         started: unix_time(),
         net: opts.net,
+        api_key: opts.api_key.clone(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -160,11 +164,54 @@ async fn serve(app: Arc<App>, opts: &ServeOptions, model: &Model) -> Result<()> 
         .method_not_allowed_fallback(|| async {
             error(StatusCode::METHOD_NOT_ALLOWED, "this endpoint does not take that method", None)
         })
+        .layer(axum::middleware::from_fn_with_state(app.clone(), require_key))
         .with_state(app);
     let net = opts.net;
     conn::accept_loop(listener, router, net.max_connections, net.header_timeout, shutdown_signal())
         .await;
     Ok(())
+}
+
+/// With `--api-key`, a request without the key is answered 401 before anything else. Open:
+/// `/health` (for load balancers) and the page itself, which holds no data (a browser cannot put
+/// a header on the address bar's request); the page asks for the key and sends it with its calls.
+async fn require_key(
+    State(app): State<Arc<App>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(key) = &app.api_key else { return next.run(req).await };
+    if matches!(req.uri().path(), "/health" | "/") {
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+        return next.run(req).await;
+    }
+    let mut r = error(
+        StatusCode::UNAUTHORIZED,
+        "this server needs an API key: send the header Authorization: Bearer <key>",
+        None,
+    );
+    r.headers_mut().insert(
+        axum::http::header::WWW_AUTHENTICATE,
+        axum::http::HeaderValue::from_static("Bearer"),
+    );
+    r
+}
+
+/// Whether two secrets are equal, in time that depends on their lengths only (not on where
+/// they first differ).
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let n = a.len().max(b.len());
+    let diff = (0..n).fold((a.len() != b.len()) as u8, |acc, i| {
+        acc | (a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0))
+    });
+    std::hint::black_box(diff) == 0
 }
 
 /// SIGTERM or Ctrl-C: stop taking connections; requests under way finish.
