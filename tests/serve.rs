@@ -445,6 +445,92 @@ fn logprobs_and_echo_are_the_models_own() {
     }
 }
 
+/// Logit bias and penalties, against a reference on the model's own logits: greedy decoding
+/// re-done here token by token with `attnres forward` and the penalties applied in f64 gives
+/// the server's tokens; a bias of +100 forces a token; a penalised request gives the same text
+/// alone and among 32 others; out-of-range values are refused by name.
+#[test]
+fn penalties_and_logit_bias_change_the_logits_as_defined() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let bpe = attnres::text::tokenizer::Bpe::load(&model.join("tokenizer.json")).unwrap();
+    let server = Server::start(env, &model, &["--max-batch", "8"]);
+    let port = server.port;
+    let prompt = "ROMEO: ROMEO";
+    let ids = bpe.encode(prompt).unwrap();
+    let bias_id = ids[1];
+    let (presence, frequency, repetition, bias) = (0.7, 0.4, 1.3, -2.5);
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0,
+        "presence_penalty": presence, "frequency_penalty": frequency, "repetition_penalty": repetition,
+        "logit_bias": {bias_id.to_string(): bias}});
+    let (status, v) = post(port, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let texts = strings(&v["choices"][0]["logprobs"]["tokens"]);
+    let mut seq = ids.clone();
+    for (j, text) in texts.iter().enumerate() {
+        let logits = forward_logits(env, &model, &seq);
+        let row = &logits[(seq.len() - 1) * 400..seq.len() * 400];
+        let generated = &seq[ids.len()..];
+        let adjusted: Vec<f64> = row
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| {
+                let mut l = l as f64;
+                if seq.contains(&(i as u32)) {
+                    l = if l > 0.0 { l / repetition } else { l * repetition };
+                }
+                let c = generated.iter().filter(|&&t| t == i as u32).count() as f64;
+                l -= frequency * c + if c > 0.0 { presence } else { 0.0 };
+                l + if i as u32 == bias_id { bias } else { 0.0 }
+            })
+            .collect();
+        let want = top(&adjusted, 1)[0] as u32;
+        assert_eq!(*text, bpe.decode(&[want]).unwrap(), "token {j}");
+        seq.push(want);
+    }
+    // Without them the greedy text is another (the test can tell).
+    let plain = complete(port, &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}));
+    assert_ne!(plain, texts.concat());
+    // +100 on one token: every token is it.
+    let forced = bpe.encode(" the").unwrap()[0];
+    let v = complete(
+        port,
+        &json!({"prompt": prompt, "max_tokens": 5, "temperature": 0.9, "logit_bias": {forced.to_string(): 100}}),
+    );
+    assert_eq!(v, bpe.decode(&[forced; 5]).unwrap());
+    // Alone and among 32 (sampled, so the random streams matter too).
+    let mut sampled = body.clone();
+    sampled["temperature"] = json!(0.9);
+    sampled["seed"] = json!(11);
+    let alone = complete(port, &sampled);
+    let together: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..32)
+            .map(|i| {
+                let mut b = sampled.clone();
+                if i % 2 == 1 {
+                    b["seed"] = json!(i);
+                }
+                s.spawn(move || complete(port, &b))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for t in together.iter().step_by(2) {
+        assert_eq!(*t, alone);
+    }
+    for (body, param) in [
+        (json!({"prompt": "a", "presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"prompt": "a", "frequency_penalty": -3}), "frequency_penalty"),
+        (json!({"prompt": "a", "repetition_penalty": 0}), "repetition_penalty"),
+        (json!({"prompt": "a", "logit_bias": {"400": 1}}), "logit_bias"),
+        (json!({"prompt": "a", "logit_bias": {"x": 1}}), "logit_bias"),
+        (json!({"prompt": "a", "logit_bias": {"3": 101}}), "logit_bias"),
+    ] {
+        let (status, v) = post(port, "/v1/completions", &body);
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+    }
+}
+
 /// `--api-key` (or ATTNRES_API_KEY): every route but /health and the page answers 401 with the
 /// API's error object unless the request carries the key; with it, everything works as before.
 #[test]

@@ -3,6 +3,7 @@
 //! object every refusal is answered with.
 
 use super::logprobs::{MAX_CHAT_ALTERNATIVES, MAX_COMPLETION_ALTERNATIVES};
+use super::penalties::Penalties;
 use crate::infer::generate::Sampling;
 use crate::text::chat::ChatTemplate;
 use crate::text::tokenizer::Bpe;
@@ -82,6 +83,9 @@ pub(super) struct Common {
     pub(super) frequency_penalty: Option<f64>,
     pub(super) presence_penalty: Option<f64>,
     pub(super) logit_bias: Option<serde_json::Map<String, Value>>,
+    /// An extension (vLLM, llama.cpp): divides positive logits of tokens already in the prompt
+    /// or the completion by it, multiplies negative ones.
+    pub(super) repetition_penalty: Option<f64>,
     pub(super) logprobs: Option<Value>,
     pub(super) user: Option<String>,
 }
@@ -133,6 +137,7 @@ pub(super) struct Prepared {
     pub(super) echo: bool,
     /// Log-probabilities with this many alternatives per token.
     pub(super) logprobs: Option<usize>,
+    pub(super) penalties: Option<Penalties>,
 }
 
 /// Parses a JSON body into `T`, naming the field at fault (unknown fields are errors).
@@ -179,17 +184,7 @@ impl Common {
                 ))
             }
         };
-        for (param, v) in [
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(invalid(param, format!("{param} is not supported (only 0)")));
-            }
-        }
-        if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-            return Err(invalid("logit_bias", "logit_bias is not supported"));
-        }
+        let penalties = self.penalties(model.vocab)?;
         let _ = self.user;
         // With `echo`, `max_tokens: 0` asks for the prompt alone (scored, with `logprobs`).
         let prompt_only = report.echo && self.max_tokens == Some(0);
@@ -267,7 +262,54 @@ impl Common {
             prompt_text: report.prompt_text,
             echo: report.echo,
             logprobs: report.logprobs,
+            penalties,
         })
+    }
+
+    /// The logit bias and penalties, checked (the API's ranges); `None` when all are neutral.
+    fn penalties(&self, vocab: usize) -> Result<Option<Penalties>, Invalid> {
+        let mut p = Penalties { repetition: 1.0, ..Default::default() };
+        for (param, v, to) in [
+            ("frequency_penalty", self.frequency_penalty, &mut p.frequency),
+            ("presence_penalty", self.presence_penalty, &mut p.presence),
+        ] {
+            match v {
+                Some(v) if !(-2.0..=2.0).contains(&v) => {
+                    return Err(invalid(param, format!("{param} must be from -2 to 2, got {v}")))
+                }
+                Some(v) => *to = v as f32,
+                None => {}
+            }
+        }
+        match self.repetition_penalty {
+            Some(r) if !(r > 0.0 && r <= 10.0) => {
+                return Err(invalid(
+                    "repetition_penalty",
+                    format!("repetition_penalty must be above 0 and at most 10 (1: none), got {r}"),
+                ))
+            }
+            Some(r) => p.repetition = r as f32,
+            None => {}
+        }
+        for (k, v) in self.logit_bias.iter().flatten() {
+            let id = k.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
+            let Some(id) = id else {
+                return Err(invalid(
+                    "logit_bias",
+                    format!("logit_bias keys are token ids below the vocabulary size {vocab}, got {k:?}"),
+                ));
+            };
+            match v.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => p.bias.push((id, b as f32)),
+                _ => {
+                    return Err(invalid(
+                        "logit_bias",
+                        format!("logit_bias values are numbers from -100 to 100, got {v} for {k}"),
+                    ))
+                }
+            }
+        }
+        Ok((!p.neutral()).then_some(p))
     }
 }
 

@@ -10,6 +10,7 @@
 
 use super::logprobs::{score, token_text, TokenLogprob};
 use super::metrics::Metrics;
+use super::penalties::{History, Penalties};
 use crate::infer::generate::{Sampler, Sampling};
 use crate::model::decode::{check_cache_size, KvCache};
 use crate::model::Model;
@@ -63,6 +64,8 @@ pub struct Job {
     /// Report log-probabilities with this many alternatives per token; with `echo`, of the
     /// prompt's tokens too.
     pub logprobs: Option<usize>,
+    /// Bias and penalties on the logits before sampling, when the request sets any.
+    pub penalties: Option<Arc<Penalties>>,
     /// Which of the request's `n` choices this is: its sampler's random stream, and the tag
     /// of its events (the choices of one request share one channel).
     pub choice: usize,
@@ -186,6 +189,8 @@ struct Sequence {
     first_token: Option<Instant>,
     /// Where the next token's text starts, in characters of prompt and completion together.
     offset: usize,
+    /// What the penalties count, when the request has any.
+    history: Option<History>,
 }
 
 struct Engine {
@@ -269,6 +274,7 @@ impl Engine {
                 }
             };
             let offset = if job.echo { 0 } else { job.prompt_text.chars().count() };
+            let history = job.penalties.as_ref().map(|_| History::new(&job.prompt));
             self.running.push(Sequence {
                 job,
                 slot,
@@ -280,6 +286,7 @@ impl Engine {
                 pending: Vec::new(),
                 first_token: None,
                 offset,
+                history,
             });
         }
     }
@@ -346,7 +353,16 @@ impl Engine {
             }
             let logits = &logits[row * vocab..(row + 1) * vocab];
             row += 1;
-            let tok = seq.sampler.sample(logits);
+            let tok = match (&seq.job.penalties, &mut seq.history) {
+                (Some(p), Some(h)) => {
+                    let mut adjusted = logits.to_vec();
+                    h.apply(p, &mut adjusted);
+                    let tok = seq.sampler.sample(&adjusted);
+                    h.push(tok);
+                    tok
+                }
+                _ => seq.sampler.sample(logits),
+            };
             if let Some(k) = seq.job.logprobs {
                 if tok != self.bpe.eot {
                     let entry = seq.entry(logits, tok, k, &self.bpe);

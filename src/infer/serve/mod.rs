@@ -11,6 +11,7 @@ mod conn;
 pub mod engine;
 mod logprobs;
 pub mod metrics;
+mod penalties;
 
 use crate::base::progress::log;
 use crate::model::Model;
@@ -366,6 +367,7 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
             prompt_text: p.prompt_text.clone(),
             echo: p.echo,
             logprobs: p.logprobs,
+            penalties: p.penalties.clone().map(Arc::new),
             choice,
             events: tx.clone(),
             received,
