@@ -142,6 +142,7 @@ fn opts(max_tokens: usize, overflow: Overflow) -> GenerateOptions {
         seed: 0,
         overflow,
         stop: None,
+        sample_below: None,
     }
 }
 

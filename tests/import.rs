@@ -549,6 +549,122 @@ fn a_sentencepiece_gguf_gets_a_byte_fallback_tokenizer() {
     );
 }
 
+/// One POST to a server on a loopback port; the body of the answer (de-chunked, for streams).
+fn post(port: u16, path: &str, body: &serde_json::Value) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = body.to_string();
+    write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut raw = String::new();
+    s.read_to_string(&mut raw).unwrap();
+    let (head, mut rest) = raw.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{raw}");
+    if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        return rest.to_string();
+    }
+    let mut out = String::new();
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = &tail[n + 2..];
+    }
+    out
+}
+
+/// The server's text for a SentencePiece model is `generate`'s: words keep their spaces, whole
+/// and streamed, and characters whose bytes come as separate tokens are whole (a sampled run
+/// of a random model, compared with `attnres generate`, which streams through the same
+/// decoder); log-probabilities' token texts add up to the text.
+#[test]
+fn a_sentencepiece_model_is_served_with_its_spaces() {
+    use serde_json::{json, Value};
+    use std::io::BufRead;
+    let tmp = tempfile::tempdir().unwrap();
+    let (bytes, _) = tiny_gguf(spm_tokenizer(), 11);
+    let file = tmp.path().join("spm.gguf");
+    std::fs::write(&file, &bytes).unwrap();
+    let out = tmp.path().join("ck");
+    import_ok(&file, &out);
+    let id = |t: &str| spm_tokenizer().tokens.iter().position(|x| x == t).unwrap() as u32;
+    /// The server, stopped however the test ends.
+    struct Server(std::process::Child);
+    impl Drop for Server {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Server(
+        Command::new(env!("CARGO_BIN_EXE_attnres"))
+            .args(["serve", "--model", out.to_str().unwrap(), "--port", "0"])
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let mut lines = std::io::BufReader::new(child.0.stderr.take().unwrap()).lines();
+    let first = lines.next().unwrap().unwrap();
+    std::thread::spawn(move || lines.for_each(drop));
+    let port: u16 = first
+        .rsplit_once("127.0.0.1:")
+        .unwrap()
+        .1
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+
+    // "▁the" forced three times after "the": " the the the", whole and streamed.
+    let forced = json!({"prompt": "the", "max_tokens": 3, "temperature": 0, "logprobs": 0,
+        "logit_bias": {id("▁the").to_string(): 100}});
+    let whole: Value = serde_json::from_str(&post(port, "/v1/completions", &forced)).unwrap();
+    assert_eq!(whole["choices"][0]["text"], " the the the");
+    let tokens: Vec<&str> = whole["choices"][0]["logprobs"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens, [" the"; 3]);
+    let mut streamed_body = forced.clone();
+    streamed_body["stream"] = json!(true);
+    let stream = post(port, "/v1/completions", &streamed_body);
+    let streamed: String = stream
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(streamed, " the the the");
+
+    // Sampled from a random model: byte tokens split characters; the text is generate's.
+    for seed in [1, 2, 3] {
+        let body = json!({"prompt": "the", "max_tokens": 24, "temperature": 1.0, "seed": seed});
+        let v: Value = serde_json::from_str(&post(port, "/v1/completions", &body)).unwrap();
+        let o = attnres(&[
+            "generate",
+            "--model",
+            out.to_str().unwrap(),
+            "--prompt",
+            "the",
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "1",
+            "--seed",
+            &seed.to_string(),
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let cli = String::from_utf8(o.stdout).unwrap();
+        let cli = cli.strip_prefix("the").unwrap().strip_suffix('\n').unwrap();
+        assert_eq!(v["choices"][0]["text"].as_str().unwrap(), cli, "seed {seed}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Hugging Face directories.
 

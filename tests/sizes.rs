@@ -122,6 +122,7 @@ fn a_long_context_costs_nothing_until_used() {
         seed: 1,
         overflow: Overflow::Error,
         stop: None,
+        sample_below: None,
     };
     let prompts = vec![vec![1, 2, 3, 4, 5, 6], vec![7, 8]];
     let (a, _) = generate(&long, &prompts, &opts, |_, _| Ok(())).unwrap();

@@ -141,6 +141,9 @@ pub struct GenerateOptions {
     pub overflow: Overflow,
     /// Stop a sequence when it produces this token (the end-of-text token).
     pub stop: Option<u32>,
+    /// Sample only ids below this: the tokenizer's size, for a model whose embedding is padded
+    /// beyond it (ids without text). `None`: the whole vocabulary.
+    pub sample_below: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -202,6 +205,7 @@ pub fn generate(
         }
         history.push(p[p.len().saturating_sub(ctx)..].to_vec());
     }
+    let sampled = opts.sample_below.unwrap_or(vocab).min(vocab);
     let mut samplers = (0..prompts.len())
         .map(|i| Sampler::new(opts.sampling, opts.seed, i as u64))
         .collect::<Result<Vec<_>>>()?;
@@ -228,7 +232,7 @@ pub fn generate(
     while !active.is_empty() {
         let mut next = Vec::with_capacity(active.len());
         for (row, &i) in active.iter().enumerate() {
-            let tok = samplers[i].sample(&logits[row * vocab..(row + 1) * vocab]);
+            let tok = samplers[i].sample(&logits[row * vocab..row * vocab + sampled]);
             on_token(i, tok)?;
             out[i].tokens.push(tok);
             if Some(tok) == opts.stop {
@@ -285,8 +289,9 @@ pub fn read_prompts(path: &Path) -> Result<Vec<String>> {
 
 /// Text of generated tokens as they arrive. A token can end inside a UTF-8 character, so text
 /// that decodes to a trailing replacement character is held back until the character is whole.
-pub struct TextStream<'a> {
-    bpe: &'a Bpe,
+pub struct TextStream<B: std::ops::Deref<Target = Bpe>> {
+    /// The tokenizer: borrowed, or shared (`Arc<Bpe>`) by a stream that outlives a borrow.
+    bpe: B,
     /// Tokens not handed out yet: those since the last complete character. Only these are
     /// decoded for each new token, so streaming costs the same per token however long the text.
     pending: Vec<u32>,
@@ -299,13 +304,13 @@ pub struct TextStream<'a> {
     context: Option<u32>,
 }
 
-/// Refuses a model whose vocabulary is larger than its tokenizer's: the ids beyond the
-/// tokenizer have no text, and decoding would drop them without a word.
+/// Refuses a tokenizer with more tokens than the model's vocabulary (its ids beyond it would
+/// index no embedding), as import does. A model's vocabulary may be larger (an embedding padded
+/// to a round size): generation samples only the tokenizer's ids (`sample_below`).
 pub fn check_tokenizer(model_vocab_size: usize, bpe: &Bpe) -> Result<()> {
     ensure!(
-        model_vocab_size <= bpe.vocab_size(),
-        "the model's vocabulary has {model_vocab_size} tokens but its tokenizer only {}: ids from {} on have no text",
-        bpe.vocab_size(),
+        bpe.vocab_size() <= model_vocab_size,
+        "the tokenizer has {} tokens, the model's vocabulary only {model_vocab_size}",
         bpe.vocab_size()
     );
     Ok(())
@@ -323,13 +328,13 @@ fn decode_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Re
     bpe.decode(ids)
 }
 
-impl<'a> TextStream<'a> {
-    pub fn new(bpe: &'a Bpe) -> TextStream<'a> {
+impl<B: std::ops::Deref<Target = Bpe>> TextStream<B> {
+    pub fn new(bpe: B) -> TextStream<B> {
         TextStream { bpe, pending: Vec::new(), unknown: None, context: None }
     }
 
     /// A stream continuing text whose last token is `token` (the prompt's).
-    pub fn after(mut self, token: Option<u32>) -> TextStream<'a> {
+    pub fn after(mut self, token: Option<u32>) -> TextStream<B> {
         self.context = token.filter(|&t| (t as usize) < self.bpe.vocab_size());
         self
     }
@@ -369,19 +374,32 @@ impl<'a> TextStream<'a> {
 
     /// The text not handed out yet, partial characters included.
     /// An error if a token had no text.
-    pub fn finish(self) -> Result<String> {
+    pub fn finish(mut self) -> Result<String> {
+        self.rest()
+    }
+
+    /// [`Self::finish`] for a stream kept in place: the text not handed out yet, after which
+    /// the stream holds nothing.
+    pub fn rest(&mut self) -> Result<String> {
         if let Some(t) = self.unknown {
-            decode_sampled(self.bpe, &[t], None)?;
+            decode_sampled(&self.bpe, &[t], None)?;
         }
-        self.decode_pending()
+        let text = self.decode_pending()?;
+        self.pending.clear();
+        Ok(text)
     }
 }
 
 impl Generation {
-    /// The continuation as text, without the end-of-text token.
-    pub fn text(&self, bpe: &Bpe) -> Result<String> {
+    /// The continuation as text, without the end-of-text token, decoded after the prompt's last
+    /// token `after` (so that a SentencePiece tokenizer keeps the space of the first word).
+    pub fn text(&self, bpe: &Bpe, after: Option<u32>) -> Result<String> {
         let body: Vec<u32> = self.tokens.iter().copied().filter(|&x| x != bpe.eot).collect();
-        decode_sampled(bpe, &body, Some(self.vocab_size))
+        decode_sampled(bpe, &body, Some(self.vocab_size))?;
+        let mut stream = TextStream::new(bpe).after(after);
+        let mut text: String = body.iter().filter_map(|&t| stream.push(t)).collect();
+        text.push_str(&stream.finish()?);
+        Ok(text)
     }
 }
 
@@ -408,8 +426,9 @@ mod tests {
         Sampler::new(Sampling { temperature, top_k, top_p }, 7, 0).unwrap()
     }
 
-    /// Ids beyond the tokenizer (a model with a larger vocabulary) are errors naming both
-    /// sizes, never text that silently lacks them.
+    /// A model's vocabulary may be padded beyond its tokenizer's (generation samples only the
+    /// tokenizer's ids), never the other way round; ids beyond the tokenizer that reach the text
+    /// are errors naming both sizes, never text that silently lacks them.
     #[test]
     fn ids_beyond_the_tokenizer_are_refused() {
         let docs: Vec<String> = (0..20).map(|i| format!("a small text {i}\n")).collect();
@@ -417,9 +436,10 @@ mod tests {
         let n = bpe.vocab_size();
         let ok = bpe.encode("a small").unwrap();
         check_tokenizer(n, &bpe).unwrap();
-        let e = check_tokenizer(n + 5, &bpe).unwrap_err().to_string();
+        check_tokenizer(n + 5, &bpe).unwrap();
+        let e = check_tokenizer(n - 5, &bpe).unwrap_err().to_string();
         assert!(
-            e.contains(&format!("{} tokens", n + 5)) && e.contains(&format!("only {n}")),
+            e.contains(&format!("{n} tokens")) && e.contains(&format!("only {}", n - 5)),
             "{e}"
         );
 
@@ -427,14 +447,14 @@ mod tests {
         tokens.push(n as u32 + 2);
         let g =
             Generation { tokens: tokens.clone(), stop: StopReason::MaxTokens, vocab_size: n + 5 };
-        let e = g.text(&bpe).unwrap_err().to_string();
+        let e = g.text(&bpe, None).unwrap_err().to_string();
         assert!(
             e.contains(&format!("id {} of {}", n + 2, n + 5))
                 && e.contains(&format!("only {n} tokens")),
             "{e}"
         );
         let g = Generation { tokens: ok.clone(), stop: StopReason::MaxTokens, vocab_size: n + 5 };
-        assert_eq!(g.text(&bpe).unwrap(), "a small");
+        assert_eq!(g.text(&bpe, None).unwrap(), "a small");
 
         let mut stream = TextStream::new(&bpe);
         let shown: String = tokens.iter().chain(&ok).filter_map(|&t| stream.push(t)).collect();

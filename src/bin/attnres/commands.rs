@@ -243,6 +243,7 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         seed: a.seed,
         overflow: if a.slide { Overflow::Slide } else { Overflow::Error },
         stop: (!a.ignore_eos).then_some(bpe.eot),
+        sample_below: Some(bpe.vocab_size()),
     };
     // --prompt streams text; --prompt-file (even with one line) prints JSON lines. --chat
     // streams the answer alone.
@@ -265,8 +266,9 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
         output(&format!("{}\n", stream.finish()?))?;
     } else {
         let mut lines = String::new();
-        for (t, g) in texts.iter().zip(&gens) {
-            let line = serde_json::json!({"prompt": t, "completion": g.text(&bpe)?, "new_tokens": g.tokens.len(), "stop": g.stop});
+        for ((t, g), p) in texts.iter().zip(&gens).zip(&prompts) {
+            let completion = g.text(&bpe, p.last().copied())?;
+            let line = serde_json::json!({"prompt": t, "completion": completion, "new_tokens": g.tokens.len(), "stop": g.stop});
             lines.push_str(&format!("{line}\n"));
         }
         output(&lines)?;

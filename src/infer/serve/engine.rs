@@ -11,7 +11,7 @@
 use super::logprobs::{score, token_text, TokenLogprob};
 use super::metrics::Metrics;
 use super::penalties::{History, Penalties};
-use crate::infer::generate::{Sampler, Sampling};
+use crate::infer::generate::{Sampler, Sampling, TextStream};
 use crate::model::decode::{check_cache_size, KvCache};
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
@@ -184,8 +184,10 @@ struct Sequence {
     /// start of a stop string is held back).
     text: String,
     sent: usize,
-    /// Tokens not yet decoded into whole characters.
-    pending: Vec<u32>,
+    /// The text of the tokens as they come (the decoder `generate` streams with).
+    stream: TextStream<Arc<Bpe>>,
+    /// The token before the next (the prompt's last, then the last generated).
+    last: Option<u32>,
     first_token: Option<Instant>,
     /// Where the next token's text starts, in characters of prompt and completion together.
     offset: usize,
@@ -275,6 +277,8 @@ impl Engine {
             };
             let offset = if job.echo { 0 } else { job.prompt_text.chars().count() };
             let history = job.penalties.as_ref().map(|_| History::new(&job.prompt));
+            let last = job.prompt.last().copied();
+            let stream = TextStream::new(self.bpe.clone()).after(last);
             self.running.push(Sequence {
                 job,
                 slot,
@@ -283,7 +287,8 @@ impl Engine {
                 prefill: true,
                 text: String::new(),
                 sent: 0,
-                pending: Vec::new(),
+                stream,
+                last,
                 first_token: None,
                 offset,
                 history,
@@ -329,6 +334,8 @@ impl Engine {
         let logits = self.model.decode_rows(&mut self.cache, &chunks, &scored)?;
         drop(chunks);
         let vocab = self.model.config.vocab_size;
+        // Ids beyond the tokenizer (a padded embedding) have no text: never sampled.
+        let sampled = self.bpe.vocab_size().min(vocab);
         let now = Instant::now();
         let mut done = Vec::new();
         let mut row = 0;
@@ -336,7 +343,8 @@ impl Engine {
             if seq.prefill {
                 if seq.scores_prompt() {
                     let rows = seq.job.prompt.len();
-                    seq.prompt_logprobs(&logits[row * vocab..(row + rows) * vocab], &self.bpe);
+                    let scored = &logits[row * vocab..(row + rows) * vocab];
+                    seq.prompt_logprobs(scored, vocab, sampled, &self.bpe);
                     row += rows - 1;
                 }
                 if seq.job.echo {
@@ -351,7 +359,7 @@ impl Engine {
                     continue;
                 }
             }
-            let logits = &logits[row * vocab..(row + 1) * vocab];
+            let logits = &logits[row * vocab..row * vocab + sampled];
             row += 1;
             let tok = match (&seq.job.penalties, &mut seq.history) {
                 (Some(p), Some(h)) => {
@@ -365,10 +373,11 @@ impl Engine {
             };
             if let Some(k) = seq.job.logprobs {
                 if tok != self.bpe.eot {
-                    let entry = seq.entry(logits, tok, k, &self.bpe);
+                    let entry = seq.entry(logits, seq.last, tok, k, &self.bpe);
                     seq.job.send(Event::Logprobs(vec![entry]));
                 }
             }
+            seq.last = Some(tok);
             seq.generated.push(tok);
             self.metrics.add_generated_tokens(1);
             if seq.first_token.is_none() {
@@ -395,26 +404,34 @@ impl Sequence {
         self.prefill && self.job.echo && self.job.logprobs.is_some()
     }
 
-    /// The entry of token `tok` drawn from `logits`, advancing the offset.
-    fn entry(&mut self, logits: &[f32], tok: u32, k: usize, bpe: &Bpe) -> TokenLogprob {
+    /// The entry of token `tok` drawn from `logits` after token `after`, advancing the offset.
+    fn entry(
+        &mut self,
+        logits: &[f32],
+        after: Option<u32>,
+        tok: u32,
+        k: usize,
+        bpe: &Bpe,
+    ) -> TokenLogprob {
         let (lp, top) = score(logits, tok, k);
-        let text = token_text(bpe, tok);
+        let text = token_text(bpe, after, tok);
         let offset = self.offset;
         self.offset += text.chars().count();
-        let top = top.into_iter().map(|(t, lp)| (token_text(bpe, t), lp)).collect();
+        let top = top.into_iter().map(|(t, lp)| (token_text(bpe, after, t), lp)).collect();
         TokenLogprob { text, logprob: Some(lp), top, offset }
     }
 
     /// Sends the prompt's tokens with their log-probabilities: `logits` holds a row per prompt
     /// token, row `t` the distribution of token `t + 1`; nothing predicts the first token.
-    fn prompt_logprobs(&mut self, logits: &[f32], bpe: &Bpe) {
+    /// Only the first `sampled` ids of each row are scored (the tokenizer's).
+    fn prompt_logprobs(&mut self, logits: &[f32], vocab: usize, sampled: usize, bpe: &Bpe) {
         let (prompt, k) = (self.job.prompt.clone(), self.job.logprobs.unwrap_or(0));
-        let vocab = logits.len() / prompt.len();
-        let text = token_text(bpe, prompt[0]);
+        let text = token_text(bpe, None, prompt[0]);
         self.offset = text.chars().count();
         let mut entries = vec![TokenLogprob { text, logprob: None, top: Vec::new(), offset: 0 }];
         for (t, &tok) in prompt.iter().enumerate().skip(1) {
-            entries.push(self.entry(&logits[(t - 1) * vocab..t * vocab], tok, k, bpe));
+            let row = &logits[(t - 1) * vocab..(t - 1) * vocab + sampled];
+            entries.push(self.entry(row, Some(prompt[t - 1]), tok, k, bpe));
         }
         // The completion's tokens follow the prompt's text as the client sees it.
         self.offset = self.job.prompt_text.chars().count();
@@ -427,13 +444,9 @@ impl Sequence {
         if tok == bpe.eot {
             return Some(Finish::Stop);
         }
-        self.pending.push(tok);
-        if let Ok(piece) = bpe.decode(&self.pending) {
-            // A token can end inside a UTF-8 character: wait until it is whole.
-            if !piece.ends_with('\u{FFFD}') {
-                self.text.push_str(&piece);
-                self.pending.clear();
-            }
+        // A token can end inside a UTF-8 character: the stream waits until it is whole.
+        if let Some(piece) = self.stream.push(tok) {
+            self.text.push_str(&piece);
         }
         if let Some(at) = self.job.stop.iter().filter_map(|s| self.text.find(s.as_str())).min() {
             self.text.truncate(at);
@@ -459,6 +472,11 @@ impl Sequence {
     }
 
     fn finish(mut self, finish: Finish, eot: u32, metrics: &Metrics) {
+        if finish == Finish::Length {
+            // A character cut by the token limit: its bytes as far as they go.
+            let rest = self.stream.rest().unwrap_or_default();
+            self.text.push_str(&rest);
+        }
         self.flush(self.text.len());
         // Counted before the answer goes out, so that a client that reads the metrics after
         // its answer finds it counted.

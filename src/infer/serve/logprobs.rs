@@ -41,9 +41,16 @@ pub fn score(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
     (lp(token as usize), top.into_iter().map(|(i, _)| (i, lp(i as usize))).collect())
 }
 
-/// A token's text on its own.
-pub fn token_text(bpe: &Bpe, token: u32) -> String {
-    bpe.decode(&[token]).unwrap_or_default()
+/// A token's text after the token before it (`after`): a SentencePiece tokenizer drops the
+/// leading space of a text's first word, so a token is decoded with its predecessor, and that
+/// one's text taken off.
+pub fn token_text(bpe: &Bpe, after: Option<u32>, token: u32) -> String {
+    let alone = || bpe.decode(&[token]).unwrap_or_default();
+    let Some(a) = after else { return alone() };
+    match (bpe.decode(&[a]), bpe.decode(&[a, token])) {
+        (Ok(head), Ok(both)) => both.strip_prefix(&head).map_or_else(alone, str::to_string),
+        _ => alone(),
+    }
 }
 
 /// The completions API's `logprobs` object of a choice.

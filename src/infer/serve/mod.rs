@@ -119,10 +119,19 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
     let (context, vocab) = (model.config.max_position_embeddings, model.config.vocab_size);
+    // Prompts of token ids may use the ids that have text.
+    let tokenizer_vocab = bpe.vocab_size();
     let (engine, thread) = engine::start(model.clone(), bpe.clone(), *e, metrics.clone())?;
     let app = Arc::new(App {
         engine,
-        served: Served { bpe, name, context, vocab, max_choices: e.max_queue, chat },
+        served: Served {
+            bpe,
+            name,
+            context,
+            vocab: vocab.min(tokenizer_vocab),
+            max_choices: e.max_queue,
+            chat,
+        },
         metrics,
         next_id: AtomicU64::new(0),
         started: unix_time(),
