@@ -778,6 +778,38 @@ fn a_sharded_half_precision_hf_directory_imports_exactly() {
     assert_weights(&out, &expected);
 }
 
+/// A model whose embedding is padded beyond its tokenizer (300 rows, fewer tokens) imports and
+/// generates, sampled text included: only the tokenizer's ids are drawn.
+#[test]
+fn a_model_padded_beyond_its_tokenizer_imports_and_generates() {
+    let tmp = tempfile::tempdir().unwrap();
+    let hf = tmp.path().join("hf");
+    write_hf_dir(&hf);
+    let docs: Vec<String> = (0..30).map(|i| format!("a few words, number {i}\n")).collect();
+    let small = Bpe::train(&docs, 270).unwrap();
+    assert!(small.vocab_size() < 300);
+    std::fs::write(hf.join("tokenizer.json"), small.to_json().unwrap()).unwrap();
+    let out = tmp.path().join("ck");
+    import_ok(&hf, &out);
+    for seed in ["1", "2", "3"] {
+        let o = attnres(&[
+            "generate",
+            "--model",
+            out.to_str().unwrap(),
+            "--prompt",
+            "a few",
+            "--max-tokens",
+            "20",
+            "--temperature",
+            "1.5",
+            "--seed",
+            seed,
+            "--ignore-eos",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Bad input.
 
