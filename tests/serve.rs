@@ -633,7 +633,7 @@ fn bad_requests_get_openai_errors_and_the_server_goes_on() {
         (
             "POST",
             "/v1/completions",
-            json!({"prompt": "a", "presence_penalty": 1}).to_string(),
+            json!({"prompt": "a", "presence_penalty": 3}).to_string(),
             400,
             Some("presence_penalty"),
         ),
