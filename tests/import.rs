@@ -5,6 +5,8 @@
 //! error line and nothing left behind. The real-model check against `transformers` is
 //! scripts/reference/check_import.py (docs/import.md).
 
+mod common;
+
 use attnres::model::checkpoint;
 use attnres::text::tokenizer::Bpe;
 use std::collections::{BTreeMap, BTreeSet};
@@ -557,21 +559,12 @@ fn post(port: u16, path: &str, body: &serde_json::Value) -> String {
     write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
     let mut raw = String::new();
     s.read_to_string(&mut raw).unwrap();
-    let (head, mut rest) = raw.split_once("\r\n\r\n").unwrap();
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
     assert!(head.starts_with("HTTP/1.1 200"), "{raw}");
     if !head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
         return rest.to_string();
     }
-    let mut out = String::new();
-    while let Some((size, tail)) = rest.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap();
-        if n == 0 {
-            break;
-        }
-        out.push_str(&tail[..n]);
-        rest = &tail[n + 2..];
-    }
-    out
+    common::dechunk(rest)
 }
 
 /// The server's text for a SentencePiece model is `generate`'s: words keep their spaces, whole

@@ -88,20 +88,7 @@ fn http_with(port: u16, method: &str, path: &str, body: &str, headers: &str) -> 
     let (head, rest) = text.split_once("\r\n\r\n").unwrap();
     let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
     let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    (status, if chunked { dechunk(rest) } else { rest.to_string() })
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let n = usize::from_str_radix(size.trim(), 16).unwrap();
-        if n == 0 {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = &rest[n + 2..];
-    }
-    out
+    (status, if chunked { common::dechunk(rest) } else { rest.to_string() })
 }
 
 fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
@@ -795,8 +782,11 @@ fn network_limits_bound_what_a_client_holds() {
     let error_of = |answer: &str, status: u16| {
         let (head, body) = answer.split_once("\r\n\r\n").unwrap_or_else(|| panic!("{answer:?}"));
         assert!(head.starts_with(&format!("HTTP/1.1 {status} ")), "{answer}");
-        let body =
-            if head.to_ascii_lowercase().contains("chunked") { dechunk(body) } else { body.into() };
+        let body = if head.to_ascii_lowercase().contains("chunked") {
+            common::dechunk(body)
+        } else {
+            body.into()
+        };
         let v: Value = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {answer}"));
         assert!(v["error"]["message"].is_string(), "{answer}");
     };

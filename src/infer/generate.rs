@@ -328,6 +328,19 @@ fn decode_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Re
     bpe.decode(ids)
 }
 
+/// The text of `ids` where they follow token `context`: decoded with it and without its text,
+/// so that a decoder that strips the text's leading space (SentencePiece's) strips it from the
+/// context and not from `ids`.
+pub fn decode_after(bpe: &Bpe, context: Option<u32>, ids: &[u32]) -> Result<String> {
+    let Some(c) = context else { return bpe.decode(ids) };
+    let head = bpe.decode(&[c])?;
+    let both: Vec<u32> = std::iter::once(c).chain(ids.iter().copied()).collect();
+    match bpe.decode(&both)?.strip_prefix(&head) {
+        Some(rest) => Ok(rest.to_string()),
+        None => bpe.decode(ids),
+    }
+}
+
 impl<B: std::ops::Deref<Target = Bpe>> TextStream<B> {
     pub fn new(bpe: B) -> TextStream<B> {
         TextStream { bpe, pending: Vec::new(), unknown: None, context: None }
@@ -339,15 +352,9 @@ impl<B: std::ops::Deref<Target = Bpe>> TextStream<B> {
         self
     }
 
-    /// The text of `pending`, decoded after the context token and without that token's text.
+    /// The text of `pending`, decoded after the context token.
     fn decode_pending(&self) -> Result<String> {
-        let Some(c) = self.context else { return self.bpe.decode(&self.pending) };
-        let head = self.bpe.decode(&[c])?;
-        let ids: Vec<u32> = std::iter::once(c).chain(self.pending.iter().copied()).collect();
-        match self.bpe.decode(&ids)?.strip_prefix(&head) {
-            Some(rest) => Ok(rest.to_string()),
-            None => self.bpe.decode(&self.pending),
-        }
+        decode_after(&self.bpe, self.context, &self.pending)
     }
 
     /// Adds a token (the end-of-text token is skipped); returns the new text it completes.

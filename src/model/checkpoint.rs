@@ -165,13 +165,7 @@ pub fn save(model: &Model, dir: &Path) -> Result<()> {
     let quantised = model.layout.specs.iter().any(|s| model.quant_part(s).is_some());
     let remote_code = model.config.block_size().is_some() && !quantised;
     write_remote_code(remote_code, dir)?;
-    let mut config = model.config.to_json();
-    if !remote_code {
-        let mut v: serde_json::Value = serde_json::from_str(&config)?;
-        v.as_object_mut().expect("a config is an object").remove("auto_map");
-        config = serde_json::to_string_pretty(&v)?;
-    }
-    write_atomic(&dir.join(CONFIG_FILE), config.as_bytes())
+    write_atomic(&dir.join(CONFIG_FILE), model.config.to_json_with_module(remote_code).as_bytes())
 }
 
 /// The PyTorch module an AttnRes checkpoint carries for `transformers` (its `auto_map`),

@@ -524,14 +524,22 @@ impl Config {
     /// for AttnRes the model type, architecture and `auto_map` of the module the checkpoint
     /// carries, and for Block `attn_res_block_size` when blocks are whole layers.
     pub fn to_json(&self) -> String {
+        self.to_json_with_module(true)
+    }
+
+    /// [`Self::to_json`], naming the module in `auto_map` only when the checkpoint carries it
+    /// (`module`; a quantised checkpoint does not).
+    pub fn to_json_with_module(&self, module: bool) -> String {
         let mut v = serde_json::to_value(self).expect("config serialises");
         v["rope_parameters"] =
             serde_json::json!({"rope_type": "default", "rope_theta": self.rope_theta});
         if let Some(s) = self.block_size() {
             v["model_type"] = ATTNRES_MODEL_TYPE.into();
             v["architectures"] = serde_json::json!([ATTNRES_ARCHITECTURE]);
-            v["auto_map"] =
-                AUTO_MAP.iter().map(|(k, m)| (k.to_string(), Value::from(*m))).collect();
+            if module {
+                v["auto_map"] =
+                    AUTO_MAP.iter().map(|(k, m)| (k.to_string(), Value::from(*m))).collect();
+            }
             if self.residual == ResidualKind::Block && s % 2 == 0 {
                 v[BLOCK_SIZE_IN_LAYERS] = Value::from(s / 2);
             }

@@ -187,3 +187,17 @@ pub fn make_device(path: &Path, major: u32, minor: u32) {
         .status();
     assert!(made.is_ok_and(|s| s.success()), "mknod failed (the test needs root, as CI has)");
 }
+
+/// The body of an HTTP/1.1 response sent in chunked transfer encoding.
+pub fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap();
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}

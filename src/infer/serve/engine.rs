@@ -191,8 +191,8 @@ struct Sequence {
     first_token: Option<Instant>,
     /// Where the next token's text starts, in characters of prompt and completion together.
     offset: usize,
-    /// What the penalties count, when the request has any.
-    history: Option<History>,
+    /// The request's bias and penalties, with the history they count, when it has any.
+    penalties: Option<(Arc<Penalties>, History)>,
 }
 
 struct Engine {
@@ -276,7 +276,7 @@ impl Engine {
                 }
             };
             let offset = if job.echo { 0 } else { job.prompt_text.chars().count() };
-            let history = job.penalties.as_ref().map(|_| History::new(&job.prompt));
+            let penalties = job.penalties.clone().map(|p| (p, History::new(&job.prompt)));
             let last = job.prompt.last().copied();
             let stream = TextStream::new(self.bpe.clone()).after(last);
             self.running.push(Sequence {
@@ -291,7 +291,7 @@ impl Engine {
                 last,
                 first_token: None,
                 offset,
-                history,
+                penalties,
             });
         }
     }
@@ -361,15 +361,15 @@ impl Engine {
             }
             let logits = &logits[row * vocab..row * vocab + sampled];
             row += 1;
-            let tok = match (&seq.job.penalties, &mut seq.history) {
-                (Some(p), Some(h)) => {
+            let tok = match &mut seq.penalties {
+                Some((p, h)) => {
                     let mut adjusted = logits.to_vec();
                     h.apply(p, &mut adjusted);
                     let tok = seq.sampler.sample(&adjusted);
                     h.push(tok);
                     tok
                 }
-                _ => seq.sampler.sample(logits),
+                None => seq.sampler.sample(logits),
             };
             if let Some(k) = seq.job.logprobs {
                 if tok != self.bpe.eot {

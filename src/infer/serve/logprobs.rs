@@ -2,6 +2,7 @@
 //! temperature, top-k and top-p (what the API documents), for the token that was chosen (or
 //! that the prompt holds) and its most likely alternatives.
 
+use crate::infer::generate::decode_after;
 use crate::text::tokenizer::Bpe;
 use serde_json::{json, Map, Value};
 
@@ -41,16 +42,9 @@ pub fn score(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
     (lp(token as usize), top.into_iter().map(|(i, _)| (i, lp(i as usize))).collect())
 }
 
-/// A token's text after the token before it (`after`): a SentencePiece tokenizer drops the
-/// leading space of a text's first word, so a token is decoded with its predecessor, and that
-/// one's text taken off.
+/// A token's text after the token before it (`after`), as the streamed text has it.
 pub fn token_text(bpe: &Bpe, after: Option<u32>, token: u32) -> String {
-    let alone = || bpe.decode(&[token]).unwrap_or_default();
-    let Some(a) = after else { return alone() };
-    match (bpe.decode(&[a]), bpe.decode(&[a, token])) {
-        (Ok(head), Ok(both)) => both.strip_prefix(&head).map_or_else(alone, str::to_string),
-        _ => alone(),
-    }
+    decode_after(bpe, after, &[token]).or_else(|_| bpe.decode(&[token])).unwrap_or_default()
 }
 
 /// The completions API's `logprobs` object of a choice.
