@@ -520,6 +520,67 @@ fn penalties_and_logit_bias_change_the_logits_as_defined() {
 
 /// `--api-key` (or ATTNRES_API_KEY): every route but /health and the page answers 401 with the
 /// API's error object unless the request carries the key; with it, everything works as before.
+/// A chat with a long system prompt, its second turn, and requests that share only the system
+/// prompt, against a server without the prefix cache: the same texts and log-probabilities,
+/// while the cached server reports the reused tokens in `usage` and its metrics.
+#[test]
+fn the_prefix_cache_changes_no_output() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let (off, on) =
+        (Server::start(env, &model, &["--prefix-cache", "0"]), Server::start(env, &model, &[]));
+    let system = "You are ROMEO. ".repeat(40);
+    let ask = |port: u16, turns: &[(&str, &str)]| {
+        let messages: Vec<Value> = std::iter::once(json!({"role": "system", "content": system}))
+            .chain(turns.iter().map(|(role, text)| json!({"role": role, "content": text})))
+            .collect();
+        let body = json!({
+            "messages": messages, "max_tokens": 12, "temperature": 0.9, "seed": 5,
+            "logprobs": true, "top_logprobs": 2,
+        });
+        let (status, v) = post(port, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let logprobs = |v: &Value| -> Vec<f64> {
+        let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+        content
+            .iter()
+            .flat_map(|t| {
+                let top = t["top_logprobs"].as_array().unwrap().iter().map(|a| &a["logprob"]);
+                std::iter::once(&t["logprob"]).chain(top).map(|x| x.as_f64().unwrap())
+            })
+            .collect()
+    };
+    let text = |v: &Value| v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let mut reused = 0;
+    for user in ["Who art thou?", "Where is Juliet?", "Who art thou, then?"] {
+        let [a, b] = [off.port, on.port].map(|port| ask(port, &[("user", user)]));
+        let answer = text(&a);
+        assert_eq!(text(&b), answer, "{user}");
+        let (la, lb) = (logprobs(&a), logprobs(&b));
+        assert_eq!(la.len(), lb.len());
+        for (x, y) in la.iter().zip(&lb) {
+            assert!((x - y).abs() < 1e-4, "{user}: log-probability {x} vs {y}");
+        }
+        // The next turn starts with this whole exchange.
+        let turns = [("user", user), ("assistant", answer.as_str()), ("user", "Speak again.")];
+        let [a, b] = [off.port, on.port].map(|port| ask(port, &turns));
+        assert_eq!(text(&a), text(&b), "{user}, second turn");
+        assert_eq!(cached(&a), 0);
+        assert!(cached(&b) > 0, "the second turn reused nothing");
+        reused += cached(&b);
+    }
+    let (_, metrics) = http(on.port, "GET", "/metrics", "");
+    let counted = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("attnres_prompt_tokens_cached_total "))
+        .and_then(|n| n.parse::<u64>().ok());
+    // The first turns of the later requests reused the system prompt as well.
+    assert!(counted.is_some_and(|n| n > reused), "{counted:?} cached tokens counted, {reused}");
+}
+
 #[test]
 fn an_api_key_guards_every_route_but_health_and_the_page() {
     let env = &RunEnv::new(12_000, 2);

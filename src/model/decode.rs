@@ -20,6 +20,7 @@ use crate::kernels::attention::{self, AttnShape, Span};
 use crate::kernels::rope::Positions;
 use crate::kernels::zeros;
 use anyhow::{bail, ensure, Result};
+use std::ops::Range;
 use std::sync::Arc;
 
 /// Keys and values of every layer for `slots` sequences of up to `capacity` tokens (a cache
@@ -113,6 +114,83 @@ impl KvCache {
     /// Forgets the sequence in `slot` (its next token goes to position 0).
     pub fn clear(&mut self, slot: usize) {
         self.len[slot] = 0;
+    }
+
+    /// A copy of the keys and values `slot` holds for `positions`.
+    pub fn copy_out(&self, slot: usize, positions: Range<usize>) -> KvRun {
+        assert!(positions.end <= self.len[slot], "positions {positions:?} not held by slot {slot}");
+        let w = self.width;
+        let rows = (slot * self.room + positions.start) * w..(slot * self.room + positions.end) * w;
+        KvRun {
+            len: positions.len(),
+            width: w,
+            k: self.k.iter().map(|k| k[rows.clone()].to_vec()).collect(),
+            v: self.v.iter().map(|v| v[rows.clone()].to_vec()).collect(),
+        }
+    }
+
+    /// Appends the first `n` positions of `run` to the sequence in `slot`, as if they had been
+    /// decoded there: keys and values are those of the positions the slot holds next, so a run
+    /// may only continue the sequence it was copied from.
+    pub fn extend(&mut self, slot: usize, run: &KvRun, n: usize) -> Result<()> {
+        ensure!(n <= run.len, "{n} positions asked of a run of {}", run.len);
+        let start = self.len[slot];
+        ensure!(
+            start + n <= self.capacity,
+            "slot {slot} holds {start} tokens; {n} more would exceed the context of {} tokens",
+            self.capacity
+        );
+        self.reserve(start + n)?;
+        let w = self.width;
+        let at = (slot * self.room + start) * w;
+        for (dst, src) in self.k.iter_mut().zip(&run.k).chain(self.v.iter_mut().zip(&run.v)) {
+            dst[at..at + n * w].copy_from_slice(&src[..n * w]);
+        }
+        self.len[slot] += n;
+        Ok(())
+    }
+}
+
+/// Keys and values of `len` consecutive positions of one sequence, every layer (`[len, KV·hd]`
+/// per layer): what a prefix cache keeps of a prompt.
+#[derive(Default)]
+pub struct KvRun {
+    len: usize,
+    /// Values per position and layer.
+    width: usize,
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl KvRun {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
+    }
+
+    /// Splits off the positions from `at` on.
+    pub fn split_off(&mut self, at: usize) -> KvRun {
+        assert!(at <= self.len);
+        let cut = at * self.width;
+        let tail = KvRun {
+            len: self.len - at,
+            width: self.width,
+            k: self.k.iter_mut().map(|k| k.split_off(cut)).collect(),
+            v: self.v.iter_mut().map(|v| v.split_off(cut)).collect(),
+        };
+        self.len = at;
+        for x in self.k.iter_mut().chain(self.v.iter_mut()) {
+            x.shrink_to_fit();
+        }
+        tail
     }
 }
 

@@ -216,6 +216,10 @@ pub(crate) struct ServeArgs {
     /// Prompt tokens prefilled per step, beside the running sequences' next tokens.
     #[arg(long, default_value_t = 2048)]
     pub prefill_tokens: usize,
+    /// MiB of prompts' keys and values kept for reuse by later prompts that start the same way
+    /// (a system prompt, a chat's earlier turns); 0 turns the prefix cache off.
+    #[arg(long, default_value_t = 1024)]
+    pub prefix_cache: usize,
     /// The model's name in the API (default: the model directory's name).
     #[arg(long)]
     pub name: Option<String>,

@@ -68,6 +68,7 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
                 max_batch: a.max_batch,
                 max_queue: a.max_queue,
                 prefill_tokens: a.prefill_tokens,
+                prefix_cache_bytes: a.prefix_cache.saturating_mul(1 << 20),
             },
             name: a.name,
             net: attnres::infer::serve::NetLimits {

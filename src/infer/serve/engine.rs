@@ -3,6 +3,8 @@
 //! same pass that decodes one token for every running sequence, under a budget of prompt
 //! tokens), samples each sequence's next token, streams its text to the request, and retires the
 //! sequences that finished or whose client has gone, freeing their slots for the next step.
+//! A prompt whose start was prefilled before is copied from the prefix cache ([`super::prefix`])
+//! and only its rest is prefilled.
 //!
 //! A sequence's tokens depend only on its own prompt, settings and seed: each has its own cache
 //! slot and sampler, and every row of a decoding pass is computed on its own, so the text of a
@@ -11,6 +13,8 @@
 use super::logprobs::{score, token_text, TokenLogprob};
 use super::metrics::Metrics;
 use super::penalties::{History, Penalties};
+use super::prefix::PrefixCache;
+use crate::base::memory::format_bytes;
 use crate::infer::generate::{Sampler, Sampling, TextStream};
 use crate::model::decode::{check_cache_size, KvCache};
 use crate::model::Model;
@@ -45,8 +49,17 @@ impl Finish {
 pub enum Event {
     Text(String),
     Logprobs(Vec<TokenLogprob>),
-    Done { finish: Finish, prompt_tokens: usize, completion_tokens: usize },
+    Done { finish: Finish, usage: Usage },
     Failed(String),
+}
+
+/// The tokens a sequence took.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    /// The prompt's first tokens that came from the prefix cache.
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
 }
 
 /// One request as the engine runs it.
@@ -74,6 +87,12 @@ pub struct Job {
 }
 
 impl Job {
+    /// Whether the prompt's every token is scored (`echo` with `logprobs`): it needs their
+    /// logits, so it is computed whole, neither using nor filling the prefix cache.
+    fn scores_prompt(&self) -> bool {
+        self.echo && self.logprobs.is_some()
+    }
+
     fn send(&self, event: Event) {
         // A closed channel is a client that left; the engine notices at its next step.
         let _ = self.events.send((self.choice, event));
@@ -119,6 +138,8 @@ pub struct EngineOptions {
     pub max_queue: usize,
     /// Prompt tokens prefilled per step (a longer prompt is admitted alone).
     pub prefill_tokens: usize,
+    /// Bytes the prefix cache may hold (0: off).
+    pub prefix_cache_bytes: usize,
 }
 
 /// The most requests that may wait for a slot (`--max-queue`): their channel is allocated
@@ -135,6 +156,13 @@ pub fn check_options(config: &crate::model::Config, opts: &EngineOptions) -> Res
         opts.max_queue
     );
     anyhow::ensure!(opts.prefill_tokens >= 1, "--prefill-tokens must be at least 1");
+    let limit = crate::base::memory::memory_limit();
+    anyhow::ensure!(
+        opts.prefix_cache_bytes as u64 <= limit,
+        "--prefix-cache of {} is more than the machine's memory ({})",
+        format_bytes(opts.prefix_cache_bytes as u128),
+        format_bytes(limit as u128)
+    );
     // The pool grows as sequences do; refusing now a pool that could not be full later keeps a
     // busy server from failing requests when its slots fill up.
     let ctx = config.max_position_embeddings;
@@ -164,6 +192,7 @@ pub fn start(
             waiting,
             running: Vec::new(),
             free: (0..opts.max_batch).rev().collect(),
+            prefix: PrefixCache::new(opts.prefix_cache_bytes),
             metrics,
         };
         engine.run()
@@ -180,6 +209,8 @@ struct Sequence {
     generated: Vec<u32>,
     /// Whether the prompt is still to be prefilled.
     prefill: bool,
+    /// The prompt's first tokens that came from the prefix cache (not prefilled).
+    cached: usize,
     /// The completion's text so far, and how much of it was sent (text that could be the
     /// start of a stop string is held back).
     text: String,
@@ -204,6 +235,7 @@ struct Engine {
     running: Vec<Sequence>,
     /// Free cache slots.
     free: Vec<usize>,
+    prefix: PrefixCache,
     metrics: Arc<Metrics>,
 }
 
@@ -258,14 +290,29 @@ impl Engine {
                 self.metrics.finished("cancelled");
                 continue;
             }
-            if admitted > 0 && job.prompt.len() > budget {
+            let reuse = if job.scores_prompt() { 0 } else { self.prefix.reusable(&job.prompt) };
+            let prefill = job.prompt.len() - reuse;
+            if admitted > 0 && prefill > budget {
                 *held = Some(job);
                 break;
             }
-            budget = budget.saturating_sub(job.prompt.len());
+            budget = budget.saturating_sub(prefill);
             admitted += 1;
             self.free.pop();
             self.cache.clear(slot);
+            let cached = match reuse {
+                0 => Ok(0),
+                _ => self.prefix.load(&job.prompt, &mut self.cache, slot),
+            };
+            let cached = match cached {
+                Ok(n) => n,
+                Err(e) => {
+                    job.send(Event::Failed(format!("{e:#}")));
+                    self.metrics.finished("error");
+                    self.free.push(slot);
+                    continue;
+                }
+            };
             let sampler = match Sampler::new(job.sampling, job.seed, job.choice as u64) {
                 Ok(s) => s,
                 Err(e) => {
@@ -285,6 +332,7 @@ impl Engine {
                 sampler,
                 generated: Vec::new(),
                 prefill: true,
+                cached,
                 text: String::new(),
                 sent: 0,
                 stream,
@@ -313,7 +361,9 @@ impl Engine {
         let longest = self
             .running
             .iter()
-            .map(|s| self.cache.len(s.slot) + if s.prefill { s.job.prompt.len() } else { 1 })
+            .map(|s| {
+                self.cache.len(s.slot) + if s.prefill { s.job.prompt.len() - s.cached } else { 1 }
+            })
             .max()
             .unwrap_or(0);
         self.cache.reserve(longest)?;
@@ -322,7 +372,7 @@ impl Engine {
             .iter()
             .map(|s| {
                 let ids = if s.prefill {
-                    &s.job.prompt[..]
+                    &s.job.prompt[s.cached..]
                 } else {
                     &s.generated[s.generated.len() - 1..]
                 };
@@ -351,7 +401,11 @@ impl Engine {
                     seq.job.send(Event::Text(seq.job.prompt_text.clone()));
                 }
                 seq.prefill = false;
-                self.metrics.add_prompt_tokens(seq.job.prompt.len());
+                if !seq.job.scores_prompt() {
+                    self.prefix.insert(&seq.job.prompt, &self.cache, seq.slot);
+                    self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
+                }
+                self.metrics.add_prompt_tokens(seq.job.prompt.len(), seq.cached);
                 if seq.job.max_tokens == 0 {
                     // Only the prompt was asked for (`echo` with `max_tokens: 0`).
                     done.push((seq.slot, Finish::Length));
@@ -392,6 +446,14 @@ impl Engine {
         for (slot, finish) in done {
             let i = self.running.iter().position(|s| s.slot == slot).unwrap();
             let seq = self.running.swap_remove(i);
+            if !seq.job.scores_prompt() {
+                // The whole conversation so far, for its next turn.
+                let held = self.cache.len(slot);
+                let tokens: Vec<u32> =
+                    seq.job.prompt.iter().chain(&seq.generated).take(held).copied().collect();
+                self.prefix.insert(&tokens, &self.cache, slot);
+                self.metrics.set_prefix_cache_bytes(self.prefix.bytes());
+            }
             seq.finish(finish, self.bpe.eot, &self.metrics);
             self.free.push(slot);
         }
@@ -401,7 +463,7 @@ impl Engine {
 
 impl Sequence {
     fn scores_prompt(&self) -> bool {
-        self.prefill && self.job.echo && self.job.logprobs.is_some()
+        self.prefill && self.job.scores_prompt()
     }
 
     /// The entry of token `tok` drawn from `logits` after token `after`, advancing the offset.
@@ -488,11 +550,12 @@ impl Sequence {
         metrics.finished("completed");
         // The end-of-text token is not part of the completion.
         let ended_by_eot = self.generated.last() == Some(&eot);
-        self.job.send(Event::Done {
-            finish,
+        let usage = Usage {
             prompt_tokens: self.job.prompt.len(),
+            cached_tokens: self.cached,
             completion_tokens: self.generated.len() - ended_by_eot as usize,
-        });
+        };
+        self.job.send(Event::Done { finish, usage });
     }
 }
 

@@ -50,6 +50,8 @@ const OUTCOMES: [&str; 5] = ["completed", "cancelled", "rejected", "invalid", "e
 pub struct Metrics {
     requests: [AtomicU64; OUTCOMES.len()],
     prompt_tokens: AtomicU64,
+    cached_prompt_tokens: AtomicU64,
+    prefix_cache_bytes: AtomicUsize,
     generated_tokens: AtomicU64,
     queued: AtomicUsize,
     running: AtomicUsize,
@@ -64,6 +66,8 @@ impl Metrics {
         Metrics {
             requests: Default::default(),
             prompt_tokens: AtomicU64::new(0),
+            cached_prompt_tokens: AtomicU64::new(0),
+            prefix_cache_bytes: AtomicUsize::new(0),
             generated_tokens: AtomicU64::new(0),
             queued: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
@@ -92,8 +96,14 @@ impl Metrics {
         self.running.store(n, Relaxed);
     }
 
-    pub fn add_prompt_tokens(&self, n: usize) {
+    /// Counts a prompt of `n` tokens, `cached` of which came from the prefix cache.
+    pub fn add_prompt_tokens(&self, n: usize, cached: usize) {
         self.prompt_tokens.fetch_add(n as u64, Relaxed);
+        self.cached_prompt_tokens.fetch_add(cached as u64, Relaxed);
+    }
+
+    pub fn set_prefix_cache_bytes(&self, n: usize) {
+        self.prefix_cache_bytes.store(n, Relaxed);
     }
 
     pub fn add_generated_tokens(&self, n: usize) {
@@ -121,8 +131,13 @@ impl Metrics {
         let counters = [
             (
                 "attnres_prompt_tokens_total",
-                "Prompt tokens prefilled.",
+                "Prompt tokens of the requests run (cached ones included).",
                 self.prompt_tokens.load(Relaxed),
+            ),
+            (
+                "attnres_prompt_tokens_cached_total",
+                "Prompt tokens copied from the prefix cache instead of prefilled.",
+                self.cached_prompt_tokens.load(Relaxed),
             ),
             (
                 "attnres_generation_tokens_total",
@@ -137,6 +152,11 @@ impl Metrics {
             ("attnres_queue_length", "Requests waiting for a slot.", self.queued.load(Relaxed)),
             ("attnres_batch_size", "Sequences in the running batch.", self.running.load(Relaxed)),
             ("attnres_max_batch_size", "Cache slots (--max-batch).", self.max_batch),
+            (
+                "attnres_prefix_cache_bytes",
+                "Bytes of keys and values the prefix cache holds.",
+                self.prefix_cache_bytes.load(Relaxed),
+            ),
         ];
         for (name, help, v) in gauges {
             let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");

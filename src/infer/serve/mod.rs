@@ -12,6 +12,7 @@ pub mod engine;
 mod logprobs;
 pub mod metrics;
 mod penalties;
+mod prefix;
 
 use crate::base::progress::log;
 use crate::model::Model;
@@ -23,7 +24,7 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use engine::{EngineHandle, EngineOptions, Event, Finish, Job, Refused};
+use engine::{EngineHandle, EngineOptions, Event, Finish, Job, Refused, Usage};
 use logprobs::TokenLogprob;
 use metrics::Metrics;
 use serde_json::{json, Value};
@@ -418,8 +419,8 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
             match ev {
                 Event::Text(t) => texts[i].push_str(&t),
                 Event::Logprobs(l) => logprobs[i].extend(l),
-                Event::Done { finish, prompt_tokens, completion_tokens } => {
-                    tally.done(i, finish, prompt_tokens, completion_tokens);
+                Event::Done { finish, usage } => {
+                    tally.done(i, finish, usage);
                     if tally.all_done() {
                         return axum::Json(shape.whole(&texts, &logprobs, &tally)).into_response();
                     }
@@ -461,20 +462,20 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
 /// How a request's choices ended, and the tokens they took.
 struct Tally {
     finish: Vec<Option<Finish>>,
-    prompt_tokens: usize,
-    completion_tokens: usize,
+    usage: Usage,
 }
 
 impl Tally {
     fn new(choices: usize) -> Tally {
-        Tally { finish: vec![None; choices], prompt_tokens: 0, completion_tokens: 0 }
+        Tally { finish: vec![None; choices], usage: Usage::default() }
     }
 
-    fn done(&mut self, choice: usize, finish: Finish, prompt_tokens: usize, completion: usize) {
+    fn done(&mut self, choice: usize, finish: Finish, usage: Usage) {
         self.finish[choice] = Some(finish);
         // The prompt is counted once however many choices it has, as the API does.
-        self.prompt_tokens = prompt_tokens;
-        self.completion_tokens += completion;
+        self.usage.prompt_tokens = usage.prompt_tokens;
+        self.usage.cached_tokens = self.usage.cached_tokens.max(usage.cached_tokens);
+        self.usage.completion_tokens += usage.completion_tokens;
     }
 
     fn all_done(&self) -> bool {
@@ -482,8 +483,13 @@ impl Tally {
     }
 
     fn usage(&self) -> Value {
-        let (p, c) = (self.prompt_tokens, self.completion_tokens);
-        json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+        let Usage { prompt_tokens: p, cached_tokens, completion_tokens: c } = self.usage;
+        json!({
+            "prompt_tokens": p,
+            "completion_tokens": c,
+            "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        })
     }
 }
 
@@ -527,11 +533,11 @@ impl Events {
                 self.logprobs[i].extend(l);
                 return;
             }
-            Some((i, Event::Done { finish, prompt_tokens, completion_tokens })) => {
+            Some((i, Event::Done { finish, usage })) => {
                 let logprobs = std::mem::take(&mut self.logprobs[i]);
                 let chunk = self.shape.chunk(i, None, &logprobs, Some(finish), &mut self.first[i]);
                 self.queue.push_back(data(chunk));
-                self.tally.done(i, finish, prompt_tokens, completion_tokens);
+                self.tally.done(i, finish, usage);
                 if !self.tally.all_done() {
                     return;
                 }
