@@ -98,9 +98,14 @@ fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
 
 /// The text of a whole completion.
 fn complete(port: u16, body: &Value) -> String {
+    complete_value(port, body)["choices"][0]["text"].as_str().unwrap().to_string()
+}
+
+/// A whole completion's response.
+fn complete_value(port: u16, body: &Value) -> Value {
     let (status, v) = post(port, "/v1/completions", body);
     assert_eq!(status, 200, "{v}");
-    v["choices"][0]["text"].as_str().unwrap().to_string()
+    v
 }
 
 /// The `data:` payloads of a streamed answer.
@@ -579,6 +584,77 @@ fn the_prefix_cache_changes_no_output() {
         .and_then(|n| n.parse::<u64>().ok());
     // The first turns of the later requests reused the system prompt as well.
     assert!(counted.is_some_and(|n| n > reused), "{counted:?} cached tokens counted, {reused}");
+}
+
+/// `attnres_depth`: each generated token's depth-attention weights equal those of the full
+/// forward pass at the position that made it (greedy tokens recomputed from scratch), whole and
+/// streamed; asking for them changes no text; a standard model has none to give.
+#[test]
+fn each_tokens_depth_attention_is_the_models_own() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let server = Server::start(env, &model, &[]);
+    let m = attnres::model::checkpoint::load(&model).unwrap();
+    let bpe = attnres::text::tokenizer::Bpe::load(&model.join("tokenizer.json")).unwrap();
+    let (prompt, n) = ("ROMEO: What say you", 8);
+    let body = |depth: bool, stream: bool| json!({"prompt": prompt, "max_tokens": n, "temperature": 0, "attnres_depth": depth, "stream": stream});
+    let (status, v) = post(server.port, "/v1/completions", &body(true, false));
+    assert_eq!(status, 200, "{v}");
+    let choice = &v["choices"][0];
+    assert_eq!(complete(server.port, &body(false, false)), choice["text"].as_str().unwrap());
+    assert!(complete_value(server.port, &body(false, false))["choices"][0]
+        .get("attnres_depth")
+        .is_none());
+    let depth = &choice["attnres_depth"];
+    let labels = |k: &str| -> Vec<String> {
+        depth[k].as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect()
+    };
+    let (sources, consumers) = (labels("sources"), labels("consumers"));
+    assert_eq!(consumers.len(), 2 * m.config.num_hidden_layers + 1);
+    assert_eq!((sources[0].as_str(), consumers.last().unwrap().as_str()), ("emb", "out"));
+    let maps = depth["tokens"].as_array().unwrap();
+    assert_eq!(maps.len(), n);
+
+    // The reference: greedy decoding by recomputation, the depth weights of each whole pass.
+    let mut ids = bpe.encode(prompt).unwrap();
+    for (t, map) in maps.iter().enumerate() {
+        let fwd = m.forward_probed(&ids, 1, ids.len()).unwrap();
+        let w = fwd.residual.depth_weights().unwrap().of_row(ids.len() - 1, sources.len());
+        for (c, (got, want)) in map.as_array().unwrap().iter().zip(&w).enumerate() {
+            let got = got.as_array().unwrap();
+            assert_eq!(got.len(), sources.len());
+            for (s, (g, w)) in got.iter().zip(want).enumerate() {
+                match (g.as_f64(), w) {
+                    (Some(g), Some(w)) => assert!(
+                        (g - *w as f64).abs() < 2e-4,
+                        "token {t}, {} from {}: {g} vs {w}",
+                        consumers[c],
+                        sources[s]
+                    ),
+                    (None, None) => {}
+                    _ => panic!("token {t}, {} from {}: {g} vs {w:?}", consumers[c], sources[s]),
+                }
+            }
+        }
+        let v = m.config.vocab_size;
+        ids.push(attnres::infer::generate::argmax(&fwd.logits[(ids.len() - 1) * v..]));
+    }
+    // Streamed: the same maps, spread over the chunks.
+    let streamed: Vec<Value> = events(server.port, "/v1/completions", &body(true, true))
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| {
+            serde_json::from_str::<Value>(e).unwrap()["choices"][0].get("attnres_depth").cloned()
+        })
+        .flat_map(|d| d["tokens"].as_array().unwrap().clone())
+        .collect();
+    assert_eq!(&streamed, maps);
+
+    // A standard model has no depth attention.
+    let standard = common::train_tiny(env, "standard", &["residual=standard", "max_tokens=4096"]);
+    let server = Server::start(env, &standard, &[]);
+    let (status, v) = post(server.port, "/v1/completions", &body(true, false));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("attnres_depth")), "{v}");
 }
 
 #[test]

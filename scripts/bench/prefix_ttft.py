@@ -8,7 +8,8 @@ Two servers run the same model: one with `--prefix-cache 0`, one with the defaul
 gets the same chats in turn (one request at a time, the other server idle): a system prompt of
 about `--system-tokens` tokens, then a different short question each time; each request asks
 for one token, so its latency is its time to first token. The first chat fills the cache (the
-cold row); the others find the system prompt there. Prints each server's median and the ratio,
+cold row); the others find the system prompt there. Both servers answer one other chat first
+(the warm-up). Prints each server's median and the ratio,
 with the prompt's length and the tokens the cached server reported reusing
 (`usage.prompt_tokens_details.cached_tokens`). Needs only the standard library.
 """
@@ -82,9 +83,11 @@ def main():
     try:
         for s in servers.values():
             s.start()
-        # Size the system prompt: its tokens grow with the rules, about linearly.
+        # Size the system prompt (its tokens grow with the rules, about linearly); this also
+        # warms both servers up, with a prompt of other rules the cache cannot reuse.
         n = 40
-        _, usage = chat(servers["off"], rules(n), QUESTIONS[0])
+        for s in servers.values():
+            _, usage = chat(s, "Be brief.\n" + rules(n), QUESTIONS[-1])
         n = max(1, round(n * a.system_tokens / usage["prompt_tokens"]))
         system = rules(n)
         times = {"off": [], "on": []}

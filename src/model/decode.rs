@@ -12,7 +12,7 @@
 //! Unlike the key/value cache it is not kept once the token's logits exist.
 
 use super::config::Config;
-use super::residual::ResidualForward;
+use super::residual::{DepthMap, ResidualForward};
 use super::transformer::Model;
 use crate::base::memory::{format_bytes, memory_limit};
 use crate::base::profile::phase;
@@ -257,10 +257,25 @@ impl Model {
         chunks: &[(usize, &[u32])],
         all_rows: &[bool],
     ) -> Result<Vec<f32>> {
+        let none = vec![false; chunks.len()];
+        Ok(self.decode_traced(cache, chunks, all_rows, &none)?.0)
+    }
+
+    /// [`Self::decode_rows`], also returning for each chunk `k` with `depth[k]` the depth-
+    /// attention weights of its last token (those that made the next token's logits). Asking
+    /// for them changes no number of the pass; not asking costs nothing.
+    pub fn decode_traced(
+        &self,
+        cache: &mut KvCache,
+        chunks: &[(usize, &[u32])],
+        all_rows: &[bool],
+        depth: &[bool],
+    ) -> Result<(Vec<f32>, Vec<Option<DepthMap>>)> {
         ensure!(all_rows.len() == chunks.len(), "one choice of logits per chunk");
+        ensure!(depth.len() == chunks.len(), "one choice of depth weights per chunk");
         // Run on a worker of the thread pool: a decoding step makes hundreds of small parallel
         // calls, which are cheap from inside the pool and costly from outside it.
-        rayon::scope(|_| self.decode_in_pool(cache, chunks, all_rows))
+        rayon::scope(|_| self.decode_in_pool(cache, chunks, all_rows, depth))
     }
 
     fn decode_in_pool(
@@ -268,7 +283,8 @@ impl Model {
         cache: &mut KvCache,
         chunks: &[(usize, &[u32])],
         all_rows: &[bool],
-    ) -> Result<Vec<f32>> {
+        depth: &[bool],
+    ) -> Result<(Vec<f32>, Vec<Option<DepthMap>>)> {
         let c = &self.config;
         let (d, v) = (c.hidden_size, c.vocab_size);
         let mut spans = Vec::with_capacity(chunks.len());
@@ -333,7 +349,9 @@ impl Model {
         if cache.queries.is_none() {
             cache.queries = ResidualForward::queries_of(c, p, lay);
         }
-        let mut res = ResidualForward::new(c, e, false);
+        // Keeping what backward would need keeps the weights too (the same numbers either way).
+        let traced = depth.contains(&true);
+        let mut res = ResidualForward::new(c, e, traced);
         if let Some(q) = &cache.queries {
             res = res.with_queries(q.clone());
         }
@@ -362,6 +380,15 @@ impl Model {
             cache.len[s.slot] += s.len;
         }
         let mut h = phase("fwd residual", || res.output(p, lay));
+        let maps = match res.depth_weights().filter(|_| traced) {
+            Some(w) => spans
+                .iter()
+                .zip(depth)
+                .map(|(s, &asked)| asked.then(|| w.of_row(s.row0 + s.len - 1, c.depth_sources())))
+                .collect(),
+            None => vec![None; spans.len()],
+        };
+        drop(res);
         if logit_rows < rows {
             // Only the last token of a chunk predicts what comes next (unless all are scored).
             h = spans
@@ -375,7 +402,7 @@ impl Model {
         }
         let logits = self.head(&h).2;
         self.check_finite(&logits)?;
-        Ok(logits)
+        Ok((logits, maps))
     }
 }
 

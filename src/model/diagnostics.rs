@@ -96,7 +96,7 @@ pub fn diagnose(
 
 /// Names of the depth sources: `emb`, one per completed block, and `partial` when blocks hold
 /// several sublayers.
-fn source_labels(sublayers: usize, block_size: Option<usize>) -> Vec<String> {
+pub fn source_labels(sublayers: usize, block_size: Option<usize>) -> Vec<String> {
     let Some(s) = block_size else { return Vec::new() };
     let mut v = vec!["emb".to_string()];
     v.extend((1..=sublayers.div_ceil(s)).map(|n| format!("b{n}")));
@@ -104,6 +104,13 @@ fn source_labels(sublayers: usize, block_size: Option<usize>) -> Vec<String> {
         v.push("partial".into());
     }
     v
+}
+
+/// Names of the depth attention's consumers: each sublayer (`0.attn`, `0.mlp`, …), then `out`,
+/// the output aggregation.
+pub fn consumer_labels(sublayers: usize) -> Vec<String> {
+    let sublayer = |l: usize| format!("{}.{}", l / 2, if l % 2 == 0 { "attn" } else { "mlp" });
+    (0..sublayers).map(sublayer).chain(["out".to_string()]).collect()
 }
 
 /// The gradient norm of each sublayer's own weights (attention: input norm, q/k/v, o_proj; MLP:

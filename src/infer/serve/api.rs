@@ -26,6 +26,17 @@ pub(super) struct Served {
     pub(super) max_choices: usize,
     /// The model's own chat template (an imported instruction model), else the plain one.
     pub(super) chat: Option<ChatTemplate>,
+    /// The names of the depth attention's sources and consumers (an AttnRes model).
+    pub(super) depth: Option<Arc<DepthLabels>>,
+}
+
+/// Names for the rows and columns of a token's depth map.
+#[derive(serde::Serialize)]
+pub(super) struct DepthLabels {
+    /// The model's distinct sources: `emb`, the blocks `b1`…, `partial`.
+    pub(super) sources: Vec<String>,
+    /// The sublayers (`0.attn`, `0.mlp`, …) and then `out`, the output aggregation.
+    pub(super) consumers: Vec<String>,
 }
 
 /// An error response in the OpenAI shape.
@@ -88,6 +99,8 @@ pub(super) struct Common {
     pub(super) repetition_penalty: Option<f64>,
     pub(super) logprobs: Option<Value>,
     pub(super) user: Option<String>,
+    /// An extension: the depth-attention weights of every generated token.
+    pub(super) attnres_depth: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -138,6 +151,8 @@ pub(super) struct Prepared {
     /// Log-probabilities with this many alternatives per token.
     pub(super) logprobs: Option<usize>,
     pub(super) penalties: Option<Penalties>,
+    /// The depth-attention weights of each generated token were asked for.
+    pub(super) depth: bool,
 }
 
 /// Parses a JSON body into `T`, naming the field at fault (unknown fields are errors).
@@ -248,6 +263,14 @@ impl Common {
         if stop.iter().any(String::is_empty) {
             return Err(invalid("stop", "a stop string is empty"));
         }
+        let depth = self.attnres_depth.unwrap_or(false);
+        if depth && model.depth.is_none() {
+            return Err(invalid(
+                "attnres_depth",
+                "attnres_depth needs an AttnRes model (Block or Full): this one has the standard \
+                 residual, which has no depth attention",
+            ));
+        }
         let stream = self.stream.unwrap_or(false);
         let include_usage = self.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         Ok(Prepared {
@@ -263,6 +286,7 @@ impl Common {
             echo: report.echo,
             logprobs: report.logprobs,
             penalties,
+            depth,
         })
     }
 

@@ -17,6 +17,7 @@ use super::prefix::PrefixCache;
 use crate::base::memory::format_bytes;
 use crate::infer::generate::{Sampler, Sampling, TextStream};
 use crate::model::decode::{check_cache_size, KvCache};
+use crate::model::residual::DepthMap;
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
 use anyhow::{Context, Result};
@@ -49,7 +50,12 @@ impl Finish {
 pub enum Event {
     Text(String),
     Logprobs(Vec<TokenLogprob>),
-    Done { finish: Finish, usage: Usage },
+    /// The depth-attention weights that made a token (before its text).
+    Depth(DepthMap),
+    Done {
+        finish: Finish,
+        usage: Usage,
+    },
     Failed(String),
 }
 
@@ -79,6 +85,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// Bias and penalties on the logits before sampling, when the request sets any.
     pub penalties: Option<Arc<Penalties>>,
+    /// Report each token's depth-attention weights.
+    pub depth: bool,
     /// Which of the request's `n` choices this is: its sampler's random stream, and the tag
     /// of its events (the choices of one request share one channel).
     pub choice: usize,
@@ -381,7 +389,9 @@ impl Engine {
             .collect();
         // A prompt whose tokens are scored gets logits for each of them.
         let scored: Vec<bool> = self.running.iter().map(Sequence::scores_prompt).collect();
-        let logits = self.model.decode_rows(&mut self.cache, &chunks, &scored)?;
+        let depth: Vec<bool> = self.running.iter().map(|s| s.job.depth).collect();
+        let (logits, mut maps) =
+            self.model.decode_traced(&mut self.cache, &chunks, &scored, &depth)?;
         drop(chunks);
         let vocab = self.model.config.vocab_size;
         // Ids beyond the tokenizer (a padded embedding) have no text: never sampled.
@@ -389,7 +399,7 @@ impl Engine {
         let now = Instant::now();
         let mut done = Vec::new();
         let mut row = 0;
-        for seq in self.running.iter_mut() {
+        for (seq, map) in self.running.iter_mut().zip(&mut maps) {
             if seq.prefill {
                 if seq.scores_prompt() {
                     let rows = seq.job.prompt.len();
@@ -425,6 +435,9 @@ impl Engine {
                 }
                 None => seq.sampler.sample(logits),
             };
+            if let (Some(map), true) = (map.take(), tok != self.bpe.eot) {
+                seq.job.send(Event::Depth(map));
+            }
             if let Some(k) = seq.job.logprobs {
                 if tok != self.bpe.eot {
                     let entry = seq.entry(logits, seq.last, tok, k, &self.bpe);

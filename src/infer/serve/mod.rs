@@ -15,9 +15,10 @@ mod penalties;
 mod prefix;
 
 use crate::base::progress::log;
+use crate::model::residual::DepthMap;
 use crate::model::Model;
 use anyhow::{Context, Result};
-use api::{error, prepare_chat, prepare_completion, Invalid, Prepared, Served};
+use api::{error, prepare_chat, prepare_completion, DepthLabels, Invalid, Prepared, Served};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -120,6 +121,12 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
     let (context, vocab) = (model.config.max_position_embeddings, model.config.vocab_size);
+    let c = &model.config;
+    let depth = c.block_size().map(|_| {
+        use crate::model::diagnostics::{consumer_labels, source_labels};
+        let sources = source_labels(c.sublayers(), c.block_size());
+        Arc::new(DepthLabels { sources, consumers: consumer_labels(c.sublayers()) })
+    });
     // Prompts of token ids may use the ids that have text.
     let tokenizer_vocab = bpe.vocab_size();
     let (engine, thread) = engine::start(model.clone(), bpe.clone(), *e, metrics.clone())?;
@@ -132,6 +139,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
             vocab: vocab.min(tokenizer_vocab),
             max_choices: e.max_queue,
             chat,
+            depth,
         },
         metrics,
         next_id: AtomicU64::new(0),
@@ -378,6 +386,7 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
             echo: p.echo,
             logprobs: p.logprobs,
             penalties: p.penalties.clone().map(Arc::new),
+            depth: p.depth,
             choice,
             events: tx.clone(),
             received,
@@ -405,12 +414,18 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
         app.next_id.fetch_add(1, Relaxed)
     );
     let created = unix_time();
-    let shape =
-        Shape { id, created, model: app.served.name.clone(), kind, logprobs: p.logprobs.is_some() };
+    let shape = Shape {
+        id,
+        created,
+        model: app.served.name.clone(),
+        kind,
+        logprobs: p.logprobs.is_some(),
+        depth: app.served.depth.clone().filter(|_| p.depth),
+    };
     let mut tally = Tally::new(p.choices);
     if !p.stream {
         let mut texts = vec![String::new(); p.choices];
-        let mut logprobs = vec![Vec::new(); p.choices];
+        let mut tokens = vec![PerToken::default(); p.choices];
         loop {
             let Ok(next) = tokio::time::timeout_at(deadline, rx.recv()).await else {
                 return error(StatusCode::GATEWAY_TIMEOUT, &late, None);
@@ -418,11 +433,12 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
             let Some((i, ev)) = next else { break };
             match ev {
                 Event::Text(t) => texts[i].push_str(&t),
-                Event::Logprobs(l) => logprobs[i].extend(l),
+                Event::Logprobs(l) => tokens[i].logprobs.extend(l),
+                Event::Depth(m) => tokens[i].depth.push(m),
                 Event::Done { finish, usage } => {
                     tally.done(i, finish, usage);
                     if tally.all_done() {
-                        return axum::Json(shape.whole(&texts, &logprobs, &tally)).into_response();
+                        return axum::Json(shape.whole(&texts, &tokens, &tally)).into_response();
                     }
                 }
                 Event::Failed(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, &e, None),
@@ -437,7 +453,7 @@ async fn respond(app: Arc<App>, prepared: Result<Prepared, Invalid>, kind: Kind)
         rx,
         shape,
         first: vec![true; p.choices],
-        logprobs: vec![Vec::new(); p.choices],
+        tokens: vec![PerToken::default(); p.choices],
         tally,
         include_usage: p.include_usage,
         queue: std::collections::VecDeque::new(),
@@ -499,8 +515,9 @@ struct Events {
     shape: Shape,
     /// Per choice: no chunk sent yet (a chat stream's first chunk carries the role).
     first: Vec<bool>,
-    /// Per choice: token log-probabilities not sent yet (they go with the next chunk).
-    logprobs: Vec<Vec<TokenLogprob>>,
+    /// Per choice: what goes with tokens whose text is not sent yet (it goes with the next
+    /// chunk).
+    tokens: Vec<PerToken>,
     tally: Tally,
     include_usage: bool,
     /// Events made and not yet sent.
@@ -524,18 +541,22 @@ impl Events {
         };
         match next {
             Some((i, Event::Text(t))) => {
-                let logprobs = std::mem::take(&mut self.logprobs[i]);
-                let chunk = self.shape.chunk(i, Some(&t), &logprobs, None, &mut self.first[i]);
+                let tokens = std::mem::take(&mut self.tokens[i]);
+                let chunk = self.shape.chunk(i, Some(&t), &tokens, None, &mut self.first[i]);
                 self.queue.push_back(data(chunk));
                 return;
             }
             Some((i, Event::Logprobs(l))) => {
-                self.logprobs[i].extend(l);
+                self.tokens[i].logprobs.extend(l);
+                return;
+            }
+            Some((i, Event::Depth(m))) => {
+                self.tokens[i].depth.push(m);
                 return;
             }
             Some((i, Event::Done { finish, usage })) => {
-                let logprobs = std::mem::take(&mut self.logprobs[i]);
-                let chunk = self.shape.chunk(i, None, &logprobs, Some(finish), &mut self.first[i]);
+                let tokens = std::mem::take(&mut self.tokens[i]);
+                let chunk = self.shape.chunk(i, None, &tokens, Some(finish), &mut self.first[i]);
                 self.queue.push_back(data(chunk));
                 self.tally.done(i, finish, usage);
                 if !self.tally.all_done() {
@@ -564,6 +585,15 @@ struct Shape {
     kind: Kind,
     /// Whether the request asked for log-probabilities.
     logprobs: bool,
+    /// The depth map's labels, when the request asked for depth maps.
+    depth: Option<Arc<DepthLabels>>,
+}
+
+/// What goes beside the text of a choice's tokens, when asked for.
+#[derive(Clone, Default)]
+struct PerToken {
+    logprobs: Vec<TokenLogprob>,
+    depth: Vec<DepthMap>,
 }
 
 impl Shape {
@@ -576,22 +606,37 @@ impl Shape {
         }
     }
 
-    fn whole(&self, texts: &[String], logprobs: &[Vec<TokenLogprob>], tally: &Tally) -> Value {
+    /// A choice's `attnres_depth` field, when asked for: the labels, and the depth map of each
+    /// token (weights to 4 decimals, null for a source a consumer does not read).
+    fn add_depth(&self, choice: &mut Value, maps: &[DepthMap]) {
+        let Some(labels) = &self.depth else { return };
+        let round = |w: &Option<f32>| w.map(|w| (w as f64 * 1e4).round() / 1e4);
+        let maps: Vec<Vec<Vec<Option<f64>>>> = maps
+            .iter()
+            .map(|m| m.iter().map(|row| row.iter().map(round).collect()).collect())
+            .collect();
+        choice["attnres_depth"] =
+            json!({"sources": labels.sources, "consumers": labels.consumers, "tokens": maps});
+    }
+
+    fn whole(&self, texts: &[String], tokens: &[PerToken], tally: &Tally) -> Value {
         let choices = texts
             .iter()
             .zip(&tally.finish)
-            .zip(logprobs)
+            .zip(tokens)
             .enumerate()
-            .map(|(index, ((text, finish), lp))| {
-                let (finish, lp) = (finish.map(Finish::as_str), self.logprobs(lp));
-                match self.kind {
+            .map(|(index, ((text, finish), t))| {
+                let (finish, lp) = (finish.map(Finish::as_str), self.logprobs(&t.logprobs));
+                let mut choice = match self.kind {
                     Kind::Completion => {
                         json!({"index": index, "text": text, "logprobs": lp, "finish_reason": finish})
                     }
                     Kind::Chat => {
                         json!({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp, "finish_reason": finish})
                     }
-                }
+                };
+                self.add_depth(&mut choice, &t.depth);
+                choice
             })
             .collect::<Vec<_>>();
         let object = if self.kind == Kind::Chat { "chat.completion" } else { "text_completion" };
@@ -602,13 +647,13 @@ impl Shape {
         &self,
         index: usize,
         text: Option<&str>,
-        logprobs: &[TokenLogprob],
+        tokens: &PerToken,
         finish: Option<Finish>,
         first: &mut bool,
     ) -> Value {
         let finish = finish.map(Finish::as_str);
-        let lp = self.logprobs(logprobs);
-        let choice = match self.kind {
+        let lp = self.logprobs(&tokens.logprobs);
+        let mut choice = match self.kind {
             Kind::Completion => {
                 json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
             }
@@ -623,6 +668,7 @@ impl Shape {
                 json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
         };
+        self.add_depth(&mut choice, &tokens.depth);
         self.envelope(vec![choice], None)
     }
 

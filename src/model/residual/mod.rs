@@ -55,6 +55,29 @@ pub struct DepthWeights<'a> {
     pub heads: usize,
 }
 
+/// The depth-attention weights of one token: per consumer (sublayers in order, then the output
+/// aggregation), the weight it gave each of the model's distinct sources
+/// (`Config::depth_sources`), `None` for a source it does not read. Several depth heads are
+/// averaged.
+pub type DepthMap = Vec<Vec<Option<f32>>>;
+
+impl DepthWeights<'_> {
+    /// The weights of token `row` over `sources` distinct sources.
+    pub fn of_row(&self, row: usize, sources: usize) -> DepthMap {
+        let heads = self.heads;
+        let consumer = |(alpha, cols): (&&[f32], &Vec<usize>)| {
+            let k = cols.len() * heads;
+            let mut out = vec![None; sources];
+            for (i, x) in alpha[row * k..(row + 1) * k].iter().enumerate() {
+                let w: &mut Option<f32> = &mut out[cols[i / heads]];
+                *w = Some(w.unwrap_or(0.0) + x / heads as f32);
+            }
+            out
+        };
+        self.alpha.iter().zip(&self.columns).map(consumer).collect()
+    }
+}
+
 impl ResidualForward {
     /// Starts from the embedding output `e` (`[rows, d]`). `for_backward`: keep what
     /// [`ResidualBackward`] needs.
