@@ -109,7 +109,8 @@ pub fn source_labels(sublayers: usize, block_size: Option<usize>) -> Vec<String>
 /// Names of the depth attention's consumers: each sublayer (`0.attn`, `0.mlp`, …), then `out`,
 /// the output aggregation.
 pub fn consumer_labels(sublayers: usize) -> Vec<String> {
-    let sublayer = |l: usize| format!("{}.{}", l / 2, if l % 2 == 0 { "attn" } else { "mlp" });
+    let sublayer =
+        |l: usize| format!("{}.{}", l / 2, if l.is_multiple_of(2) { "attn" } else { "mlp" });
     (0..sublayers).map(sublayer).chain(["out".to_string()]).collect()
 }
 
