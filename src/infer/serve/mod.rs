@@ -269,8 +269,11 @@ async fn metrics_text(State(app): State<Arc<App>>) -> impl IntoResponse {
 }
 
 async fn models(State(app): State<Arc<App>>) -> impl IntoResponse {
+    // `attnres_depth`: an extension, whether requests may ask for depth maps.
+    let depth = app.served.depth.is_some();
     axum::Json(json!({"object": "list", "data": [
-        {"id": app.served.name, "object": "model", "created": app.started, "owned_by": "attnres"}
+        {"id": app.served.name, "object": "model", "created": app.started, "owned_by": "attnres",
+         "attnres_depth": depth}
     ]}))
 }
 
