@@ -9,7 +9,7 @@
 # - scripts/reference/check_export.py: GGUF exports run by llama.cpp (llama-cpp-python), of the
 #   imported SmolLM2 at f32 and of a short standard run at f32, f16 and q8_0 (docs/interop.md);
 # - scripts/eval/check_lm_eval.py: lm-eval against `attnres serve` and on transformers, the same
-#   accuracy and log-likelihoods, on a short Block run (docs/serving.md).
+#   accuracy and log-likelihoods, on a short Block run and a short standard run (docs/serving.md).
 # Needs python3 with venv and pip, PyPI, and the release build of attnres and of the tokenize
 # example (which `cargo test --release` leaves in target/release).
 set -euo pipefail
@@ -42,4 +42,4 @@ target/release/attnres train --preset tiny --set residual=standard --no-progress
     --model "$work/standard"
 target/release/attnres train --preset tiny --set max_tokens=409600 --no-progress --out "$work/block"
 "$venv/bin/python" scripts/eval/check_lm_eval.py --attnres target/release/attnres \
-    --model "$work/block" --items 40
+    --model "$work/block" --model "$work/standard" --items 40

@@ -34,9 +34,12 @@ import time
 import openai
 
 
+EXTRA = os.environ.get("SERVE_EXTRA", "").split()
+
+
 def start(attnres, model, flags):
     proc = subprocess.Popen(
-        [attnres, "serve", "--model", model, "--port", "0", *flags],
+        [attnres, "serve", "--model", model, "--port", "0", *flags, *EXTRA],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

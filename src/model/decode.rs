@@ -140,7 +140,10 @@ impl KvCache {
             "slot {slot} holds {start} tokens; {n} more would exceed the context of {} tokens",
             self.capacity
         );
-        self.reserve(start + n)?;
+        if start + n > self.room {
+            // Amortised growth, as decoding grows it.
+            self.reserve((start + n).max(self.room.saturating_mul(2)))?;
+        }
         let w = self.width;
         let at = (slot * self.room + start) * w;
         for (dst, src) in self.k.iter_mut().zip(&run.k).chain(self.v.iter_mut().zip(&run.v)) {

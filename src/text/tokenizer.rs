@@ -33,6 +33,9 @@ pub struct Bpe {
     inner: Tokenizer,
     /// Id of [`END_OF_TEXT`].
     pub eot: u32,
+    /// Ids the tokenizer has, added tokens included: counted once, as the tokenizers crate
+    /// counts them by building its whole vocabulary map (a copy of every entry).
+    vocab_size: usize,
 }
 
 impl Bpe {
@@ -75,7 +78,8 @@ impl Bpe {
         let name = eos.unwrap_or(END_OF_TEXT);
         let eot =
             inner.token_to_id(name).with_context(|| format!("tokenizer has no {name} token"))?;
-        Ok(Bpe { inner, eot })
+        let vocab_size = inner.get_vocab_size(true);
+        Ok(Bpe { inner, eot, vocab_size })
     }
 
     /// Loads `tokenizer.json`. When a `tokenizer_config.json` lies beside it (an imported
@@ -116,7 +120,7 @@ impl Bpe {
     }
 
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
     }
 
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
