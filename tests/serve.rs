@@ -1,7 +1,8 @@
 //! The server through real HTTP on a loopback port: its texts equal `attnres generate` and do
 //! not depend on what else is in the batch; streamed and whole answers agree; bad requests get
 //! OpenAI-style errors and the server goes on serving; a full queue answers 429 and loses no
-//! request; a client that goes frees its slot; SIGTERM finishes the requests under way.
+//! request; a client that goes frees its slot; SIGTERM finishes the requests under way; the
+//! prefix cache changes no output; each token's depth attention is the full forward pass's.
 
 mod common;
 

@@ -4,7 +4,8 @@ streamed completions under the same bounded load, side by side in one run.
     /root/.cache/llama-venv/bin/python scripts/bench/serve_vs_llama.py \
         --attnres target/release/attnres \
         --gguf ~/.cache/attnres-llama/SmolLM2-135M-Instruct.Q8_0.gguf --streams 1 16 64 \
-        [--requests 2] [--max-tokens 64] [--threads 2] [--rounds 1] [--json FILE]
+        [--requests 2] [--max-tokens 64] [--threads 2] [--rounds 1] [--json FILE] \
+        [--attnres-args "--prefix-cache 0"]
 
 Run it with a Python that has `llama-cpp-python[server]` (scripts/bench/requirements.txt), or
 name one with `--python`; the script itself needs only the standard library.
@@ -27,6 +28,10 @@ Counting output tokens: attnres reports them (`stream_options.include_usage`); l
 ignores that option, so there a request that ends on `max_tokens` (finish reason `length`) has
 exactly `max_tokens` tokens and one that ends earlier counts its chunks with text (llama.cpp
 sends one per token, but holds back a piece of a character until it is whole).
+
+Both servers answer one warm-up request first, with a prompt of its own. `--attnres-args
+"--prefix-cache 0"` runs attnres without its prefix cache, so that no measured prompt is served
+from an earlier request (docs/serving.md publishes that setting).
 
 llama-cpp-python's server is started with `--interrupt_requests False`: by default it ends a
 stream early whenever another request waits, which would cut every concurrent completion short.
@@ -67,6 +72,9 @@ PROMPTS = [
     "Three simple ways to save energy at home are",
     "The museum's newest exhibition shows",
 ]
+
+
+WARM_UP = "Write one sentence about the weather:"
 
 
 def free_port():
@@ -297,6 +305,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=1, help="times every level runs on each")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a request may take")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--attnres-args", default="",
+                    help="more flags for `attnres serve`, e.g. \"--prefix-cache 0\"")
     a = ap.parse_args()
     a.gguf = os.path.expanduser(a.gguf)
     if not os.path.isfile(a.gguf):
@@ -310,7 +320,7 @@ def main():
         "attnres",
         [a.attnres, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
          "--threads", str(a.threads), "--max-batch", str(max(16, most)),
-         "--max-queue", str(max(64, most))],
+         "--max-queue", str(max(64, most)), *a.attnres_args.split()],
         os.path.join(a.work, "serve-attnres.log"),
         {},
     )
@@ -330,7 +340,8 @@ def main():
     try:
         for s in servers:
             s.start()
-            warm = completion(s, PROMPTS[0], a.max_tokens, a.timeout)
+            # A prompt of its own, so that no measured request finds it cached.
+            warm = completion(s, WARM_UP, a.max_tokens, a.timeout)
             if not warm["ok"]:
                 s.fail(f"failed its warm-up request: {warm['error']}")
         for rnd in range(a.rounds):

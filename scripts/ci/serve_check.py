@@ -34,12 +34,9 @@ import time
 import openai
 
 
-EXTRA = os.environ.get("SERVE_EXTRA", "").split()
-
-
 def start(attnres, model, flags):
     proc = subprocess.Popen(
-        [attnres, "serve", "--model", model, "--port", "0", *flags, *EXTRA],
+        [attnres, "serve", "--model", model, "--port", "0", *flags],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,

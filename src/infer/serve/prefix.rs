@@ -77,27 +77,31 @@ impl PrefixCache {
             return;
         }
         self.clock += 1;
-        let (mut parent, mut held) = (0, 0);
-        for (id, n) in self.walk(tokens) {
-            if n < self.node(id).tokens.len() {
+        let path = self.walk(tokens);
+        let held: usize = path.iter().map(|&(_, n)| n).sum();
+        let mut parent = 0;
+        for (id, n) in path {
+            // A run that the new tokens leave part-way is cut there, unless nothing follows.
+            if n < self.node(id).tokens.len() && held < tokens.len() {
                 self.split(id, n);
             }
             self.node_mut(id).used = self.clock;
-            (parent, held) = (id, held + n);
+            parent = id;
         }
-        if held < tokens.len() {
-            let kv = cache.copy_out(slot, held..tokens.len());
-            self.bytes += kv.bytes();
-            let node = Node {
-                tokens: tokens[held..].to_vec(),
-                kv,
-                parent,
-                children: Vec::new(),
-                used: self.clock,
-            };
-            let id = self.add(node);
-            self.node_mut(parent).children.push(id);
+        if held == tokens.len() {
+            return;
         }
+        let kv = cache.copy_out(slot, held..tokens.len());
+        self.bytes += kv.bytes();
+        let node = Node {
+            tokens: tokens[held..].to_vec(),
+            kv,
+            parent,
+            children: Vec::new(),
+            used: self.clock,
+        };
+        let id = self.add(node);
+        self.node_mut(parent).children.push(id);
         self.evict();
     }
 
