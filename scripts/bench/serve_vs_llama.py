@@ -1,7 +1,7 @@
 """`attnres serve` against llama-cpp-python's OpenAI-compatible server on the same GGUF file:
 streamed completions under the same bounded load, side by side in one run.
 
-    /root/.cache/llama-venv/bin/python scripts/bench/serve_vs_llama.py \
+    python scripts/bench/serve_vs_llama.py \
         --attnres target/release/attnres \
         --gguf ~/.cache/attnres-llama/SmolLM2-135M-Instruct.Q8_0.gguf --streams 1 16 64 \
         [--requests 2] [--max-tokens 64] [--threads 2] [--rounds 1] [--json FILE] \
