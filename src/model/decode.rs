@@ -121,12 +121,11 @@ impl KvCache {
         assert!(positions.end <= self.len[slot], "positions {positions:?} not held by slot {slot}");
         let w = self.width;
         let rows = (slot * self.room + positions.start) * w..(slot * self.room + positions.end) * w;
-        KvRun {
-            len: positions.len(),
-            width: w,
-            k: self.k.iter().map(|k| k[rows.clone()].to_vec()).collect(),
-            v: self.v.iter().map(|v| v[rows.clone()].to_vec()).collect(),
+        let mut values = Vec::with_capacity(2 * self.k.len() * rows.len());
+        for part in self.k.iter().chain(&self.v) {
+            values.extend_from_slice(&part[rows.clone()]);
         }
+        KvRun { len: positions.len(), parts: 2 * self.k.len(), values }
     }
 
     /// Appends the first `n` positions of `run` to the sequence in `slot`, as if they had been
@@ -146,7 +145,8 @@ impl KvCache {
         }
         let w = self.width;
         let at = (slot * self.room + start) * w;
-        for (dst, src) in self.k.iter_mut().zip(&run.k).chain(self.v.iter_mut().zip(&run.v)) {
+        let parts = self.k.iter_mut().chain(self.v.iter_mut());
+        for (dst, src) in parts.zip(run.values.chunks_exact(run.len * w)) {
             dst[at..at + n * w].copy_from_slice(&src[..n * w]);
         }
         self.len[slot] += n;
@@ -154,15 +154,15 @@ impl KvCache {
     }
 }
 
-/// Keys and values of `len` consecutive positions of one sequence, every layer (`[len, KV·hd]`
-/// per layer): what a prefix cache keeps of a prompt.
+/// Keys and values of `len` consecutive positions of one sequence: what a prefix cache keeps
+/// of a prompt. One buffer (few allocations for many kept runs): the keys of each layer, then
+/// the values of each layer, each `[len, KV·hd]`.
 #[derive(Default)]
 pub struct KvRun {
     len: usize,
-    /// Values per position and layer.
-    width: usize,
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
+    /// Keys and values of every layer: twice the layers.
+    parts: usize,
+    values: Vec<f32>,
 }
 
 impl KvRun {
@@ -176,27 +176,22 @@ impl KvRun {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|x| x.len() * 4).sum()
+        self.values.len() * 4
     }
 
     /// Splits off the positions from `at` on.
     pub fn split_off(&mut self, at: usize) -> KvRun {
-        assert!(at <= self.len);
-        let cut = at * self.width;
-        let tail = KvRun {
-            len: self.len - at,
-            width: self.width,
-            k: self.k.iter_mut().map(|k| k.split_off(cut)).collect(),
-            v: self.v.iter_mut().map(|v| v.split_off(cut)).collect(),
-        };
-        self.len = at;
-        for x in self.k.iter_mut().chain(self.v.iter_mut()) {
-            x.shrink_to_fit();
-        }
+        assert!(0 < at && at < self.len, "a run of {} positions split at {at}", self.len);
+        let part = self.values.len() / self.parts;
+        let cut = at * (part / self.len);
+        let (head, tail): (Vec<&[f32]>, Vec<&[f32]>) =
+            self.values.chunks_exact(part).map(|p| p.split_at(cut)).unzip();
+        let parts = self.parts;
+        let tail = KvRun { len: self.len - at, parts, values: tail.concat() };
+        *self = KvRun { len: at, parts, values: head.concat() };
         tail
     }
 }
-
 /// Memory per token, in f32 values: the key/value cache holds `kv` for every token of the
 /// context; the depth cache holds `depth` for each token while it passes through the layers.
 #[derive(Clone, Copy, Debug, serde::Serialize)]

@@ -31,7 +31,6 @@ pub(super) struct Served {
 }
 
 /// Names for the rows and columns of a token's depth map.
-#[derive(serde::Serialize)]
 pub(super) struct DepthLabels {
     /// The model's distinct sources: `emb`, the blocks `b1`…, `partial`.
     pub(super) sources: Vec<String>,
