@@ -8,9 +8,10 @@ Two servers run the same model: one with `--prefix-cache 0`, one with the defaul
 gets the same chats in turn (one request at a time, the other server idle): a system prompt of
 about `--system-tokens` tokens, then a different short question each time; each request asks
 for one token, so its latency is its time to first token. The first chat fills the cache (the
-cold row); the others find the system prompt there. Both servers answer one other chat first
-(the warm-up). Prints each server's median and the ratio,
-with the prompt's length and the tokens the cached server reported reusing
+cold row); the others find the system prompt there. Both servers first answer the chats that
+size the system prompt (its tokens: what it adds to a chat with an empty system message), which
+warm them up. Prints each server's first and median times and their ratio, with the prompt's
+length and the tokens the cached server reported reusing
 (`usage.prompt_tokens_details.cached_tokens`). Needs only the standard library.
 """
 import argparse
@@ -83,13 +84,17 @@ def main():
     try:
         for s in servers.values():
             s.start()
-        # Size the system prompt (its tokens grow with the rules, about linearly); this also
-        # warms both servers up, with a prompt of other rules the cache cannot reuse.
+        # Size the system prompt: its tokens are those a chat gains over one with an empty
+        # system message, and grow with the rules about linearly. This also warms both servers
+        # up, with prompts the measured ones share no more than the chat layout with.
+        _, empty = chat(servers["on"], "", QUESTIONS[-1])
         n = 40
         for s in servers.values():
             _, usage = chat(s, "Be brief.\n" + rules(n), QUESTIONS[-1])
-        n = max(1, round(n * a.system_tokens / usage["prompt_tokens"]))
+        n = max(1, round(n * a.system_tokens / (usage["prompt_tokens"] - empty["prompt_tokens"])))
         system = rules(n)
+        _, usage = chat(servers["off"], system, QUESTIONS[-1])
+        system_tokens = usage["prompt_tokens"] - empty["prompt_tokens"]
         times = {"off": [], "on": []}
         cached = []
         for i, q in enumerate(QUESTIONS[: a.questions]):
@@ -105,7 +110,7 @@ def main():
         for s in servers.values():
             s.stop()
     off, on = statistics.median(times["off"][1:]), statistics.median(times["on"][1:])
-    print(f"chat of {prompt_tokens} prompt tokens (system prompt and question), one token "
+    print(f"chat of {prompt_tokens} prompt tokens ({system_tokens} of them the system prompt), one token "
           f"asked, {a.threads} threads, {a.questions - 1} warm requests each\n")
     print("| prefix cache | first request (ms) | median of the rest (ms) | tokens reused |")
     print("|---|---:|---:|---:|")
@@ -115,7 +120,7 @@ def main():
     print(f"\ntime to first token, off / on: {off / on:.1f}x")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"prompt_tokens": prompt_tokens, "threads": a.threads, "times": times,
+            json.dump({"prompt_tokens": prompt_tokens, "system_tokens": system_tokens, "threads": a.threads, "times": times,
                        "cached_tokens": cached}, f, indent=1)
 
 
