@@ -14,7 +14,8 @@ Exits non-zero on any failure.
 With --bench: throughput and latency at concurrency 1, 4, 16 and 64 (a markdown table).
 
 With --browser CHROMIUM: the page at `/` is run in headless Chromium, which must show the
-streamed text and the speed; --screenshot PNG keeps a picture of it.
+streamed text and the speed, and for an AttnRes model a depth-attention map per token;
+--screenshot PNG keeps a picture of it.
 """
 
 import argparse
