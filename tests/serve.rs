@@ -305,8 +305,7 @@ fn forward_logits(env: &RunEnv, model: &Path, ids: &[u32]) -> Vec<f32> {
     ]));
     let bytes = std::fs::read(&out).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let t = st.tensor("logits").unwrap();
-    t.data().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()
+    attnres::model::checkpoint::f32_values("logits", &st.tensor("logits").unwrap()).unwrap()
 }
 
 /// The k largest entries of a row, ties to the lower index.

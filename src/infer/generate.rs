@@ -316,8 +316,8 @@ pub fn check_tokenizer(model_vocab_size: usize, bpe: &Bpe) -> Result<()> {
     Ok(())
 }
 
-/// The text of sampled ids; an id the tokenizer does not have is an error naming both sizes.
-fn decode_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Result<String> {
+/// An error naming both sizes when the tokenizer lacks one of the sampled `ids`.
+fn check_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Result<()> {
     if let Some(&t) = ids.iter().find(|&&t| t as usize >= bpe.vocab_size()) {
         let model = model_vocab_size.map_or(String::new(), |m| format!(" of {m}"));
         bail!(
@@ -325,7 +325,7 @@ fn decode_sampled(bpe: &Bpe, ids: &[u32], model_vocab_size: Option<usize>) -> Re
             bpe.vocab_size()
         );
     }
-    bpe.decode(ids)
+    Ok(())
 }
 
 /// The text of `ids` where they follow token `context`: decoded with it and without its text,
@@ -389,7 +389,7 @@ impl<B: std::ops::Deref<Target = Bpe>> TextStream<B> {
     /// the stream holds nothing.
     pub fn rest(&mut self) -> Result<String> {
         if let Some(t) = self.unknown {
-            decode_sampled(&self.bpe, &[t], None)?;
+            check_sampled(&self.bpe, &[t], None)?;
         }
         let text = self.decode_pending()?;
         self.pending.clear();
@@ -402,7 +402,7 @@ impl Generation {
     /// token `after` (so that a SentencePiece tokenizer keeps the space of the first word).
     pub fn text(&self, bpe: &Bpe, after: Option<u32>) -> Result<String> {
         let body: Vec<u32> = self.tokens.iter().copied().filter(|&x| x != bpe.eot).collect();
-        decode_sampled(bpe, &body, Some(self.vocab_size))?;
+        check_sampled(bpe, &body, Some(self.vocab_size))?;
         let mut stream = TextStream::new(bpe).after(after);
         let mut text: String = body.iter().filter_map(|&t| stream.push(t)).collect();
         text.push_str(&stream.finish()?);

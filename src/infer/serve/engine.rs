@@ -312,17 +312,11 @@ impl Engine {
                 0 => Ok(0),
                 _ => self.prefix.load(&job.prompt, &mut self.cache, slot),
             };
-            let cached = match cached {
-                Ok(n) => n,
-                Err(e) => {
-                    job.send(Event::Failed(format!("{e:#}")));
-                    self.metrics.finished("error");
-                    self.free.push(slot);
-                    continue;
-                }
-            };
-            let sampler = match Sampler::new(job.sampling, job.seed, job.choice as u64) {
-                Ok(s) => s,
+            let started = cached.and_then(|cached| {
+                Ok((cached, Sampler::new(job.sampling, job.seed, job.choice as u64)?))
+            });
+            let (cached, sampler) = match started {
+                Ok(started) => started,
                 Err(e) => {
                     job.send(Event::Failed(format!("{e:#}")));
                     self.metrics.finished("error");
