@@ -116,6 +116,11 @@ impl KvCache {
         self.len[slot] = 0;
     }
 
+    /// The bytes [`KvCache::copy_out`] takes for `positions` tokens.
+    pub fn run_bytes(&self, positions: usize) -> usize {
+        positions.saturating_mul(2 * self.k.len() * self.width * 4)
+    }
+
     /// A copy of the keys and values `slot` holds for `positions`.
     pub fn copy_out(&self, slot: usize, positions: Range<usize>) -> KvRun {
         assert!(positions.end <= self.len[slot], "positions {positions:?} not held by slot {slot}");
@@ -407,8 +412,7 @@ impl Model {
 /// An error, allocating nothing, when a key/value cache of `slots` sequences of `room` tokens
 /// (`width` values per token and layer, `layers` layers) would need more than the memory limit.
 pub fn check_cache_size(slots: usize, room: usize, width: usize, layers: usize) -> Result<()> {
-    let bytes =
-        [slots, room, width, layers, 2, 4].iter().try_fold(1u128, |a, &b| a.checked_mul(b as u128));
+    let bytes = cache_bytes(slots, room, width, layers);
     let limit = memory_limit();
     match bytes {
         Some(b) if b <= limit as u128 => Ok(()),
@@ -420,4 +424,10 @@ pub fn check_cache_size(slots: usize, room: usize, width: usize, layers: usize) 
             format_bytes(limit as u128)
         ),
     }
+}
+
+/// The bytes of keys and values for `slots` sequences of `room` tokens, `width` values per
+/// token and layer; `None` past 2^128.
+pub fn cache_bytes(slots: usize, room: usize, width: usize, layers: usize) -> Option<u128> {
+    [slots, room, width, layers, 2, 4].iter().try_fold(1u128, |a, &b| a.checked_mul(b as u128))
 }

@@ -115,6 +115,19 @@ impl Model {
             .map(|r| self.quant.get(&r.start).map_or(4 * r.len(), |q| q.bytes()))
             .sum()
     }
+
+    /// The bytes the weights take in memory: the f32 tensors, and the blocks of the quantised
+    /// matrices (whose f32 ranges are never touched, so their pages cost nothing).
+    pub fn resident_bytes(&self) -> usize {
+        let quantised: usize = self.quant.keys().map(|&start| self.quant_range_len(start)).sum();
+        let blocks: usize = self.quant.values().map(QuantMatrix::bytes).sum();
+        4 * (self.params.len() - quantised) + blocks
+    }
+
+    /// The length of the f32 range of the matrix that starts at `start`.
+    fn quant_range_len(&self, start: usize) -> usize {
+        self.layout.matrices().iter().find(|r| r.start == start).map_or(0, |r| r.len())
+    }
 }
 
 /// The part of `quant` (matrices by the start of their range in the layout) that holds tensor

@@ -36,6 +36,10 @@ pub struct Bpe {
     /// Ids the tokenizer has, added tokens included: counted once, as the tokenizers crate
     /// counts them by building its whole vocabulary map (a copy of every entry).
     vocab_size: usize,
+    /// Whether tokens are byte-level pieces (GPT-2's alphabet: one character per byte), which
+    /// [`Bpe::token_bytes`] maps back; otherwise SentencePiece's (`▁` for a space, `<0xHH>`
+    /// for a byte).
+    byte_level: bool,
 }
 
 impl Bpe {
@@ -79,7 +83,9 @@ impl Bpe {
         let eot =
             inner.token_to_id(name).with_context(|| format!("tokenizer has no {name} token"))?;
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Bpe { inner, eot, vocab_size })
+        let byte_level =
+            matches!(inner.get_decoder(), Some(tokenizers::decoders::DecoderWrapper::ByteLevel(_)));
+        Ok(Bpe { inner, eot, vocab_size, byte_level })
     }
 
     /// Loads `tokenizer.json`. When a `tokenizer_config.json` lies beside it (an imported
@@ -133,6 +139,22 @@ impl Bpe {
         self.inner.decode(ids, false).map_err(|e| anyhow!("tokenizer failed: {e}"))
     }
 
+    /// The bytes token `id` stands for, before they are joined into text: a token that ends
+    /// inside a UTF-8 character has only part of it. `None` for an id the tokenizer lacks.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        if self.byte_level {
+            // Added tokens (`<|endoftext|>`) are kept as written, outside the alphabet at times.
+            let bytes: Option<Vec<u8>> = piece.chars().map(byte_of_level_char).collect();
+            return Some(bytes.unwrap_or_else(|| piece.into_bytes()));
+        }
+        let hex = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>'));
+        if let Some(b) = hex.filter(|h| h.len() == 2).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            return Some(vec![b]);
+        }
+        Some(piece.replace('\u{2581}', " ").into_bytes())
+    }
+
     /// The documents as one token stream, each followed by the end-of-text token.
     pub fn encode_documents(&self, docs: &[String]) -> Result<Vec<u32>> {
         let encs = self
@@ -146,6 +168,18 @@ impl Bpe {
         }
         Ok(out)
     }
+}
+
+/// The byte a character of the byte-level alphabet stands for: the printable bytes (`!`..`~`,
+/// `¡`..`¬`, `®`..`ÿ`) are their own characters, and the n-th of the other 68 is U+0100 + n.
+fn byte_of_level_char(c: char) -> Option<u8> {
+    let printable = |b: u32| matches!(b, 33..=126 | 161..=172 | 174..=255);
+    let c = c as u32;
+    if c < 256 {
+        return printable(c).then_some(c as u8);
+    }
+    let n = (c - 256) as usize;
+    (0u32..256).filter(|&b| !printable(b)).nth(n).map(|b| b as u8)
 }
 
 #[cfg(test)]
@@ -187,6 +221,48 @@ mod tests {
                 .collect();
             assert_eq!(t.decode(&t.encode(&s).unwrap()).unwrap(), s);
         }
+    }
+
+    /// A token's bytes are its own, also where it splits a character: the bytes of a text's
+    /// tokens, joined, are the text's bytes.
+    #[test]
+    fn token_bytes_join_to_the_text() {
+        let t = small();
+        for s in ["To be, or not", "ünïcödé — 日本語 🙂 \u{0} \u{7f}", "a<|endoftext|>b"]
+        {
+            let ids = t.encode(s).unwrap();
+            let bytes: Vec<u8> = ids.iter().flat_map(|&i| t.token_bytes(i).unwrap()).collect();
+            assert_eq!(bytes, s.as_bytes(), "{s:?}");
+        }
+        // The alphabet's 256 single-byte tokens each stand for a byte of their own.
+        let mut seen: Vec<u8> = (0..t.vocab_size() as u32)
+            .filter_map(|i| t.token_bytes(i).filter(|b| b.len() == 1))
+            .flatten()
+            .collect();
+        seen.sort();
+        assert_eq!(seen, (0..=255).collect::<Vec<u8>>());
+        assert_eq!(t.token_bytes(1_000_000), None);
+    }
+
+    /// SentencePiece's pieces: `▁` is a space, `<0xHH>` one byte.
+    #[test]
+    fn sentencepiece_token_bytes() {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [], "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": {"<unk>": 0, "<0xE3>": 1, "<0x81>": 2, "\u2581a": 3, "<|endoftext|>": 4},
+                "merges": []}}"#;
+        let t = Bpe::from_json(json).unwrap();
+        assert_eq!(t.token_bytes(1).unwrap(), [0xE3]);
+        assert_eq!(t.token_bytes(2).unwrap(), [0x81]);
+        assert_eq!(t.token_bytes(3).unwrap(), b" a");
+        assert_eq!(t.token_bytes(4).unwrap(), b"<|endoftext|>");
     }
 
     #[test]

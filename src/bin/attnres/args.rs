@@ -237,6 +237,25 @@ pub(crate) struct ServeArgs {
     /// and answered with 504 (a stream ends with an error event).
     #[arg(long, default_value_t = 600)]
     pub request_timeout: u64,
+    /// Seconds an answer may wait for its client to read: a connection whose writes make no
+    /// progress for this long is closed and its requests cancelled.
+    #[arg(long, default_value_t = 30)]
+    pub write_timeout: u64,
+    /// MiB of request bodies buffered over all connections together; past it a request gets
+    /// 503 (one body may be up to 16 MiB).
+    #[arg(long, default_value_t = 256)]
+    pub max_body_total: usize,
+    /// Connections one client address may hold; more are answered 429 and closed (0: no limit).
+    #[arg(long, default_value_t = attnres::infer::serve::limits::CLIENT_CONNECTIONS)]
+    pub max_client_connections: usize,
+    /// Requests one client address may have queued or running, each choice counting as one
+    /// (0: no limit) [default: half of --max-batch].
+    #[arg(long)]
+    pub max_client_requests: Option<usize>,
+    /// Tokens (prompt and max_tokens, per choice) one client address's requests in flight may
+    /// ask for (0: no limit) [default: half of --max-batch times the model's context].
+    #[arg(long)]
+    pub max_client_tokens: Option<usize>,
     /// Require this key (`Authorization: Bearer KEY`) on every route but /health and the page;
     /// default: the environment variable ATTNRES_API_KEY, if set (which keeps the key out of
     /// the process list).

@@ -76,6 +76,13 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
                 header_timeout: std::time::Duration::from_secs(a.header_timeout),
                 body_timeout: std::time::Duration::from_secs(a.body_timeout),
                 request_timeout: std::time::Duration::from_secs(a.request_timeout),
+                write_timeout: std::time::Duration::from_secs(a.write_timeout),
+                body_bytes: a.max_body_total.saturating_mul(1 << 20),
+                client: attnres::infer::serve::ClientLimits {
+                    connections: Some(a.max_client_connections),
+                    requests: a.max_client_requests,
+                    tokens: a.max_client_tokens,
+                },
             },
             api_key: api_key(a.api_key)?,
         }),

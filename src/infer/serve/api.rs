@@ -100,6 +100,9 @@ pub(super) struct Common {
     pub(super) user: Option<String>,
     /// An extension: the depth-attention weights of every generated token.
     pub(super) attnres_depth: Option<bool>,
+    /// An extension (llama.cpp, vLLM): never end on the end-of-text token; generation runs to
+    /// `max_tokens` or a stop string.
+    pub(super) ignore_eos: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -129,8 +132,63 @@ pub(super) struct ChatRequest {
 #[serde(deny_unknown_fields)]
 pub(super) struct Message {
     pub(super) role: String,
-    pub(super) content: String,
+    /// A string, or an array of text parts (`{"type": "text", "text": ...}`).
+    #[serde(default)]
+    pub(super) content: Value,
     pub(super) name: Option<String>,
+}
+
+impl Message {
+    /// The message's text: its content when a string, its text parts joined by newlines when
+    /// an array (as vLLM joins them). Any other part (an image, audio, a file) is refused by
+    /// its type; `index` is the message's place, for the error.
+    fn text(&self, index: usize) -> Result<String, Invalid> {
+        let at = format!("messages[{index}].content");
+        match &self.content {
+            Value::String(s) => Ok(s.clone()),
+            Value::Array(parts) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for (j, part) in parts.iter().enumerate() {
+                    texts.push(text_part(part, &format!("{at}[{j}]"))?);
+                }
+                Ok(texts.join("\n"))
+            }
+            Value::Null => Err(invalid(
+                "messages",
+                format!("{at} is missing or null (tool calls are not supported)"),
+            )),
+            v => Err(invalid(
+                "messages",
+                format!("{at} must be a string or an array of text parts, got {v}"),
+            )),
+        }
+    }
+}
+
+/// The text of a content part `{"type": "text", "text": ...}`; an error naming the part (at
+/// `at`) for any other.
+fn text_part<'a>(part: &'a Value, at: &str) -> Result<&'a str, Invalid> {
+    let refuse = |why: String| Err(invalid("messages", format!("{at} {why}")));
+    let Some(fields) = part.as_object() else {
+        return refuse(format!("must be an object with a type, got {part}"));
+    };
+    match fields.get("type").and_then(Value::as_str) {
+        Some("text") => {}
+        Some(kind) => {
+            return refuse(format!(
+                "is a part of type {kind:?}, which this server does not take: it reads text \
+                 parts only (type \"text\")"
+            ))
+        }
+        None => return refuse("has no type (\"text\" for a text part)".into()),
+    }
+    if let Some(k) = fields.keys().find(|k| !["type", "text"].contains(&k.as_str())) {
+        return refuse(format!("has an unknown field {k:?} (a text part has type and text)"));
+    }
+    match fields.get("text").and_then(Value::as_str) {
+        Some(t) => Ok(t),
+        None => refuse("is a text part without a string text".into()),
+    }
 }
 
 /// A request, checked and tokenized, ready for the engine.
@@ -152,6 +210,7 @@ pub(super) struct Prepared {
     pub(super) penalties: Option<Penalties>,
     /// The depth-attention weights of each generated token were asked for.
     pub(super) depth: bool,
+    pub(super) ignore_eos: bool,
 }
 
 /// Parses a JSON body into `T`, naming the field at fault (unknown fields are errors).
@@ -276,7 +335,7 @@ impl Common {
             prompt,
             max_tokens,
             sampling,
-            seed: self.seed.unwrap_or(0),
+            seed: self.seed.unwrap_or_else(fresh_seed),
             stop,
             stream,
             include_usage,
@@ -286,6 +345,7 @@ impl Common {
             logprobs: report.logprobs,
             penalties,
             depth,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
 
@@ -334,6 +394,17 @@ impl Common {
         }
         Ok((!p.neutral()).then_some(p))
     }
+}
+
+/// A seed for a request that names none: different for every request (a process-wide counter
+/// hashed with the process's random keys), so that sampled answers differ as clients expect.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static DRAWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = DRAWN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(n);
+    h.finish()
 }
 
 /// What a request asks to get back beyond the completion's text.
@@ -403,22 +474,24 @@ pub(super) fn chat_prompt(
     {
         return Err(invalid("messages", format!("unknown role {r:?} (system, user or assistant)")));
     }
+    let texts: Vec<String> =
+        messages.iter().enumerate().map(|(i, m)| m.text(i)).collect::<Result<_, _>>()?;
     if let Some(t) = &model.chat {
         let turns: Vec<(&str, &str)> =
-            messages.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
+            messages.iter().zip(&texts).map(|(m, t)| (m.role.as_str(), t.as_str())).collect();
         let text = t.render(&turns).map_err(|e| invalid("messages", format!("{e:#}")))?;
         return Ok((text, Vec::new()));
     }
     let mut text = String::new();
-    for m in messages {
+    for (m, content) in messages.iter().zip(&texts) {
         let _ = &m.name;
         match m.role.as_str() {
             "system" | "developer" => {
-                text.push_str(&m.content);
+                text.push_str(content);
                 text.push_str("\n\n");
             }
-            "user" => text.push_str(&format!("User: {}\n", m.content)),
-            _ => text.push_str(&format!("Assistant: {}\n", m.content)),
+            "user" => text.push_str(&format!("User: {content}\n")),
+            _ => text.push_str(&format!("Assistant: {content}\n")),
         }
     }
     text.push_str("Assistant:");

@@ -10,17 +10,18 @@
 //! slot and sampler, and every row of a decoding pass is computed on its own, so the text of a
 //! request does not depend on what else is in the batch.
 
-use super::logprobs::{score, token_text, TokenLogprob};
+use super::logprobs::TokenLogprob;
 use super::metrics::Metrics;
-use super::penalties::{History, Penalties};
+use super::penalties::Penalties;
 use super::prefix::PrefixCache;
-use crate::base::memory::format_bytes;
-use crate::infer::generate::{Sampler, Sampling, TextStream};
-use crate::model::decode::{check_cache_size, KvCache};
+use super::sequence::Sequence;
+use crate::base::memory::{format_bytes, memory_limit};
+use crate::infer::generate::Sampling;
+use crate::model::decode::{cache_bytes, KvCache};
 use crate::model::residual::DepthMap;
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
-use anyhow::{Context, Result};
+use anyhow::Result;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -87,6 +88,8 @@ pub struct Job {
     pub penalties: Option<Arc<Penalties>>,
     /// Report each token's depth-attention weights.
     pub depth: bool,
+    /// Never end on the end-of-text token (`ignore_eos`): it is not sampled.
+    pub ignore_eos: bool,
     /// Which of the request's `n` choices this is: its sampler's random stream, and the tag
     /// of its events (the choices of one request share one channel).
     pub choice: usize,
@@ -97,11 +100,11 @@ pub struct Job {
 impl Job {
     /// Whether the prompt's every token is scored (`echo` with `logprobs`): it needs their
     /// logits, so it is computed whole, neither using nor filling the prefix cache.
-    fn scores_prompt(&self) -> bool {
+    pub(super) fn scores_prompt(&self) -> bool {
         self.echo && self.logprobs.is_some()
     }
 
-    fn send(&self, event: Event) {
+    pub(super) fn send(&self, event: Event) {
         // A closed channel is a client that left; the engine notices at its next step.
         let _ = self.events.send((self.choice, event));
     }
@@ -154,8 +157,11 @@ pub struct EngineOptions {
 /// whole, and a request behind more than this many would wait for minutes anyway.
 pub const MAX_QUEUE: usize = 65_536;
 
-/// Checks the engine's settings against the model and the machine, allocating nothing.
-pub fn check_options(config: &crate::model::Config, opts: &EngineOptions) -> Result<()> {
+/// Checks the engine's settings against the model and the machine, allocating nothing: the
+/// weights, the key/value pool with every slot at the full context, and the prefix cache at its
+/// bound must fit in the machine's memory together, so that a busy server never fails requests
+/// when its slots fill up.
+pub fn check_options(model: &Model, opts: &EngineOptions) -> Result<()> {
     anyhow::ensure!(opts.max_batch >= 1, "--max-batch must be at least 1");
     anyhow::ensure!(opts.max_queue >= 1, "--max-queue must be at least 1");
     anyhow::ensure!(
@@ -164,20 +170,27 @@ pub fn check_options(config: &crate::model::Config, opts: &EngineOptions) -> Res
         opts.max_queue
     );
     anyhow::ensure!(opts.prefill_tokens >= 1, "--prefill-tokens must be at least 1");
-    let limit = crate::base::memory::memory_limit();
-    anyhow::ensure!(
-        opts.prefix_cache_bytes as u64 <= limit,
-        "--prefix-cache of {} is more than the machine's memory ({})",
-        format_bytes(opts.prefix_cache_bytes as u128),
-        format_bytes(limit as u128)
-    );
-    // The pool grows as sequences do; refusing now a pool that could not be full later keeps a
-    // busy server from failing requests when its slots fill up.
-    let ctx = config.max_position_embeddings;
-    let width = config.num_key_value_heads * config.head_dim;
-    check_cache_size(opts.max_batch, ctx, width, config.num_hidden_layers).with_context(|| {
-        format!("--max-batch {} is too many sequences for this model's context", opts.max_batch)
-    })
+    let c = &model.config;
+    let (ctx, width) = (c.max_position_embeddings, c.num_key_value_heads * c.head_dim);
+    let pool = cache_bytes(opts.max_batch, ctx, width, c.num_hidden_layers);
+    let (weights, prefix) = (model.resident_bytes() as u128, opts.prefix_cache_bytes as u128);
+    let total = pool.and_then(|p| p.checked_add(weights)?.checked_add(prefix));
+    let limit = memory_limit() as u128;
+    if total.is_some_and(|t| t <= limit) {
+        return Ok(());
+    }
+    let show = |b: Option<u128>| b.map_or("more than 2^128 bytes".into(), format_bytes);
+    anyhow::bail!(
+        "at full load the server needs {}, more than the machine's memory ({}): the weights \
+         {}, the key/value cache {} (--max-batch {} sequences of {ctx} tokens) and the prefix \
+         cache {} (--prefix-cache); lower --max-batch or --prefix-cache",
+        show(total),
+        format_bytes(limit),
+        format_bytes(weights),
+        show(pool),
+        opts.max_batch,
+        format_bytes(prefix)
+    )
 }
 
 /// Starts the engine thread; it ends when every handle is dropped and its work is done.
@@ -188,7 +201,7 @@ pub fn start(
     metrics: Arc<Metrics>,
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     let ctx = model.config.max_position_embeddings;
-    check_options(&model.config, &opts)?;
+    check_options(&model, &opts)?;
     let cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
     let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
@@ -206,32 +219,6 @@ pub fn start(
         engine.run()
     })?;
     Ok((EngineHandle { queue }, thread))
-}
-
-/// A sequence in the batch.
-struct Sequence {
-    job: Job,
-    slot: usize,
-    sampler: Sampler,
-    /// Tokens generated; the last one is fed in the next step.
-    generated: Vec<u32>,
-    /// Whether the prompt is still to be prefilled.
-    prefill: bool,
-    /// The prompt's first tokens that came from the prefix cache (not prefilled).
-    cached: usize,
-    /// The completion's text so far, and how much of it was sent (text that could be the
-    /// start of a stop string is held back).
-    text: String,
-    sent: usize,
-    /// The text of the tokens as they come (the decoder `generate` streams with).
-    stream: TextStream<Arc<Bpe>>,
-    /// The token before the next (the prompt's last, then the last generated).
-    last: Option<u32>,
-    first_token: Option<Instant>,
-    /// Where the next token's text starts, in characters of prompt and completion together.
-    offset: usize,
-    /// The request's bias and penalties, with the history they count, when it has any.
-    penalties: Option<(Arc<Penalties>, History)>,
 }
 
 struct Engine {
@@ -312,37 +299,16 @@ impl Engine {
                 0 => Ok(0),
                 _ => self.prefix.load(&job.prompt, &mut self.cache, slot),
             };
-            let started = cached.and_then(|cached| {
-                Ok((cached, Sampler::new(job.sampling, job.seed, job.choice as u64)?))
-            });
-            let (cached, sampler) = match started {
-                Ok(started) => started,
+            let (events, choice) = (job.events.clone(), job.choice);
+            let started = cached.and_then(|cached| Sequence::start(job, slot, cached, &self.bpe));
+            match started {
+                Ok(seq) => self.running.push(seq),
                 Err(e) => {
-                    job.send(Event::Failed(format!("{e:#}")));
+                    let _ = events.send((choice, Event::Failed(format!("{e:#}"))));
                     self.metrics.finished("error");
                     self.free.push(slot);
-                    continue;
                 }
-            };
-            let offset = if job.echo { 0 } else { job.prompt_text.chars().count() };
-            let penalties = job.penalties.clone().map(|p| (p, History::new(&job.prompt)));
-            let last = job.prompt.last().copied();
-            let stream = TextStream::new(self.bpe.clone()).after(last);
-            self.running.push(Sequence {
-                job,
-                slot,
-                sampler,
-                generated: Vec::new(),
-                prefill: true,
-                cached,
-                text: String::new(),
-                sent: 0,
-                stream,
-                last,
-                first_token: None,
-                offset,
-                penalties,
-            });
+            }
         }
     }
 
@@ -419,27 +385,7 @@ impl Engine {
             }
             let logits = &logits[row * vocab..row * vocab + sampled];
             row += 1;
-            let tok = match &mut seq.penalties {
-                Some((p, h)) => {
-                    let mut adjusted = logits.to_vec();
-                    h.apply(p, &mut adjusted);
-                    let tok = seq.sampler.sample(&adjusted);
-                    h.push(tok);
-                    tok
-                }
-                None => seq.sampler.sample(logits),
-            };
-            if let (Some(map), true) = (map.take(), tok != self.bpe.eot) {
-                seq.job.send(Event::Depth(map));
-            }
-            if let Some(k) = seq.job.logprobs {
-                if tok != self.bpe.eot {
-                    let entry = seq.entry(logits, seq.last, tok, k, &self.bpe);
-                    seq.job.send(Event::Logprobs(vec![entry]));
-                }
-            }
-            seq.last = Some(tok);
-            seq.generated.push(tok);
+            let tok = seq.sample(logits, map.take(), &self.bpe);
             self.metrics.add_generated_tokens(1);
             if seq.first_token.is_none() {
                 seq.first_token = Some(now);
@@ -465,125 +411,5 @@ impl Engine {
             self.free.push(slot);
         }
         Ok(())
-    }
-}
-
-impl Sequence {
-    fn scores_prompt(&self) -> bool {
-        self.prefill && self.job.scores_prompt()
-    }
-
-    /// The entry of token `tok` drawn from `logits` after token `after`, advancing the offset.
-    fn entry(
-        &mut self,
-        logits: &[f32],
-        after: Option<u32>,
-        tok: u32,
-        k: usize,
-        bpe: &Bpe,
-    ) -> TokenLogprob {
-        let (lp, top) = score(logits, tok, k);
-        let text = token_text(bpe, after, tok);
-        let offset = self.offset;
-        self.offset += text.chars().count();
-        let top = top.into_iter().map(|(t, lp)| (token_text(bpe, after, t), lp)).collect();
-        TokenLogprob { text, logprob: Some(lp), top, offset }
-    }
-
-    /// Sends the prompt's tokens with their log-probabilities: `logits` holds a row per prompt
-    /// token, row `t` the distribution of token `t + 1`; nothing predicts the first token.
-    /// Only the first `sampled` ids of each row are scored (the tokenizer's).
-    fn prompt_logprobs(&mut self, logits: &[f32], vocab: usize, sampled: usize, bpe: &Bpe) {
-        let (prompt, k) = (self.job.prompt.clone(), self.job.logprobs.unwrap_or(0));
-        let text = token_text(bpe, None, prompt[0]);
-        self.offset = text.chars().count();
-        let mut entries = vec![TokenLogprob { text, logprob: None, top: Vec::new(), offset: 0 }];
-        for (t, &tok) in prompt.iter().enumerate().skip(1) {
-            let row = &logits[(t - 1) * vocab..(t - 1) * vocab + sampled];
-            entries.push(self.entry(row, Some(prompt[t - 1]), tok, k, bpe));
-        }
-        // The completion's tokens follow the prompt's text as the client sees it.
-        self.offset = self.job.prompt_text.chars().count();
-        self.job.send(Event::Logprobs(entries));
-    }
-
-    /// Takes the sampled token: its text, stop strings, the token limit. Returns how the
-    /// sequence ends, if it does.
-    fn advance(&mut self, tok: u32, bpe: &Bpe) -> Option<Finish> {
-        if tok == bpe.eot {
-            return Some(Finish::Stop);
-        }
-        // A token can end inside a UTF-8 character: the stream waits until it is whole.
-        if let Some(piece) = self.stream.push(tok) {
-            self.text.push_str(&piece);
-        }
-        if let Some(at) = self.job.stop.iter().filter_map(|s| self.text.find(s.as_str())).min() {
-            self.text.truncate(at);
-            self.flush(self.text.len());
-            return Some(Finish::Stop);
-        }
-        if self.generated.len() >= self.job.max_tokens {
-            return Some(Finish::Length);
-        }
-        // Hold back what could be the start of a stop string.
-        let held =
-            self.job.stop.iter().map(|s| longest_prefix_suffix(&self.text, s)).max().unwrap_or(0);
-        self.flush(self.text.len() - held);
-        None
-    }
-
-    /// Sends the text up to byte `to` not sent yet.
-    fn flush(&mut self, to: usize) {
-        if to > self.sent {
-            self.job.send(Event::Text(self.text[self.sent..to].to_string()));
-            self.sent = to;
-        }
-    }
-
-    fn finish(mut self, finish: Finish, eot: u32, metrics: &Metrics) {
-        if finish == Finish::Length {
-            // A character cut by the token limit: its bytes as far as they go.
-            let rest = self.stream.rest().unwrap_or_default();
-            self.text.push_str(&rest);
-        }
-        self.flush(self.text.len());
-        // Counted before the answer goes out, so that a client that reads the metrics after
-        // its answer finds it counted.
-        if let (Some(first), true) = (self.first_token, self.generated.len() > 1) {
-            let per = first.elapsed() / (self.generated.len() - 1) as u32;
-            metrics.time_per_output_token(per);
-        }
-        metrics.request_duration(self.job.received.elapsed());
-        metrics.finished("completed");
-        // The end-of-text token is not part of the completion.
-        let ended_by_eot = self.generated.last() == Some(&eot);
-        let usage = Usage {
-            prompt_tokens: self.job.prompt.len(),
-            cached_tokens: self.cached,
-            completion_tokens: self.generated.len() - ended_by_eot as usize,
-        };
-        self.job.send(Event::Done { finish, usage });
-    }
-}
-
-/// The length in bytes of the longest proper prefix of `stop` that `text` ends with (on a
-/// character boundary of `text`).
-fn longest_prefix_suffix(text: &str, stop: &str) -> usize {
-    (1..stop.len())
-        .rev()
-        .find(|&n| stop.is_char_boundary(n) && text.ends_with(&stop[..n]))
-        .unwrap_or(0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn held_back_text_is_the_longest_start_of_a_stop_string() {
-        assert_eq!(longest_prefix_suffix("hello wor", "world"), 3);
-        assert_eq!(longest_prefix_suffix("hello", "world"), 0);
-        assert_eq!(longest_prefix_suffix("ab\nUs", "\nUser:"), 3);
-        assert_eq!(longest_prefix_suffix("x", ""), 0);
     }
 }

@@ -13,14 +13,32 @@ pub const MAX_CHAT_ALTERNATIVES: usize = 20;
 /// One token's entry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
-    /// The token's text on its own (a piece of a character decodes to U+FFFD).
-    pub text: String,
+    pub token: Token,
     /// `None` for the prompt's first token, which nothing predicts.
     pub logprob: Option<f32>,
     /// The most likely tokens at this position, most likely first (ties: lower id first).
-    pub top: Vec<(String, f32)>,
+    pub top: Vec<(Token, f32)>,
     /// Where the token's text starts in the prompt and completion together, in characters.
     pub offset: usize,
+}
+
+/// A token as the entries name it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Token {
+    /// Its text on its own, after the token before it (a piece of a character decodes to
+    /// U+FFFD).
+    pub text: String,
+    /// Its own bytes: a piece of a character has that piece (the chat API's `bytes`).
+    pub bytes: Vec<u8>,
+}
+
+impl Token {
+    /// Token `id` after the token `after`.
+    pub fn new(bpe: &Bpe, after: Option<u32>, id: u32) -> Token {
+        let text = token_text(bpe, after, id);
+        let bytes = bpe.token_bytes(id).unwrap_or_else(|| text.clone().into_bytes());
+        Token { text, bytes }
+    }
 }
 
 /// `ln softmax(logits)[token]` and the `k` most likely tokens, computed in f64.
@@ -43,7 +61,7 @@ pub fn score(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
 }
 
 /// A token's text after the token before it (`after`), as the streamed text has it.
-pub fn token_text(bpe: &Bpe, after: Option<u32>, token: u32) -> String {
+fn token_text(bpe: &Bpe, after: Option<u32>, token: u32) -> String {
     decode_after(bpe, after, &[token]).or_else(|_| bpe.decode(&[token])).unwrap_or_default()
 }
 
@@ -53,11 +71,12 @@ pub fn completion_object(entries: &[TokenLogprob]) -> Value {
         if e.logprob.is_none() {
             return Value::Null;
         }
-        let map: Map<String, Value> = e.top.iter().map(|(t, lp)| (t.clone(), json!(lp))).collect();
+        let map: Map<String, Value> =
+            e.top.iter().map(|(t, lp)| (t.text.clone(), json!(lp))).collect();
         Value::Object(map)
     };
     json!({
-        "tokens": entries.iter().map(|e| e.text.clone()).collect::<Vec<_>>(),
+        "tokens": entries.iter().map(|e| e.token.text.clone()).collect::<Vec<_>>(),
         "token_logprobs": entries.iter().map(|e| e.logprob).collect::<Vec<_>>(),
         "top_logprobs": entries.iter().map(top).collect::<Vec<_>>(),
         "text_offset": entries.iter().map(|e| e.offset).collect::<Vec<_>>(),
@@ -66,11 +85,11 @@ pub fn completion_object(entries: &[TokenLogprob]) -> Value {
 
 /// The chat API's `logprobs` object of a choice.
 pub fn chat_object(entries: &[TokenLogprob]) -> Value {
-    let one = |t: &str, lp: f32| json!({"token": t, "logprob": lp, "bytes": t.as_bytes()});
+    let one = |t: &Token, lp: f32| json!({"token": t.text, "logprob": lp, "bytes": t.bytes});
     let content: Vec<Value> = entries
         .iter()
         .map(|e| {
-            let mut v = one(&e.text, e.logprob.unwrap_or(0.0));
+            let mut v = one(&e.token, e.logprob.unwrap_or(0.0));
             v["top_logprobs"] = e.top.iter().map(|(t, lp)| one(t, *lp)).collect();
             v
         })

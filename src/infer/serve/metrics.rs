@@ -53,6 +53,8 @@ pub struct Metrics {
     cached_prompt_tokens: AtomicU64,
     prefix_cache_bytes: AtomicUsize,
     generated_tokens: AtomicU64,
+    connections_refused: AtomicU64,
+    write_timeouts: AtomicU64,
     queued: AtomicUsize,
     running: AtomicUsize,
     max_batch: usize,
@@ -69,6 +71,8 @@ impl Metrics {
             cached_prompt_tokens: AtomicU64::new(0),
             prefix_cache_bytes: AtomicUsize::new(0),
             generated_tokens: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
+            write_timeouts: AtomicU64::new(0),
             queued: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             max_batch,
@@ -110,6 +114,16 @@ impl Metrics {
         self.generated_tokens.fetch_add(n as u64, Relaxed);
     }
 
+    /// A connection refused for its address's limit.
+    pub fn connection_refused(&self) {
+        self.connections_refused.fetch_add(1, Relaxed);
+    }
+
+    /// A connection closed for a client that did not read its answer.
+    pub fn write_timed_out(&self) {
+        self.write_timeouts.fetch_add(1, Relaxed);
+    }
+
     pub fn time_to_first_token(&self, d: Duration) {
         self.ttft.lock().unwrap().observe(d.as_secs_f64());
     }
@@ -143,6 +157,16 @@ impl Metrics {
                 "attnres_generation_tokens_total",
                 "Tokens generated.",
                 self.generated_tokens.load(Relaxed),
+            ),
+            (
+                "attnres_connections_refused_total",
+                "Connections refused at once: their address held --max-client-connections.",
+                self.connections_refused.load(Relaxed),
+            ),
+            (
+                "attnres_write_timeouts_total",
+                "Connections closed because the client did not read for --write-timeout.",
+                self.write_timeouts.load(Relaxed),
             ),
         ];
         for (name, help, v) in counters {

@@ -2,7 +2,9 @@
 //! prefilled, whole conversations once answered), in a radix tree of token runs, so that
 //! sequences with a common start (a system prompt, the earlier turns of a chat) share one copy of
 //! it. A new request copies the longest cached start of its prompt into its slot and prefills
-//! only the rest. When the bytes held pass the bound, the least recently used leaves go first.
+//! only the rest. When the bytes held pass the bound, the least recently used leaves go first
+//! (kept in order, so each eviction costs O(log n)); a run larger than the whole bound is not
+//! kept at all, so that one long prompt cannot flush what everyone else shares.
 //!
 //! A key or value depends only on the tokens up to its position, so a reused one is the number a
 //! fresh prefill would compute, up to rounding: the engine picks its matrix and attention kernels
@@ -11,6 +13,7 @@
 
 use crate::model::decode::{KvCache, KvRun};
 use anyhow::Result;
+use std::collections::{BTreeSet, HashMap};
 
 pub struct PrefixCache {
     /// The tree's nodes; index 0 is the root (no tokens). Removed nodes leave `None`.
@@ -21,6 +24,9 @@ pub struct PrefixCache {
     limit: usize,
     /// Ticks at every lookup and insertion: a node's `used` is the last tick that read it.
     clock: u64,
+    /// The nodes without children (but the root), by when they were last used: the next to
+    /// evict first.
+    leaves: BTreeSet<(u64, usize)>,
 }
 
 /// A run of tokens that continues its parent's, with the run's keys and values.
@@ -28,7 +34,8 @@ struct Node {
     tokens: Vec<u32>,
     kv: KvRun,
     parent: usize,
-    children: Vec<usize>,
+    /// By the first token of their run (runs of siblings start with different tokens).
+    children: HashMap<u32, usize>,
     used: u64,
 }
 
@@ -39,10 +46,11 @@ impl PrefixCache {
             tokens: Vec::new(),
             kv: KvRun::default(),
             parent: 0,
-            children: Vec::new(),
+            children: HashMap::new(),
             used: 0,
         };
-        PrefixCache { nodes: vec![Some(root)], free: Vec::new(), bytes: 0, limit, clock: 0 }
+        let nodes = vec![Some(root)];
+        PrefixCache { nodes, free: Vec::new(), bytes: 0, limit, clock: 0, leaves: BTreeSet::new() }
     }
 
     /// Bytes of keys and values held.
@@ -62,33 +70,37 @@ impl PrefixCache {
         self.clock += 1;
         let (clock, mut loaded) = (self.clock, 0);
         for (id, n) in self.walk(usable(prompt)) {
-            let node = self.node_mut(id);
-            node.used = clock;
-            cache.extend(slot, &node.kv, n)?;
+            self.touch(id, clock);
+            cache.extend(slot, &self.node(id).kv, n)?;
             loaded += n;
         }
         Ok(loaded)
     }
 
     /// Keeps the keys and values of `tokens`, the start of the sequence `slot` holds, then
-    /// evicts down to the bound.
+    /// evicts down to the bound. The part not cached yet is not kept if it alone is larger than
+    /// the bound.
     pub fn insert(&mut self, tokens: &[u32], cache: &KvCache, slot: usize) {
         if self.limit == 0 {
             return;
         }
-        self.clock += 1;
         let path = self.walk(tokens);
         let held: usize = path.iter().map(|&(_, n)| n).sum();
+        let new = tokens.len() - held;
+        if new > 0 && cache.run_bytes(new) > self.limit {
+            return;
+        }
+        self.clock += 1;
         let mut parent = 0;
         for (id, n) in path {
             // A run that the new tokens leave part-way is cut there, unless nothing follows.
-            if n < self.node(id).tokens.len() && held < tokens.len() {
+            if n < self.node(id).tokens.len() && new > 0 {
                 self.split(id, n);
             }
-            self.node_mut(id).used = self.clock;
+            self.touch(id, self.clock);
             parent = id;
         }
-        if held == tokens.len() {
+        if new == 0 {
             return;
         }
         let kv = cache.copy_out(slot, held..tokens.len());
@@ -97,12 +109,35 @@ impl PrefixCache {
             tokens: tokens[held..].to_vec(),
             kv,
             parent,
-            children: Vec::new(),
+            children: HashMap::new(),
             used: self.clock,
         };
+        let first = node.tokens[0];
         let id = self.add(node);
-        self.node_mut(parent).children.push(id);
+        self.adopt(parent, first, id);
         self.evict();
+    }
+
+    /// Marks node `id` used at `tick`, keeping the order of the leaves.
+    fn touch(&mut self, id: usize, tick: u64) {
+        let node = self.node_mut(id);
+        let (old, leaf) = (node.used, node.children.is_empty());
+        node.used = tick;
+        if leaf && self.leaves.remove(&(old, id)) {
+            self.leaves.insert((tick, id));
+        }
+    }
+
+    /// Makes `child` (whose run starts with `first`) a child of `parent`, which stops being a
+    /// leaf.
+    fn adopt(&mut self, parent: usize, first: u32, child: usize) {
+        let p = self.node_mut(parent);
+        let was_leaf = p.children.is_empty();
+        let used = p.used;
+        p.children.insert(first, child);
+        if was_leaf {
+            self.leaves.remove(&(used, parent));
+        }
     }
 
     /// The nodes along the cached start of `tokens`, each with how many of its tokens match
@@ -110,9 +145,7 @@ impl PrefixCache {
     fn walk(&self, tokens: &[u32]) -> Vec<(usize, usize)> {
         let (mut path, mut at, mut id) = (Vec::new(), 0, 0);
         while let Some(&first) = tokens.get(at) {
-            let child =
-                self.node(id).children.iter().copied().find(|&c| self.node(c).tokens[0] == first);
-            let Some(child) = child else { break };
+            let Some(&child) = self.node(id).children.get(&first) else { break };
             let run = &self.node(child).tokens;
             let n = run.iter().zip(&tokens[at..]).take_while(|(a, b)| a == b).count();
             path.push((child, n));
@@ -136,32 +169,39 @@ impl PrefixCache {
             children: std::mem::take(&mut node.children),
             used: node.used,
         };
-        let grandchildren = tail.children.clone();
+        let (first, grandchildren) = (tail.tokens[0], tail.children.clone());
         let tail_id = self.add(tail);
-        for c in grandchildren {
+        for c in grandchildren.into_values() {
             self.node_mut(c).parent = tail_id;
         }
-        self.node_mut(id).children.push(tail_id);
+        // The tail took the node's place among the leaves, if it was one (`add`).
+        let used = self.node(id).used;
+        self.leaves.remove(&(used, id));
+        self.node_mut(id).children.insert(first, tail_id);
     }
 
-    /// Removes least recently used leaves until the bytes held are within the bound.
+    /// Removes least recently used leaves until the bytes held are within the bound; a parent
+    /// left without children becomes a leaf in its turn.
     fn evict(&mut self) {
         while self.bytes > self.limit {
-            let lru = (1..self.nodes.len())
-                .filter_map(|i| self.nodes[i].as_ref().map(|n| (i, n)))
-                .filter(|(_, n)| n.children.is_empty())
-                .min_by_key(|(_, n)| n.used)
-                .map(|(i, _)| i);
-            let Some(id) = lru else { break };
+            let Some((_, id)) = self.leaves.pop_first() else { break };
             let node = self.nodes[id].take().expect("a live node");
             self.bytes -= node.kv.bytes();
             self.free.push(id);
-            self.node_mut(node.parent).children.retain(|&c| c != id);
+            let parent = self.node_mut(node.parent);
+            parent.children.remove(&node.tokens[0]);
+            if parent.children.is_empty() && node.parent != 0 {
+                let used = parent.used;
+                self.leaves.insert((used, node.parent));
+            }
         }
     }
 
+    /// Stores `node`, among the leaves if it has no children, and returns its id.
     fn add(&mut self, node: Node) -> usize {
-        match self.free.pop() {
+        let used = node.used;
+        let leaf = node.children.is_empty();
+        let id = match self.free.pop() {
             Some(id) => {
                 self.nodes[id] = Some(node);
                 id
@@ -170,7 +210,25 @@ impl PrefixCache {
                 self.nodes.push(Some(node));
                 self.nodes.len() - 1
             }
+        };
+        if leaf {
+            self.leaves.insert((used, id));
         }
+        id
+    }
+
+    /// Asserts that `leaves` lists exactly the live nodes without children (but the root), each
+    /// with its last use.
+    #[cfg(test)]
+    fn check_leaves(&self) {
+        let want: BTreeSet<(u64, usize)> = (1..self.nodes.len())
+            .filter_map(|i| self.nodes[i].as_ref().map(|n| (i, n)))
+            .filter(|(_, n)| n.children.is_empty())
+            .map(|(i, n)| (n.used, i))
+            .collect();
+        assert_eq!(self.leaves, want);
+        let bytes: usize = self.nodes.iter().flatten().map(|n| n.kv.bytes()).sum();
+        assert_eq!(self.bytes, bytes);
     }
 
     fn node(&self, id: usize) -> &Node {
@@ -287,12 +345,45 @@ mod tests {
         fill(&mut prefix, &p4);
         assert_eq!(prefix.bytes(), 70 * PER_TOKEN);
         assert_eq!([&p1, &p3, &p4].map(|p| prefix.reusable(p)), [0, 39, 49]);
-        // A prompt beyond the bound pushes out everything, itself included.
+        // A prompt whose new part is beyond the bound is not kept, and pushes out nothing.
         fill(&mut prefix, &run(6, 120));
-        assert_eq!(prefix.bytes(), 0);
+        assert_eq!(prefix.bytes(), 70 * PER_TOKEN);
+        assert_eq!([&p3, &p4, &run(6, 120)].map(|p| prefix.reusable(p)), [39, 49, 0]);
+        // Its start within the bound is kept when it comes again alone.
+        fill(&mut prefix, &run(6, 100));
+        assert_eq!(prefix.reusable(&run(6, 120)), 100);
+        prefix.check_leaves();
         // Off: nothing is kept.
         let mut off = PrefixCache::new(0);
         fill(&mut off, &p1);
         assert_eq!((off.bytes(), off.reusable(&p1)), (0, 0));
+    }
+
+    /// Random prompts sharing starts, loaded and inserted under a tight bound: after every
+    /// step the ordered leaves are exactly the childless nodes (what a scan of every node would
+    /// pick from), the bytes add up, and the bound holds.
+    #[test]
+    fn the_ordered_leaves_follow_every_change() {
+        let m = model();
+        let mut cache = KvCache::new(&m.config, 1, CONTEXT).unwrap();
+        let mut prefix = PrefixCache::new(150 * PER_TOKEN);
+        let mut x = 7u64;
+        let mut next = |n: u64| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 33) % n
+        };
+        let stems: Vec<Vec<u32>> = (0..4).map(|i| run(i as u32 * 11 + 1, 30)).collect();
+        for _ in 0..60 {
+            let stem = &stems[next(4) as usize][..next(30) as usize + 1];
+            let tail: Vec<u32> = (0..next(40)).map(|_| next(50) as u32).collect();
+            let p = [stem, &tail[..]].concat();
+            cache.clear(0);
+            let n = prefix.load(&p, &mut cache, 0).unwrap();
+            prefix.check_leaves();
+            m.decode(&mut cache, &[(0, &p[n..])], false).unwrap();
+            prefix.insert(&p, &cache, 0);
+            prefix.check_leaves();
+            assert!(prefix.bytes() <= 150 * PER_TOKEN);
+        }
     }
 }
