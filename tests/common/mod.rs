@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod reference;
+pub mod serve;
 
 use attnres::model::{Config, Model, ResidualKind};
 use std::path::Path;

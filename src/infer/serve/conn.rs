@@ -64,6 +64,9 @@ pub async fn accept_loop(
             },
             _ = &mut shutdown => break,
         };
+        // Kernel memory per connection stays bounded however little the client reads (the
+        // buffer would otherwise grow to megabytes), and a stalled write shows sooner.
+        let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER);
         let ip = peer.ip();
         let Some(hold) = clients.connect(ip) else {
             metrics.connection_refused();
@@ -98,6 +101,10 @@ pub async fn accept_loop(
     let _ = stop.send(true);
     while connections.join_next().await.is_some() {}
 }
+
+/// The kernel's send buffer of each connection, in bytes (it holds several times one token's
+/// event of a stream with log-probabilities and depth maps).
+const SEND_BUFFER: usize = 128 << 10;
 
 /// The answer to a connection beyond its address's limit.
 const TOO_MANY_CONNECTIONS: &str = concat!(
