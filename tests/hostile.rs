@@ -282,20 +282,29 @@ fn impossible_sizes_and_bad_batches_corpora_and_settings_are_refused() {
     for (flags, needle) in [
         (["--max-batch", "0"], "--max-batch must be at least 1"),
         (["--max-queue", "0"], "--max-queue must be at least 1"),
-        (["--max-batch", "1000000000"], "--max-batch 1000000000 is too many sequences"),
+        (["--max-batch", "1000000000"], "(--max-batch 1000000000 sequences of"),
         // Checked before anything is allocated: a slot list of this many would not fit.
-        (["--max-batch", "10000000000"], "--max-batch 10000000000 is too many sequences"),
+        (["--max-batch", "10000000000"], "(--max-batch 10000000000 sequences of"),
         (["--max-queue", "1000000000"], "--max-queue must be at most 65536"),
         (["--max-connections", "0"], "--max-connections must lie in 1..=65536, got 0"),
         (["--max-connections", "1000000"], "--max-connections must lie in 1..=65536"),
         (["--header-timeout", "0"], "--header-timeout must lie in 1..=86400 seconds, got 0"),
         (["--body-timeout", "999999999"], "--body-timeout must lie in 1..=86400 seconds"),
         (["--request-timeout", "0"], "--request-timeout must lie in 1..=86400 seconds, got 0"),
+        (["--write-timeout", "0"], "--write-timeout must lie in 1..=86400 seconds, got 0"),
+        (["--max-body-total", "15"], "--max-body-total must be at least one request body's"),
     ] {
         let mut args = vec!["serve", "--model", &m, "--port", "0"];
         args.extend(flags);
         case(&args, needle);
     }
+    // The weights, the key/value cache at full size and the prefix cache must fit together: a
+    // prefix cache of all the machine's memory leaves no room for the rest.
+    let all = (attnres::base::memory::memory_limit() >> 20).to_string();
+    case(
+        &["serve", "--model", &m, "--port", "0", "--max-batch", "1", "--prefix-cache", &all],
+        "more than the machine's memory",
+    );
     case(&["eval", "--model", env.path("no-model").to_str().unwrap(), "--text", &m], "no-model");
 
     for (args, needle) in &cases {

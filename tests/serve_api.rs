@@ -205,7 +205,8 @@ fn chat(port: u16, body: &Value) -> (String, Vec<Vec<u8>>, Value) {
 fn content_parts_token_bytes_seeds_and_ignore_eos() {
     let env = &RunEnv::new(12_000, 2);
     let model = trained(env);
-    let server = Server::start(env, &model, &[]);
+    // No prefix cache: a prompt's second run computes its logits afresh, bit for bit.
+    let server = Server::start(env, &model, &["--prefix-cache", "0"]);
     let port = server.port;
     let parts = |texts: &[&str]| -> Value {
         texts.iter().map(|t| json!({"type": "text", "text": t})).collect()
