@@ -103,9 +103,9 @@ def check(client, model):
         stream=True,
     )
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == reply
-    # n choices: the first is the single request's text; each has its own index.
-    several = client.completions.create(model=model, prompt="ROMEO:", max_tokens=12, temperature=0.8, n=3)
-    single = client.completions.create(model=model, prompt="ROMEO:", max_tokens=12, temperature=0.8)
+    # n choices: the first is the single request's text (the same seed); each has its own index.
+    several = client.completions.create(model=model, prompt="ROMEO:", max_tokens=12, temperature=0.8, n=3, seed=11)
+    single = client.completions.create(model=model, prompt="ROMEO:", max_tokens=12, temperature=0.8, seed=11)
     assert [c.index for c in several.choices] == [0, 1, 2], several
     assert several.choices[0].text == single.choices[0].text, (several, single)
     assert several.usage.prompt_tokens == single.usage.prompt_tokens
@@ -123,6 +123,167 @@ def check(client, model):
         else:
             raise AssertionError(f"{bad} was accepted")
     print(f"client checks passed: completions, chat, streaming, n choices, usage, errors ({model})")
+
+
+# Request fields of the client's types (openai's CompletionCreateParams and the chat's), each
+# with a value this server takes and, for a field it does not implement, one it refuses by name
+# (None: it takes every value). A field the pinned client adds that is missing here fails the
+# check until it is classified (docs/serving.md, "The API, field by field").
+COMPLETION_FIELDS = {
+    "model": (None, None), "prompt": ("ROMEO:", None), "max_tokens": (3, None),
+    "temperature": (0.5, None), "top_p": (0.9, None), "n": (2, None), "stream": (False, None),
+    "stream_options": (None, None), "stop": (["\n\n"], None), "seed": (3, None),
+    "frequency_penalty": (0.5, None), "presence_penalty": (0.5, None), "logit_bias": ({"5": 1}, None),
+    "logprobs": (2, None), "echo": (True, None), "user": ("u", None),
+    "best_of": (1, 2), "suffix": (None, "!"),
+}
+CHAT_FIELDS = {
+    "model": (None, None), "messages": (None, None), "max_tokens": (3, None),
+    "max_completion_tokens": (3, None), "temperature": (0.5, None), "top_p": (0.9, None),
+    "n": (2, None), "stream": (False, None), "stream_options": (None, None), "stop": ("\n\n", None), "seed": (3, None),
+    "frequency_penalty": (0.5, None), "presence_penalty": (0.5, None), "logit_bias": ({"5": 1}, None),
+    "logprobs": (True, None), "top_logprobs": (2, None), "user": ("u", None),
+    "tools": ([], [{"type": "function", "function": {"name": "f"}}]),
+    "tool_choice": ("none", "auto"), "parallel_tool_calls": (False, None),
+    "functions": ([], [{"name": "f"}]), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"}, {"type": "json_object"}),
+    "modalities": (["text"], ["text", "audio"]), "audio": (None, {"voice": "alloy", "format": "wav"}),
+    "prediction": (None, {"type": "content", "content": "x"}), "web_search_options": (None, {}),
+    "reasoning_effort": (None, "low"), "verbosity": (None, "low"), "moderation": (None, {}),
+    "store": (False, True), "service_tier": ("auto", "flex"), "metadata": ({"k": "v"}, None),
+    "prompt_cache_key": ("k", None), "prompt_cache_retention": ("24h", None),
+    "prompt_cache_options": ({}, None), "safety_identifier": ("s", None),
+}
+
+
+# Fields that are sent only beside another.
+NEEDS = {"top_logprobs": {"logprobs": True}}
+
+
+def request_fields(port, model):
+    """Every request field of the client's types, one at a time: taken, or refused by name."""
+    from openai.types import completion_create_params as completion
+    from openai.types.chat import completion_create_params as chat
+    cases = [("/v1/completions", completion, COMPLETION_FIELDS, {"model": model, "prompt": "ROMEO:", "max_tokens": 3}),
+             ("/v1/chat/completions", chat, CHAT_FIELDS, {"model": model, "max_tokens": 3,
+                                                         "messages": [{"role": "user", "content": "Who is there?"}]})]
+    refused = []
+    for path, params, table, base in cases:
+        names = set(params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+        missing = names - set(table)
+        assert not missing, f"{path}: the client has fields this check does not classify: {sorted(missing)}"
+        for name in sorted(names):
+            good, bad = table[name]
+            base_with = {**base, **NEEDS.get(name, {})}
+            if good is not None:
+                status, answer = raw(port, "POST", path, json.dumps({**base_with, name: good}).encode())
+                assert status == 200, (path, name, good, answer[-300:])
+            if bad is not None:
+                status, answer = raw(port, "POST", path, json.dumps({**base_with, name: bad}).encode())
+                error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+                assert status == 400 and error["param"] == name, (path, name, bad, answer[-300:])
+                refused.append(name)
+    print(f"request fields: every field of the client's types taken or refused by name "
+          f"({len(refused)} refused unless neutral: {', '.join(refused)})")
+
+
+def conforms(value, cls, path, extensions):
+    """`value` (a response's JSON) holds every required field of the client's type `cls` and no
+    field it lacks but `extensions` (paths like `choices[].attnres_depth`), recursively."""
+    import typing
+
+    import pydantic
+
+    def models(annotation):
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+            return [annotation]
+        return [m for a in typing.get_args(annotation) for m in models(a)]
+
+    fields = {(f.alias or n): f for n, f in cls.model_fields.items()}
+    for key, f in fields.items():
+        assert not f.is_required() or key in value, f"{path}.{key} is missing ({cls.__name__})"
+    for key, v in value.items():
+        at = f"{path}.{key}".lstrip(".")
+        if key not in fields:
+            assert at in extensions, f"{at} is not a field of {cls.__name__}"
+            continue
+        inner = models(fields[key].annotation)
+        if not inner or v is None:
+            continue
+        for i, item in enumerate(v if isinstance(v, list) else [v]):
+            if isinstance(item, dict):
+                conforms(item, inner[0], at + ("[]" if isinstance(v, list) else ""), extensions)
+
+
+def response_shapes(port, model):
+    """Whole and streamed answers of both endpoints, with log-probabilities, against the client's
+    response types, field by field, and validated by them."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    chat = {"model": model, "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
+            "messages": [{"role": "user", "content": "Who is there?"}]}
+    # Without echo: with it the prompt's first token has null log-probabilities, as the API
+    # answers, where the client's type asks for numbers (lm-eval reads the null).
+    completion = {"model": model, "prompt": "ROMEO:", "max_tokens": 4, "logprobs": 2}
+    checked = 0
+    for path, body, whole, chunk in [("/v1/chat/completions", chat, ChatCompletion, ChatCompletionChunk),
+                                     ("/v1/completions", completion, Completion, Completion)]:
+        for stream in (False, True):
+            b = {**body, "stream": stream, "stream_options": {"include_usage": True}} if stream else body
+            answer = raw(port, "POST", path, json.dumps(b).encode())[1].split(b"\r\n\r\n", 1)[1]
+            if stream:
+                text = dechunk(answer).decode()
+                objects = [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+            else:
+                objects = [json.loads(answer)]
+            for o in objects:
+                conforms(o, chunk if stream else whole, "", {"usage.prompt_tokens_details.cached_tokens"})
+                # The client reads a streamed completion's chunks as whole completions, whose
+                # finish_reason may not be null, as it is (and is in the API) until the last.
+                if not (stream and chunk is Completion):
+                    (chunk if stream else whole).model_validate(o)
+                checked += 1
+    print(f"response shapes: {checked} objects conform to the client's types field by field")
+
+
+def dechunk(body):
+    out = b""
+    while body:
+        size, body = body.split(b"\r\n", 1)
+        n = int(size, 16)
+        if n == 0:
+            break
+        out, body = out + body[:n], body[n + 2:]
+    return out
+
+
+def client_extras(client, model):
+    """Content-part arrays, token bytes, fresh seeds and ignore_eos through the client."""
+    parts = [{"type": "text", "text": "A play."}, {"type": "text", "text": "Who is there?"}]
+    as_parts = client.chat.completions.create(model=model, messages=[{"role": "user", "content": parts}],
+                                              max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    as_text = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A play.\nWho is there?"}],
+                                             max_tokens=12, temperature=0)
+    reply = as_parts.choices[0].message.content
+    assert reply == as_text.choices[0].message.content, (reply, as_text)
+    tokens = as_parts.choices[0].logprobs.content
+    assert b"".join(bytes(t.bytes) for t in tokens) == reply.encode(), tokens
+    try:
+        client.chat.completions.create(model=model, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}])
+    except openai.BadRequestError as e:
+        assert "image_url" in e.body["message"], e
+    else:
+        raise AssertionError("an image part was accepted")
+    texts = {client.completions.create(model=model, prompt="ROMEO:", max_tokens=16, temperature=1.0).choices[0].text
+             for _ in range(3)}
+    assert len(texts) == 3, f"requests without a seed gave the same text: {texts}"
+    same = {client.completions.create(model=model, prompt="ROMEO:", max_tokens=16, temperature=1.0, seed=5).choices[0].text
+            for _ in range(2)}
+    assert len(same) == 1, same
+    eot = client.completions.create(model=model, prompt="ROMEO:", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert eot.choices[0].finish_reason == "length" and eot.usage.completion_tokens == 8, eot
+    print("client extras: content parts, token bytes, fresh and fixed seeds, ignore_eos")
 
 
 def curl(port, model):
@@ -182,11 +343,18 @@ def prefix_cache_kib(port):
     return int(re.search(r"^attnres_prefix_cache_bytes (\d+)$", text, re.M).group(1)) / 1024
 
 
-def raw(port, method, path, body=b"", read_slowly=False, cancel_after=None, head=None):
+def connect(port, source="127.0.0.1", timeout=120):
+    """A connection to the server from the loopback address `source` (to the server, each
+    address is a client of its own)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(source, 0))
+
+
+def raw(port, method, path, body=b"", read_slowly=False, cancel_after=None, head=None, source="127.0.0.1"):
     """One request on its own connection: (status, whole answer). `cancel_after` bytes read,
     the connection is closed and status is None; `read_slowly` reads 64 bytes at a time with
-    pauses; `head` replaces the request's head (for lies about the body)."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=120)
+    pauses; `head` replaces the request's head (for lies about the body); `source`: the client's
+    loopback address."""
+    s = connect(port, source)
     try:
         head = head or (
             f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -281,6 +449,71 @@ def soak(proc, port, model, total=2000, clients=32, warmup=200):
           f"{warmup} requests, {end / 1024:.0f} MiB at the end, of which {kept / 1024:.0f} MiB more "
           f"prefix cache ({growth:+.1%} beside it)")
     assert growth <= 0.10, f"the server's memory grew by {growth:.1%}"
+
+
+def abuse(attnres, model, never_reading=300, flood_seconds=8, bound_s=10.0):
+    """A server with the default per-client limits while `never_reading` clients on one address
+    (127.0.0.1) each send a streamed completion and never read, and another address (127.0.0.3)
+    opens connections as fast as it can: a client on a third address (127.0.0.2), asking one
+    completion after another meanwhile, must get each answer within `bound_s`, and the server's
+    memory may grow by 10% or 16 MiB, whichever is more."""
+    proc, port = start(attnres, model, ["--max-batch", "16", "--max-queue", "32", "--prefix-cache", "0"])
+    try:
+        def request(source, body):
+            return raw(port, "POST", "/v1/completions", json.dumps(body).encode(), source=source)
+
+        request("127.0.0.2", {"prompt": "Warm up.", "max_tokens": 8})
+        before = rss_kib(proc.pid)
+        stream = json.dumps({"prompt": "Act 1.", "max_tokens": 115, "stream": True,
+                             "logprobs": 5}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(stream)}\r\n\r\n").encode()
+        silent = []
+        for _ in range(never_reading):
+            s = connect(port)
+            s.sendall(head + stream)
+            silent.append(s)
+        stop = time.time() + flood_seconds
+        opened = [0]
+
+        def flood():
+            held = []
+            while time.time() < stop:
+                try:
+                    held.append(connect(port, "127.0.0.3", timeout=5))
+                    opened[0] += 1
+                except OSError:
+                    time.sleep(0.01)
+                if len(held) > 2000:
+                    held.pop(0).close()
+            for h in held:
+                h.close()
+
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        waits = []
+        while time.time() < stop:
+            t0 = time.perf_counter()
+            status, _ = request("127.0.0.2", {"prompt": "Enter ROMEO.", "max_tokens": 8})
+            waits.append(time.perf_counter() - t0)
+            assert status == 200, status
+        flooder.join()
+        during = rss_kib(proc.pid)
+        text = raw(port, "GET", "/metrics", source="127.0.0.2")[1].decode()
+        refused = int(re.search(r"^attnres_connections_refused_total (\d+)$", text, re.M).group(1))
+        for s in silent:
+            s.close()
+        growth = during / before - 1
+        print(f"abuse: {never_reading} never-reading streams from one address and {opened[0]} connections "
+              f"opened by another in {flood_seconds} s ({refused} refused at once): a third address got "
+              f"{len(waits)} answers, the slowest in {max(waits) * 1000:.0f} ms (median "
+              f"{statistics.median(waits) * 1000:.0f} ms); RSS {before / 1024:.0f} -> {during / 1024:.0f} MiB "
+              f"({growth:+.1%})")
+        assert max(waits) <= bound_s, f"a request from another address waited {max(waits):.1f} s"
+        assert during - before <= max(0.10 * before, 16 * 1024), f"the server's memory grew by {growth:.1%}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def bench(client, model, levels, tokens=64):
@@ -408,7 +641,10 @@ def main():
     ap.add_argument("--browser", help="a Chromium binary: also check the page at /")
     ap.add_argument("--screenshot", help="with --browser: save the page as this PNG")
     a = ap.parse_args()
+    # The load and the soak stand for many clients but come from one address: no per-client
+    # limit on requests there (`abuse` runs a server with the default limits).
     flags = ["--max-batch", "64", "--max-queue", "256"] if a.bench else ["--max-batch", "16", "--max-queue", "32"]
+    flags += ["--max-client-requests", "0"]
     proc, port = start(a.attnres, a.model, flags)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
@@ -417,9 +653,13 @@ def main():
             bench(client, model, [int(x) for x in a.levels.split(",")])
         else:
             check(client, model)
+            client_extras(client, model)
+            request_fields(port, model)
+            response_shapes(port, model)
             curl(port, model)
             load(client, model)
             soak(proc, port, model)
+            abuse(a.attnres, a.model)
             if a.browser:
                 browser(a.browser, port, a.screenshot)
     finally:

@@ -106,7 +106,6 @@ pub(super) struct Common {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub(super) struct CompletionRequest {
     pub(super) prompt: Value,
     /// The newer name of `max_tokens`, which the API takes on both endpoints.
@@ -116,16 +115,72 @@ pub(super) struct CompletionRequest {
     pub(super) suffix: Option<String>,
     #[serde(flatten)]
     pub(super) common: Common,
+    /// Every other field: refused by name ([`check_rest`]).
+    #[serde(flatten)]
+    pub(super) rest: serde_json::Map<String, Value>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 pub(super) struct ChatRequest {
     pub(super) messages: Vec<Message>,
     pub(super) max_completion_tokens: Option<i64>,
     pub(super) top_logprobs: Option<i64>,
     #[serde(flatten)]
     pub(super) common: Common,
+    /// The chat API's fields this server does not implement ([`CHAT_UNSUPPORTED`]) and any
+    /// unknown one ([`check_rest`]).
+    #[serde(flatten)]
+    pub(super) rest: serde_json::Map<String, Value>,
+}
+
+/// The chat API's fields that this server does not implement, each with whether a value is
+/// neutral (accepted: it asks for nothing this server would do differently) and why any other
+/// is refused. docs/serving.md lists them.
+const CHAT_UNSUPPORTED: &[(&str, fn(&Value) -> bool, &str)] = &[
+    ("tools", |v| v.is_null() || v.as_array().is_some_and(Vec::is_empty), "tool calling"),
+    ("tool_choice", |v| v.is_null() || v == "none", "tool calling"),
+    ("parallel_tool_calls", |v| v.is_null() || v.is_boolean(), "tool calling"),
+    ("functions", |v| v.is_null() || v.as_array().is_some_and(Vec::is_empty), "function calling"),
+    ("function_call", |v| v.is_null() || v == "none", "function calling"),
+    ("response_format", |v| v.is_null() || v["type"] == "text", "structured output"),
+    ("modalities", |v| v.is_null() || *v == serde_json::json!(["text"]), "output other than text"),
+    ("audio", Value::is_null, "audio output"),
+    ("prediction", Value::is_null, "predicted outputs"),
+    ("web_search_options", Value::is_null, "web search"),
+    ("reasoning_effort", Value::is_null, "reasoning settings"),
+    ("verbosity", Value::is_null, "verbosity settings"),
+    ("moderation", Value::is_null, "moderation"),
+    ("store", |v| v.is_null() || *v == false, "storing completions"),
+    ("service_tier", |v| v.is_null() || v == "auto" || v == "default", "service tiers"),
+    // Hints and labels that change nothing here: accepted and ignored.
+    ("metadata", |_| true, ""),
+    ("prompt_cache_key", |_| true, ""),
+    ("prompt_cache_retention", |_| true, ""),
+    ("prompt_cache_options", |_| true, ""),
+    ("safety_identifier", |_| true, ""),
+];
+
+/// Refuses by name any field in `rest` but those of `known` with a neutral value.
+fn check_rest(
+    rest: &serde_json::Map<String, Value>,
+    known: &[(&'static str, fn(&Value) -> bool, &str)],
+) -> Result<(), Invalid> {
+    for (name, value) in rest {
+        let Some(&(param, neutral, what)) = known.iter().find(|k| k.0 == name) else {
+            return Err(Invalid {
+                message: format!("the request body is not a valid request: unknown field `{name}`"),
+                param: None,
+                status: StatusCode::BAD_REQUEST,
+            });
+        };
+        if !neutral(value) {
+            return Err(invalid(
+                param,
+                format!("{param} is not supported ({what}): this server only takes its neutral value, got {value}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -504,6 +559,7 @@ pub(super) const CHAT_STOP: &str = "\nUser:";
 /// A `/v1/completions` body, checked and tokenized.
 pub(super) fn prepare_completion(model: &Served, body: &[u8]) -> Result<Prepared, Invalid> {
     let mut r: CompletionRequest = parse(body)?;
+    check_rest(&r.rest, &[])?;
     if r.common.max_tokens.is_none() {
         r.common.max_tokens = r.max_completion_tokens;
     }
@@ -549,6 +605,7 @@ pub(super) fn prepare_completion(model: &Served, body: &[u8]) -> Result<Prepared
 /// A `/v1/chat/completions` body, checked, put into the chat template and tokenized.
 pub(super) fn prepare_chat(model: &Served, body: &[u8]) -> Result<Prepared, Invalid> {
     let mut r: ChatRequest = parse(body)?;
+    check_rest(&r.rest, CHAT_UNSUPPORTED)?;
     if r.common.max_tokens.is_none() {
         r.common.max_tokens = r.max_completion_tokens;
     }
