@@ -285,3 +285,17 @@ fn content_parts_token_bytes_seeds_and_ignore_eos() {
     assert_eq!(pushed(false), (json!("stop"), json!(0)));
     assert_eq!(pushed(true), (json!("length"), json!(9)));
 }
+
+/// `--context N` bounds each sequence, prompt and completion together, below the model's own.
+#[test]
+fn context_bounds_each_sequence() {
+    let env = &RunEnv::new(12_000, 2);
+    let model = trained(env);
+    let server = Server::start(env, &model, &["--context", "64"]);
+    let (status, v) =
+        post(server.port, "/v1/completions", &json!({"prompt": "To be", "max_tokens": 100}));
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("context of 64"), "{v}");
+    let v = complete_value(server.port, &json!({"prompt": "To be", "max_tokens": 60}));
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 60);
+}

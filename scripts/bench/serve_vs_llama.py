@@ -326,7 +326,8 @@ def main():
     ap.add_argument("--requests", type=int, default=2, help="completions per stream")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="threads of each server")
-    ap.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's context")
+    ap.add_argument("--n-ctx", type=int, default=2048,
+                    help="the context of each sequence, on both servers")
     ap.add_argument("--rounds", type=int, default=1, help="times every level runs on each")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds a request may take")
     ap.add_argument("--json", help="also write the results to this file")
@@ -345,7 +346,7 @@ def main():
         "attnres",
         [a.attnres, "serve", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
          "--threads", str(a.threads), "--max-batch", str(max(16, most)),
-         "--max-queue", str(max(64, most)),
+         "--max-queue", str(max(64, most)), "--context", str(a.n_ctx),
          # Every stream comes from this one address: no per-client limits.
          "--max-client-requests", "0", "--max-client-connections", "0",
          *a.attnres_args.split()],

@@ -220,6 +220,10 @@ pub(crate) struct ServeArgs {
     /// (a system prompt, a chat's earlier turns); 0 turns the prefix cache off.
     #[arg(long, default_value_t = 1024)]
     pub prefix_cache: usize,
+    /// Tokens one sequence may hold, prompt and completion together [default: the model's
+    /// context]: the key/value cache holds --max-batch sequences of this many.
+    #[arg(long)]
+    pub context: Option<usize>,
     /// The model's name in the API (default: the model directory's name).
     #[arg(long)]
     pub name: Option<String>,

@@ -69,6 +69,7 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
                 max_queue: a.max_queue,
                 prefill_tokens: a.prefill_tokens,
                 prefix_cache_bytes: a.prefix_cache.saturating_mul(1 << 20),
+                context: a.context,
             },
             name: a.name,
             net: attnres::infer::serve::NetLimits {

@@ -151,6 +151,16 @@ pub struct EngineOptions {
     pub prefill_tokens: usize,
     /// Bytes the prefix cache may hold (0: off).
     pub prefix_cache_bytes: usize,
+    /// Tokens one sequence may hold, prompt and completion (`None`: the model's context).
+    pub context: Option<usize>,
+}
+
+impl EngineOptions {
+    /// The tokens one sequence may hold with `config`'s model.
+    pub fn context(&self, config: &crate::model::Config) -> usize {
+        let model = config.max_position_embeddings;
+        self.context.map_or(model, |c| c.min(model))
+    }
 }
 
 /// The most requests that may wait for a slot (`--max-queue`): their channel is allocated
@@ -170,8 +180,9 @@ pub fn check_options(model: &Model, opts: &EngineOptions) -> Result<()> {
         opts.max_queue
     );
     anyhow::ensure!(opts.prefill_tokens >= 1, "--prefill-tokens must be at least 1");
+    anyhow::ensure!(opts.context != Some(0), "--context must be at least 1");
     let c = &model.config;
-    let (ctx, width) = (c.max_position_embeddings, c.num_key_value_heads * c.head_dim);
+    let (ctx, width) = (opts.context(c), c.num_key_value_heads * c.head_dim);
     let pool = cache_bytes(opts.max_batch, ctx, width, c.num_hidden_layers);
     let (weights, prefix) = (model.resident_bytes() as u128, opts.prefix_cache_bytes as u128);
     let total = pool.and_then(|p| p.checked_add(weights)?.checked_add(prefix));
@@ -183,7 +194,7 @@ pub fn check_options(model: &Model, opts: &EngineOptions) -> Result<()> {
     anyhow::bail!(
         "at full load the server needs {}, more than the machine's memory ({}): the weights \
          {}, the key/value cache {} (--max-batch {} sequences of {ctx} tokens) and the prefix \
-         cache {} (--prefix-cache); lower --max-batch or --prefix-cache",
+         cache {} (--prefix-cache); lower --max-batch, --context or --prefix-cache",
         show(total),
         format_bytes(limit),
         format_bytes(weights),
@@ -200,8 +211,8 @@ pub fn start(
     opts: EngineOptions,
     metrics: Arc<Metrics>,
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
-    let ctx = model.config.max_position_embeddings;
     check_options(&model, &opts)?;
+    let ctx = opts.context(&model.config);
     let cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
     let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {

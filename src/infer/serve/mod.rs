@@ -84,7 +84,7 @@ pub fn run(opts: ServeOptions) -> Result<()> {
     let chat = crate::text::chat::ChatTemplate::find(&opts.model)?;
     let (model, bpe) = (Arc::new(model), Arc::new(bpe));
     let metrics = Arc::new(Metrics::new(e.max_batch));
-    let (context, vocab) = (model.config.max_position_embeddings, model.config.vocab_size);
+    let (context, vocab) = (e.context(&model.config), model.config.vocab_size);
     let c = &model.config;
     let depth = c.block_size().map(|_| {
         use crate::model::diagnostics::{consumer_labels, source_labels};
