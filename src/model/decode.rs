@@ -82,7 +82,10 @@ impl KvCache {
         self.check_room(room)?;
         let (old, w, slots, len) = (self.room, self.width, self.slots, &self.len);
         let grow = |buf: &mut Vec<f32>| {
-            let mut new = zeros(slots * room * w);
+            // Zeroed by the system, page by page as they are first written (a large block is
+            // mapped fresh): the slots no sequence reaches cost nothing, where filling the whole
+            // pool would touch every slot's room at each growth.
+            let mut new = vec![0f32; slots * room * w];
             for (slot, &n) in len.iter().enumerate() {
                 new[slot * room * w..][..n * w].copy_from_slice(&buf[slot * old * w..][..n * w]);
             }

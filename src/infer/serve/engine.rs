@@ -337,15 +337,8 @@ impl Engine {
         if self.running.is_empty() {
             return Ok(());
         }
-        let longest = self
-            .running
-            .iter()
-            .map(|s| {
-                self.cache.len(s.slot) + if s.prefill { s.job.prompt.len() - s.cached } else { 1 }
-            })
-            .max()
-            .unwrap_or(0);
-        self.cache.reserve(longest)?;
+        // The pass grows the cache's room as it needs, doubling it (growing it by the one
+        // position a step needs would copy every slot's keys and values at every step).
         let chunks: Vec<(usize, &[u32])> = self
             .running
             .iter()
