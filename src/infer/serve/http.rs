@@ -1,7 +1,8 @@
 //! The HTTP layer: the routes, the API key, and request bodies read within their size, time and
 //! the budget all connections share, before the API's checks ([`super::api`]) see them.
 
-use super::api::{error, prepare_chat, prepare_completion};
+use super::api::{error, prepare_completion};
+use super::chat::prepare_chat;
 use super::conn::ClientAddr;
 use super::limits::{BodyBytes, MAX_BODY};
 use super::respond::respond;

@@ -7,12 +7,13 @@
 //! a page to try the model.
 //!
 //! The parts, in the order a request meets them: [`conn`] (connections and their deadlines),
-//! [`limits`] (what clients may hold), [`http`] (routes, the API key, bodies), [`api`] (the
-//! request shapes and their checks), [`respond`] (queueing and streaming), [`shapes`] (the
+//! [`limits`] (what clients may hold), [`http`] (routes, the API key, bodies), [`api`] and
+//! [`chat`] (the request shapes and their checks), [`respond`] (queueing and streaming), [`shapes`] (the
 //! response objects); the [`engine`] schedules the batch and each [`sequence`] makes its text,
 //! log-probabilities and depth maps; [`prefix`] keeps prompts' keys and values for reuse.
 
 mod api;
+mod chat;
 mod conn;
 pub mod engine;
 mod http;
