@@ -86,7 +86,15 @@ fn overload_disconnects_and_shutdown_lose_no_request() {
 fn network_limits_bound_what_a_client_holds() {
     let env = &RunEnv::new(12_000, 2);
     let model = trained(env);
+    // One slot: the sixteen choices of a long request run one after another, well past the
+    // request deadline however fast the machine decodes.
     let flags = [
+        "--max-batch",
+        "1",
+        "--max-client-requests",
+        "0",
+        "--max-client-tokens",
+        "0",
         "--max-connections",
         "3",
         "--header-timeout",
@@ -177,9 +185,10 @@ fn network_limits_bound_what_a_client_holds() {
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer:?}");
     assert_eq!(http(port, "GET", "/health", "").0, 200);
 
-    // Requests that run past --request-timeout (1 s): three long choices each, cancelled;
+    // Requests that run past --request-timeout (1 s): sixteen long choices each, cancelled;
     // answered with 504 whole, or with an error event and [DONE] streamed.
-    let long = json!({"prompt": "To be", "max_tokens": 4000, "n": 3, "temperature": 1.0});
+    let long = json!({"prompt": "To be", "max_tokens": 4000, "n": 16, "temperature": 1.0,
+                      "ignore_eos": true});
     let t = Instant::now();
     let (status, v) = post(port, "/v1/completions", &long);
     assert_eq!(status, 504, "{v}");
@@ -198,13 +207,14 @@ fn network_limits_bound_what_a_client_holds() {
     }
 }
 
-/// A streamed completion of `max_tokens` with log-probabilities and depth maps (events of about
-/// a kilobyte), sent from `from` on a connection with a small receive buffer, whose answer is
+/// A streamed completion of `max_tokens` (all of them: `ignore_eos`) with log-probabilities and
+/// depth maps (events of about a kilobyte), sent from `from` on a connection with a small receive buffer, whose answer is
 /// left unread once its status line has come: it fills the socket, and the server holds it until
 /// the write deadline.
 fn unread_stream(from: [u8; 4], port: u16, max_tokens: usize) -> TcpStream {
     let body = json!({"prompt": "To be", "max_tokens": max_tokens, "stream": true,
-                      "temperature": 1.0, "logprobs": 5, "attnres_depth": true})
+                      "temperature": 1.0, "logprobs": 5, "attnres_depth": true,
+                      "ignore_eos": true})
     .to_string();
     let mut s = connect_from(from, port, Some(4096));
     write!(

@@ -2,12 +2,12 @@
 //! the budget all connections share, before the API's checks ([`super::api`]) see them.
 
 use super::api::{error, prepare_completion};
+use super::app::App;
 use super::chat::prepare_chat;
 use super::conn::ClientAddr;
 use super::limits::{BodyBytes, MAX_BODY};
 use super::respond::respond;
 use super::shapes::Kind;
-use super::App;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};

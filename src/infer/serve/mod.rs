@@ -13,10 +13,12 @@
 //! log-probabilities and depth maps; [`prefix`] keeps prompts' keys and values for reuse.
 
 mod api;
+mod app;
 mod chat;
 mod conn;
 pub mod engine;
 mod http;
+mod job;
 pub mod limits;
 mod logprobs;
 pub mod metrics;
@@ -30,7 +32,8 @@ use crate::base::progress::log;
 use crate::model::Model;
 use anyhow::{Context, Result};
 use api::{DepthLabels, Served};
-use engine::{EngineHandle, EngineOptions};
+use app::{unix_time, App};
+use engine::EngineOptions;
 use limits::{BodyBudget, Clients};
 pub use limits::{ClientLimits, NetLimits};
 use metrics::Metrics;
@@ -49,21 +52,6 @@ pub struct ServeOptions {
     pub net: NetLimits,
     /// When set, every route but `/health` and the page needs `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
-}
-
-/// Everything a request handler needs.
-struct App {
-    engine: EngineHandle,
-    served: Served,
-    metrics: Arc<Metrics>,
-    /// Numbers the ids of responses.
-    next_id: AtomicU64,
-    started: u64,
-    net: NetLimits,
-    clients: Arc<Clients>,
-    /// Request-body bytes buffered over all connections.
-    bodies: Arc<BodyBudget>,
-    api_key: Option<String>,
 }
 
 /// Serves until SIGTERM or Ctrl-C; requests under way are finished before it returns.
@@ -163,11 +151,4 @@ async fn shutdown_signal() {
         _ = term => {},
     }
     log("shutting down: finishing the requests under way");
-}
-
-fn unix_time() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }

@@ -3,10 +3,11 @@
 //! request's deadline passes.
 
 use super::api::{error, Invalid, Prepared};
-use super::engine::{Event, Finish, Job, Refused, Usage};
+use super::app::{unix_time, App};
+use super::engine::Refused;
+use super::job::{Event, Finish, Job, Usage};
 use super::limits::Hold;
 use super::shapes::{Kind, PerToken, Shape};
-use super::{unix_time, App};
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};

@@ -2,7 +2,7 @@
 //! text of its tokens as they come (detokenised as `generate` does, held back where it could
 //! start a stop string), its log-probability entries and depth maps, and how it ends.
 
-use super::engine::{Event, Finish, Job, Usage};
+use super::job::{Event, Finish, Job, Usage};
 use super::logprobs::{score, Token, TokenLogprob};
 use super::metrics::Metrics;
 use super::penalties::{History, Penalties};

@@ -3,7 +3,7 @@
 //! request asked for beside its text.
 
 use super::api::DepthLabels;
-use super::engine::Finish;
+use super::job::Finish;
 use super::logprobs::{self, TokenLogprob};
 use crate::model::residual::DepthMap;
 use serde_json::{json, Value};
