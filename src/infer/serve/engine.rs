@@ -117,6 +117,9 @@ pub fn check_options(model: &Model, opts: &EngineOptions) -> Result<()> {
     )
 }
 
+/// Positions per slot the key/value pool has from the start (at most the context).
+const INITIAL_ROOM: usize = 512;
+
 /// Starts the engine thread; it ends when every handle is dropped and its work is done.
 pub fn start(
     model: Arc<Model>,
@@ -126,7 +129,10 @@ pub fn start(
 ) -> Result<(EngineHandle, std::thread::JoinHandle<()>)> {
     check_options(&model, &opts)?;
     let ctx = opts.context(&model.config);
-    let cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
+    let mut cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
+    // Room for short requests from the start: the memory is the system's zero pages until a
+    // slot writes it, and growing the pool later moves every slot's keys and values.
+    cache.reserve(INITIAL_ROOM)?;
     let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
         let mut engine = Engine {
