@@ -121,10 +121,15 @@ pub(super) struct CompletionRequest {
     pub(super) rest: serde_json::Map<String, Value>,
 }
 
+/// A field of the API this server does not implement: its name, whether a value is neutral
+/// (accepted: it asks for nothing this server would do differently), and what any other value
+/// would ask for.
+pub(super) type Unimplemented = (&'static str, fn(&Value) -> bool, &'static str);
+
 /// Refuses by name any field in `rest` but those of `known` with a neutral value.
 pub(super) fn check_rest(
     rest: &serde_json::Map<String, Value>,
-    known: &[(&'static str, fn(&Value) -> bool, &str)],
+    known: &[Unimplemented],
 ) -> Result<(), Invalid> {
     for (name, value) in rest {
         let Some(&(param, neutral, what)) = known.iter().find(|k| k.0 == name) else {

@@ -1,7 +1,9 @@
 //! The chat API: its request, the messages and their content parts, the chat template that turns
 //! them into a prompt, and the fields of the API this server does not implement.
 
-use super::api::{check_rest, encode, invalid, parse, Common, Invalid, Prepared, Report, Served};
+use super::api::{
+    check_rest, encode, invalid, parse, Common, Invalid, Prepared, Report, Served, Unimplemented,
+};
 use super::logprobs::MAX_CHAT_ALTERNATIVES;
 use serde::Deserialize;
 use serde_json::Value;
@@ -22,7 +24,7 @@ pub(super) struct ChatRequest {
 /// The chat API's fields that this server does not implement, each with whether a value is
 /// neutral (accepted: it asks for nothing this server would do differently) and why any other
 /// is refused. docs/serving.md lists them.
-const CHAT_UNSUPPORTED: &[(&str, fn(&Value) -> bool, &str)] = &[
+const CHAT_UNSUPPORTED: &[Unimplemented] = &[
     ("tools", |v| v.is_null() || v.as_array().is_some_and(Vec::is_empty), "tool calling"),
     ("tool_choice", |v| v.is_null() || v == "none", "tool calling"),
     ("parallel_tool_calls", |v| v.is_null() || v.is_boolean(), "tool calling"),
