@@ -96,6 +96,15 @@ impl KvCache {
         Ok(())
     }
 
+    /// Makes room for `positions` tokens per slot, growing by at least double when it grows
+    /// (amortised: each growth moves every slot's keys and values).
+    pub fn grow(&mut self, positions: usize) -> Result<()> {
+        if positions <= self.room {
+            return Ok(());
+        }
+        self.reserve(positions.max(self.room.saturating_mul(2)))
+    }
+
     pub fn slots(&self) -> usize {
         self.slots
     }
@@ -147,10 +156,7 @@ impl KvCache {
             "slot {slot} holds {start} tokens; {n} more would exceed the context of {} tokens",
             self.capacity
         );
-        if start + n > self.room {
-            // Amortised growth, as decoding grows it.
-            self.reserve((start + n).max(self.room.saturating_mul(2)))?;
-        }
+        self.grow(start + n)?;
         let w = self.width;
         let at = (slot * self.room + start) * w;
         let parts = self.k.iter_mut().chain(self.v.iter_mut());
@@ -333,10 +339,7 @@ impl Model {
             format_bytes(memory_limit() as u128)
         );
         let needed = spans.iter().map(|s| s.start + s.len).max().unwrap_or(0);
-        if needed > cache.room {
-            // Double the room (amortised growth), at least to what this call needs.
-            cache.reserve(needed.max(cache.room.saturating_mul(2)))?;
-        }
+        cache.grow(needed)?;
         let ids: Vec<u32> = chunks.iter().flat_map(|(_, ids)| ids.iter().copied()).collect();
         let positions: Vec<usize> = spans.iter().flat_map(|s| s.start..s.start + s.len).collect();
 

@@ -227,12 +227,8 @@ impl Engine {
             self.cache.clear(slot);
             // Room for the whole request now, so that the pool grows at most once for it rather
             // than doubling several times while it decodes (each growth moves every slot).
-            let whole = job.prompt.len() + job.max_tokens;
-            let cached = match whole > self.cache.room() {
-                true => self.cache.reserve(whole.max(2 * self.cache.room())),
-                false => Ok(()),
-            };
-            let cached = cached.and_then(|()| match reuse {
+            let grown = self.cache.grow(job.prompt.len() + job.max_tokens);
+            let cached = grown.and_then(|()| match reuse {
                 0 => Ok(0),
                 _ => self.prefix.load(&job.prompt, &mut self.cache, slot),
             });

@@ -157,11 +157,7 @@ async fn completions(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    let prepared = match read_body(&app, &headers, body).await {
-        Ok((body, _share)) => prepare_completion(&app.served, &body),
-        Err(r) => return refused(&app, r),
-    };
-    respond(app, prepared, Kind::Completion, client).await
+    answer(app, client, &headers, body, Kind::Completion).await
 }
 
 async fn chat_completions(
@@ -170,9 +166,24 @@ async fn chat_completions(
     headers: HeaderMap,
     body: axum::body::Body,
 ) -> Response {
-    let prepared = match read_body(&app, &headers, body).await {
-        Ok((body, _share)) => prepare_chat(&app.served, &body),
+    answer(app, client, &headers, body, Kind::Chat).await
+}
+
+/// Reads the body of a request to the `kind` endpoint, checks it, and answers it.
+async fn answer(
+    app: Arc<App>,
+    client: std::net::IpAddr,
+    headers: &HeaderMap,
+    body: axum::body::Body,
+    kind: Kind,
+) -> Response {
+    let prepare = match kind {
+        Kind::Completion => prepare_completion,
+        Kind::Chat => prepare_chat,
+    };
+    let prepared = match read_body(&app, headers, body).await {
+        Ok((body, _share)) => prepare(&app.served, &body),
         Err(r) => return refused(&app, r),
     };
-    respond(app, prepared, Kind::Chat, client).await
+    respond(app, prepared, kind, client).await
 }
