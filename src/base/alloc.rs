@@ -221,6 +221,106 @@ pub fn untouched_zeros(n: usize) -> Vec<f32> {
     v
 }
 
+/// Zeros mapped straight from the kernel on small pages, apart from the global allocator: a
+/// buffer of which each part is written only when it is first needed (a server's key/value
+/// pool, sized for every slot at the full context). An untouched page costs nothing, and a page
+/// is first touched at the cost of one small zeroed page, never a huge page's compaction and
+/// zeroing (which the allocator's huge-page advice would bring) nor a `memset` of the whole
+/// buffer (which a recycled or over-aligned zeroed block costs). Elsewhere than Linux, a
+/// plain zeroed vector.
+pub struct ZeroPages {
+    #[cfg(target_os = "linux")]
+    ptr: std::ptr::NonNull<f32>,
+    #[cfg(target_os = "linux")]
+    len: usize,
+    #[cfg(not(target_os = "linux"))]
+    vec: Vec<f32>,
+}
+
+// SAFETY: a `ZeroPages` owns its mapping alone, as a `Vec<f32>` owns its buffer.
+unsafe impl Send for ZeroPages {}
+// SAFETY: shared access only reads.
+unsafe impl Sync for ZeroPages {}
+
+impl ZeroPages {
+    /// `n` zeros; `None` when the system refuses the mapping.
+    pub fn new(n: usize) -> Option<ZeroPages> {
+        #[cfg(target_os = "linux")]
+        {
+            if n == 0 {
+                return Some(ZeroPages::default());
+            }
+            extern "C" {
+                fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
+            }
+            const PROT_READ_WRITE: i32 = 0x1 | 0x2;
+            const MAP_PRIVATE_ANONYMOUS: i32 = 0x02 | 0x20;
+            const MADV_NOHUGEPAGE: i32 = 15;
+            let bytes = mapped_len(n.checked_mul(4)?);
+            // SAFETY: a fresh private anonymous mapping, which nothing else refers to; the
+            // advice changes only how its pages are backed.
+            unsafe {
+                let p = mmap(
+                    std::ptr::null_mut(),
+                    bytes,
+                    PROT_READ_WRITE,
+                    MAP_PRIVATE_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                if p as isize == -1 {
+                    return None;
+                }
+                madvise(p, bytes, MADV_NOHUGEPAGE);
+                Some(ZeroPages { ptr: std::ptr::NonNull::new(p.cast())?, len: n })
+            }
+        }
+        #[cfg(not(target_os = "linux"))]
+        Some(ZeroPages { vec: vec![0.0; n] })
+    }
+}
+
+impl Default for ZeroPages {
+    /// An empty buffer.
+    fn default() -> ZeroPages {
+        #[cfg(target_os = "linux")]
+        return ZeroPages { ptr: std::ptr::NonNull::dangling(), len: 0 };
+        #[cfg(not(target_os = "linux"))]
+        ZeroPages { vec: Vec::new() }
+    }
+}
+
+impl std::ops::Deref for ZeroPages {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        #[cfg(target_os = "linux")]
+        // SAFETY: the mapping holds `len` f32s (zero or written since), owned by `self`.
+        return unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
+        #[cfg(not(target_os = "linux"))]
+        &self.vec
+    }
+}
+
+impl std::ops::DerefMut for ZeroPages {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        #[cfg(target_os = "linux")]
+        // SAFETY: as in `deref`, and `&mut self` makes this the only reference.
+        return unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
+        #[cfg(not(target_os = "linux"))]
+        &mut self.vec
+    }
+}
+
+#[cfg(target_os = "linux")]
+impl Drop for ZeroPages {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: the mapping `new` made, of this length, unmapped once.
+            unsafe { munmap(self.ptr.as_ptr().cast(), mapped_len(self.len * 4)) };
+        }
+    }
+}
+
 /// Keeps the system allocator from handing small blocks (below [`MIN_BYTES`], which
 /// [`Recycling`] keeps itself) back to the kernel after every use (glibc on Linux; elsewhere it
 /// does nothing). By default glibc maps each block of 128 KiB or more afresh and returns the

@@ -157,7 +157,7 @@ pub fn forward(qkv: &[f32], s: AttnShape) -> (Vec<f32>, Vec<f32>) {
 }
 
 /// New tokens of one sequence, as [`forward_cached`] reads them: rows `row0..row0 + len` of the
-/// `qkv` buffer sit at positions `start..start + len` of cache slot `slot`.
+/// `qkv` buffer sit at positions `start..start + len` of the sequence in cache slot `slot`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Span {
     pub slot: usize,
@@ -166,35 +166,58 @@ pub struct Span {
     pub row0: usize,
 }
 
+/// Keys and values of a run of positions that a sequence holds outside its cache slot and
+/// reads in place (a start it shares with other sequences): each `[len, KV·hd]`.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment<'a> {
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub len: usize,
+}
+
 /// Incremental attention against a key/value cache (inference).
 ///
 /// `cache_k` and `cache_v` are `[slots, capacity, KV·hd]`, with `s.batch` = slots and
-/// `s.seq` = capacity. The new rows' keys and values (already rotated) are first written into
-/// their slots; then each new row attends to its own sequence's positions `0..=its position`.
-/// Writes `out[rows, H·hd]` for the rows the spans name.
+/// `s.seq` = capacity. Span `i`'s sequence holds its first positions in `shared[i]`'s segments,
+/// in order, and the rest in its slot from the slot's start. The new rows' keys and values
+/// (already rotated) are first written into their slots; then each new row attends to its own
+/// sequence's positions `0..=its position`. Writes `out[rows, H·hd]` for the rows the spans
+/// name.
 pub fn forward_cached(
     out: &mut [f32],
     qkv: &[f32],
     cache_k: &mut [f32],
     cache_v: &mut [f32],
     spans: &[Span],
+    shared: &[Vec<Segment>],
     s: AttnShape,
 ) {
     let (cap, hd, w, ow) = (s.seq, s.head_dim, s.qkv_width(), s.out_width());
     let kvw = s.kv_heads * hd;
     s.check();
     assert!(cache_k.len() == s.batch * cap * kvw && cache_v.len() == cache_k.len());
+    assert_eq!(shared.len(), spans.len(), "one list of shared segments per span");
+    let held: Vec<usize> = shared.iter().map(|segs| segs.iter().map(|g| g.len).sum()).collect();
     for (i, sp) in spans.iter().enumerate() {
-        assert!(sp.slot < s.batch && sp.start + sp.len <= cap, "span {sp:?} outside the cache");
+        assert!(
+            sp.slot < s.batch && held[i] <= sp.start && sp.start - held[i] + sp.len <= cap,
+            "span {sp:?} outside the cache"
+        );
+        assert!(
+            shared[i]
+                .iter()
+                .all(|g| g.len > 0 && g.k.len() >= g.len * kvw && g.v.len() >= g.len * kvw),
+            "a shared segment shorter than its positions"
+        );
         assert!((sp.row0 + sp.len) * w <= qkv.len() && (sp.row0 + sp.len) * ow <= out.len());
         // The tasks below write each span's rows of `out` without a lock.
         assert!(
             spans[..i].iter().all(|o| o.row0 + o.len <= sp.row0 || sp.row0 + sp.len <= o.row0),
             "span {sp:?} overlaps the rows of another"
         );
-        for i in 0..sp.len {
-            let row = &qkv[(sp.row0 + i) * w..(sp.row0 + i + 1) * w];
-            let at = (sp.slot * cap + sp.start + i) * kvw;
+        for r in 0..sp.len {
+            let row = &qkv[(sp.row0 + r) * w..(sp.row0 + r + 1) * w];
+            let at = (sp.slot * cap + sp.start - held[i] + r) * kvw;
             cache_k[at..at + kvw].copy_from_slice(&row[s.k_col(0)..s.k_col(0) + kvw]);
             cache_v[at..at + kvw].copy_from_slice(&row[s.v_col(0)..s.v_col(0) + kvw]);
         }
@@ -203,23 +226,36 @@ pub fn forward_cached(
     let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = SendPtr(out.as_mut_ptr());
     // One task per (span, query head, tile of rows).
-    let tasks: Vec<(Span, usize, usize)> = spans
-        .iter()
-        .flat_map(|&sp| {
-            (0..s.heads).flat_map(move |h| (0..sp.len).step_by(TILE).map(move |r0| (sp, h, r0)))
+    let tasks: Vec<(usize, usize, usize)> = (0..spans.len())
+        .flat_map(|i| {
+            let sp = spans[i];
+            (0..s.heads).flat_map(move |h| (0..sp.len).step_by(TILE).map(move |r0| (i, h, r0)))
         })
         .collect();
-    tasks.par_iter().for_each(|&(sp, h, r0)| {
+    tasks.par_iter().for_each(|&(i, h, r0)| {
+        let sp = spans[i];
         let r1 = (r0 + TILE).min(sp.len);
         let keys = sp.start + r1;
-        let kv0 = sp.slot * cap * kvw + (h / s.group()) * hd;
+        let head = (h / s.group()) * hd;
+        // The positions the tile sees, as runs of keys and values (`[n, KV·hd]` from this
+        // head's columns): the shared segments, then the slot.
+        let own = sp.slot * cap * kvw + head;
+        let pieces: Vec<(&[f32], &[f32], usize)> = shared[i]
+            .iter()
+            .map(|g| (&g.k[head..], &g.v[head..], g.len))
+            .chain(std::iter::once((&cache_k[own..], &cache_v[own..], keys - held[i])))
+            .collect();
         if r1 - r0 == 1 {
             // One query row (a decoding step): its scores and its mix read each cached key and
             // value row once, straight from the cache, where `gemm` would first pack them.
             let at = (sp.row0 + r0) * w + h * hd;
             let q = &qkv[at..at + hd];
             let mut scores = vec![0.0f32; keys];
-            simd::scores(&mut scores, &[q], &cache_k[kv0..], kvw);
+            let mut from = 0;
+            for &(k, _, n) in &pieces {
+                simd::scores(&mut scores[from..from + n], &[q], k, kvw);
+                from += n;
+            }
             simd::scale(&mut scores, scale);
             softmax_row(&mut scores);
             // SAFETY: row sp.row0 + r0, columns h·hd..(h + 1)·hd of `out`: inside it (checked
@@ -229,53 +265,76 @@ pub fn forward_cached(
                 let p = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
                 std::slice::from_raw_parts_mut(p.cast::<std::mem::MaybeUninit<f32>>(), hd)
             };
-            simd::mixes(&mut [dst], &scores, &cache_v[kv0..], kvw);
+            let (mut from, mut more) = (0, Vec::new());
+            for (j, &(_, v, n)) in pieces.iter().enumerate() {
+                let e = &scores[from..from + n];
+                from += n;
+                if j == 0 {
+                    simd::mixes(&mut [&mut *dst], e, v, kvw);
+                    continue;
+                }
+                more.resize(hd, std::mem::MaybeUninit::new(0.0));
+                simd::mixes(&mut [&mut more[..]], e, v, kvw);
+                for (d, m) in dst.iter_mut().zip(&more) {
+                    // SAFETY: both written by `mixes` above.
+                    unsafe { d.write(d.assume_init() + m.assume_init()) };
+                }
+            }
             return;
         }
         let q = Strided { ptr: qkv[(sp.row0 + r0) * w + h * hd..].as_ptr(), rs: w as isize, cs: 1 };
-        let kt = Strided { ptr: cache_k[kv0..].as_ptr(), rs: 1, cs: kvw as isize };
-        let v = Strided { ptr: cache_v[kv0..].as_ptr(), rs: kvw as isize, cs: 1 };
         let mut scores = vec![0.0f32; (r1 - r0) * keys];
-        // SAFETY: writes this task's own `scores`; `q` reads inside `qkv`, `kt` inside the span's
-        // cache slot (bounds and head grouping checked above).
-        unsafe {
-            gemm_strided(
-                r1 - r0,
-                keys,
-                hd,
-                scores.as_mut_ptr(),
-                keys as isize,
-                1,
-                false,
-                q,
-                kt,
-                scale,
-                Parallelism::None,
-            );
+        let mut from = 0;
+        for &(k, _, n) in &pieces {
+            let kt = Strided { ptr: k.as_ptr(), rs: 1, cs: kvw as isize };
+            // SAFETY: writes columns from..from + n of this task's own `scores`; `q` reads
+            // inside `qkv`, `kt` n rows of a piece (its length checked above).
+            unsafe {
+                gemm_strided(
+                    r1 - r0,
+                    n,
+                    hd,
+                    scores[from..].as_mut_ptr(),
+                    keys as isize,
+                    1,
+                    false,
+                    q,
+                    kt,
+                    scale,
+                    Parallelism::None,
+                );
+            }
+            from += n;
         }
-        for (i, row) in scores.chunks_mut(keys).enumerate() {
-            let visible = sp.start + r0 + i + 1;
+        for (r, row) in scores.chunks_mut(keys).enumerate() {
+            let visible = sp.start + r0 + r + 1;
             softmax_row(&mut row[..visible]);
             row[visible..].fill(0.0);
         }
-        // SAFETY: writes rows sp.row0 + r0..r1, columns h·hd..(h + 1)·hd of `out` (inside it,
-        // checked above), which no other task touches: spans' rows are disjoint (checked) and
-        // tasks are one per (span, head, tile). `v` reads inside the span's cache slot.
-        unsafe {
-            let dst = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
-            gemm_strided(
-                r1 - r0,
-                hd,
-                keys,
-                dst,
-                ow as isize,
-                1,
-                false,
-                Strided::rows(&scores, keys),
-                v,
-                1.0,
-                Parallelism::None,
-            );
+        let mut from = 0;
+        for (j, &(_, v, n)) in pieces.iter().enumerate() {
+            let v = Strided { ptr: v.as_ptr(), rs: kvw as isize, cs: 1 };
+            // SAFETY: writes (j = 0) or adds to (later pieces) rows sp.row0 + r0..r1, columns
+            // h·hd..(h + 1)·hd of `out` (inside it, checked above), which no other task
+            // touches: spans' rows are disjoint (checked) and tasks are one per (span, head,
+            // tile). `v` reads n rows of a piece.
+            unsafe {
+                let dst = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
+                gemm_strided(
+                    r1 - r0,
+                    hd,
+                    n,
+                    dst,
+                    ow as isize,
+                    1,
+                    j > 0,
+                    Strided { ptr: scores[from..].as_ptr(), rs: keys as isize, cs: 1 },
+                    v,
+                    1.0,
+                    Parallelism::None,
+                );
+            }
+            from += n;
         }
     });
 }
@@ -504,7 +563,8 @@ mod tests {
                 }
             }
             let mut out = vec![0.0; rows.len() / w * ow];
-            forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, s);
+            let shared = vec![Vec::new(); spans.len()];
+            forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, &shared, s);
             for sp in &spans {
                 let dst = (sp.slot * t + sp.start) * ow;
                 got[dst..dst + sp.len * ow]
@@ -514,6 +574,57 @@ mod tests {
             step += 1;
         }
         assert_close(&got, &want, 1e-5, "cached attention");
+    }
+
+    /// A sequence whose first positions are read in place from shared segments (two, of
+    /// different lengths) attends as if they were in its slot: a prefill tile over them, then
+    /// single tokens, against full causal attention. The other slot holds a sequence of its own.
+    #[test]
+    fn shared_segments_read_as_the_slot_would() {
+        let s = AttnShape { batch: 2, seq: 2 * TILE + 12, heads: 4, kv_heads: 2, head_dim: 4 };
+        let (t, w, ow, kvw) = (s.seq, s.qkv_width(), s.out_width(), s.kv_heads * s.head_dim);
+        let qkv = rand_vec(s.batch * t * w, 23, 1.5);
+        let want = naive(&qkv, s);
+        // Keys and values of positions `range` of slot 0, as a segment keeps them.
+        let keep = |range: std::ops::Range<usize>| -> (Vec<f32>, Vec<f32>) {
+            let rows = || range.clone().map(|p| &qkv[p * w..(p + 1) * w]);
+            let k = rows().flat_map(|r| r[s.k_col(0)..s.k_col(0) + kvw].to_vec()).collect();
+            let v = rows().flat_map(|r| r[s.v_col(0)..s.v_col(0) + kvw].to_vec()).collect();
+            (k, v)
+        };
+        let (a, b) = (5, TILE + 3);
+        let (k1, v1) = keep(0..a);
+        let (k2, v2) = keep(a..a + b);
+        let segs = vec![Segment { k: &k1, v: &v1, len: a }, Segment { k: &k2, v: &v2, len: b }];
+        // The slot's own buffers hold only what comes after the segments.
+        let (mut ck, mut cv) = (vec![0.0; s.batch * t * kvw], vec![0.0; s.batch * t * kvw]);
+        let mut got = vec![f32::NAN; want.len()];
+        let mut pos = [a + b, 0];
+        let mut step = 0;
+        while pos != [t, t] {
+            let (mut spans, mut rows, mut shared) = (Vec::new(), Vec::new(), Vec::new());
+            for slot in 0..2 {
+                let len = if step == 0 { [TILE + 2, 7][slot] } else { 1.min(t - pos[slot]) };
+                if len > 0 {
+                    spans.push(Span { slot, start: pos[slot], len, row0: rows.len() / w });
+                    let at = slot * t + pos[slot];
+                    rows.extend_from_slice(&qkv[at * w..(at + len) * w]);
+                    shared.push(if slot == 0 { segs.clone() } else { Vec::new() });
+                }
+            }
+            let mut out = vec![0.0; rows.len() / w * ow];
+            forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, &shared, s);
+            for sp in &spans {
+                let dst = (sp.slot * t + sp.start) * ow;
+                got[dst..dst + sp.len * ow]
+                    .copy_from_slice(&out[sp.row0 * ow..(sp.row0 + sp.len) * ow]);
+                pos[sp.slot] += sp.len;
+            }
+            step += 1;
+        }
+        // Slot 0's shared positions were never computed here.
+        got[..(a + b) * ow].copy_from_slice(&want[..(a + b) * ow]);
+        assert_close(&got, &want, 1e-5, "attention over shared segments");
     }
 
     #[test]

@@ -14,12 +14,13 @@
 use super::config::Config;
 use super::residual::{DepthMap, ResidualForward};
 use super::transformer::Model;
+use crate::base::alloc::ZeroPages;
 use crate::base::memory::{format_bytes, memory_limit};
 use crate::base::profile::phase;
-use crate::kernels::attention::{self, AttnShape, Span};
+use crate::kernels::attention::{self, AttnShape, Segment, Span};
 use crate::kernels::rope::Positions;
 use crate::kernels::zeros;
-use anyhow::{bail, ensure, Result};
+use anyhow::{anyhow, bail, ensure, Result};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -34,11 +35,16 @@ pub struct KvCache {
     room: usize,
     /// Values per token per layer: `KV·hd`.
     width: usize,
-    /// Per layer: `[slots, room, KV·hd]`, keys after the rotary embedding.
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    /// Tokens held per slot.
+    /// Per layer: `[slots, room, KV·hd]`, keys after the rotary embedding. Pages the slots
+    /// have not reached yet are the system's zero pages.
+    k: Vec<ZeroPages>,
+    v: Vec<ZeroPages>,
+    /// Tokens held per slot, shared and own.
     len: Vec<usize>,
+    /// Per slot: runs of positions its sequence starts with, read in place from where they are
+    /// kept (the prefix cache's runs) rather than copied into the slot, with how many of each
+    /// run's positions it uses. The slot's own buffers hold the positions after them.
+    shared: Vec<Vec<(Arc<KvRun>, usize)>>,
     /// The depth attention's effective queries, made on the first call (a cache serves one model).
     queries: Option<Arc<[f32]>>,
 }
@@ -59,9 +65,10 @@ impl KvCache {
             capacity,
             room: 0,
             width: config.num_key_value_heads * config.head_dim,
-            k: vec![Vec::new(); layers],
-            v: vec![Vec::new(); layers],
+            k: (0..layers).map(|_| ZeroPages::default()).collect(),
+            v: (0..layers).map(|_| ZeroPages::default()).collect(),
             len: vec![0; slots],
+            shared: vec![Vec::new(); slots],
             queries: None,
         })
     }
@@ -80,18 +87,20 @@ impl KvCache {
             return Ok(());
         }
         self.check_room(room)?;
-        let (old, w, slots, len) = (self.room, self.width, self.slots, &self.len);
-        let grow = |buf: &mut Vec<f32>| {
-            // Zeroed by the system, page by page as they are first written (a large block is
-            // mapped fresh): the slots no sequence reaches cost nothing, where filling the whole
-            // pool would touch every slot's room at each growth.
-            let mut new = vec![0f32; slots * room * w];
-            for (slot, &n) in len.iter().enumerate() {
+        let (old, w, slots) = (self.room, self.width, self.slots);
+        for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
+            let mut new = ZeroPages::new(slots * room * w).ok_or_else(|| {
+                anyhow!(
+                    "the system refused {} for the key/value cache",
+                    format_bytes((slots * room * w * 4) as u128)
+                )
+            })?;
+            for slot in 0..slots {
+                let n = self.len[slot] - self.shared[slot].iter().map(|&(_, n)| n).sum::<usize>();
                 new[slot * room * w..][..n * w].copy_from_slice(&buf[slot * old * w..][..n * w]);
             }
             *buf = new;
-        };
-        self.k.iter_mut().chain(self.v.iter_mut()).for_each(grow);
+        }
         self.room = room;
         Ok(())
     }
@@ -118,14 +127,20 @@ impl KvCache {
         self.room
     }
 
-    /// Tokens cached in `slot`.
+    /// Tokens cached in `slot`: those it shares ([`KvCache::share`]) and its own.
     pub fn len(&self, slot: usize) -> usize {
         self.len[slot]
+    }
+
+    /// Positions at the start of `slot`'s sequence that it reads from shared runs.
+    fn shared_len(&self, slot: usize) -> usize {
+        self.shared[slot].iter().map(|&(_, n)| n).sum()
     }
 
     /// Forgets the sequence in `slot` (its next token goes to position 0).
     pub fn clear(&mut self, slot: usize) {
         self.len[slot] = 0;
+        self.shared[slot].clear();
     }
 
     /// The bytes [`KvCache::copy_out`] takes for `positions` tokens.
@@ -133,39 +148,74 @@ impl KvCache {
         positions.saturating_mul(2 * self.k.len() * self.width * 4)
     }
 
-    /// A copy of the keys and values `slot` holds for `positions`.
+    /// A copy of the keys and values `slot` holds for `positions` (from its shared runs or its
+    /// own).
     pub fn copy_out(&self, slot: usize, positions: Range<usize>) -> KvRun {
         assert!(positions.end <= self.len[slot], "positions {positions:?} not held by slot {slot}");
-        let w = self.width;
-        let rows = (slot * self.room + positions.start) * w..(slot * self.room + positions.end) * w;
-        let mut values = Vec::with_capacity(2 * self.k.len() * rows.len());
-        for part in self.k.iter().chain(&self.v) {
-            values.extend_from_slice(&part[rows.clone()]);
+        let (w, layers) = (self.width, self.k.len());
+        let mut values = Vec::with_capacity(2 * layers * positions.len() * w);
+        for part in 0..2 * layers {
+            // The pieces of the sequence in order: (first position, keys or values [n, w]).
+            let mut at = 0;
+            for (run, n) in &self.shared[slot] {
+                let (lo, hi) = (positions.start.max(at), positions.end.min(at + n));
+                if lo < hi {
+                    values.extend_from_slice(&run.part(part)[(lo - at) * w..(hi - at) * w]);
+                }
+                at += n;
+            }
+            let own = if part < layers { &self.k[part] } else { &self.v[part - layers] };
+            let lo = positions.start.max(at);
+            if lo < positions.end {
+                let base = slot * self.room;
+                values
+                    .extend_from_slice(&own[(base + lo - at) * w..(base + positions.end - at) * w]);
+            }
         }
-        KvRun { len: positions.len(), parts: 2 * self.k.len(), values }
+        KvRun { len: positions.len(), parts: 2 * layers, values }
     }
 
-    /// Appends the first `n` positions of `run` to the sequence in `slot`, as if they had been
-    /// decoded there: keys and values are those of the positions the slot holds next, so a run
-    /// may only continue the sequence it was copied from.
-    pub fn extend(&mut self, slot: usize, run: &KvRun, n: usize) -> Result<()> {
-        ensure!(n <= run.len, "{n} positions asked of a run of {}", run.len);
+    /// Continues the (not yet extended) shared start of the sequence in `slot` with the first
+    /// `n` positions of `run`, which the slot then reads in place, as if they had been decoded
+    /// there: keys and values are those of the positions the slot holds next, so a run may only
+    /// continue the sequence it was copied from.
+    pub fn share(&mut self, slot: usize, run: &Arc<KvRun>, n: usize) -> Result<()> {
+        ensure!(0 < n && n <= run.len, "{n} positions asked of a run of {}", run.len);
         let start = self.len[slot];
+        ensure!(
+            start == self.shared_len(slot),
+            "slot {slot} holds positions of its own; a shared run can only come before them"
+        );
         ensure!(
             start + n <= self.capacity,
             "slot {slot} holds {start} tokens; {n} more would exceed the context of {} tokens",
             self.capacity
         );
-        self.grow(start + n)?;
-        let w = self.width;
-        let at = (slot * self.room + start) * w;
-        let parts = self.k.iter_mut().chain(self.v.iter_mut());
-        for (dst, src) in parts.zip(run.values.chunks_exact(run.len * w)) {
-            dst[at..at + n * w].copy_from_slice(&src[..n * w]);
-        }
+        ensure!(run.parts == 2 * self.k.len(), "a run of another model's layers");
+        self.shared[slot].push((run.clone(), n));
         self.len[slot] += n;
         Ok(())
     }
+}
+
+/// The shared runs of each span's sequence, as layer `layer`'s attention reads them.
+fn segments<'a>(
+    shared: &'a [Vec<(Arc<KvRun>, usize)>],
+    spans: &[Span],
+    layer: usize,
+) -> Vec<Vec<Segment<'a>>> {
+    spans
+        .iter()
+        .map(|sp| {
+            shared[sp.slot]
+                .iter()
+                .map(|(run, n)| {
+                    let layers = run.parts / 2;
+                    Segment { k: run.part(layer), v: run.part(layers + layer), len: *n }
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// Keys and values of `len` consecutive positions of one sequence: what a prefix cache keeps
@@ -193,8 +243,14 @@ impl KvRun {
         self.values.len() * 4
     }
 
-    /// Splits off the positions from `at` on.
-    pub fn split_off(&mut self, at: usize) -> KvRun {
+    /// Keys (`p` below the layers) or values (from the layers on) of one layer: `[len, KV·hd]`.
+    fn part(&self, p: usize) -> &[f32] {
+        let size = self.values.len() / self.parts.max(1);
+        &self.values[p * size..(p + 1) * size]
+    }
+
+    /// The positions before `at` and those from `at` on, as two runs.
+    pub fn split(&self, at: usize) -> (KvRun, KvRun) {
         assert!(0 < at && at < self.len, "a run of {} positions split at {at}", self.len);
         let part = self.values.len() / self.parts;
         let cut = at * (part / self.len);
@@ -202,8 +258,7 @@ impl KvRun {
             self.values.chunks_exact(part).map(|p| p.split_at(cut)).unzip();
         let parts = self.parts;
         let tail = KvRun { len: self.len - at, parts, values: tail.concat() };
-        *self = KvRun { len: at, parts, values: head.concat() };
-        tail
+        (KvRun { len: at, parts, values: head.concat() }, tail)
     }
 }
 /// Memory per token, in f32 values: the key/value cache holds `kv` for every token of the
@@ -338,7 +393,8 @@ impl Model {
             working.map_or("more than 2^128 bytes".into(), format_bytes),
             format_bytes(memory_limit() as u128)
         );
-        let needed = spans.iter().map(|s| s.start + s.len).max().unwrap_or(0);
+        let needed =
+            spans.iter().map(|s| s.start - cache.shared_len(s.slot) + s.len).max().unwrap_or(0);
         cache.grow(needed)?;
         let ids: Vec<u32> = chunks.iter().flat_map(|(_, ids)| ids.iter().copied()).collect();
         let positions: Vec<usize> = spans.iter().flat_map(|s| s.start..s.start + s.len).collect();
@@ -368,6 +424,7 @@ impl Model {
             let h = phase("fwd residual", || res.input(2 * i, p, lay));
             let (_, _, qkv) = self.attn_project(lp, &h, Positions::Explicit(&positions));
             let mut o = zeros(rows * ow);
+            let shared = segments(&cache.shared, &spans, i);
             phase("fwd attention", || {
                 attention::forward_cached(
                     &mut o,
@@ -375,6 +432,7 @@ impl Model {
                     &mut cache.k[i],
                     &mut cache.v[i],
                     &spans,
+                    &shared,
                     sh,
                 )
             });

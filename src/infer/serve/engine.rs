@@ -3,7 +3,7 @@
 //! same pass that decodes one token for every running sequence, under a budget of prompt
 //! tokens), samples each sequence's next token, streams its text to the request, and retires the
 //! sequences that finished or whose client has gone, freeing their slots for the next step.
-//! A prompt whose start was prefilled before is copied from the prefix cache ([`super::prefix`])
+//! A prompt whose start was prefilled before reads it from the prefix cache ([`super::prefix`])
 //! and only its rest is prefilled.
 //!
 //! A sequence's tokens depend only on its own prompt, settings and seed: each has its own cache
@@ -117,9 +117,6 @@ pub fn check_options(model: &Model, opts: &EngineOptions) -> Result<()> {
     )
 }
 
-/// Positions per slot the key/value pool has from the start (at most the context).
-const INITIAL_ROOM: usize = 512;
-
 /// Starts the engine thread; it ends when every handle is dropped and its work is done.
 pub fn start(
     model: Arc<Model>,
@@ -130,9 +127,10 @@ pub fn start(
     check_options(&model, &opts)?;
     let ctx = opts.context(&model.config);
     let mut cache = KvCache::new(&model.config, opts.max_batch, ctx)?;
-    // Room for short requests from the start: the memory is the system's zero pages until a
-    // slot writes it, and growing the pool later moves every slot's keys and values.
-    cache.reserve(INITIAL_ROOM)?;
+    // Every slot's whole context from the start: the pool is the system's zero pages until a
+    // slot writes them (each slot's first pages when a request first reaches them), so it never
+    // grows, which would move every slot's keys and values while requests wait.
+    cache.reserve(ctx)?;
     let (queue, waiting) = std::sync::mpsc::sync_channel(opts.max_queue);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
         let mut engine = Engine {
@@ -225,13 +223,10 @@ impl Engine {
             admitted += 1;
             self.free.pop();
             self.cache.clear(slot);
-            // Room for the whole request now, so that the pool grows at most once for it rather
-            // than doubling several times while it decodes (each growth moves every slot).
-            let grown = self.cache.grow(job.prompt.len() + job.max_tokens);
-            let cached = grown.and_then(|()| match reuse {
+            let cached = match reuse {
                 0 => Ok(0),
                 _ => self.prefix.load(&job.prompt, &mut self.cache, slot),
-            });
+            };
             let (events, choice) = (job.events.clone(), job.choice);
             let started = cached.and_then(|cached| Sequence::start(job, slot, cached, &self.bpe));
             match started {
@@ -259,8 +254,6 @@ impl Engine {
         if self.running.is_empty() {
             return Ok(());
         }
-        // The pass grows the cache's room as it needs, doubling it (growing it by the one
-        // position a step needs would copy every slot's keys and values at every step).
         let chunks: Vec<(usize, &[u32])> = self
             .running
             .iter()

@@ -1,8 +1,11 @@
 //! The prefix cache: keys and values of the sequences the server has run (prompts once
 //! prefilled, whole conversations once answered), in a radix tree of token runs, so that
 //! sequences with a common start (a system prompt, the earlier turns of a chat) share one copy of
-//! it. A new request copies the longest cached start of its prompt into its slot and prefills
-//! only the rest. When the bytes held pass the bound, the least recently used leaves go first
+//! it. A new request reads the longest cached start of its prompt in place (its slot holds only
+//! what follows, [`KvCache::share`]) and prefills only the rest: nothing is copied, and every
+//! sequence reads the one copy. A run leaves the cache when evicted, and memory when the last
+//! sequence reading it ends (within what the key/value pool, counted at full size, would have
+//! held had those sequences copied it). When the bytes held pass the bound, the least recently used leaves go first
 //! (kept in order, so each eviction costs O(log n)); a run larger than the whole bound is not
 //! kept at all, so that one long prompt cannot flush what everyone else shares.
 //!
@@ -14,6 +17,7 @@
 use crate::model::decode::{KvCache, KvRun};
 use anyhow::Result;
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 pub struct PrefixCache {
     /// The tree's nodes; index 0 is the root (no tokens). Removed nodes leave `None`.
@@ -32,7 +36,7 @@ pub struct PrefixCache {
 /// A run of tokens that continues its parent's, with the run's keys and values.
 struct Node {
     tokens: Vec<u32>,
-    kv: KvRun,
+    kv: Arc<KvRun>,
     parent: usize,
     /// By the first token of their run (runs of siblings start with different tokens).
     children: HashMap<u32, usize>,
@@ -44,7 +48,7 @@ impl PrefixCache {
     pub fn new(limit: usize) -> PrefixCache {
         let root = Node {
             tokens: Vec::new(),
-            kv: KvRun::default(),
+            kv: Arc::default(),
             parent: 0,
             children: HashMap::new(),
             used: 0,
@@ -63,15 +67,16 @@ impl PrefixCache {
         self.walk(usable(prompt)).iter().map(|&(_, n)| n).sum()
     }
 
-    /// Appends to the (empty) sequence in `slot` the keys and values of the longest cached start
-    /// of `prompt` but its last token (whose logits are needed); returns its length.
+    /// Starts the (empty) sequence in `slot` with the keys and values of the longest cached
+    /// start of `prompt` but its last token (whose logits are needed), read in place; returns
+    /// its length.
     pub fn load(&mut self, prompt: &[u32], cache: &mut KvCache, slot: usize) -> Result<usize> {
         debug_assert_eq!(cache.len(slot), 0);
         self.clock += 1;
         let (clock, mut loaded) = (self.clock, 0);
         for (id, n) in self.walk(usable(prompt)) {
             self.touch(id, clock);
-            cache.extend(slot, &self.node(id).kv, n)?;
+            cache.share(slot, &self.node(id).kv, n)?;
             loaded += n;
         }
         Ok(loaded)
@@ -103,7 +108,7 @@ impl PrefixCache {
         if new == 0 {
             return;
         }
-        let kv = cache.copy_out(slot, held..tokens.len());
+        let kv = Arc::new(cache.copy_out(slot, held..tokens.len()));
         self.bytes += kv.bytes();
         let node = Node {
             tokens: tokens[held..].to_vec(),
@@ -162,9 +167,12 @@ impl PrefixCache {
     /// its only child.
     fn split(&mut self, id: usize, at: usize) {
         let node = self.node_mut(id);
+        // New runs for both halves: sequences reading the node's run keep it as it is.
+        let (head, tail) = node.kv.split(at);
+        node.kv = Arc::new(head);
         let tail = Node {
             tokens: node.tokens.split_off(at),
-            kv: node.kv.split_off(at),
+            kv: Arc::new(tail),
             parent: id,
             children: std::mem::take(&mut node.children),
             used: node.used,
@@ -317,6 +325,25 @@ mod tests {
         }
         // Each distinct token is held once: a's 45, b's last 4, c's last 3, d's 6.
         assert_eq!(prefix.bytes(), (45 + 4 + 3 + 6) * PER_TOKEN);
+
+        // A slot reads its reused start in place; keeping its sequence copies that start too
+        // (the runs it reads may have left the cache by then): another cache, given c from
+        // slot 1, serves c to slot 0 as a whole prefill would.
+        cache.clear(1);
+        let n = prefix.load(&c, &mut cache, 1).unwrap();
+        m.decode(&mut cache, &[(1, &c[n..])], false).unwrap();
+        let mut other = PrefixCache::new(usize::MAX);
+        other.insert(&c, &cache, 1);
+        assert_eq!(other.bytes(), c.len() * PER_TOKEN);
+        cache.clear(0);
+        let n = other.load(&c, &mut cache, 0).unwrap();
+        assert_eq!(n, c.len() - 1);
+        let got = m.decode(&mut cache, &[(0, &c[n..])], false).unwrap();
+        let want = whole(&c);
+        let scale = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+        for (x, y) in got.iter().zip(&want) {
+            assert!((x - y).abs() <= 1e-5 * scale, "from a copied shared start: {x} vs {y}");
+        }
     }
 
     #[test]
