@@ -265,19 +265,18 @@ pub fn forward_cached(
                 let p = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
                 std::slice::from_raw_parts_mut(p.cast::<std::mem::MaybeUninit<f32>>(), hd)
             };
-            let (mut from, mut more) = (0, Vec::new());
+            let mut from = 0;
             for (j, &(_, v, n)) in pieces.iter().enumerate() {
                 let e = &scores[from..from + n];
                 from += n;
                 if j == 0 {
                     simd::mixes(&mut [&mut *dst], e, v, kvw);
-                    continue;
-                }
-                more.resize(hd, std::mem::MaybeUninit::new(0.0));
-                simd::mixes(&mut [&mut more[..]], e, v, kvw);
-                for (d, m) in dst.iter_mut().zip(&more) {
-                    // SAFETY: both written by `mixes` above.
-                    unsafe { d.write(d.assume_init() + m.assume_init()) };
+                } else {
+                    // SAFETY: written in full by `mixes` above.
+                    let sums =
+                        unsafe { &mut *(dst as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+                    // Continuing the sums: a shared start changes no bit of a decoded token.
+                    simd::mixes_more(sums, e, v, kvw);
                 }
             }
             return;
@@ -578,10 +577,11 @@ mod tests {
 
     /// A sequence whose first positions are read in place from shared segments (two, of
     /// different lengths) attends as if they were in its slot: a prefill tile over them, then
-    /// single tokens, against full causal attention. The other slot holds a sequence of its own.
+    /// single tokens, against full causal attention; and each single token bit for bit as with
+    /// the whole sequence in the slot. The other slot holds a sequence of its own.
     #[test]
     fn shared_segments_read_as_the_slot_would() {
-        let s = AttnShape { batch: 2, seq: 2 * TILE + 12, heads: 4, kv_heads: 2, head_dim: 4 };
+        let s = AttnShape { batch: 2, seq: 2 * TILE + 12, heads: 4, kv_heads: 2, head_dim: 16 };
         let (t, w, ow, kvw) = (s.seq, s.qkv_width(), s.out_width(), s.kv_heads * s.head_dim);
         let qkv = rand_vec(s.batch * t * w, 23, 1.5);
         let want = naive(&qkv, s);
@@ -596,35 +596,41 @@ mod tests {
         let (k1, v1) = keep(0..a);
         let (k2, v2) = keep(a..a + b);
         let segs = vec![Segment { k: &k1, v: &v1, len: a }, Segment { k: &k2, v: &v2, len: b }];
-        // The slot's own buffers hold only what comes after the segments.
-        let (mut ck, mut cv) = (vec![0.0; s.batch * t * kvw], vec![0.0; s.batch * t * kvw]);
-        let mut got = vec![f32::NAN; want.len()];
-        let mut pos = [a + b, 0];
-        let mut step = 0;
-        while pos != [t, t] {
-            let (mut spans, mut rows, mut shared) = (Vec::new(), Vec::new(), Vec::new());
-            for slot in 0..2 {
-                let len = if step == 0 { [TILE + 2, 7][slot] } else { 1.min(t - pos[slot]) };
-                if len > 0 {
-                    spans.push(Span { slot, start: pos[slot], len, row0: rows.len() / w });
-                    let at = slot * t + pos[slot];
-                    rows.extend_from_slice(&qkv[at * w..(at + len) * w]);
-                    shared.push(if slot == 0 { segs.clone() } else { Vec::new() });
+        // Slot 0 from position `from` (its earlier positions in the segments, or none), TILE
+        // + 2 tokens and then one at a time; slot 1 from 0, 7 tokens and then one at a time.
+        let run = |from: usize| {
+            let (mut ck, mut cv) = (vec![0.0; s.batch * t * kvw], vec![0.0; s.batch * t * kvw]);
+            let mut got = want.clone();
+            let mut pos = [from, 0];
+            let mut step = 0;
+            while pos != [t, t] {
+                let (mut spans, mut rows, mut shared) = (Vec::new(), Vec::new(), Vec::new());
+                for slot in 0..2 {
+                    let first = [a + b + TILE + 2 - from, 7][slot];
+                    let len = if step == 0 { first } else { 1.min(t - pos[slot]) };
+                    if len > 0 {
+                        spans.push(Span { slot, start: pos[slot], len, row0: rows.len() / w });
+                        let at = slot * t + pos[slot];
+                        rows.extend_from_slice(&qkv[at * w..(at + len) * w]);
+                        shared.push(if slot == 0 && from > 0 { segs.clone() } else { vec![] });
+                    }
                 }
+                let mut out = vec![0.0; rows.len() / w * ow];
+                forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, &shared, s);
+                for sp in &spans {
+                    let dst = (sp.slot * t + sp.start) * ow;
+                    got[dst..dst + sp.len * ow]
+                        .copy_from_slice(&out[sp.row0 * ow..(sp.row0 + sp.len) * ow]);
+                    pos[sp.slot] += sp.len;
+                }
+                step += 1;
             }
-            let mut out = vec![0.0; rows.len() / w * ow];
-            forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, &shared, s);
-            for sp in &spans {
-                let dst = (sp.slot * t + sp.start) * ow;
-                got[dst..dst + sp.len * ow]
-                    .copy_from_slice(&out[sp.row0 * ow..(sp.row0 + sp.len) * ow]);
-                pos[sp.slot] += sp.len;
-            }
-            step += 1;
-        }
-        // Slot 0's shared positions were never computed here.
-        got[..(a + b) * ow].copy_from_slice(&want[..(a + b) * ow]);
-        assert_close(&got, &want, 1e-5, "attention over shared segments");
+            got
+        };
+        let (shared, whole) = (run(a + b), run(0));
+        assert_close(&shared, &want, 1e-5, "attention over shared segments");
+        let single = (a + b + TILE + 2) * ow..t * ow;
+        assert!(shared[single.clone()] == whole[single], "single tokens differ from the slot's");
     }
 
     #[test]

@@ -309,7 +309,7 @@ pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], strid
             // (c − 1)·stride + n).
             unsafe {
                 if let [a, b] = outs {
-                    mixes_avx2(
+                    mixes_avx2::<2, false>(
                         [a.as_mut_ptr().cast(), b.as_mut_ptr().cast()],
                         e,
                         src,
@@ -318,13 +318,35 @@ pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], strid
                         n,
                     );
                 } else {
-                    mixes_avx2([outs[0].as_mut_ptr().cast()], e, src, stride, c, n);
+                    mixes_avx2::<1, false>([outs[0].as_mut_ptr().cast()], e, src, stride, c, n);
                 }
             }
             return;
         }
     }
     mixes_portable(outs, e, src, stride)
+}
+
+/// [`mixes`] for one output that already holds a mix of earlier rows: adds the mix of these
+/// `c = e.len()` rows, continuing each sum where it stopped, so that a mix over rows held in
+/// several places, taken piece by piece in order, equals the one over all of them at once, bit
+/// for bit (attention over a sequence whose start is shared, [`super::attention`]).
+pub fn mixes_more(out: &mut [f32], e: &[f32], src: &[f32], stride: usize) {
+    let (n, c) = (out.len(), e.len());
+    assert!(c > 0 && src.len() >= (c - 1) * stride + n, "mixes_more: bad operand sizes");
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: AVX2 and FMA were just detected; the assert above gives `mixes_avx2`'s
+            // sizes (the output n long, `e` c long, `src` reaching (c − 1)·stride + n).
+            unsafe { mixes_avx2::<1, true>([out.as_mut_ptr()], e, src, stride, c, n) };
+            return;
+        }
+    }
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = (0..c).map(|i| e[i] * src[i * stride + j]).fold(*o, |a, x| a + x);
+    }
 }
 
 fn mixes_portable(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], stride: usize) {
@@ -345,7 +367,7 @@ fn mixes_portable(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], 
 /// hold `R·c` weights and `src` reach `(c − 1)·stride + n`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn mixes_avx2<const R: usize>(
+unsafe fn mixes_avx2<const R: usize, const ADD: bool>(
     outs: [*mut f32; R],
     e: &[f32],
     src: &[f32],
@@ -359,6 +381,11 @@ unsafe fn mixes_avx2<const R: usize>(
     let mut j = 0;
     while j < full {
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        if ADD {
+            for r in 0..R {
+                acc[r] = [_mm256_loadu_ps(outs[r].add(j)), _mm256_loadu_ps(outs[r].add(j + 8))];
+            }
+        }
         for i in 0..c {
             let row = s.add(i * stride + j);
             let (v0, v1) = (_mm256_loadu_ps(row), _mm256_loadu_ps(row.add(8)));
@@ -376,7 +403,9 @@ unsafe fn mixes_avx2<const R: usize>(
     }
     for j in full..n {
         for r in 0..R {
-            *outs[r].add(j) = (0..c).map(|i| e[r * c + i] * src[i * stride + j]).sum();
+            let terms = (0..c).map(|i| e[r * c + i] * src[i * stride + j]);
+            *outs[r].add(j) =
+                if ADD { terms.fold(*outs[r].add(j), |a, x| a + x) } else { terms.sum() };
         }
     }
 }
