@@ -536,33 +536,35 @@ mod tests {
         crate::testutil::fd_check_at(&qkv, &d, loss, "attention dqkv (long)", &idx, 1e-2);
     }
 
-    /// Feeding a sequence in pieces through the cache gives what full causal attention gives.
-    #[test]
-    fn cached_matches_full_attention_in_pieces() {
-        let s = AttnShape { batch: 2, seq: TILE + 9, heads: 4, kv_heads: 2, head_dim: 4 };
-        let (t, w, ow) = (s.seq, s.qkv_width(), s.out_width());
-        let qkv = rand_vec(s.batch * t * w, 21, 1.5);
-        let want = naive(&qkv, s);
-        let kvw = s.kv_heads * s.head_dim;
+    /// Feeds two sequences of `qkv` (`[2, T, width]`) through a cache in the same calls, as a
+    /// batch does: slot `b` from position `from[b]` (slot 0's earlier positions read from
+    /// `segs`), `first[b]` tokens in the first call and then one at a time. Returns the output
+    /// rows by position, the ones never computed taken from `fill`.
+    fn feed_in_steps(
+        qkv: &[f32],
+        s: AttnShape,
+        from: [usize; 2],
+        first: [usize; 2],
+        segs: &[Segment],
+        fill: &[f32],
+    ) -> Vec<f32> {
+        let (t, w, ow, kvw) = (s.seq, s.qkv_width(), s.out_width(), s.kv_heads * s.head_dim);
         let (mut ck, mut cv) = (vec![0.0; s.batch * t * kvw], vec![0.0; s.batch * t * kvw]);
-        let mut got = vec![f32::NAN; want.len()];
-        // Slot 0 takes a long prefill and then single tokens; slot 1 other cuts. Both advance in
-        // the same calls, as a batch does.
-        let cuts = [[0, TILE + 2], [0, 3]];
-        let mut pos = [0usize, 0];
+        let mut got = fill.to_vec();
+        let mut pos = from;
         let mut step = 0;
         while pos != [t, t] {
-            let mut spans = Vec::new();
-            let mut rows = Vec::new();
-            for b in 0..2 {
-                let len = if step == 0 { cuts[b][1] } else { 1.min(t - pos[b]) };
+            let (mut spans, mut rows, mut shared) = (Vec::new(), Vec::new(), Vec::new());
+            for slot in 0..2 {
+                let len = if step == 0 { first[slot] } else { 1.min(t - pos[slot]) };
                 if len > 0 {
-                    spans.push(Span { slot: b, start: pos[b], len, row0: rows.len() / w });
-                    rows.extend_from_slice(&qkv[(b * t + pos[b]) * w..(b * t + pos[b] + len) * w]);
+                    spans.push(Span { slot, start: pos[slot], len, row0: rows.len() / w });
+                    let at = slot * t + pos[slot];
+                    rows.extend_from_slice(&qkv[at * w..(at + len) * w]);
+                    shared.push(if slot == 0 { segs.to_vec() } else { Vec::new() });
                 }
             }
             let mut out = vec![0.0; rows.len() / w * ow];
-            let shared = vec![Vec::new(); spans.len()];
             forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, &shared, s);
             for sp in &spans {
                 let dst = (sp.slot * t + sp.start) * ow;
@@ -572,6 +574,17 @@ mod tests {
             }
             step += 1;
         }
+        got
+    }
+
+    /// Feeding a sequence in pieces through the cache gives what full causal attention gives:
+    /// slot 0 a long prefill and then single tokens, slot 1 other cuts.
+    #[test]
+    fn cached_matches_full_attention_in_pieces() {
+        let s = AttnShape { batch: 2, seq: TILE + 9, heads: 4, kv_heads: 2, head_dim: 4 };
+        let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 21, 1.5);
+        let want = naive(&qkv, s);
+        let got = feed_in_steps(&qkv, s, [0, 0], [TILE + 2, 3], &[], &vec![f32::NAN; want.len()]);
         assert_close(&got, &want, 1e-5, "cached attention");
     }
 
@@ -595,41 +608,13 @@ mod tests {
         let (a, b) = (5, TILE + 3);
         let (k1, v1) = keep(0..a);
         let (k2, v2) = keep(a..a + b);
-        let segs = vec![Segment { k: &k1, v: &v1, len: a }, Segment { k: &k2, v: &v2, len: b }];
-        // Slot 0 from position `from` (its earlier positions in the segments, or none), TILE
-        // + 2 tokens and then one at a time; slot 1 from 0, 7 tokens and then one at a time.
-        let run = |from: usize| {
-            let (mut ck, mut cv) = (vec![0.0; s.batch * t * kvw], vec![0.0; s.batch * t * kvw]);
-            let mut got = want.clone();
-            let mut pos = [from, 0];
-            let mut step = 0;
-            while pos != [t, t] {
-                let (mut spans, mut rows, mut shared) = (Vec::new(), Vec::new(), Vec::new());
-                for slot in 0..2 {
-                    let first = [a + b + TILE + 2 - from, 7][slot];
-                    let len = if step == 0 { first } else { 1.min(t - pos[slot]) };
-                    if len > 0 {
-                        spans.push(Span { slot, start: pos[slot], len, row0: rows.len() / w });
-                        let at = slot * t + pos[slot];
-                        rows.extend_from_slice(&qkv[at * w..(at + len) * w]);
-                        shared.push(if slot == 0 && from > 0 { segs.clone() } else { vec![] });
-                    }
-                }
-                let mut out = vec![0.0; rows.len() / w * ow];
-                forward_cached(&mut out, &rows, &mut ck, &mut cv, &spans, &shared, s);
-                for sp in &spans {
-                    let dst = (sp.slot * t + sp.start) * ow;
-                    got[dst..dst + sp.len * ow]
-                        .copy_from_slice(&out[sp.row0 * ow..(sp.row0 + sp.len) * ow]);
-                    pos[sp.slot] += sp.len;
-                }
-                step += 1;
-            }
-            got
-        };
-        let (shared, whole) = (run(a + b), run(0));
+        let segs = [Segment { k: &k1, v: &v1, len: a }, Segment { k: &k2, v: &v2, len: b }];
+        // Slot 0 prefills up to the same position either way, then decodes one at a time.
+        let tile_end = a + b + TILE + 2;
+        let shared = feed_in_steps(&qkv, s, [a + b, 0], [TILE + 2, 7], &segs, &want);
+        let whole = feed_in_steps(&qkv, s, [0, 0], [tile_end, 7], &[], &want);
         assert_close(&shared, &want, 1e-5, "attention over shared segments");
-        let single = (a + b + TILE + 2) * ow..t * ow;
+        let single = tile_end * ow..t * ow;
         assert!(shared[single.clone()] == whole[single], "single tokens differ from the slot's");
     }
 
