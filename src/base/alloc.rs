@@ -413,6 +413,24 @@ unsafe impl GlobalAlloc for Recycling {
 mod tests {
     use super::*;
 
+    /// Mapped zeros read as zeros, keep what is written (across pages, to the last value),
+    /// and an empty buffer is empty.
+    #[test]
+    fn zero_pages_start_zero_and_keep_writes() {
+        let n = 3 * 4096 + 5;
+        let mut z = ZeroPages::new(n).expect("a small mapping");
+        assert_eq!(z.len(), n);
+        assert!(z.iter().all(|&x| x == 0.0));
+        for (i, x) in z.iter_mut().enumerate().step_by(1021) {
+            *x = i as f32;
+        }
+        z[n - 1] = -1.0;
+        assert!(z.iter().enumerate().step_by(1021).all(|(i, &x)| x == i as f32));
+        assert_eq!(z[n - 1], -1.0);
+        assert_eq!(z[1], 0.0);
+        assert!(ZeroPages::new(0).unwrap().is_empty() && ZeroPages::default().is_empty());
+    }
+
     /// A freed block comes back for the same layout (zeroed when asked), not for another; a
     /// block of a huge page starts on a huge-page boundary.
     #[test]

@@ -88,6 +88,7 @@ impl KvCache {
         }
         self.check_room(room)?;
         let (old, w, slots) = (self.room, self.width, self.slots);
+        let own: Vec<usize> = (0..slots).map(|s| self.len[s] - self.shared_len(s)).collect();
         for buf in self.k.iter_mut().chain(self.v.iter_mut()) {
             let mut new = ZeroPages::new(slots * room * w).ok_or_else(|| {
                 anyhow!(
@@ -95,8 +96,7 @@ impl KvCache {
                     format_bytes((slots * room * w * 4) as u128)
                 )
             })?;
-            for slot in 0..slots {
-                let n = self.len[slot] - self.shared[slot].iter().map(|&(_, n)| n).sum::<usize>();
+            for (slot, &n) in own.iter().enumerate() {
                 new[slot * room * w..][..n * w].copy_from_slice(&buf[slot * old * w..][..n * w]);
             }
             *buf = new;
@@ -175,10 +175,10 @@ impl KvCache {
         KvRun { len: positions.len(), parts: 2 * layers, values }
     }
 
-    /// Continues the (not yet extended) shared start of the sequence in `slot` with the first
-    /// `n` positions of `run`, which the slot then reads in place, as if they had been decoded
-    /// there: keys and values are those of the positions the slot holds next, so a run may only
-    /// continue the sequence it was copied from.
+    /// Continues the shared start of the sequence in `slot` (which holds no positions of its own
+    /// yet) with the first `n` positions of `run`, which the slot then reads in place, as if they
+    /// had been decoded there: keys and values are those of the positions the slot holds next,
+    /// so a run may only continue the sequence it was copied from.
     pub fn share(&mut self, slot: usize, run: &Arc<KvRun>, n: usize) -> Result<()> {
         ensure!(0 < n && n <= run.len, "{n} positions asked of a run of {}", run.len);
         let start = self.len[slot];

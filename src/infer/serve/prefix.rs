@@ -4,10 +4,10 @@
 //! it. A new request reads the longest cached start of its prompt in place (its slot holds only
 //! what follows, [`KvCache::share`]) and prefills only the rest: nothing is copied, and every
 //! sequence reads the one copy. A run leaves the cache when evicted, and memory when the last
-//! sequence reading it ends (within what the key/value pool, counted at full size, would have
-//! held had those sequences copied it). When the bytes held pass the bound, the least recently used leaves go first
-//! (kept in order, so each eviction costs O(log n)); a run larger than the whole bound is not
-//! kept at all, so that one long prompt cannot flush what everyone else shares.
+//! sequence reading it ends (within what the key/value pool, counted at full size, would have held
+//! had those sequences copied it). When the bytes held pass the bound, the least recently used
+//! leaves go first (kept in order, so each eviction costs O(log n)); a run larger than the whole
+//! bound is not kept at all, so that one long prompt cannot flush what everyone else shares.
 //!
 //! A key or value depends only on the tokens up to its position, so a reused one is the number a
 //! fresh prefill would compute, up to rounding: the engine picks its matrix and attention kernels
