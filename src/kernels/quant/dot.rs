@@ -233,7 +233,7 @@ pub fn dot_q8_portable(format: Format, row: &[u8], xq: &[u8]) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{raw_blocks, values};
+    use super::super::testing::{in_every_form, raw_blocks, values};
     use super::super::{dequantize, quantize};
     use super::*;
 
@@ -245,9 +245,10 @@ mod tests {
         (dot, abs)
     }
 
-    /// The vector quantiser of activations gives the reference's bytes: ties of the rounding
-    /// (values that land exactly on k + 1/2), zeros, tiny and huge values, a block with a NaN
-    /// or an infinity; and each block's scale and sum.
+    /// The vector quantiser of activations gives the reference's bytes in every form: ties of
+    /// the rounding (values that land exactly on k + 1/2), zeros, tiny and huge values, blocks
+    /// so tiny that the inverse scale overflows, a block with a NaN or an infinity; and each
+    /// block's scale and sum. The rows quantised in parallel give the same.
     #[test]
     fn quantised_rows_are_the_reference_quantisation() {
         let mut x = values(32 * 40, 17);
@@ -260,19 +261,35 @@ mod tests {
         x[64..96].fill(0.0);
         x[96..128].iter_mut().enumerate().for_each(|(j, v)| *v = 1e-30 * j as f32);
         x[128..160].iter_mut().enumerate().for_each(|(j, v)| *v = -3e38 + 1e37 * j as f32);
-        x[170] = f32::NAN;
-        x[210] = f32::INFINITY;
-        x[250] = f32::NEG_INFINITY;
+        // Blocks 5 and 6: largest magnitudes below 3.7e-37 (127 times the smallest normal),
+        // whose scale's inverse is infinite; one with zeros among them, one subnormal.
+        x[160..192].iter_mut().enumerate().for_each(|(j, v)| *v = [1e-37, -2e-37, 0.0][j % 3]);
+        x[192..224].iter_mut().enumerate().for_each(|(j, v)| *v = -1e-42 * (j % 5) as f32);
+        x[250] = f32::NAN;
+        x[290] = f32::INFINITY;
+        x[330] = f32::NEG_INFINITY;
+        let check = |got: &[u8], scale: f32, sum: i32, want: &[u8], at: &str| {
+            assert_eq!(got, want, "{at}");
+            assert_eq!(scale.to_bits(), super::super::half(want).to_bits(), "{at}");
+            let want_sum: i32 = want[2..].iter().map(|&v| v as i8 as i32).sum();
+            assert_eq!(sum, want_sum, "{at}");
+        };
+        in_every_form(|form| {
+            for (b, block) in x.chunks_exact(32).enumerate() {
+                let want = quantize_activations(block).unwrap();
+                let mut got = [0u8; 34];
+                let (scale, sum) = quantize_block(block.try_into().unwrap(), &mut got);
+                check(&got, scale, sum, &want, &format!("{form}: block {b}"));
+            }
+        });
         for cols in [32, 64, 160] {
             let q = QuantRows::new(&x, cols);
             for (i, row) in x.chunks(cols).enumerate() {
                 let want = quantize_activations(row).unwrap();
                 let got = q.row(i);
-                assert_eq!(got.blocks, &want[..], "row {i} of {cols}");
                 for (b, block) in want.chunks(34).enumerate() {
-                    assert_eq!(got.scales[b].to_bits(), super::super::half(block).to_bits());
-                    let sum: i32 = block[2..].iter().map(|&v| v as i8 as i32).sum();
-                    assert_eq!(got.sums[b], sum, "row {i} block {b}");
+                    let bytes = &got.blocks[34 * b..34 * (b + 1)];
+                    check(bytes, got.scales[b], got.sums[b], block, &format!("row {i} block {b}"));
                 }
             }
         }
@@ -283,6 +300,10 @@ mod tests {
     /// and the result is the exact product within f32 rounding.
     #[test]
     fn f16_products_are_the_portable_bits_in_every_form() {
+        in_every_form(f16_products_in);
+    }
+
+    fn f16_products_in(form: &str) {
         for k in [8, 37, 100, 576] {
             let rows: Vec<Vec<u8>> = (0..4).map(|r| raw_blocks(Format::F16, k, 40 + r)).collect();
             let xs: Vec<Vec<f32>> = (0..4).map(|t| values(k, 50 + t)).collect();
@@ -293,7 +314,8 @@ mod tests {
             for r in 0..4 {
                 for t in 0..4 {
                     let want = dot_f16_portable(rows4[r], xs4[t]);
-                    assert_eq!(dot_f16(rows4[r], xs4[t]).to_bits(), want.to_bits(), "{k} {r} {t}");
+                    let got = dot_f16(rows4[r], xs4[t]);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{form}: {k} {r} {t}");
                     let (exact, abs) = exact(Format::F16, rows4[r], xs4[t]);
                     let bound = abs * k as f64 * f32::EPSILON as f64;
                     assert!((want as f64 - exact).abs() <= bound, "{k}: {want} vs {exact}");
@@ -347,29 +369,56 @@ mod tests {
         }
     }
 
+    /// In every form, the products of Q8_0 and Q4_0 rows with quantised activations give the
+    /// portable sum within f32 rounding, and the regrouped forms (one row with four token rows,
+    /// four rows with one token row) give each pair's one-row product, bit for bit.
     #[test]
     fn the_vector_kernel_gives_the_portable_sum() {
-        for format in [Format::Q8_0, Format::Q4_0] {
-            for blocks in [1, 3, 64] {
-                // Every byte pattern in the rows, extreme activations included.
-                let row = raw_blocks(format, blocks, 40 + blocks as u64);
-                let mut x = values(blocks * 32, 8);
-                x[0] = 1e3;
-                let xq = quantize_activations(&x).unwrap();
-                let portable = dot_q8_portable(format, &row, &xq);
-                // Both sum the same exact block products, each scaled once: they differ only
-                // by the order of the f32 additions, at most one rounding per block of the sum
-                // of the blocks' magnitudes.
-                let w = dequantize(format, &row);
-                let xd = dequantize(Format::Q8_0, &xq);
-                let abs: f32 = w.iter().zip(&xd).map(|(a, b)| (a * b).abs()).sum();
-                let bound = 2.0 * blocks as f32 * f32::EPSILON * abs;
-                let got = dot_q8(format, &row, &xq);
-                assert!(
-                    (got - portable).abs() <= bound,
-                    "{format:?} {blocks}: {got} vs {portable} (bound {bound})"
-                );
+        in_every_form(|form| {
+            for format in [Format::Q8_0, Format::Q4_0] {
+                for blocks in [1, 3, 64] {
+                    vector_kernel_case(form, format, blocks);
+                }
             }
+        });
+    }
+
+    fn vector_kernel_case(form: &str, format: Format, blocks: usize) {
+        // Every byte pattern in the rows, extreme activations included.
+        let rows: Vec<Vec<u8>> =
+            (0..4).map(|r| raw_blocks(format, blocks, 40 + blocks as u64 + r)).collect();
+        let xs: Vec<Vec<f32>> = (0..4)
+            .map(|t| {
+                let mut x = values(blocks * 32, 8 + t);
+                x[0] = 1e3;
+                x
+            })
+            .collect();
+        let xq: Vec<Vec<u8>> = xs.iter().map(|x| quantize_activations(x).unwrap()).collect();
+        let xd: Vec<Vec<f32>> =
+            xq.iter().map(|q| q.chunks(34).map(super::super::half).collect()).collect();
+        let (row, x) = (&rows[0], &xq[0]);
+        let portable = dot_q8_portable(format, row, x);
+        // Both sum the same exact block products, each scaled once: they differ only by the
+        // order of the f32 additions, at most one rounding per block of the sum of the blocks'
+        // magnitudes.
+        let w = dequantize(format, row);
+        let wx = dequantize(Format::Q8_0, x);
+        let abs: f32 = w.iter().zip(&wx).map(|(a, b)| (a * b).abs()).sum();
+        let bound = 2.0 * blocks as f32 * f32::EPSILON * abs;
+        let got = dot_q8(format, row, x);
+        let at = format!("{form}: {format:?} {blocks}");
+        assert!((got - portable).abs() <= bound, "{at}: {got} vs {portable} (bound {bound})");
+        let q4 = [&xq[0][..], &xq[1], &xq[2], &xq[3]];
+        let d4 = [&xd[0][..], &xd[1], &xd[2], &xd[3]];
+        let by_tokens = dot_q8_x4(format, row, q4, d4);
+        let r4 = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
+        let by_rows = dot_q8_rows4(format, r4, x, &xd[0]);
+        for i in 0..4 {
+            let one = dot_q8(format, row, q4[i]);
+            assert_eq!(by_tokens[i].to_bits(), one.to_bits(), "{at}: token {i} of four");
+            let one = dot_q8(format, r4[i], x);
+            assert_eq!(by_rows[i].to_bits(), one.to_bits(), "{at}: row {i} of four");
         }
     }
 }

@@ -159,7 +159,7 @@ pub fn group_dot_portable(format: Format, packed: &[u8], x: &Activations, y: &mu
 mod tests {
     use super::super::dot::quantize_activations;
     use super::super::f16_to_f32;
-    use super::super::testing::raw_blocks;
+    use super::super::testing::{in_every_form, raw_blocks};
     use super::*;
 
     fn activations(x: &[f32]) -> (Vec<u8>, Vec<f32>, Vec<i32>) {
@@ -200,56 +200,57 @@ mod tests {
 
     #[test]
     fn regrouped_products_are_each_rows_product_bit_for_bit() {
-        for format in [Format::Q8_0, Format::Q4_0] {
-            for (rows, blocks) in [(8, 1), (16, 3), (24, 18)] {
-                let bytes = raw_blocks(format, rows * blocks, 5 + rows as u64);
-                let mut x: Vec<f32> =
-                    (0..blocks * 32).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-                x[0] = 1e3;
-                let (xq, xd, sums) = activations(&x);
-                let act = Activations { blocks: &xq, scales: &xd, sums: &sums };
-                let packed = pack(format, &bytes, rows);
-                let want = by_rows(format, &bytes, rows, &xq, &xd);
-                let mut portable = vec![0.0; rows];
-                group_dot_portable(format, &packed, &act, &mut portable);
-                let mut fast = vec![0.0; rows];
-                group_dot(format, &packed, &act, &mut fast);
-                // Four tokens at once: four different tokens, each the bits it gets alone.
-                let xs4: Vec<Vec<f32>> = (0..4)
-                    .map(|t| {
-                        x.iter()
-                            .enumerate()
-                            .map(|(i, v)| v * (1.0 + 0.1 * ((i + t) % 5) as f32))
-                            .collect()
-                    })
-                    .collect();
-                let acts4: Vec<_> = xs4.iter().map(|x| activations(x)).collect();
-                let a4: Vec<Activations> = acts4
-                    .iter()
-                    .map(|(q, d, s)| Activations { blocks: q, scales: d, sums: s })
-                    .collect();
-                let mut four = vec![0.0; 4 * rows];
-                group_dot4(format, &packed, [&a4[0], &a4[1], &a4[2], &a4[3]], &mut four);
-                for (t, a) in a4.iter().enumerate() {
-                    let mut alone = vec![0.0; rows];
-                    group_dot_portable(format, &packed, a, &mut alone);
-                    for r in 0..rows {
-                        assert_eq!(
-                            four[t * rows + r].to_bits(),
-                            alone[r].to_bits(),
-                            "{format:?} token {t} row {r}"
-                        );
-                    }
-                }
-                for r in 0..rows {
-                    assert_eq!(
-                        portable[r].to_bits(),
-                        want[r].to_bits(),
-                        "{format:?} portable row {r}"
-                    );
-                    assert_eq!(fast[r].to_bits(), want[r].to_bits(), "{format:?} vector row {r}");
+        in_every_form(|form| {
+            for format in [Format::Q8_0, Format::Q4_0] {
+                for (rows, blocks) in [(8, 1), (16, 3), (24, 18)] {
+                    regrouped_case(form, format, rows, blocks);
                 }
             }
+        });
+    }
+
+    fn regrouped_case(form: &str, format: Format, rows: usize, blocks: usize) {
+        let bytes = raw_blocks(format, rows * blocks, 5 + rows as u64);
+        let mut x: Vec<f32> =
+            (0..blocks * 32).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        x[0] = 1e3;
+        let (xq, xd, sums) = activations(&x);
+        let act = Activations { blocks: &xq, scales: &xd, sums: &sums };
+        let packed = pack(format, &bytes, rows);
+        let want = by_rows(format, &bytes, rows, &xq, &xd);
+        let mut portable = vec![0.0; rows];
+        group_dot_portable(format, &packed, &act, &mut portable);
+        let mut fast = vec![0.0; rows];
+        group_dot(format, &packed, &act, &mut fast);
+        // Four tokens at once: four different tokens, each the bits it gets alone.
+        let xs4: Vec<Vec<f32>> = (0..4)
+            .map(|t| {
+                x.iter().enumerate().map(|(i, v)| v * (1.0 + 0.1 * ((i + t) % 5) as f32)).collect()
+            })
+            .collect();
+        let acts4: Vec<_> = xs4.iter().map(|x| activations(x)).collect();
+        let a4: Vec<Activations> =
+            acts4.iter().map(|(q, d, s)| Activations { blocks: q, scales: d, sums: s }).collect();
+        let mut four = vec![0.0; 4 * rows];
+        group_dot4(format, &packed, [&a4[0], &a4[1], &a4[2], &a4[3]], &mut four);
+        for (t, a) in a4.iter().enumerate() {
+            let mut alone = vec![0.0; rows];
+            group_dot_portable(format, &packed, a, &mut alone);
+            for r in 0..rows {
+                assert_eq!(
+                    four[t * rows + r].to_bits(),
+                    alone[r].to_bits(),
+                    "{form}: {format:?} token {t} row {r}"
+                );
+            }
+        }
+        for r in 0..rows {
+            assert_eq!(
+                portable[r].to_bits(),
+                want[r].to_bits(),
+                "{form}: {format:?} portable row {r}"
+            );
+            assert_eq!(fast[r].to_bits(), want[r].to_bits(), "{form}: {format:?} row {r}");
         }
     }
 }

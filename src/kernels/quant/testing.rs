@@ -40,3 +40,14 @@ pub fn raw_blocks(format: Format, blocks: usize, seed: u64) -> Vec<u8> {
     }
     bytes
 }
+
+/// Runs `f` once in every form of the block products this processor has (its instruction sets
+/// and the portable code), each named for messages; elsewhere than x86-64, once, portably.
+pub fn in_every_form(mut f: impl FnMut(&str)) {
+    #[cfg(target_arch = "x86_64")]
+    for form in super::x86::forms() {
+        super::x86::with_isa(form, || f(&format!("{form:?}")));
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    f("portable");
+}

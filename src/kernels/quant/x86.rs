@@ -17,21 +17,55 @@ pub enum Isa {
     Avx2,
 }
 
-/// The best instruction set this processor has for the block products, if any.
+/// The best instruction set this processor has for the block products, if any (`NO_VNNI` in
+/// the environment passes over VNNI). In tests, [`with_isa`] may choose another on a thread.
 pub fn isa() -> Option<Isa> {
+    #[cfg(test)]
+    if let Some(forced) = FORCED.with(|f| f.get()) {
+        return forced;
+    }
     static ISA: OnceLock<Option<Isa>> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        let avx2 = is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c");
-        let vnni = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
-        match (avx2, vnni) {
-            (true, true) if std::env::var_os("NO_VNNI").is_none() => Some(Isa::Vnni),
-            (true, _) => Some(Isa::Avx2),
-
-            _ => None,
-        }
+    *ISA.get_or_init(|| match forms()[..] {
+        [Some(Isa::Vnni), ..] if std::env::var_os("NO_VNNI").is_some() => Some(Isa::Avx2),
+        [best, ..] => best,
+        [] => None,
     })
+}
+
+/// Every form of the block products this processor runs, best first: its instruction sets,
+/// then the portable code (`None`).
+pub fn forms() -> Vec<Option<Isa>> {
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    let vnni =
+        avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+    let mut forms = Vec::new();
+    if vnni {
+        forms.push(Some(Isa::Vnni));
+    }
+    if avx2 {
+        forms.push(Some(Isa::Avx2));
+    }
+    forms.push(None);
+    forms
+}
+
+#[cfg(test)]
+thread_local! {
+    static FORCED: std::cell::Cell<Option<Option<Isa>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`isa`] giving `form` on this thread (one of [`forms`]): so that the tests of
+/// a VNNI machine check the AVX2 and portable kernels too. Only what runs on this thread sees
+/// it, not the thread pool's workers.
+#[cfg(test)]
+pub fn with_isa<T>(form: Option<Isa>, f: impl FnOnce() -> T) -> T {
+    assert!(forms().contains(&form), "this processor cannot run {form:?}");
+    let before = FORCED.with(|c| c.replace(Some(form)));
+    let out = f();
+    FORCED.with(|c| c.set(before));
+    out
 }
 
 /// The sum of the eight lanes.
@@ -110,8 +144,8 @@ fn broadcast4(xs: &[u8], at: usize) -> __m256i {
 /// inverse as the reference computes them, each value times the inverse rounded half away
 /// from zero (as `f32::round`: truncate, then step away from zero where the dropped part is at
 /// least one half, which is exact), packed to bytes. `None`, writing nothing, for a block with a
-/// value that is not finite: the portable code's conversions of NaN and infinities to bytes are
-/// not the vector instructions'.
+/// value that is not finite or one whose inverse scale is: the portable code's conversions of
+/// NaN and infinities to bytes are not the vector instructions'.
 ///
 /// # Safety
 /// The processor must have AVX2, FMA and F16C ([`isa`]).
@@ -133,7 +167,13 @@ pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> Option<(f32, i32)
     let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
     let d = amax / 127.0;
-    let id = _mm256_set1_ps(if d != 0.0 { 1.0 / d } else { 0.0 });
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    if id.is_infinite() {
+        // Largest magnitude below 127 times the smallest normal: the products are infinite or
+        // NaN.
+        return None;
+    }
+    let id = _mm256_set1_ps(id);
     let (one, half) = (_mm256_set1_ps(1.0), _mm256_set1_ps(0.5));
     let q = v.map(|v| {
         let t = _mm256_mul_ps(v, id);
