@@ -105,59 +105,17 @@ impl Format {
     }
 }
 
-/// An IEEE half-precision value (binary16) as f32; exact.
+/// An IEEE half-precision value (binary16) as f32; exact (the `half` crate: F16C's
+/// `vcvtph2ps` where the processor has it).
 pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h as u32) & 0x8000) << 16;
-    let exp = ((h >> 10) & 0x1f) as u32;
-    let frac = (h & 0x3ff) as u32;
-    let bits = match (exp, frac) {
-        (0, 0) => sign,
-        (0, _) => {
-            // Subnormal: normalise the fraction.
-            let shift = frac.leading_zeros() - 21; // bring the top set bit to bit 10
-            let frac = (frac << shift) & 0x3ff;
-            let exp = 127 - 15 + 1 - shift;
-            sign | (exp << 23) | (frac << 13)
-        }
-        (0x1f, _) => sign | 0x7f80_0000 | (frac << 13),
-        _ => sign | ((exp + 127 - 15) << 23) | (frac << 13),
-    };
-    f32::from_bits(bits)
+    half::f16::from_bits(h).to_f32()
 }
 
-/// An f32 as the nearest half-precision value, ties to even (what F16C's `vcvtps2ph` and
-/// numpy's `astype(float16)` give); too large overflows to infinity, NaN stays NaN.
+/// An f32 as the nearest half-precision value, ties to even (F16C's `vcvtps2ph` where the
+/// processor has it, as numpy's `astype(float16)` rounds); too large overflows to infinity,
+/// NaN stays NaN.
 pub fn f32_to_f16(x: f32) -> u16 {
-    let bits = x.to_bits();
-    let sign = ((bits >> 16) & 0x8000) as u16;
-    let exp = ((bits >> 23) & 0xff) as i32;
-    let frac = bits & 0x7f_ffff;
-    if exp == 0xff {
-        return sign | 0x7c00 | if frac != 0 { 0x200 | (frac >> 13) as u16 } else { 0 };
-    }
-    // The value's exponent as a half's (bias 15).
-    let e = exp - 127 + 15;
-    if e >= 0x1f {
-        return sign | 0x7c00;
-    }
-    if e <= 0 {
-        // Subnormal or zero: the significand (with its implicit bit) shifted into 10 bits.
-        if e < -10 {
-            return sign;
-        }
-        let m = frac | 0x80_0000;
-        let shift = (14 - e) as u32;
-        let half = m >> shift;
-        let rest = m & ((1 << shift) - 1);
-        let mid = 1 << (shift - 1);
-        let round = rest > mid || (rest == mid && half & 1 == 1);
-        return sign | (half + round as u32) as u16;
-    }
-    let half = ((e as u32) << 10) | (frac >> 13);
-    let rest = frac & 0x1fff;
-    let round = rest > 0x1000 || (rest == 0x1000 && half & 1 == 1);
-    // A carry out of the fraction moves to the exponent, up to infinity: the right result.
-    sign | (half + round as u32) as u16
+    half::f16::from_f32(x).to_bits()
 }
 
 /// A bfloat16 value as f32; exact.
