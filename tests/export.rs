@@ -45,7 +45,9 @@ fn exports_round_trip_and_bad_input_is_refused() {
     ];
     let run = common::train_tiny(env, "run", &sets);
     let export = |ty: &str, out: &Path| {
-        env.run(&["export", "--model", s(&run), "--to", "gguf", "--type", ty, "--out", s(out)])
+        // `--type`, the older name of `--dtype`, is still taken.
+        let flag = if ty == "q8_0" { "--type" } else { "--dtype" };
+        env.run(&["export", "--model", s(&run), "--to", "gguf", flag, ty, "--out", s(out)])
     };
 
     // f32: the same weights, bit for bit, the same config, the same token ids.
@@ -98,7 +100,7 @@ fn exports_round_trip_and_bad_input_is_refused() {
         let back = env.path(&format!("back-{ty}"));
         ok(&env.run(&["import", "--from", s(&file), "--out", s(&back)]));
         let quantised = env.path(&format!("quantised-{ty}"));
-        ok(&env.run(&["quantize", "--model", s(&run), "--to", ty, "--out", s(&quantised)]));
+        ok(&env.run(&["quantize", "--model", s(&run), "--dtype", ty, "--out", s(&quantised)]));
         assert!(weights(&quantised) == weights(&back), "{ty}: not quantize's bytes");
     }
 

@@ -45,7 +45,8 @@ fn quantised_models_stay_close_run_and_refuse_training() {
     // formats by a few.
     for (to, tolerance) in [("f16", 1e-4), ("q8_0", 0.005), ("q4_0", 0.05), ("q4_1", 0.05)] {
         let out = env.path(to);
-        let o = env.run(&["quantize", "--model", runs, "--to", to, "--out", out.to_str().unwrap()]);
+        let o =
+            env.run(&["quantize", "--model", runs, "--dtype", to, "--out", out.to_str().unwrap()]);
         let err = common::ok(&o);
         assert!(err.contains("quantised") && err.contains("carried over: tokenizer.json"), "{err}");
         let loss = eval_loss(env, &out);
@@ -68,14 +69,22 @@ fn quantised_models_stay_close_run_and_refuse_training() {
     let q8s = q8.to_str().unwrap();
     // Where f32 weights are needed, or the output is the input: refused, nothing written.
     let again = env.path("again");
+    // `--to`: the older name of `--dtype`, still taken.
     let o =
         env.run(&["quantize", "--model", q8s, "--to", "q4_0", "--out", again.to_str().unwrap()]);
     fails(&o, "already quantised");
     assert!(!again.exists());
-    let o = env.run(&["quantize", "--model", runs, "--to", "q8_0", "--out", runs, "--force"]);
+    let o = env.run(&["quantize", "--model", runs, "--dtype", "q8_0", "--out", runs, "--force"]);
     fails(&o, "--model");
-    let o =
-        env.run(&["quantize", "--model", runs, "--to", "q6_k", "--out", again.to_str().unwrap()]);
+    let o = env.run(&[
+        "quantize",
+        "--model",
+        runs,
+        "--dtype",
+        "q6_k",
+        "--out",
+        again.to_str().unwrap(),
+    ]);
     assert_eq!(o.status.code(), Some(1));
     let o = env.run(&[
         "convert",

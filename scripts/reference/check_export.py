@@ -5,9 +5,9 @@
     python scripts/reference/check_export.py --attnres target/release/attnres --model DIR \
         [--types f32 f16 q8_0] [--reference TYPE FILE.gguf ...] [--keep DIR]
 
-DIR is a standard checkpoint with its tokenizer (a training run, an import). For each --type the
+DIR is a standard checkpoint with its tokenizer (a training run, an import). For each type the
 model is exported and loaded by llama.cpp, and compared with attnres running the same stored
-weights: DIR itself for f32, `attnres quantize --to f16|q8_0` of it for the others (the export
+weights: DIR itself for f32, `attnres quantize --dtype f16|q8_0` of it for the others (the export
 stores exactly those bytes). Checks, each failing the script (exit 1):
 
 1. Token ids: llama.cpp's tokenizer on the exported file gives the ids of ours
@@ -209,12 +209,12 @@ def main():
     for ty in args.types:
         path = os.path.join(work, f"model.{ty}.gguf")
         log = run([args.attnres, "export", "--model", args.model, "--to", "gguf",
-                   "--type", ty, "--out", path, "--force"]).stderr.strip()
+                   "--dtype", ty, "--out", path, "--force"]).stderr.strip()
         lines.append(f"{ty}: {log.splitlines()[-1]}")
         same_weights = args.model
         if ty != "f32":
             same_weights = os.path.join(work, f"quantized-{ty}")
-            run([args.attnres, "quantize", "--model", args.model, "--to", ty,
+            run([args.attnres, "quantize", "--model", args.model, "--dtype", ty,
                  "--out", same_weights, "--force"])
         llm = load(path, n_ctx)
 

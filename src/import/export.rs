@@ -97,7 +97,7 @@ pub fn export(model: &Path, to: Option<Format>, out: &Path, force: bool) -> Resu
         .with_context(|| format!("cannot read the model {}", model.display()))?;
     ensure!(
         !src.is_quantized(),
-        "{} is quantised ({}): export its f32 original (--type f16 or q8_0 makes a smaller file)",
+        "{} is quantised ({}): export its f32 original (--dtype f16 or q8_0 makes a smaller file)",
         model.display(),
         src.storage_label()
     );

@@ -103,8 +103,9 @@ pub(crate) struct ExportArgs {
     #[arg(long, value_enum)]
     pub to: ExportFormat,
     /// The weight matrices' type: f32, f16, or q8_0 (the same bytes as `quantize`; matrices
-    /// whose rows are not whole 32-value blocks stay f32); norms stay f32.
-    #[arg(long = "type", value_name = "TYPE", value_enum, default_value = "f32")]
+    /// whose rows are not whole 32-value blocks stay f32); norms stay f32. `--type` is the
+    /// older name, still taken.
+    #[arg(long = "dtype", alias = "type", value_name = "DTYPE", value_enum, default_value = "f32")]
     pub ty: ExportType,
     /// The file to write.
     #[arg(long)]
@@ -145,7 +146,8 @@ pub(crate) struct QuantizeArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// The format of the weight matrices (the LM head's matrix takes Q8_0 under a 4-bit format).
-    #[arg(long, value_enum)]
+    /// `--to` is the older name, still taken.
+    #[arg(long = "dtype", alias = "to", value_name = "DTYPE", value_enum)]
     pub to: QuantTarget,
     /// Checkpoint directory to write (the tokenizer and chat template are carried over).
     #[arg(long)]
