@@ -225,14 +225,26 @@ pub fn forward_cached(
     let (cache_k, cache_v) = (&*cache_k, &*cache_v);
     let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = SendPtr(out.as_mut_ptr());
-    // One task per (span, query head, tile of rows).
-    let tasks: Vec<(usize, usize, usize)> = (0..spans.len())
+    // One task per (span, query head, tile of rows); a decoding step (one row) takes the query
+    // heads that share a key/value head together (up to four), so that each cached key and
+    // value is read once for all of them.
+    let tasks: Vec<(usize, usize, usize, usize)> = (0..spans.len())
         .flat_map(|i| {
             let sp = spans[i];
-            (0..s.heads).flat_map(move |h| (0..sp.len).step_by(TILE).map(move |r0| (i, h, r0)))
+            let (group, kv) = (s.group(), s.kv_heads);
+            let decode = (sp.len == 1).then(|| {
+                (0..kv).flat_map(move |g| {
+                    (0..group).step_by(4).map(move |c| (i, g * group + c, (group - c).min(4), 0))
+                })
+            });
+            let tiles = (sp.len > 1).then(|| {
+                (0..s.heads)
+                    .flat_map(move |h| (0..sp.len).step_by(TILE).map(move |r0| (i, h, 1, r0)))
+            });
+            decode.into_iter().flatten().chain(tiles.into_iter().flatten())
         })
         .collect();
-    tasks.par_iter().for_each(|&(i, h, r0)| {
+    tasks.par_iter().for_each(|&(i, h, nh, r0)| {
         let sp = spans[i];
         let r1 = (r0 + TILE).min(sp.len);
         let keys = sp.start + r1;
@@ -246,37 +258,56 @@ pub fn forward_cached(
             .chain(std::iter::once((&cache_k[own..], &cache_v[own..], keys - held[i])))
             .collect();
         if r1 - r0 == 1 {
-            // One query row (a decoding step): its scores and its mix read each cached key and
-            // value row once, straight from the cache, where `gemm` would first pack them.
+            // One query row (a decoding step) of `nh` heads: their scores and their mixes read
+            // each cached key and value row once, straight from the cache, where `gemm` would
+            // first pack them. Each head's numbers are those it gets alone.
             let at = (sp.row0 + r0) * w + h * hd;
-            let q = &qkv[at..at + hd];
-            let mut scores = vec![0.0f32; keys];
+            let qs: Vec<&[f32]> = (0..nh).map(|r| &qkv[at + r * hd..at + (r + 1) * hd]).collect();
+            // `[nh, keys]`; a piece's part of it goes through `part` (`[nh, n]`, as the
+            // kernels take it).
+            let mut scores = vec![0.0f32; nh * keys];
+            let mut part = Vec::new();
             let mut from = 0;
             for &(k, _, n) in &pieces {
-                simd::scores(&mut scores[from..from + n], &[q], k, kvw);
+                part.resize(nh * n, 0.0);
+                simd::scores(&mut part, &qs, k, kvw);
+                for (r, p) in part.chunks_exact(n).enumerate() {
+                    scores[r * keys + from..r * keys + from + n].copy_from_slice(p);
+                }
                 from += n;
             }
-            simd::scale(&mut scores, scale);
-            softmax_row(&mut scores);
-            // SAFETY: row sp.row0 + r0, columns h·hd..(h + 1)·hd of `out`: inside it (checked
+            for row in scores.chunks_exact_mut(keys) {
+                simd::scale(row, scale);
+                softmax_row(row);
+            }
+            // SAFETY: row sp.row0 + r0, columns h·hd..(h + nh)·hd of `out`: inside it (checked
             // above) and this task's alone, as below. Viewing initialised f32s as maybe-
             // uninitialised ones is sound: `mixes` only writes them.
-            let dst = unsafe {
-                let p = out_ptr.get().add((sp.row0 + r0) * ow + h * hd);
-                std::slice::from_raw_parts_mut(p.cast::<std::mem::MaybeUninit<f32>>(), hd)
-            };
+            let mut dsts: Vec<&mut [std::mem::MaybeUninit<f32>]> = (0..nh)
+                .map(|r| unsafe {
+                    let p = out_ptr.get().add((sp.row0 + r0) * ow + (h + r) * hd);
+                    std::slice::from_raw_parts_mut(p.cast::<std::mem::MaybeUninit<f32>>(), hd)
+                })
+                .collect();
             let mut from = 0;
             for (j, &(_, v, n)) in pieces.iter().enumerate() {
-                let e = &scores[from..from + n];
+                part.clear();
+                for row in scores.chunks_exact(keys) {
+                    part.extend_from_slice(&row[from..from + n]);
+                }
                 from += n;
                 if j == 0 {
-                    simd::mixes(&mut [&mut *dst], e, v, kvw);
+                    simd::mixes(&mut dsts, &part, v, kvw);
                 } else {
                     // SAFETY: written in full by `mixes` above.
-                    let sums =
-                        unsafe { &mut *(dst as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) };
+                    let mut sums: Vec<&mut [f32]> = dsts
+                        .iter_mut()
+                        .map(|d| unsafe {
+                            &mut *(&mut **d as *mut [std::mem::MaybeUninit<f32>] as *mut [f32])
+                        })
+                        .collect();
                     // Continuing the sums: a shared start changes no bit of a decoded token.
-                    simd::mixes_more(sums, e, v, kvw);
+                    simd::mixes_more(&mut sums, &part, v, kvw);
                 }
             }
             return;

@@ -166,15 +166,16 @@ pub fn dot4(xs: &[&[f32]], w: &[f32], out: &mut [[f32; 4]]) {
     dot4_portable(xs, w, out)
 }
 
-/// `out[r·c + i] = ⟨ws[r], src[i·stride..][..n]⟩` for one or two queries `ws` (each `n` long)
-/// and `c = out.len() / ws.len()` rows of `src` lying `stride` apart: each load of a source
-/// serves every query. (Phase 1 of the depth attention: a block's consumers score a token's
-/// completed sources.)
+/// `out[r·c + i] = ⟨ws[r], src[i·stride..][..n]⟩` for one to four queries `ws` (each `n`
+/// long) and `c = out.len() / ws.len()` rows of `src` lying `stride` apart: each load of a
+/// source serves every query, and each query's sums are what it gets alone. (Phase 1 of the
+/// depth attention: a block's consumers score a token's completed sources; decoding attention:
+/// the query heads that share a key head.)
 pub fn scores(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
     let (r, n) = (ws.len(), ws.first().map_or(0, |w| w.len()));
     let c = out.len() / r.max(1);
     assert!(
-        matches!(r, 1 | 2)
+        (1..=4).contains(&r)
             && c * r == out.len()
             && ws.iter().all(|w| w.len() == n)
             && (c == 0 || src.len() >= (c - 1) * stride + n),
@@ -184,13 +185,26 @@ pub fn scores(out: &mut [f32], ws: &[&[f32]], src: &[f32], stride: usize) {
     {
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
+            /// # Safety
+            /// As `scores_avx2`, with `ws` holding `R` queries.
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn of<const R: usize>(
+                ws: &[&[f32]],
+                out: &mut [f32],
+                src: &[f32],
+                stride: usize,
+                c: usize,
+            ) {
+                scores_avx2::<R>(std::array::from_fn(|i| ws[i]), out, src, stride, c)
+            }
             // SAFETY: AVX2 and FMA were just detected; the assert above gives `scores_avx2`'s
             // sizes (`out` R·c long, `src` reaching (c − 1)·stride + n).
             unsafe {
-                if r == 2 {
-                    scores_avx2([ws[0], ws[1]], out, src, stride, c);
-                } else {
-                    scores_avx2([ws[0]], out, src, stride, c);
+                match r {
+                    1 => of::<1>(ws, out, src, stride, c),
+                    2 => of::<2>(ws, out, src, stride, c),
+                    3 => of::<3>(ws, out, src, stride, c),
+                    _ => of::<4>(ws, out, src, stride, c),
                 }
             }
             return;
@@ -285,15 +299,17 @@ unsafe fn hsum_avx(v: std::arch::x86_64::__m256) -> f32 {
     lanes.iter().sum()
 }
 
-/// `outs[r] = Σ_i e[r·c + i] · src[i·stride..][..n]` for one or two outputs (each `n` long,
+/// `outs[r] = Σ_i e[r·c + i] · src[i·stride..][..n]` for one to four outputs (each `n` long,
 /// written in full, so they may start uninitialised) and `c = e.len() / outs.len()` rows of
-/// `src` lying `stride` apart: each load of a source serves every output, and each output is
-/// written once. (Phase 1 of the depth attention: a block's consumers mix a token's sources.)
+/// `src` lying `stride` apart: each load of a source serves every output, each output is
+/// written once, and each is what it gets alone. (Phase 1 of the depth attention: a block's
+/// consumers mix a token's sources; decoding attention: the query heads that share a value
+/// head.)
 pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], stride: usize) {
     let (r, n) = (outs.len(), outs.first().map_or(0, |o| o.len()));
     let c = e.len() / r.max(1);
     assert!(
-        matches!(r, 1 | 2)
+        (1..=4).contains(&r)
             && c > 0
             && c * r == e.len()
             && outs.iter().all(|o| o.len() == n)
@@ -301,52 +317,85 @@ pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], strid
         "mixes: bad operand sizes"
     );
     #[cfg(target_arch = "x86_64")]
+    if mixes_dispatch::<false>(outs.iter_mut().map(|o| o.as_mut_ptr().cast()), e, src, stride, c, n)
     {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: AVX2 and FMA were just detected; the assert above gives `mixes_avx2`'s
-            // sizes (each output n long and a distinct `&mut`, `e` R·c long, `src` reaching
-            // (c − 1)·stride + n).
-            unsafe {
-                if let [a, b] = outs {
-                    mixes_avx2::<2, false>(
-                        [a.as_mut_ptr().cast(), b.as_mut_ptr().cast()],
-                        e,
-                        src,
-                        stride,
-                        c,
-                        n,
-                    );
-                } else {
-                    mixes_avx2::<1, false>([outs[0].as_mut_ptr().cast()], e, src, stride, c, n);
-                }
-            }
-            return;
-        }
+        return;
     }
     mixes_portable(outs, e, src, stride)
 }
 
-/// [`mixes`] for one output that already holds a mix of earlier rows: adds the mix of these
-/// `c = e.len()` rows, continuing each sum where it stopped, so that a mix over rows held in
-/// several places, taken piece by piece in order, equals the one over all of them at once, bit
-/// for bit (attention over a sequence whose start is shared, [`super::attention`]).
-pub fn mixes_more(out: &mut [f32], e: &[f32], src: &[f32], stride: usize) {
-    let (n, c) = (out.len(), e.len());
-    assert!(c > 0 && src.len() >= (c - 1) * stride + n, "mixes_more: bad operand sizes");
+/// [`mixes`] for outputs that already hold a mix of earlier rows: adds the mix of these `c =
+/// e.len() / outs.len()` rows, continuing each sum where it stopped, so that a mix over rows
+/// held in several places, taken piece by piece in order, equals the one over all of them at
+/// once, bit for bit (attention over a sequence whose start is shared, [`super::attention`]).
+pub fn mixes_more(outs: &mut [&mut [f32]], e: &[f32], src: &[f32], stride: usize) {
+    let (r, n) = (outs.len(), outs.first().map_or(0, |o| o.len()));
+    let c = e.len() / r.max(1);
+    assert!(
+        (1..=4).contains(&r)
+            && c > 0
+            && c * r == e.len()
+            && outs.iter().all(|o| o.len() == n)
+            && src.len() >= (c - 1) * stride + n,
+        "mixes_more: bad operand sizes"
+    );
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: AVX2 and FMA were just detected; the assert above gives `mixes_avx2`'s
-            // sizes (the output n long, `e` c long, `src` reaching (c − 1)·stride + n).
-            unsafe { mixes_avx2::<1, true>([out.as_mut_ptr()], e, src, stride, c, n) };
-            return;
+    if mixes_dispatch::<true>(outs.iter_mut().map(|o| o.as_mut_ptr()), e, src, stride, c, n) {
+        return;
+    }
+    for (k, out) in outs.iter_mut().enumerate() {
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = (0..c).map(|i| e[k * c + i] * src[i * stride + j]).fold(*o, |a, x| a + x);
         }
     }
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = (0..c).map(|i| e[i] * src[i * stride + j]).fold(*o, |a, x| a + x);
+}
+
+/// Runs `mixes_avx2` on the outputs `outs` (1 to 4, each `n` long and distinct; read first when
+/// `ADD`) where the processor has AVX2 and FMA; false, doing nothing, where it has not.
+#[cfg(target_arch = "x86_64")]
+fn mixes_dispatch<const ADD: bool>(
+    outs: impl Iterator<Item = *mut f32>,
+    e: &[f32],
+    src: &[f32],
+    stride: usize,
+    c: usize,
+    n: usize,
+) -> bool {
+    if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma"))
+    {
+        return false;
     }
+    let (mut ptrs, mut r) = ([std::ptr::null_mut(); 4], 0);
+    for p in outs.take(4) {
+        ptrs[r] = p;
+        r += 1;
+    }
+    let outs = &ptrs[..r];
+    /// # Safety
+    /// As `mixes_avx2`, with `outs` holding `R` pointers.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn of<const R: usize, const ADD: bool>(
+        outs: &[*mut f32],
+        e: &[f32],
+        src: &[f32],
+        stride: usize,
+        c: usize,
+        n: usize,
+    ) {
+        mixes_avx2::<R, ADD>(std::array::from_fn(|i| outs[i]), e, src, stride, c, n)
+    }
+    // SAFETY: AVX2 and FMA were just detected; the callers' asserts give `mixes_avx2`'s sizes
+    // (each output n long and a distinct `&mut`, `e` R·c long, `src` reaching (c − 1)·stride
+    // + n).
+    unsafe {
+        match outs.len() {
+            1 => of::<1, ADD>(outs, e, src, stride, c, n),
+            2 => of::<2, ADD>(outs, e, src, stride, c, n),
+            3 => of::<3, ADD>(outs, e, src, stride, c, n),
+            _ => of::<4, ADD>(outs, e, src, stride, c, n),
+        }
+    }
+    true
 }
 
 fn mixes_portable(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], stride: usize) {
@@ -699,6 +748,56 @@ multiversion!(
 
 #[cfg(test)]
 mod tests {
+    /// Up to four queries or outputs at once give each the bits it gets alone (the grouped
+    /// query heads of a decoding step rely on it), and a mix continued piece by piece gives the
+    /// bits of the whole; odd lengths cover the tails.
+    #[test]
+    fn grouped_scores_and_mixes_are_each_alone_bit_for_bit() {
+        use std::mem::MaybeUninit;
+        let (n, c, stride) = (37, 11, 41);
+        let v = |k: usize| ((k as f32 * 0.618).fract() - 0.5) * 3.0;
+        let src: Vec<f32> = (0..c * stride).map(v).collect();
+        let ws: Vec<Vec<f32>> =
+            (0..4).map(|r| (0..n).map(|j| v(1000 + 97 * r + j)).collect()).collect();
+        let e: Vec<f32> = (0..4 * c).map(|k| v(5000 + k).abs()).collect();
+        let alone = |r: usize| {
+            let mut sc = vec![0.0; c];
+            super::scores(&mut sc, &[&ws[r]], &src, stride);
+            let mut out = vec![MaybeUninit::new(0.0); n];
+            super::mixes(&mut [&mut out[..]], &e[r * c..(r + 1) * c], &src, stride);
+            (sc, out.iter().map(|x| unsafe { x.assume_init() }).collect::<Vec<f32>>())
+        };
+        for r in 1..=4 {
+            let qs: Vec<&[f32]> = ws[..r].iter().map(|w| &w[..]).collect();
+            let mut sc = vec![0.0; r * c];
+            super::scores(&mut sc, &qs, &src, stride);
+            let mut outs = vec![vec![MaybeUninit::new(0.0); n]; r];
+            let mut refs: Vec<&mut [MaybeUninit<f32>]> =
+                outs.iter_mut().map(|o| &mut o[..]).collect();
+            // The weights of the outputs' first 4 rows, then (continued) of the other 7.
+            let cut = 4;
+            let first: Vec<f32> = (0..r).flat_map(|k| e[k * c..k * c + cut].to_vec()).collect();
+            let rest: Vec<f32> =
+                (0..r).flat_map(|k| e[k * c + cut..(k + 1) * c].to_vec()).collect();
+            super::mixes(&mut refs, &first, &src, stride);
+            // SAFETY: written in full just above.
+            let mut sums: Vec<&mut [f32]> = refs
+                .iter_mut()
+                .map(|o| unsafe { &mut *(&mut **o as *mut [MaybeUninit<f32>] as *mut [f32]) })
+                .collect();
+            super::mixes_more(&mut sums, &rest, &src[cut * stride..], stride);
+            for k in 0..r {
+                let (want_sc, want_mix) = alone(k);
+                let got: Vec<u32> = sc[k * c..(k + 1) * c].iter().map(|x| x.to_bits()).collect();
+                let want: Vec<u32> = want_sc.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "scores of query {k} of {r}");
+                let got: Vec<u32> = sums[k].iter().map(|x| x.to_bits()).collect();
+                let want: Vec<u32> = want_mix.iter().map(|x| x.to_bits()).collect();
+                assert_eq!(got, want, "mix of output {k} of {r}");
+            }
+        }
+    }
+
     #[test]
     fn exp_is_accurate_over_the_softmax_range() {
         let mut worst = 0.0f64;
