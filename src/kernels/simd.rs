@@ -306,16 +306,7 @@ unsafe fn hsum_avx(v: std::arch::x86_64::__m256) -> f32 {
 /// consumers mix a token's sources; decoding attention: the query heads that share a value
 /// head.)
 pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], stride: usize) {
-    let (r, n) = (outs.len(), outs.first().map_or(0, |o| o.len()));
-    let c = e.len() / r.max(1);
-    assert!(
-        (1..=4).contains(&r)
-            && c > 0
-            && c * r == e.len()
-            && outs.iter().all(|o| o.len() == n)
-            && src.len() >= (c - 1) * stride + n,
-        "mixes: bad operand sizes"
-    );
+    let (c, n) = mix_sizes(outs.iter().map(|o| o.len()), e, src, stride);
     #[cfg(target_arch = "x86_64")]
     if mixes_dispatch::<false>(outs.iter_mut().map(|o| o.as_mut_ptr().cast()), e, src, stride, c, n)
     {
@@ -329,16 +320,7 @@ pub fn mixes(outs: &mut [&mut [MaybeUninit<f32>]], e: &[f32], src: &[f32], strid
 /// held in several places, taken piece by piece in order, equals the one over all of them at
 /// once, bit for bit (attention over a sequence whose start is shared, [`super::attention`]).
 pub fn mixes_more(outs: &mut [&mut [f32]], e: &[f32], src: &[f32], stride: usize) {
-    let (r, n) = (outs.len(), outs.first().map_or(0, |o| o.len()));
-    let c = e.len() / r.max(1);
-    assert!(
-        (1..=4).contains(&r)
-            && c > 0
-            && c * r == e.len()
-            && outs.iter().all(|o| o.len() == n)
-            && src.len() >= (c - 1) * stride + n,
-        "mixes_more: bad operand sizes"
-    );
+    let (c, n) = mix_sizes(outs.iter().map(|o| o.len()), e, src, stride);
     #[cfg(target_arch = "x86_64")]
     if mixes_dispatch::<true>(outs.iter_mut().map(|o| o.as_mut_ptr()), e, src, stride, c, n) {
         return;
@@ -348,6 +330,28 @@ pub fn mixes_more(outs: &mut [&mut [f32]], e: &[f32], src: &[f32], stride: usize
             *o = (0..c).map(|i| e[k * c + i] * src[i * stride + j]).fold(*o, |a, x| a + x);
         }
     }
+}
+
+/// The rows `c` and the output length `n` of a mix of outputs of lengths `outs` with weights
+/// `e` over `src`; panics unless there are one to four outputs of one length, `c` weights for
+/// each and `src` reaches `(c − 1)·stride + n`.
+fn mix_sizes(
+    outs: impl ExactSizeIterator<Item = usize> + Clone,
+    e: &[f32],
+    src: &[f32],
+    stride: usize,
+) -> (usize, usize) {
+    let (r, n) = (outs.len(), outs.clone().next().unwrap_or(0));
+    let c = e.len() / r.max(1);
+    assert!(
+        (1..=4).contains(&r)
+            && c > 0
+            && c * r == e.len()
+            && outs.into_iter().all(|len| len == n)
+            && src.len() >= (c - 1) * stride + n,
+        "mixes: bad operand sizes"
+    );
+    (c, n)
 }
 
 /// Runs `mixes_avx2` on the outputs `outs` (1 to 4, each `n` long and distinct; read first when
