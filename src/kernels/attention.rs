@@ -228,13 +228,21 @@ pub fn forward_cached(
     // One task per (span, query head, tile of rows); a decoding step (one row) takes the query
     // heads that share a key/value head together (up to four), so that each cached key and
     // value is read once for all of them.
+    // Fewer heads per task where the step has too few tasks to keep every thread busy (one
+    // sequence decoding alone): a group's keys and values are then read more than once, but by
+    // threads that would otherwise wait. (The numbers do not depend on the grouping.)
+    let (group, kv) = (s.group(), s.kv_heads);
+    let decoding = spans.iter().filter(|sp| sp.len == 1).count() * kv;
+    let splits = (2 * rayon::current_num_threads()).div_ceil(decoding.max(1)).clamp(1, group);
+    let chunk = group.div_ceil(splits).min(4);
     let tasks: Vec<(usize, usize, usize, usize)> = (0..spans.len())
         .flat_map(|i| {
             let sp = spans[i];
-            let (group, kv) = (s.group(), s.kv_heads);
             let decode = (sp.len == 1).then(|| {
                 (0..kv).flat_map(move |g| {
-                    (0..group).step_by(4).map(move |c| (i, g * group + c, (group - c).min(4), 0))
+                    (0..group)
+                        .step_by(chunk)
+                        .map(move |c| (i, g * group + c, (group - c).min(chunk), 0))
                 })
             });
             let tiles = (sp.len > 1).then(|| {
