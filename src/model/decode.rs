@@ -153,14 +153,14 @@ impl KvCache {
     pub fn copy_out(&self, slot: usize, positions: Range<usize>) -> KvRun {
         assert!(positions.end <= self.len[slot], "positions {positions:?} not held by slot {slot}");
         let (w, layers) = (self.width, self.k.len());
-        let mut values = Vec::with_capacity(2 * layers * positions.len() * w);
+        let mut values = Vec::with_capacity(4 * layers);
         for part in 0..2 * layers {
             // The pieces of the sequence in order: (first position, keys or values [n, w]).
             let mut at = 0;
             for (run, n) in &self.shared[slot] {
                 let (lo, hi) = (positions.start.max(at), positions.end.min(at + n));
                 if lo < hi {
-                    values.extend_from_slice(&run.part(part)[(lo - at) * w..(hi - at) * w]);
+                    values.push(&run.part(part)[(lo - at) * w..(hi - at) * w]);
                 }
                 at += n;
             }
@@ -168,11 +168,10 @@ impl KvCache {
             let lo = positions.start.max(at);
             if lo < positions.end {
                 let base = slot * self.room;
-                values
-                    .extend_from_slice(&own[(base + lo - at) * w..(base + positions.end - at) * w]);
+                values.push(&own[(base + lo - at) * w..(base + positions.end - at) * w]);
             }
         }
-        KvRun { len: positions.len(), parts: 2 * layers, values }
+        KvRun::gather(positions.len(), 2 * layers, &values)
     }
 
     /// Continues the shared start of the sequence in `slot` (which holds no positions of its own
@@ -226,7 +225,10 @@ pub struct KvRun {
     len: usize,
     /// Keys and values of every layer: twice the layers.
     parts: usize,
-    values: Vec<f32>,
+    /// On small pages of its own: a run of a long prompt is tens of megabytes, copied while a
+    /// request waits for its first token, where a huge-page block would first have the kernel
+    /// compact memory.
+    values: ZeroPages,
 }
 
 impl KvRun {
@@ -257,8 +259,21 @@ impl KvRun {
         let (head, tail): (Vec<&[f32]>, Vec<&[f32]>) =
             self.values.chunks_exact(part).map(|p| p.split_at(cut)).unzip();
         let parts = self.parts;
-        let tail = KvRun { len: self.len - at, parts, values: tail.concat() };
-        (KvRun { len: at, parts, values: head.concat() }, tail)
+        (KvRun::gather(at, parts, &head), KvRun::gather(self.len - at, parts, &tail))
+    }
+
+    /// A run of `len` positions whose values are `pieces`, one after another.
+    fn gather(len: usize, parts: usize, pieces: &[&[f32]]) -> KvRun {
+        let n = pieces.iter().map(|p| p.len()).sum();
+        let mut values = ZeroPages::new(n).unwrap_or_else(|| {
+            std::alloc::handle_alloc_error(std::alloc::Layout::array::<f32>(n).expect("a size"))
+        });
+        let mut at = 0;
+        for p in pieces {
+            values[at..at + p.len()].copy_from_slice(p);
+            at += p.len();
+        }
+        KvRun { len, parts, values }
     }
 }
 /// Memory per token, in f32 values: the key/value cache holds `kv` for every token of the
