@@ -8,7 +8,7 @@
 //! source computed, except that each norm's eps weighs `n²` times more, `n` being the number of
 //! sources its consumer reads.
 
-use super::{check_out, write_dir, Files};
+use super::output::{check_out, write_dir, Files};
 use crate::model::checkpoint;
 use crate::model::config::ResidualKind;
 use crate::model::params::{Init, Layout};

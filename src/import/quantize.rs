@@ -1,7 +1,7 @@
 //! `attnres quantize`: a checkpoint's weight matrices stored in a block format (what is
 //! quantised and why: [`crate::model::quantize`]), with the tokenizer files carried over.
 
-use super::{check_out, write_dir, Files};
+use super::output::{check_out, write_dir, Files};
 use crate::base::memory::format_bytes;
 use crate::kernels::quant::Format;
 use crate::model::checkpoint;
