@@ -225,12 +225,12 @@ pub fn forward_cached(
     let (cache_k, cache_v) = (&*cache_k, &*cache_v);
     let scale = 1.0 / (hd as f32).sqrt();
     let out_ptr = SendPtr(out.as_mut_ptr());
-    // One task per (span, query head, tile of rows); a decoding step (one row) takes the query
-    // heads that share a key/value head together (up to four), so that each cached key and
-    // value is read once for all of them.
-    // Fewer heads per task where the step has too few tasks to keep every thread busy (one
-    // sequence decoding alone): a group's keys and values are then read more than once, but by
-    // threads that would otherwise wait. (The numbers do not depend on the grouping.)
+    // One task per (span, query head, tile of rows), but a decoding step (one row) takes the
+    // query heads that share a key/value head together (up to four), so that each cached key
+    // and value is read once for all of them. Where that leaves too few tasks to keep every
+    // thread busy (one sequence decoding alone), a group is split over more tasks, which read
+    // its keys and values again on threads that would otherwise wait. The numbers do not depend
+    // on the grouping.
     let (group, kv) = (s.group(), s.kv_heads);
     let decoding = spans.iter().filter(|sp| sp.len == 1).count() * kv;
     let splits = (2 * rayon::current_num_threads()).div_ceil(decoding.max(1)).clamp(1, group);
