@@ -221,20 +221,24 @@ pub fn untouched_zeros(n: usize) -> Vec<f32> {
     v
 }
 
-/// Zeros mapped straight from the kernel on small pages, apart from the global allocator: a
-/// buffer of which each part is written only when it is first needed (a server's key/value
-/// pool, sized for every slot at the full context). An untouched page costs nothing, and a page
-/// is first touched at the cost of one small zeroed page, never a huge page's compaction and
-/// zeroing (which the allocator's huge-page advice would bring) nor a `memset` of the whole
-/// buffer (which a recycled or over-aligned zeroed block costs). Elsewhere than Linux, a
-/// plain zeroed vector.
-pub struct ZeroPages {
+/// Zeros for a buffer of which each part is written only when it is first needed (a server's
+/// key/value pool, sized for every slot at the full context; the prefix cache's runs). From
+/// [`HUGE_PAGE`] up (Linux), mapped straight from the kernel on small pages, apart from the
+/// global allocator: an untouched page costs nothing, and a page is first touched at the cost
+/// of one small zeroed page, never a huge page's compaction and zeroing (which the allocator's
+/// huge-page advice would bring) nor a `memset` of the whole buffer (which a recycled or
+/// over-aligned zeroed block costs). Smaller buffers, which the allocator gives no huge pages,
+/// come from it as a zeroed vector: a mapping each would take a whole page and one of the
+/// process's limited number of mappings.
+pub struct ZeroPages(Storage);
+
+enum Storage {
     #[cfg(target_os = "linux")]
-    ptr: std::ptr::NonNull<f32>,
-    #[cfg(target_os = "linux")]
-    len: usize,
-    #[cfg(not(target_os = "linux"))]
-    vec: Vec<f32>,
+    Mapped {
+        ptr: std::ptr::NonNull<f32>,
+        len: usize,
+    },
+    Heap(Vec<f32>),
 }
 
 // SAFETY: a `ZeroPages` owns its mapping alone, as a `Vec<f32>` owns its buffer.
@@ -245,78 +249,75 @@ unsafe impl Sync for ZeroPages {}
 impl ZeroPages {
     /// `n` zeros; `None` when the system refuses the mapping.
     pub fn new(n: usize) -> Option<ZeroPages> {
+        let bytes = n.checked_mul(4)?;
         #[cfg(target_os = "linux")]
-        {
-            if n == 0 {
-                return Some(ZeroPages::default());
-            }
+        if bytes >= HUGE_PAGE {
             extern "C" {
                 fn madvise(addr: *mut std::ffi::c_void, len: usize, advice: i32) -> i32;
             }
             const PROT_READ_WRITE: i32 = 0x1 | 0x2;
             const MAP_PRIVATE_ANONYMOUS: i32 = 0x02 | 0x20;
             const MADV_NOHUGEPAGE: i32 = 15;
-            let bytes = mapped_len(n.checked_mul(4)?);
+            let len = mapped_len(bytes);
             // SAFETY: a fresh private anonymous mapping, which nothing else refers to; the
             // advice changes only how its pages are backed.
             unsafe {
-                let p = mmap(
-                    std::ptr::null_mut(),
-                    bytes,
-                    PROT_READ_WRITE,
-                    MAP_PRIVATE_ANONYMOUS,
-                    -1,
-                    0,
-                );
+                let p =
+                    mmap(std::ptr::null_mut(), len, PROT_READ_WRITE, MAP_PRIVATE_ANONYMOUS, -1, 0);
                 if p as isize == -1 {
                     return None;
                 }
-                madvise(p, bytes, MADV_NOHUGEPAGE);
-                Some(ZeroPages { ptr: std::ptr::NonNull::new(p.cast())?, len: n })
+                madvise(p, len, MADV_NOHUGEPAGE);
+                return Some(ZeroPages(Storage::Mapped {
+                    ptr: std::ptr::NonNull::new(p.cast())?,
+                    len: n,
+                }));
             }
         }
-        #[cfg(not(target_os = "linux"))]
-        Some(ZeroPages { vec: vec![0.0; n] })
+        Some(ZeroPages(Storage::Heap(vec![0.0; bytes / 4])))
     }
 }
 
 impl Default for ZeroPages {
     /// An empty buffer.
     fn default() -> ZeroPages {
-        #[cfg(target_os = "linux")]
-        return ZeroPages { ptr: std::ptr::NonNull::dangling(), len: 0 };
-        #[cfg(not(target_os = "linux"))]
-        ZeroPages { vec: Vec::new() }
+        ZeroPages(Storage::Heap(Vec::new()))
     }
 }
 
 impl std::ops::Deref for ZeroPages {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        #[cfg(target_os = "linux")]
-        // SAFETY: the mapping holds `len` f32s (zero or written since), owned by `self`.
-        return unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) };
-        #[cfg(not(target_os = "linux"))]
-        &self.vec
+        match &self.0 {
+            #[cfg(target_os = "linux")]
+            // SAFETY: the mapping holds `len` f32s (zero or written since), owned by `self`.
+            Storage::Mapped { ptr, len } => unsafe {
+                std::slice::from_raw_parts(ptr.as_ptr(), *len)
+            },
+            Storage::Heap(v) => v,
+        }
     }
 }
 
 impl std::ops::DerefMut for ZeroPages {
     fn deref_mut(&mut self) -> &mut [f32] {
-        #[cfg(target_os = "linux")]
-        // SAFETY: as in `deref`, and `&mut self` makes this the only reference.
-        return unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) };
-        #[cfg(not(target_os = "linux"))]
-        &mut self.vec
+        match &mut self.0 {
+            #[cfg(target_os = "linux")]
+            // SAFETY: as in `deref`, and `&mut self` makes this the only reference.
+            Storage::Mapped { ptr, len } => unsafe {
+                std::slice::from_raw_parts_mut(ptr.as_ptr(), *len)
+            },
+            Storage::Heap(v) => v,
+        }
     }
 }
 
-#[cfg(target_os = "linux")]
 impl Drop for ZeroPages {
     fn drop(&mut self) {
-        if self.len > 0 {
+        #[cfg(target_os = "linux")]
+        if let Storage::Mapped { ptr, len } = self.0 {
             // SAFETY: the mapping `new` made, of this length, unmapped once.
-            unsafe { munmap(self.ptr.as_ptr().cast(), mapped_len(self.len * 4)) };
+            unsafe { munmap(ptr.as_ptr().cast(), mapped_len(len * 4)) };
         }
     }
 }
@@ -413,21 +414,26 @@ unsafe impl GlobalAlloc for Recycling {
 mod tests {
     use super::*;
 
-    /// Mapped zeros read as zeros, keep what is written (across pages, to the last value),
-    /// and an empty buffer is empty.
+    /// Zeros read as zeros and keep what is written (across pages, to the last value), below
+    /// a huge page (from the allocator) and above it (mapped; where `mapped` tells); an empty
+    /// buffer is empty.
     #[test]
     fn zero_pages_start_zero_and_keep_writes() {
-        let n = 3 * 4096 + 5;
-        let mut z = ZeroPages::new(n).expect("a small mapping");
-        assert_eq!(z.len(), n);
-        assert!(z.iter().all(|&x| x == 0.0));
-        for (i, x) in z.iter_mut().enumerate().step_by(1021) {
-            *x = i as f32;
+        for (n, mapped) in
+            [(3 * 4096 + 5, false), (HUGE_PAGE / 4 + 4096 + 7, cfg!(target_os = "linux"))]
+        {
+            let mut z = ZeroPages::new(n).expect("a small buffer");
+            assert_eq!(matches!(z.0, Storage::Heap(_)), !mapped, "{n} values");
+            assert_eq!(z.len(), n);
+            assert!(z.iter().all(|&x| x == 0.0));
+            for (i, x) in z.iter_mut().enumerate().step_by(1021) {
+                *x = i as f32;
+            }
+            z[n - 1] = -1.0;
+            assert!(z.iter().enumerate().step_by(1021).all(|(i, &x)| x == i as f32));
+            assert_eq!(z[n - 1], -1.0);
+            assert_eq!(z[1], 0.0);
         }
-        z[n - 1] = -1.0;
-        assert!(z.iter().enumerate().step_by(1021).all(|(i, &x)| x == i as f32));
-        assert_eq!(z[n - 1], -1.0);
-        assert_eq!(z[1], 0.0);
         assert!(ZeroPages::new(0).unwrap().is_empty() && ZeroPages::default().is_empty());
     }
 
