@@ -254,12 +254,10 @@ impl KvRun {
     /// The positions before `at` and those from `at` on, as two runs.
     pub fn split(&self, at: usize) -> (KvRun, KvRun) {
         assert!(0 < at && at < self.len, "a run of {} positions split at {at}", self.len);
-        let part = self.values.len() / self.parts;
-        let cut = at * (part / self.len);
+        let cut = at * (self.part(0).len() / self.len);
         let (head, tail): (Vec<&[f32]>, Vec<&[f32]>) =
-            self.values.chunks_exact(part).map(|p| p.split_at(cut)).unzip();
-        let parts = self.parts;
-        (KvRun::gather(at, parts, &head), KvRun::gather(self.len - at, parts, &tail))
+            (0..self.parts).map(|p| self.part(p).split_at(cut)).unzip();
+        (KvRun::gather(at, self.parts, &head), KvRun::gather(self.len - at, self.parts, &tail))
     }
 
     /// A run of `len` positions whose values are `pieces`, one after another.
