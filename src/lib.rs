@@ -8,14 +8,15 @@
 //!    version, log lines and progress bars, the machine's memory.
 //! 2. [`text`]: tokenizers, chat templates, and text streamed back from tokens.
 //! 3. [`kernels`]: forward and backward of every operation, on contiguous f32 slices.
-//! 4. [`model`]: configuration, parameters, the residual connection (standard / full / block),
-//!    the transformer, decoding with a key/value cache, checkpoints and diagnostics.
+//! 4. [`model`], [`gguf`], side by side: configuration, parameters, the residual connection
+//!    (standard / full / block), the transformer, decoding with a key/value cache, checkpoints
+//!    and diagnostics; GGUF files (llama.cpp's format) read and written.
 //! 5. [`train`], [`infer`], [`import`], side by side: training (data, settings, optimisers, the
 //!    loop, and parallel training over ranks); inference (generation, evaluation, one batch
 //!    through a model, and the OpenAI-compatible server); Llama checkpoints from GGUF files and
-//!    Hugging Face directories, standard ones back to GGUF, and upcycling.
-//! 6. [`experiments`]: comparisons of residual modes over seeds with their report, and
-//!    benchmarks.
+//!    Hugging Face directories, and upcycling.
+//! 6. [`export`], [`experiments`], side by side: standard checkpoints as GGUF files for
+//!    llama.cpp; comparisons of residual modes over seeds with their report, and benchmarks.
 //!
 //! The binary (`src/bin/attnres/`) parses the command line and calls these.
 
@@ -24,6 +25,7 @@ pub mod text;
 
 pub mod kernels;
 
+pub mod gguf;
 pub mod model;
 
 pub mod import;
@@ -31,6 +33,7 @@ pub mod infer;
 pub mod train;
 
 pub mod experiments;
+pub mod export;
 
 #[cfg(test)]
 pub(crate) mod testutil;

@@ -8,7 +8,8 @@
 
 mod common;
 
-use attnres::import::gguf::{Gguf, Value};
+use attnres::gguf::read::Gguf;
+use attnres::gguf::Value;
 use attnres::import::permute_rows;
 use attnres::model::{checkpoint, Config};
 use attnres::text::tokenizer::Bpe;

@@ -849,15 +849,15 @@ fn bad_gguf_files_are_named_errors() {
     write(&write_gguf(&meta, &tensors));
     import_fails(&file, &["architecture \"qwen2\"", "only \"llama\""]);
 
-    // An unsupported tensor type (Q5_0: 22 bytes per 32 values).
+    // An unsupported tensor type (IQ4_NL: 18 bytes per 32 values).
     let (mut tensors, _) = llama_tensors(gpt2_tokenizer().tokens.len(), &mut rng);
     let t = tensors.iter_mut().find(|t| t.name == "blk.1.ffn_up.weight").unwrap();
-    t.type_id = 6;
-    t.data = vec![0; FF * HIDDEN / 32 * 22];
+    t.type_id = 20;
+    t.data = vec![0; FF * HIDDEN / 32 * 18];
     let mut meta = llama_meta("llama");
     meta.extend(gpt2_tokenizer().meta);
     write(&write_gguf(&meta, &tensors));
-    import_fails(&file, &["blk.1.ffn_up.weight", "Q5_0", "Q4_1", "Q6_K"]);
+    import_fails(&file, &["blk.1.ffn_up.weight", "IQ4_NL", "Q5_1", "Q6_K"]);
 
     // A K-quant tensor whose rows are not whole 256-value blocks.
     let (mut tensors, _) = llama_tensors(gpt2_tokenizer().tokens.len(), &mut rng);

@@ -2,9 +2,10 @@
 //! as our config, each tensor checked against ours, dequantised or kept in its block format,
 //! and the query and key rows put back in Hugging Face order.
 
-use super::gguf::{self, Gguf, Value};
 use super::output::{check_tokenizer, Files, Summary};
 use super::tokenizer;
+use crate::gguf::read::{Gguf, TensorInfo};
+use crate::gguf::{type_name, Value};
 use crate::kernels::quant::matrix::{Bytes, QuantMatrix, QuantPart};
 use crate::model::params::{Layout, ParamSpec};
 use crate::model::quantize::part_of;
@@ -20,7 +21,7 @@ fn gguf_tensor<'g>(
     g: &'g Gguf,
     spec: &ParamSpec,
     config: &Config,
-) -> Result<(&'g gguf::TensorInfo, Option<usize>)> {
+) -> Result<(&'g TensorInfo, Option<usize>)> {
     let (gname, heads) = gguf_name(&spec.name, config)
         .with_context(|| format!("tensor {} has no GGUF counterpart", spec.name))?;
     let t = g.tensor(&gname).with_context(|| {
@@ -89,7 +90,7 @@ pub(super) fn from_gguf(path: &Path, keep_blocks: bool) -> Result<(Files, Summar
     for spec in &layout.specs {
         let (t, heads) = gguf_tensor(&g, spec, &config)?;
         used.insert(t.name.clone());
-        *types.entry(gguf::type_name(t.type_id)).or_insert(0) += 1;
+        *types.entry(type_name(t.type_id)).or_insert(0) += 1;
         if part_of(&quant, spec).is_some() {
             continue;
         }

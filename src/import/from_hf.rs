@@ -1,10 +1,10 @@
 //! Import from a Hugging Face Llama directory: `config.json`, one or several `*.safetensors`
 //! (f32, f16 or bf16, sharded or not), `tokenizer.json` and `tokenizer_config.json`.
 
-use super::gguf;
 use super::output::{
     check_tokenizer, Files, Summary, CHAT_TEMPLATE_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
 };
+use crate::gguf::{read::dequantize, GgmlType};
 use crate::model::checkpoint::{self, CONFIG_FILE};
 use crate::model::params::Layout;
 use crate::model::{Config, Model};
@@ -190,12 +190,12 @@ fn weight_files(dir: &Path) -> Result<Shards> {
 fn to_f32(name: &str, t: &safetensors::tensor::TensorView) -> Result<Vec<f32>> {
     use safetensors::tensor::Dtype;
     let ty = match t.dtype() {
-        Dtype::F32 => gguf::GgmlType::F32,
-        Dtype::F16 => gguf::GgmlType::Blocks(crate::kernels::quant::Format::F16),
-        Dtype::BF16 => gguf::GgmlType::BF16,
+        Dtype::F32 => GgmlType::F32,
+        Dtype::F16 => GgmlType::Blocks(crate::kernels::quant::Format::F16),
+        Dtype::BF16 => GgmlType::BF16,
         other => bail!("tensor {name:?} has dtype {other:?}; import reads F32, F16 and BF16"),
     };
-    Ok(gguf::dequantize(ty, t.data()))
+    Ok(dequantize(ty, t.data()))
 }
 
 #[cfg(test)]

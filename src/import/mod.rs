@@ -13,15 +13,13 @@
 //! The output directory is written under a temporary name beside it and renamed into place, so
 //! a failed import leaves nothing behind.
 //!
-//! The way back, a standard checkpoint as a GGUF file for llama.cpp, is [`export`], written with
-//! [`gguf_writer`].
+//! GGUF files are read with [`crate::gguf::read`]. The way back, a standard checkpoint as a
+//! GGUF file for llama.cpp, is `crate::export`, which uses the names and the tokenizer
+//! metadata of this module.
 
 pub mod convert;
-pub mod export;
 mod from_gguf;
 mod from_hf;
-pub mod gguf;
-pub mod gguf_writer;
 mod output;
 pub mod quantize;
 pub mod tokenizer;

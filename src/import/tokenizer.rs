@@ -15,7 +15,8 @@
 //! Tokens marked control (type 3) become special added tokens, user-defined ones (type 4) plain
 //! added tokens, so that they are matched whole in text.
 
-use super::gguf::{Gguf, Value};
+use crate::gguf::read::Gguf;
+use crate::gguf::Value;
 use crate::text::tokenizer::{special_token, END_OF_TEXT};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Map, Value as Json};

@@ -6,7 +6,7 @@
 //! f32: every RMSNorm gain and all depth-attention parameters (pseudo-queries, key-norm gains),
 //! which are a few values per sublayer, cost nothing to read, and set which layers a sublayer
 //! listens to; a small error there moves every later layer. The matrix the LM head reads (the
-//! embedding when tied) is stored in Q8_0 when the target is a 4-bit format, as llama.cpp keeps
+//! embedding when tied) is stored in Q8_0 when the target is a 4- or 5-bit format, as llama.cpp keeps
 //! its output matrix at more bits than the rest: its error goes straight into every logit. F16
 //! is not a block format but takes the same path: a matrix's values rounded to halves.
 
@@ -27,8 +27,10 @@ pub struct Quantized {
     pub bytes: (usize, usize),
 }
 
-/// The formats `quantize` writes (the K-quants are read, not made).
-pub const TARGETS: [Format; 4] = [Format::F16, Format::Q8_0, Format::Q4_0, Format::Q4_1];
+/// The formats `quantize` writes: those the code makes (the K-quants are read, not made).
+pub fn targets() -> Vec<Format> {
+    Format::ALL.into_iter().filter(|f| f.quantizable()).collect()
+}
 
 impl Model {
     /// This model with the matrices of `quant` (keyed by their range's start) computed from
@@ -142,7 +144,8 @@ pub fn part_of<'a>(
 
 /// `model`'s matrices in `to` (see the module's notes); every other tensor as it is.
 pub fn quantize(model: &Model, to: Format) -> Result<Quantized> {
-    ensure!(TARGETS.contains(&to), "quantize writes {}, not {}", names(&TARGETS), to.name());
+    let targets = targets();
+    ensure!(targets.contains(&to), "quantize writes {}, not {}", names(&targets), to.name());
     ensure!(
         !model.is_quantized(),
         "the model is already quantised: quantise its f32 original (for an imported GGUF: attnres import --dtype f32)"
@@ -153,8 +156,8 @@ pub fn quantize(model: &Model, to: Format) -> Result<Quantized> {
     let mut tensors = BTreeMap::new();
     let mut quantised = BTreeSet::new();
     for m in lay.matrices() {
-        let four_bits = matches!(to, Format::Q4_0 | Format::Q4_1);
-        let format = if m.start == head && four_bits { Format::Q8_0 } else { to };
+        let few_bits = matches!(to, Format::Q4_0 | Format::Q4_1 | Format::Q5_0 | Format::Q5_1);
+        let format = if m.start == head && few_bits { Format::Q8_0 } else { to };
         let specs = lay.specs_in(&m);
         let cols = *lay.specs[specs[0]].shape.last().unwrap_or(&1);
         if format.row_bytes(cols).is_err() {
@@ -351,16 +354,16 @@ mod tests {
         assert!(e.contains("k_proj") && e.contains("expected [32, 36]"), "{e}");
         let e = edit(
             "\"quant.model.layers.0.self_attn.k_proj.weight\":\"Q4_1\"",
-            "\"quant.model.layers.0.self_attn.k_proj.weight\":\"Q5_1\"",
+            "\"quant.model.layers.0.self_attn.k_proj.weight\":\"Q7_2\"",
         );
-        assert!(e.contains("unknown block format \"Q5_1\""), "{e}");
+        assert!(e.contains("unknown block format \"Q7_2\""), "{e}");
     }
 
     #[test]
     fn quantising_twice_or_to_a_k_quant_is_refused() {
         let m = Model::init(config(ResidualKind::Standard, true), 1).unwrap();
         let e = quantize(&m, Format::Q6K).err().unwrap().to_string();
-        assert!(e.contains("q8_0, q4_0, q4_1, not Q6_K"), "{e}");
+        assert!(e.contains("f16, q4_0, q4_1, q5_0, q5_1, q8_0, not Q6_K"), "{e}");
         let q = quantize(&m, Format::Q8_0).unwrap();
         let e = quantize(&q.model, Format::Q8_0).err().unwrap().to_string();
         assert!(e.contains("already quantised"), "{e}");

@@ -313,7 +313,7 @@ fn overlay_train(base: &TrainConfig, values: Map<String, Value>) -> Result<Train
     let Value::Object(mut map) = serde_json::to_value(base)? else { unreachable!() };
     for (k, v) in values {
         let Some(old) = map.get(&k) else { bail!("unknown training key {k:?}") };
-        crate::model::config::same_kind(old, &v)
+        crate::model::config::json::same_kind(old, &v)
             .map_err(|want| anyhow::anyhow!("training key {k} must be {want}, got {v}"))?;
         map.insert(k, v);
     }

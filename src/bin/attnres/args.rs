@@ -57,8 +57,8 @@ pub(crate) enum Command {
     /// Upcycle a standard checkpoint to Full or Block AttnRes: the same weights plus depth
     /// parameters that start as the standard residual (pseudo-queries zero, key-norm gains one).
     Convert(ConvertArgs),
-    /// Store a checkpoint's weight matrices in a smaller format (F16, Q8_0, Q4_0, Q4_1) for
-    /// faster, smaller inference; norms and depth-attention parameters stay f32.
+    /// Store a checkpoint's weight matrices in a smaller format (F16, Q8_0, Q4_0, Q4_1, Q5_0,
+    /// Q5_1) for faster, smaller inference; norms and depth-attention parameters stay f32.
     Quantize(QuantizeArgs),
     /// Write a standard checkpoint as a GGUF file that llama.cpp loads (llama architecture, with
     /// its tokenizer); AttnRes models are refused.
@@ -126,6 +126,10 @@ pub(crate) enum QuantTarget {
     Q4_0,
     #[value(name = "q4_1")]
     Q4_1,
+    #[value(name = "q5_0")]
+    Q5_0,
+    #[value(name = "q5_1")]
+    Q5_1,
 }
 
 impl QuantTarget {
@@ -136,6 +140,8 @@ impl QuantTarget {
             QuantTarget::Q8_0 => Format::Q8_0,
             QuantTarget::Q4_0 => Format::Q4_0,
             QuantTarget::Q4_1 => Format::Q4_1,
+            QuantTarget::Q5_0 => Format::Q5_0,
+            QuantTarget::Q5_1 => Format::Q5_1,
         }
     }
 }
@@ -186,7 +192,8 @@ pub(crate) struct ImportArgs {
     #[arg(long)]
     pub force: bool,
     /// How to store the GGUF file's weights: `keep` stores the block formats (Q8_0, Q4_0, Q4_1,
-    /// Q4_K, Q6_K) as they are and computes on them; `f32` expands every tensor to f32.
+    /// Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) as they are and computes on them; `f32` expands every
+    /// tensor to f32.
     #[arg(long, value_enum, default_value = "keep")]
     pub dtype: ImportDtype,
 }

@@ -56,7 +56,7 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
         }
         Command::Export(a) => {
             let ExportFormat::Gguf = a.to;
-            let done = attnres::import::export::export(&a.model, a.ty.format(), &a.out, a.force)?;
+            let done = attnres::export::export(&a.model, a.ty.format(), &a.out, a.force)?;
             log(&done.line(&a.model, &a.out));
             Ok(())
         }

@@ -4,10 +4,9 @@
 //! tensors, which a GGUF file may store in different formats); every row holds `cols` values.
 //! The bytes are borrowed from whatever owns them (a memory-mapped checkpoint, or a buffer).
 
-use super::dot::{
-    dot_f16, dot_f16_many, dot_f32, dot_q8, dot_q8_rows4, dot_q8_x4, takes_q8, QuantRows,
-};
-use super::packed::{self, group_dot, group_dot4};
+use super::dot::{dot_f16, dot_f16_many, QuantRows};
+use super::formats::Packed;
+use super::packed::ROWS;
 use super::{dequantize_into, Format};
 use anyhow::{ensure, Result};
 use rayon::prelude::*;
@@ -53,8 +52,8 @@ pub struct QuantPart {
     pub format: Format,
     pub rows: usize,
     pub data: Bytes,
-    /// The rows regrouped for the products ([`packed`]), made by [`QuantMatrix::new`] for
-    /// Q8_0 and Q4_0 parts of whole groups of eight rows.
+    /// The rows regrouped for the products ([`super::packed`]), eight at a time (the last
+    /// group padded with zero rows), made by [`QuantMatrix::new`] for every format but F16.
     pub packed: Option<Arc<Vec<u8>>>,
 }
 
@@ -78,7 +77,7 @@ const ROWS_PER_TASK: usize = 32;
 
 impl QuantMatrix {
     /// Checks that every part holds whole rows of `cols` values in its format, and regroups
-    /// the Q8_0 and Q4_0 parts for the products.
+    /// the rows of every format but F16 for the products.
     pub fn new(cols: usize, mut parts: Vec<QuantPart>) -> Result<QuantMatrix> {
         ensure!(!parts.is_empty(), "a quantised matrix needs at least one part");
         for p in &mut parts {
@@ -92,9 +91,8 @@ impl QuantMatrix {
                 p.rows * row,
                 p.data.len()
             );
-            if packed::packs(p.format) && p.rows.is_multiple_of(packed::ROWS) && p.packed.is_none()
-            {
-                p.packed = Some(Arc::new(packed::pack(p.format, &p.data, p.rows)));
+            if let (Some(how), None) = (&p.format.ops().packed, &p.packed) {
+                p.packed = Some(Arc::new(pack(how, p.format, &p.data, p.rows)));
             }
         }
         Ok(QuantMatrix { cols, parts })
@@ -131,14 +129,14 @@ impl QuantMatrix {
         out
     }
 
-    /// `y = x · Wᵀ` for `n` rows of `x` (`[n, cols]`): `[n, rows]`. Rows of Q8_0 and Q4_0 take
-    /// the activations quantised to Q8_0 per row (llama.cpp's way): regrouped parts through
-    /// [`packed`], eight rows at a time, the rest through [`super::dot`]; the other formats
-    /// take the f32 activations. Every token's result has the same bits whatever `n` is.
+    /// `y = x · Wᵀ` for `n` rows of `x` (`[n, cols]`): `[n, rows]`. The activations are
+    /// quantised to Q8_0 per row (llama.cpp's way) for the regrouped parts ([`super::packed`],
+    /// eight rows at a time); F16 rows take them in f32. Every token's result has the same
+    /// bits whatever `n` is.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let k = self.cols;
         assert!(x.len() == n * k, "quantised product: {} activations, not {n} x {k}", x.len());
-        let xq = self.parts.iter().any(|p| takes_q8(p.format)).then(|| QuantRows::new(x, k));
+        let xq = self.parts.iter().any(|p| p.packed.is_some()).then(|| QuantRows::new(x, k));
         let m = self.rows();
         let mut y = vec![0.0f32; n * m];
         // Each task owns whole weight rows, `r0..r0 + rows`: the same columns of every
@@ -146,56 +144,44 @@ impl QuantMatrix {
         let mut tasks = Vec::new();
         let mut r0 = 0;
         for p in &self.parts {
-            let rb = p.data.len() / p.rows;
-            // A regrouped part's tasks take whole groups of its regrouped bytes.
-            let (bytes, per_row) = match &p.packed {
-                Some(g) => (&g[..], g.len() / p.rows),
-                None => (&p.data[..], rb),
+            // A regrouped part's tasks take whole groups; F16 rows as the file holds them.
+            let (bytes, unit, unit_rows) = match &p.packed {
+                Some(g) => (&g[..], g.len() / p.rows.div_ceil(ROWS), ROWS),
+                None => (&p.data[..], p.data.len() / p.rows, 1),
             };
-            for w in bytes.chunks(per_row * ROWS_PER_TASK) {
-                let rows = w.len() / per_row;
-                tasks.push(Task { format: p.format, regrouped: p.packed.is_some(), w, rows, r0 });
-                r0 += rows;
+            let mut left = p.rows;
+            for w in bytes.chunks(unit * (ROWS_PER_TASK / unit_rows)) {
+                let rows = (w.len() / unit * unit_rows).min(left);
+                tasks.push(Task { format: p.format, w, rows, r0 });
+                (r0, left) = (r0 + rows, left - rows);
             }
         }
         let out = Columns { y: y.as_mut_ptr(), n, m };
         tasks.into_par_iter().for_each(|t| {
             // SAFETY: the tasks' row ranges are disjoint, so no two write the same columns.
             let put = |i: usize, r: usize, v: &[f32]| unsafe { out.put(i, t.r0 + r, v) };
-            match &xq {
-                Some(xq) if t.regrouped => {
-                    // Four tokens at a time (prefill), then one at a time: the same bits.
-                    let mut v = vec![0.0f32; 4 * t.rows];
+            match (&t.format.ops().packed, &xq) {
+                (Some(how), Some(xq)) => {
+                    let kernels = &how.kernels;
+                    // Four tokens at a time (prefill), then one at a time: the same bits. The
+                    // last group's padding rows are computed and dropped.
+                    let width = t.rows.div_ceil(ROWS) * ROWS;
+                    let mut v = vec![0.0f32; 4 * width];
                     let mut i = 0;
                     while i + 4 <= n {
                         let a = [xq.row(i), xq.row(i + 1), xq.row(i + 2), xq.row(i + 3)];
-                        group_dot4(t.format, t.w, [&a[0], &a[1], &a[2], &a[3]], &mut v);
-                        for (j, v) in v.chunks_exact(t.rows).enumerate() {
-                            put(i + j, 0, v);
+                        (kernels.dot4)(t.w, [&a[0], &a[1], &a[2], &a[3]], &mut v);
+                        for (j, v) in v.chunks_exact(width).enumerate() {
+                            put(i + j, 0, &v[..t.rows]);
                         }
                         i += 4;
                     }
                     for i in i..n {
-                        group_dot(t.format, t.w, &xq.row(i), &mut v[..t.rows]);
+                        (kernels.dot)(t.w, [&xq.row(i)], &mut v[..width]);
                         put(i, 0, &v[..t.rows]);
                     }
                 }
-                Some(xq) if takes_q8(t.format) => by_rows(
-                    &t,
-                    n,
-                    put,
-                    |row, i| dot_q8(t.format, row, xq.row(i).blocks),
-                    |rows, i| {
-                        let a = xq.row(i);
-                        dot_q8_rows4(t.format, rows, a.blocks, a.scales)
-                    },
-                    |row, i| {
-                        let a = [xq.row(i), xq.row(i + 1), xq.row(i + 2), xq.row(i + 3)];
-                        let q = a.each_ref().map(|a| a.blocks);
-                        dot_q8_x4(t.format, row, q, a.each_ref().map(|a| a.scales))
-                    },
-                ),
-                _ if t.format == Format::F16 => {
+                _ => {
                     let x = |i: usize| &x[i * k..(i + 1) * k];
                     by_rows(
                         &t,
@@ -212,21 +198,32 @@ impl QuantMatrix {
                         },
                     )
                 }
-                _ => {
-                    let rb = t.w.len() / t.rows;
-                    for (r, row) in t.w.chunks_exact(rb).enumerate() {
-                        for i in 0..n {
-                            put(i, r, &[dot_f32(t.format, row, &x[i * k..(i + 1) * k])]);
-                        }
-                    }
-                }
             }
         });
         y
     }
 }
 
-/// A task's rows (as the file holds them) by `n` tokens, through a kernel's three forms, each
+/// `rows` rows of `format` blocks (`bytes`, as a file holds them) regrouped eight at a time
+/// as `how` lays them out, the last group padded with rows of zeros.
+pub(crate) fn pack(how: &Packed, format: Format, bytes: &[u8], rows: usize) -> Vec<u8> {
+    let rb = bytes.len() / rows;
+    let (bb, blocks) = (format.block_bytes(), rb / format.block_bytes());
+    let zero = vec![0u8; bb];
+    let mut out = vec![0u8; rows.div_ceil(ROWS) * blocks * how.group_block];
+    for (g, group) in out.chunks_exact_mut(blocks * how.group_block).enumerate() {
+        for (b, o) in group.chunks_exact_mut(how.group_block).enumerate() {
+            let block = |r: usize| match g * ROWS + r {
+                row if row < rows => &bytes[row * rb + b * bb..][..bb],
+                _ => &zero[..],
+            };
+            (how.pack)(std::array::from_fn(block), o);
+        }
+    }
+    out
+}
+
+/// A task's F16 rows by `n` tokens, through a kernel's three forms, each
 /// giving a row and a token the same bits: `one` (a row, token `i`), `rows4` (four rows, token
 /// `i`: decoding, fewer than four tokens) and `tokens4` (a row, tokens `i..i + 4`: prefill).
 fn by_rows(
@@ -272,7 +269,6 @@ fn by_rows(
 /// whose outputs are columns `r0..r0 + rows` of every token's.
 struct Task<'a> {
     format: Format,
-    regrouped: bool,
     w: &'a [u8],
     rows: usize,
     r0: usize,
@@ -308,130 +304,64 @@ impl Columns {
 
 #[cfg(test)]
 mod tests {
-    use super::super::dot::quantize_activations;
-    use super::super::packed::Activations;
-    use super::super::quantize;
     use super::super::testing::{raw_blocks, values};
     use super::*;
 
+    /// A matrix with a part in every format, row counts in and out of whole groups: each
+    /// token's outputs are each part's own kernel (the portable one, as the tasks run on the
+    /// pool's threads in the best form, whose bits are the portable ones), and tokens give the
+    /// same bits however many run together (six: four through the prefill kernel, two alone).
     #[test]
-    fn the_product_is_each_rows_dot_and_parts_stack() {
-        // Six tokens: four through the prefill kernel, two alone.
-        let (k, n) = (64, 6);
-        let a = values(40 * k, 1);
-        let b = values(70 * k, 2);
-        let c = values(12 * k, 4);
-        let d = values(9 * k, 6);
-        // Q8_0 in whole groups of eight rows (regrouped), Q4_1 (f32 activations), Q4_0 in
-        // twelve rows (not whole groups: the per-row kernels), and F16 in nine (four rows at a
-        // time, then one).
-        let parts = vec![
-            QuantPart::new(
-                "a".into(),
-                Format::Q8_0,
-                40,
-                Bytes::from_vec(quantize(Format::Q8_0, &a).unwrap()),
-            ),
-            QuantPart::new(
-                "b".into(),
-                Format::Q4_1,
-                70,
-                Bytes::from_vec(quantize(Format::Q4_1, &b).unwrap()),
-            ),
-            QuantPart::new(
-                "c".into(),
-                Format::Q4_0,
-                12,
-                Bytes::from_vec(quantize(Format::Q4_0, &c).unwrap()),
-            ),
-            QuantPart::new(
-                "d".into(),
-                Format::F16,
-                9,
-                Bytes::from_vec(quantize(Format::F16, &d).unwrap()),
-            ),
-        ];
+    fn the_product_is_each_parts_kernel_and_parts_stack() {
+        let (k, n) = (256, 6);
+        let counts = [8, 13, 3, 40, 9, 16, 5, 24, 11];
+        let parts: Vec<QuantPart> = Format::ALL
+            .iter()
+            .zip(counts)
+            .enumerate()
+            .map(|(i, (&f, rows))| {
+                let bytes = raw_blocks(f, rows * k / f.block_values(), 30 + i as u64);
+                QuantPart::new(format!("p{i}"), f, rows, Bytes::from_vec(bytes))
+            })
+            .collect();
         let m = QuantMatrix::new(k, parts).unwrap();
-        assert!(
-            m.parts[0].packed.is_some()
-                && m.parts[1].packed.is_none()
-                && m.parts[2].packed.is_none()
-                && m.parts[3].packed.is_none()
-        );
         let rows = m.rows();
-        assert_eq!(rows, 131);
+        assert_eq!(rows, counts.iter().sum::<usize>());
         let x = values(n * k, 3);
         let y = m.matmul(&x, n);
         let w = m.dequantize();
+        let xq = QuantRows::new(&x, k);
         for i in 0..n {
-            let xi = &x[i * k..(i + 1) * k];
-            let xq = quantize_activations(xi).unwrap();
-            let xd: Vec<f32> = xq
-                .chunks(34)
-                .map(|b| super::super::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
-                .collect();
-            let sums: Vec<i32> =
-                xq.chunks(34).map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum()).collect();
-            let mut grouped = vec![0.0; 40];
-            let act = Activations { blocks: &xq, scales: &xd, sums: &sums };
-            packed::group_dot_portable(
-                Format::Q8_0,
-                m.parts[0].packed.as_ref().unwrap(),
-                &act,
-                &mut grouped,
-            );
-            for r in 0..rows {
-                let (p, rr) = match r {
-                    0..40 => (0, r),
-                    40..110 => (1, r - 40),
-                    110..122 => (2, r - 110),
-                    _ => (3, r - 122),
+            let mut r0 = 0;
+            for p in &m.parts {
+                let want: Vec<f32> = match (&p.format.ops().packed, &p.packed) {
+                    (Some(how), Some(packed)) => {
+                        let mut v = vec![0.0; p.rows.div_ceil(ROWS) * ROWS];
+                        (how.kernels.portable)(packed, [&xq.row(i)], &mut v);
+                        v.truncate(p.rows);
+                        v
+                    }
+                    _ => {
+                        let rb = p.data.len() / p.rows;
+                        p.data.chunks(rb).map(|row| dot_f16(row, &x[i * k..(i + 1) * k])).collect()
+                    }
                 };
-                let part = &m.parts[p];
-                let rb = part.data.len() / part.rows;
-                let bytes = &part.data[rr * rb..(rr + 1) * rb];
-                let want = match p {
-                    0 => grouped[rr],
-                    1 => dot_f32(part.format, bytes, xi),
-                    2 => dot_q8(part.format, bytes, &xq),
-                    _ => dot_f16(bytes, xi),
-                };
-                assert_eq!(y[i * rows + r].to_bits(), want.to_bits(), "row {i}, column {r}");
-                let mut got = Vec::new();
-                m.row_into(r, &mut got);
-                assert_eq!(got, w[r * k..(r + 1) * k]);
+                for (r, want) in want.iter().enumerate() {
+                    let got = y[i * rows + r0 + r];
+                    assert_eq!(got.to_bits(), want.to_bits(), "token {i}, {} row {r}", p.name);
+                }
+                r0 += p.rows;
             }
         }
-        // Decoding kernels (fewer than four tokens) give each token the same bits: a token's
-        // result does not depend on what else is in the batch.
+        for r in 0..rows {
+            let mut got = Vec::new();
+            m.row_into(r, &mut got);
+            assert_eq!(got, w[r * k..(r + 1) * k]);
+        }
+        // Decoding (fewer than four tokens): each token the same bits.
         for few in [1, 3] {
             let y_few = m.matmul(&x[..few * k], few);
             assert!(y_few.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "{few} tokens");
-        }
-    }
-
-    /// Every format, through a one-part matrix of three rows (not a whole group of eight):
-    /// each output is its row's product with the token.
-    #[test]
-    fn every_format_multiplies_as_its_rows_dot() {
-        for format in Format::ALL {
-            let n = format.block_values();
-            let w = raw_blocks(format, 3, 21);
-            let x = values(n, 9);
-            let part = QuantPart::new("w".into(), format, 3, Bytes::from_vec(w.clone()));
-            let y = QuantMatrix::new(n, vec![part]).unwrap().matmul(&x, 1);
-            let rb = format.block_bytes();
-            for (r, &yr) in y.iter().enumerate() {
-                let row = &w[r * rb..(r + 1) * rb];
-                let want = if takes_q8(format) {
-                    dot_q8(format, row, &quantize_activations(&x).unwrap())
-                } else if format == Format::F16 {
-                    dot_f16(row, &x)
-                } else {
-                    dot_f32(format, row, &x)
-                };
-                assert_eq!(yr.to_bits(), want.to_bits(), "{format:?} row {r}");
-            }
         }
     }
 

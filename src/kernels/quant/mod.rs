@@ -1,7 +1,7 @@
 //! ggml's block formats: weights stored as blocks of small integers with one or two scales per
 //! block, the formats of the GGUF files people download. Conversion both ways, bit for bit as
 //! ggml's reference code does it (`dequantize_row_*`, `quantize_row_*_ref`), and products of
-//! a quantised row with activations ([`dot`]).
+//! quantised rows with activations ([`matrix`]). Each format lives in one file of [`formats`].
 //!
 //! | format | values per block | bytes per block | a value |
 //! |---|---|---|---|
@@ -9,21 +9,44 @@
 //! | Q8_0 | 32 | 34: f16 `d`, 32 × i8 `q` | `q · d` |
 //! | Q4_0 | 32 | 18: f16 `d`, 16 bytes of nibbles | `(q − 8) · d` |
 //! | Q4_1 | 32 | 20: f16 `d`, f16 `m`, 16 bytes of nibbles | `q · d + m` |
+//! | Q5_0 | 32 | 22: f16 `d`, 4 bytes of fifth bits, 16 of nibbles | `(q − 16) · d` |
+//! | Q5_1 | 32 | 24: f16 `d`, f16 `m`, 4 bytes of fifth bits, 16 of nibbles | `q · d + m` |
 //! | Q4_K | 256 | 144: f16 `d`, f16 `dmin`, 12 bytes of 6-bit scales and mins, 128 of nibbles | `d·sc · q − dmin·m` per 32 |
+//! | Q5_K | 256 | 176: as Q4_K, with 32 bytes of fifth bits | `d·sc · q − dmin·m` per 32 |
 //! | Q6_K | 256 | 210: 128 bytes of low nibbles, 64 of high 2 bits, 16 × i8 scales, f16 `d` | `d·sc · (q − 32)` per 16 |
 //!
-//! In a 32-value block of Q4_0 and Q4_1 the low nibbles hold values 0..16 and the high nibbles
-//! values 16..32.
+//! In a 32-value block of Q4_0, Q4_1, Q5_0 and Q5_1 the low nibbles hold values 0..16 and the
+//! high nibbles values 16..32.
 
 pub mod dot;
+pub mod formats;
 pub mod matrix;
 pub mod packed;
 #[cfg(test)]
 mod testing;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub(crate) mod x86;
 
 use anyhow::{bail, ensure, Result};
+use formats::FormatOps;
+
+/// Runs the first expression where the processor has AVX-512 VNNI, the second where it has
+/// AVX2 (with FMA and F16C), the third elsewhere: the one place the code chooses among the
+/// forms of its kernels ([`x86::isa`]).
+macro_rules! by_isa {
+    (vnni => $vnni:expr, avx2 => $avx2:expr, portable => $portable:expr $(,)?) => {{
+        #[cfg(target_arch = "x86_64")]
+        let chosen = match $crate::kernels::quant::x86::isa() {
+            Some($crate::kernels::quant::x86::Isa::Vnni) => $vnni,
+            Some($crate::kernels::quant::x86::Isa::Avx2) => $avx2,
+            None => $portable,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let chosen = $portable;
+        chosen
+    }};
+}
+pub(crate) use by_isa;
 
 /// A block format.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -32,28 +55,45 @@ pub enum Format {
     Q8_0,
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q4K,
+    Q5K,
     Q6K,
 }
 
-/// Values per K-quant super-block.
-pub const QK_K: usize = 256;
-
 impl Format {
     /// Every format, in ggml's order of type ids.
-    pub const ALL: [Format; 6] =
-        [Format::F16, Format::Q4_0, Format::Q4_1, Format::Q8_0, Format::Q4K, Format::Q6K];
+    pub const ALL: [Format; 9] = [
+        Format::F16,
+        Format::Q4_0,
+        Format::Q4_1,
+        Format::Q5_0,
+        Format::Q5_1,
+        Format::Q8_0,
+        Format::Q4K,
+        Format::Q5K,
+        Format::Q6K,
+    ];
+
+    /// What the code knows of the format: the one place that chooses among them.
+    pub fn ops(self) -> &'static FormatOps {
+        match self {
+            Format::F16 => &formats::f16::OPS,
+            Format::Q8_0 => &formats::q8_0::OPS,
+            Format::Q4_0 => &formats::q4_0::OPS,
+            Format::Q4_1 => &formats::q4_1::OPS,
+            Format::Q5_0 => &formats::q5_0::OPS,
+            Format::Q5_1 => &formats::q5_1::OPS,
+            Format::Q4K => &formats::q4_k::OPS,
+            Format::Q5K => &formats::q5_k::OPS,
+            Format::Q6K => &formats::q6_k::OPS,
+        }
+    }
 
     /// ggml's type id.
     pub fn ggml_id(self) -> u32 {
-        match self {
-            Format::F16 => 1,
-            Format::Q4_0 => 2,
-            Format::Q4_1 => 3,
-            Format::Q8_0 => 8,
-            Format::Q4K => 12,
-            Format::Q6K => 14,
-        }
+        self.ops().ggml_id
     }
 
     pub fn from_ggml_id(id: u32) -> Option<Format> {
@@ -62,35 +102,22 @@ impl Format {
 
     /// ggml's name: `Q8_0`, `Q4_K`, ...
     pub fn name(self) -> &'static str {
-        match self {
-            Format::F16 => "F16",
-            Format::Q8_0 => "Q8_0",
-            Format::Q4_0 => "Q4_0",
-            Format::Q4_1 => "Q4_1",
-            Format::Q4K => "Q4_K",
-            Format::Q6K => "Q6_K",
-        }
+        self.ops().name
     }
 
     /// Values per block.
     pub fn block_values(self) -> usize {
-        match self {
-            Format::F16 => 1,
-            Format::Q8_0 | Format::Q4_0 | Format::Q4_1 => 32,
-            Format::Q4K | Format::Q6K => QK_K,
-        }
+        self.ops().block_values
     }
 
     /// Bytes per block.
     pub fn block_bytes(self) -> usize {
-        match self {
-            Format::F16 => 2,
-            Format::Q8_0 => 34,
-            Format::Q4_0 => 18,
-            Format::Q4_1 => 20,
-            Format::Q4K => 144,
-            Format::Q6K => 210,
-        }
+        self.ops().block_bytes
+    }
+
+    /// Whether [`quantize`] makes the format (the others are read from files only).
+    pub fn quantizable(self) -> bool {
+        self.ops().quantize.is_some()
     }
 
     /// The bytes of a row of `n` values; `n` must be a whole number of blocks.
@@ -118,138 +145,47 @@ pub fn f32_to_f16(x: f32) -> u16 {
     half::f16::from_f32(x).to_bits()
 }
 
+/// An f16 stored little-endian at the start of `b`, as f32.
+pub(crate) fn half(b: &[u8]) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
+
 /// A bfloat16 value as f32; exact.
 pub fn bf16_to_f32(h: u16) -> f32 {
     f32::from_bits((h as u32) << 16)
 }
 
-fn half(b: &[u8]) -> f32 {
-    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
-}
-
-/// Q4_K's scale and min of sub-block `j` (0..8) from its 12 packed bytes: 6 bits each.
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        ((q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
-    }
-}
-
 /// Appends the values of whole blocks of `format` to `out`.
 pub fn dequantize_into(format: Format, bytes: &[u8], out: &mut Vec<f32>) {
-    if format == Format::F16 {
-        return out.extend(bytes.chunks_exact(2).map(half));
-    }
-    for b in bytes.chunks_exact(format.block_bytes()) {
-        match format {
-            Format::F16 => unreachable!("handled above"),
-            Format::Q8_0 => {
-                let d = half(b);
-                out.extend(b[2..].iter().map(|&q| (q as i8) as f32 * d));
-            }
-            Format::Q4_0 => {
-                let d = half(b);
-                let qs = &b[2..];
-                out.extend(qs.iter().map(|&q| ((q & 0x0f) as i32 - 8) as f32 * d));
-                out.extend(qs.iter().map(|&q| ((q >> 4) as i32 - 8) as f32 * d));
-            }
-            Format::Q4_1 => {
-                let (d, m) = (half(b), half(&b[2..]));
-                let qs = &b[4..];
-                out.extend(qs.iter().map(|&q| (q & 0x0f) as f32 * d + m));
-                out.extend(qs.iter().map(|&q| (q >> 4) as f32 * d + m));
-            }
-            Format::Q4K => {
-                let (d, dmin) = (half(b), half(&b[2..]));
-                let (scales, qs) = (&b[4..16], &b[16..]);
-                // Four groups of 64 values: 32 low nibbles, then 32 high nibbles, of 32 bytes.
-                for (g, q) in qs.chunks_exact(32).enumerate() {
-                    let (s1, m1) = scale_min_k4(2 * g, scales);
-                    let (s2, m2) = scale_min_k4(2 * g + 1, scales);
-                    let (d1, m1) = (d * s1 as f32, dmin * m1 as f32);
-                    let (d2, m2) = (d * s2 as f32, dmin * m2 as f32);
-                    out.extend(q.iter().map(|&v| d1 * (v & 0x0f) as f32 - m1));
-                    out.extend(q.iter().map(|&v| d2 * (v >> 4) as f32 - m2));
-                }
-            }
-            Format::Q6K => {
-                let (ql, qh, sc) = (&b[..128], &b[128..192], &b[192..208]);
-                let d = half(&b[208..]);
-                // Two halves of 128 values, each from 64 bytes of `ql` and 32 of `qh`.
-                for h in 0..2 {
-                    let (ql, qh, sc) = (&ql[64 * h..], &qh[32 * h..], &sc[8 * h..]);
-                    let start = out.len();
-                    out.resize(start + 128, 0.0);
-                    let y = &mut out[start..];
-                    for l in 0..32 {
-                        let is = l / 16;
-                        let q1 = ((ql[l] & 0x0f) | ((qh[l] & 3) << 4)) as i32 - 32;
-                        let q2 = ((ql[l + 32] & 0x0f) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                        let s = |k: usize| d * (sc[is + k] as i8) as f32;
-                        y[l] = s(0) * q1 as f32;
-                        y[l + 32] = s(2) * q2 as f32;
-                        y[l + 64] = s(4) * q3 as f32;
-                        y[l + 96] = s(6) * q4 as f32;
-                    }
-                }
-            }
-        }
+    let ops = format.ops();
+    let start = out.len();
+    out.resize(start + bytes.len() / ops.block_bytes * ops.block_values, 0.0);
+    for (b, o) in
+        bytes.chunks_exact(ops.block_bytes).zip(out[start..].chunks_exact_mut(ops.block_values))
+    {
+        (ops.dequantize)(b, o);
     }
 }
 
 /// The values of whole blocks of `format`.
 pub fn dequantize(format: Format, bytes: &[u8]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(bytes.len() / format.block_bytes() * format.block_values());
+    let mut out = Vec::new();
     dequantize_into(format, bytes, &mut out);
     out
-}
-
-/// Rounds half away from zero (C's `roundf`).
-fn round_away(x: f32) -> f32 {
-    x.round()
 }
 
 /// Quantises `values` (a whole number of blocks) into `format`, as ggml's reference
 /// quantisation does. The K-quants are not made here: they are read from files only.
 pub fn quantize(format: Format, values: &[f32]) -> Result<Vec<u8>> {
-    let bytes = format.row_bytes(values.len())?;
-    let mut out = Vec::with_capacity(bytes);
-    for x in values.chunks_exact(format.block_values()) {
-        match format {
-            Format::F16 => out.extend(f32_to_f16(x[0]).to_le_bytes()),
-            Format::Q8_0 => {
-                let amax = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend(f32_to_f16(d).to_le_bytes());
-                out.extend(x.iter().map(|&v| round_away(v * id) as i8 as u8));
-            }
-            Format::Q4_0 => {
-                // The value of largest magnitude, with its sign, maps to -8.
-                let max = x.iter().fold(0.0f32, |m, &v| if v.abs() > m.abs() { v } else { m });
-                let d = max / -8.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend(f32_to_f16(d).to_le_bytes());
-                let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
-                out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
-            }
-            Format::Q4_1 => {
-                let min = x.iter().fold(f32::INFINITY, |m, &v| m.min(v));
-                let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let d = (max - min) / 15.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                out.extend(f32_to_f16(d).to_le_bytes());
-                out.extend(f32_to_f16(min).to_le_bytes());
-                let q = |v: f32| (((v - min) * id + 0.5) as i8).min(15) as u8;
-                out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
-            }
-            Format::Q4K | Format::Q6K => {
-                bail!("quantising to {} is not supported (Q8_0, Q4_0, Q4_1 are)", format.name())
-            }
-        }
+    let ops = format.ops();
+    let Some(quantize_block) = ops.quantize else {
+        let made: Vec<&str> =
+            Format::ALL.iter().filter(|f| f.quantizable()).map(|f| f.name()).collect();
+        bail!("quantising to {} is not supported ({} are)", ops.name, made.join(", "))
+    };
+    let mut out = vec![0u8; format.row_bytes(values.len())?];
+    for (x, o) in values.chunks_exact(ops.block_values).zip(out.chunks_exact_mut(ops.block_bytes)) {
+        quantize_block(x, o);
     }
     Ok(out)
 }

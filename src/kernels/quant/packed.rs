@@ -1,79 +1,40 @@
-//! Q8_0 and Q4_0 rows regrouped eight at a time for the products: a copy made when a model
-//! loads, so that one vector instruction works on eight rows at once.
+//! Rows of the block formats regrouped eight at a time for the products: a copy made when a
+//! model loads, so that one vector instruction works on eight rows at once.
 //!
 //! In a file each row's blocks follow one another; a product then spends most of its
 //! instructions on one row's block at a time (unpacking, converting its scale, summing the
 //! lanes). Regrouped, a 32-byte load holds four values of each of eight rows, which one
 //! `vpmaddubsw` (or `vpdpbusd`) multiplies by the same four activations broadcast to every
-//! lane: the eight lanes are the eight rows' sums, and no lane ever needs summing across. Per
-//! block of 32 values and group of 8 rows the layout holds:
+//! lane: the eight lanes are the eight rows' sums, and no lane ever needs summing across.
 //!
-//! - the 8 rows' f16 scales, 16 bytes (one conversion gives all eight as f32);
-//! - Q8_0: 8 chunks of 32 bytes; chunk `g` holds values `4g..4g+4` of row 0, then of row 1, …;
-//! - Q4_0: 4 chunks of 32 bytes; in chunk `c` the low nibbles hold values `4c..4c+4` of each
-//!   row, the high nibbles values `16+4c..16+4c+4`, as stored (0..16, the offset of 8 not taken).
+//! The activations are quantised to Q8_0 (blocks of 32, [`Activations`]) whatever the weights'
+//! format, so a matrix whose parts have different formats quantises them once. The weights are
+//! read in slices of 32 values, one activation block each. A slice of eight rows holds:
 //!
-//! Every product of a row and a token computes, block after block, the block's exact integer sum
-//! `s`, then `acc = fma(s as f32, d_w · d_x, acc)` in f32: the same operations in the same order
-//! in the portable code, in the vector kernels, for one token or four, so a token's result has
-//! the same bits whatever else runs with it.
+//! - Q8_0: 8 chunks of 32 bytes; chunk `c` holds values `4c..4c+4` of row 0, then of row 1, …;
+//! - the others: 4 chunks of 32 bytes of nibbles, the low 4 bits of each value: in chunk `c`
+//!   the low nibbles hold values `4c..4c+4` of each row, the high nibbles values
+//!   `16+4c..16+4c+4`; then, for 5-bit values, 32 bytes whose bit `p` of byte `4r + j` is
+//!   bit 4 of the value in nibble plane `p` (planes 0..4 the chunks' low nibbles, 4..8 their
+//!   high nibbles) at row `r`, place `j`; for 6-bit values, 64 bytes: bits `2c, 2c+1` of byte
+//!   `32h + 4r + j` are bits 4 and 5 of the value in chunk `c`, half `h` (low, high nibbles).
+//!
+//! Before the slices, each block of a group holds its eight rows' scales as the file has them
+//! (f16 scales, 6-bit K-quant scales, …), [`Layout`] says where. Every product of a row and a
+//! token sums each slice's integer products exactly (values 0..16 and 16..32 apart), then adds
+//! them into an f32 accumulator with the format's scales in a fixed order of f32 operations:
+//! the same in the portable code and the vector kernels, for one token or four, so a token's
+//! result has the same bits whatever form or batch computes it.
 
-use super::Format;
+use super::half;
+#[cfg(target_arch = "x86_64")]
+use super::x86;
 
 /// Rows per group.
 pub const ROWS: usize = 8;
 
-/// Bytes per block of a group of eight rows: scales, then values.
-pub fn group_block_bytes(format: Format) -> usize {
-    16 + match format {
-        Format::Q8_0 => 256,
-        _ => 128,
-    }
-}
-
-/// Whether [`pack`] takes rows of `format`.
-pub fn packs(format: Format) -> bool {
-    matches!(format, Format::Q8_0 | Format::Q4_0)
-}
-
-/// `rows` rows of `format` blocks (`bytes`, as a file holds them), a multiple of [`ROWS`],
-/// regrouped.
-pub fn pack(format: Format, bytes: &[u8], rows: usize) -> Vec<u8> {
-    assert!(packs(format) && rows.is_multiple_of(ROWS) && bytes.len().is_multiple_of(rows));
-    let rb = bytes.len() / rows;
-    let (bb, blocks) = (format.block_bytes(), rb / format.block_bytes());
-    let gb = group_block_bytes(format);
-    let mut out = vec![0u8; rows / ROWS * blocks * gb];
-    for (g, group) in out.chunks_exact_mut(blocks * gb).enumerate() {
-        for (b, o) in group.chunks_exact_mut(gb).enumerate() {
-            let block = |r: usize| &bytes[(g * ROWS + r) * rb + b * bb..][..bb];
-            for r in 0..ROWS {
-                o[2 * r..2 * r + 2].copy_from_slice(&block(r)[..2]);
-            }
-            let values = &mut o[16..];
-            for r in 0..ROWS {
-                let q = &block(r)[2..];
-                match format {
-                    Format::Q8_0 => {
-                        for (j, &v) in q.iter().enumerate() {
-                            values[(j / 4) * 32 + 4 * r + j % 4] = v;
-                        }
-                    }
-                    _ => {
-                        // q[j] holds value j (low nibble) and value j + 16 (high nibble).
-                        for j in 0..16 {
-                            values[(j / 4) * 32 + 4 * r + j % 4] = q[j];
-                        }
-                    }
-                }
-            }
-        }
-    }
-    out
-}
-
-/// Activations quantised to Q8_0, with what the regrouped kernels read beside the blocks: each
-/// block's scale as f32, and its values' sum (for Q4_0's offset of 8).
+/// Activations quantised to Q8_0, with what the kernels read beside the blocks: each block's
+/// scale as f32, and its values' sum (for the formats whose values are offset or have a min).
 pub struct Activations<'a> {
     /// Q8_0 blocks, 34 bytes each.
     pub blocks: &'a [u8],
@@ -81,176 +42,491 @@ pub struct Activations<'a> {
     pub sums: &'a [i32],
 }
 
-/// `y[r] = Σ_j W[r, j] · x[j]` for the eight rows of each group in `packed` (`groups` groups)
-/// and one token; `y` holds `8 · groups` values.
-pub fn group_dot(format: Format, packed: &[u8], x: &Activations, y: &mut [f32]) {
-    let blocks = x.scales.len();
-    assert!(x.blocks.len() == blocks * 34 && x.sums.len() == blocks);
-    assert!(packed.len() == y.len() / ROWS * blocks * group_block_bytes(format));
-    #[cfg(target_arch = "x86_64")]
-    {
-        use super::x86::{avx2, isa, vnni, Isa};
-        // SAFETY: the processor has the instruction set (just checked); the sizes agree
-        // (checked above).
-        match isa() {
-            Some(Isa::Vnni) => return unsafe { vnni::group_dot(format, packed, x, y) },
-            Some(Isa::Avx2) => return unsafe { avx2::group_dot(format, packed, x, y) },
-            None => {}
-        }
-    }
-    group_dot_portable(format, packed, x, y)
-}
-
-/// [`group_dot`] for four tokens: `y` holds the four tokens' outputs one after another
-/// (`8 · groups` values each), the same bits as four calls of [`group_dot`].
-pub fn group_dot4(format: Format, packed: &[u8], x: [&Activations; 4], y: &mut [f32]) {
-    let blocks = x[0].scales.len();
-    assert!(x.iter().all(|x| {
-        x.blocks.len() == blocks * 34 && x.sums.len() == blocks && x.scales.len() == blocks
-    }));
-    assert!(y.len().is_multiple_of(4 * ROWS));
-    assert!(packed.len() == y.len() / 4 / ROWS * blocks * group_block_bytes(format));
-    #[cfg(target_arch = "x86_64")]
-    {
-        use super::x86::{avx2, isa, vnni, Isa};
-        // SAFETY: the processor has the instruction set (just checked); the sizes agree
-        // (checked above).
-        match isa() {
-            Some(Isa::Vnni) => return unsafe { vnni::group_dot4(format, packed, x, y) },
-            Some(Isa::Avx2) => return unsafe { avx2::group_dot4(format, packed, x, y) },
-            None => {}
-        }
-    }
-    let width = y.len() / 4;
-    for (x, y) in x.iter().zip(y.chunks_exact_mut(width)) {
-        group_dot_portable(format, packed, x, y);
+impl Activations<'_> {
+    fn check(&self) -> usize {
+        let n = self.scales.len();
+        assert!(self.blocks.len() == n * 34 && self.sums.len() == n, "activation rows");
+        n
     }
 }
 
-/// [`group_dot`] in plain Rust: the form the vector kernels are checked against, bit for bit.
-pub fn group_dot_portable(format: Format, packed: &[u8], x: &Activations, y: &mut [f32]) {
-    let blocks = x.scales.len();
-    let gb = group_block_bytes(format);
-    for (group, out) in packed.chunks_exact(blocks * gb).zip(y.chunks_exact_mut(ROWS)) {
-        let mut acc = [0.0f32; ROWS];
-        for (b, g) in group.chunks_exact(gb).enumerate() {
-            let xs = &x.blocks[b * 34 + 2..][..32];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let mut s = 0i32;
-                for j in 0..32 {
-                    let w = match format {
-                        Format::Q8_0 => g[16 + (j / 4) * 32 + 4 * r + j % 4] as i8 as i32,
-                        _ => {
-                            let byte = g[16 + ((j % 16) / 4) * 32 + 4 * r + j % 4];
-                            (if j < 16 { byte & 0x0f } else { byte >> 4 }) as i32 - 8
-                        }
-                    };
-                    s += w * xs[j] as i8 as i32;
+/// How a format's blocks look regrouped, and how a slice's integer sums become its share of
+/// the product. The vector methods must compute what the portable ones do, in the same order.
+pub trait Layout: 'static {
+    /// Values per block of the file (32 or 256): slices per group block, times 32.
+    const VALUES: usize;
+    /// Bytes per block of a group of eight rows.
+    const GROUP_BLOCK: usize;
+
+    /// Row `r`'s 32 values of slice `s` of group block `g`, as integers to multiply the
+    /// activations by.
+    fn values(g: &[u8], s: usize, r: usize) -> [i32; 32];
+
+    /// `acc` plus row `r`'s share of slice `s`: `sums` the integer products of its values
+    /// 0..16 and 16..32 with the activations, whose block has scale `dx` and sum `xsum`.
+    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, xsum: i32, acc: f32) -> f32;
+
+    /// [`Layout::values`] times `T` tokens' activation blocks (32 bytes at each of `x`), the
+    /// eight rows in the lanes: the sums of values 0..16 and 16..32.
+    ///
+    /// # Safety
+    /// The processor has AVX2 and what `P` needs; `g` points at a whole group block, each `x`
+    /// at 32 bytes.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn sums<P: x86::Products, const T: usize>(
+        g: *const u8,
+        s: usize,
+        x: [*const u8; T],
+    ) -> [[x86::I32x8; 2]; T];
+
+    /// [`Layout::add`] for the eight rows and `T` tokens.
+    ///
+    /// # Safety
+    /// The processor has AVX2, FMA and F16C; `g` points at a whole group block.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn add_lanes<const T: usize>(
+        g: *const u8,
+        s: usize,
+        sums: [[x86::I32x8; 2]; T],
+        dx: [f32; T],
+        xsum: [i32; T],
+        acc: &mut [x86::F32x8; T],
+    );
+}
+
+/// The product kernels of one layout.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    /// One token: `y[r]` for each row of the groups in `packed` (eight per group).
+    pub dot: fn(packed: &[u8], x: [&Activations; 1], y: &mut [f32]),
+    /// Four tokens, outputs one after another in `y`: each the bits [`Kernels::dot`] gives.
+    pub dot4: fn(packed: &[u8], x: [&Activations; 4], y: &mut [f32]),
+    /// [`Kernels::dot`] in plain Rust, whatever the processor: the tests' reference.
+    pub portable: fn(packed: &[u8], x: [&Activations; 1], y: &mut [f32]),
+}
+
+impl Kernels {
+    pub const fn of<L: Layout>() -> Kernels {
+        Kernels { dot: products::<L, 1>, dot4: products::<L, 4>, portable: portable::<L, 1> }
+    }
+}
+
+/// `y[t·width + r] = Σ_j W[r, j] · x_t[j]` for the rows of every group in `packed` and `T`
+/// tokens, in the best form the processor has.
+fn products<L: Layout, const T: usize>(packed: &[u8], x: [&Activations; T], y: &mut [f32]) {
+    let blocks = x[0].check();
+    assert!(x.iter().all(|x| x.check() == blocks) && (blocks * 32).is_multiple_of(L::VALUES));
+    let group = blocks * 32 / L::VALUES * L::GROUP_BLOCK;
+    assert!(packed.len().is_multiple_of(group) && y.len() == T * packed.len() / group * ROWS);
+    super::by_isa!(
+        // SAFETY: the processor has the instruction set (`by_isa` chose it); the sizes agree
+        // (checked above).
+        vnni => unsafe { x86::vnni::products::<L, T>(packed, x, y) },
+        avx2 => unsafe { x86::avx2::products::<L, T>(packed, x, y) },
+        portable => portable::<L, T>(packed, x, y),
+    )
+}
+
+fn portable<L: Layout, const T: usize>(packed: &[u8], x: [&Activations; T], y: &mut [f32]) {
+    let blocks = x[0].check();
+    let slices = L::VALUES / 32;
+    let group = blocks / slices * L::GROUP_BLOCK;
+    let width = y.len() / T;
+    for (t, x) in x.iter().enumerate() {
+        for (gi, gr) in packed.chunks_exact(group).enumerate() {
+            let mut acc = [0.0f32; ROWS];
+            for (b, g) in gr.chunks_exact(L::GROUP_BLOCK).enumerate() {
+                for s in 0..slices {
+                    let k = b * slices + s;
+                    let xs = &x.blocks[34 * k + 2..34 * k + 34];
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        let w = L::values(g, s, r);
+                        let sum = |h: usize| {
+                            (16 * h..16 * h + 16).map(|j| w[j] * xs[j] as i8 as i32).sum::<i32>()
+                        };
+                        *acc = L::add(g, s, r, [sum(0), sum(1)], x.scales[k], x.sums[k], *acc);
+                    }
                 }
-                let dw = super::f16_to_f32(u16::from_le_bytes([g[2 * r], g[2 * r + 1]]));
-                *acc = (s as f32).mul_add(dw * x.scales[b], *acc);
+            }
+            y[t * width + ROWS * gi..][..ROWS].copy_from_slice(&acc);
+        }
+    }
+}
+
+/// Eight rows' f16 values stored one after another at `at` of `g`, row `r`'s.
+fn row_half(g: &[u8], at: usize, r: usize) -> f32 {
+    half(&g[at + 2 * r..])
+}
+
+/// Nibble plane helpers shared by the layouts (the module's notes give the layout).
+pub mod slice {
+    use super::ROWS;
+
+    /// Writes eight rows' 32 values of one slice (`q[r]`, each below `1 << bits`) as nibbles
+    /// and, for 5 and 6 bits, their high bits, into `out` ([`bytes`] of them).
+    pub fn pack(q: &[[u8; 32]; ROWS], bits: u32, out: &mut [u8]) {
+        assert!(out.len() == bytes(bits));
+        out.fill(0);
+        for (r, q) in q.iter().enumerate() {
+            for (v, &q) in q.iter().enumerate() {
+                let (h, c, j) = (v / 16, v % 16 / 4, v % 4);
+                out[32 * c + 4 * r + j] |= (q & 0x0f) << (4 * h);
+                match bits {
+                    4 => {}
+                    5 => out[128 + 4 * r + j] |= ((q >> 4) & 1) << (4 * h + c),
+                    6 => out[128 + 32 * h + 4 * r + j] |= ((q >> 4) & 3) << (2 * c),
+                    _ => unreachable!("slices hold 4, 5 or 6 bits"),
+                }
             }
         }
-        out.copy_from_slice(&acc);
+    }
+
+    /// Row `r`'s 32 values of a slice that [`pack`] wrote.
+    pub fn unpack(s: &[u8], bits: u32, r: usize) -> [u8; 32] {
+        std::array::from_fn(|v| {
+            let (h, c, j) = (v / 16, v % 16 / 4, v % 4);
+            let low = (s[32 * c + 4 * r + j] >> (4 * h)) & 0x0f;
+            let high = match bits {
+                5 => (s[128 + 4 * r + j] >> (4 * h + c)) & 1,
+                6 => (s[128 + 32 * h + 4 * r + j] >> (2 * c)) & 3,
+                _ => 0,
+            };
+            low | (high << 4)
+        })
+    }
+
+    /// Bytes of a slice of eight rows at `bits` per value.
+    pub const fn bytes(bits: u32) -> usize {
+        128 + 32 * (bits as usize - 4)
+    }
+}
+
+/// Q8_0: per block the eight rows' f16 scales (16 bytes), then the slice's eight chunks.
+pub struct Q8Layout;
+
+impl Layout for Q8Layout {
+    const VALUES: usize = 32;
+    const GROUP_BLOCK: usize = 16 + 256;
+
+    fn values(g: &[u8], _: usize, r: usize) -> [i32; 32] {
+        std::array::from_fn(|v| g[16 + 32 * (v / 4) + 4 * r + v % 4] as i8 as i32)
+    }
+
+    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, _: i32, acc: f32) -> f32 {
+        ((sums[0] + sums[1]) as f32).mul_add(row_half(g, 0, r) * dx, acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn sums<P: x86::Products, const T: usize>(
+        g: *const u8,
+        _: usize,
+        x: [*const u8; T],
+    ) -> [[x86::I32x8; 2]; T] {
+        // SAFETY: the caller's (a whole group block at `g`, 32 bytes at each of `x`).
+        unsafe {
+            let mut out = [[x86::zero(); 2]; T];
+            for c in 0..8 {
+                let w = x86::load(g.add(16 + 32 * c));
+                for t in 0..T {
+                    out[t][c / 4] =
+                        x86::add_signed::<P>(out[t][c / 4], w, x86::bcast4(x[t], 4 * c));
+                }
+            }
+            out
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn add_lanes<const T: usize>(
+        g: *const u8,
+        _: usize,
+        sums: [[x86::I32x8; 2]; T],
+        dx: [f32; T],
+        _: [i32; T],
+        acc: &mut [x86::F32x8; T],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            let d = x86::halves(g);
+            for t in 0..T {
+                let s = x86::add_i32(sums[t][0], sums[t][1]);
+                acc[t] = x86::fma(x86::to_f32(s), x86::mul(d, x86::splat(dx[t])), acc[t]);
+            }
+        }
+    }
+}
+
+/// The 32-value formats of `BITS` (4 or 5) bits: per block the eight rows' f16 scales `d`,
+/// then with `MIN` their f16 minimums `m` (value `q·d + m`), else values offset by
+/// `2^(BITS-1)` (value `(q − 2^(BITS-1))·d`); then the slice.
+pub struct BlockLayout<const BITS: u32, const MIN: bool>;
+
+impl<const BITS: u32, const MIN: bool> BlockLayout<BITS, MIN> {
+    const SLICE_AT: usize = if MIN { 32 } else { 16 };
+    const OFFSET: i32 = 1 << (BITS - 1);
+}
+
+impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
+    const VALUES: usize = 32;
+    const GROUP_BLOCK: usize = Self::SLICE_AT + slice::bytes(BITS);
+
+    fn values(g: &[u8], _: usize, r: usize) -> [i32; 32] {
+        slice::unpack(&g[Self::SLICE_AT..], BITS, r).map(|q| q as i32)
+    }
+
+    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, xsum: i32, acc: f32) -> f32 {
+        let d = row_half(g, 0, r);
+        if MIN {
+            let acc = ((sums[0] + sums[1]) as f32).mul_add(d * dx, acc);
+            (xsum as f32).mul_add(row_half(g, 16, r) * dx, acc)
+        } else {
+            ((sums[0] + sums[1] - Self::OFFSET * xsum) as f32).mul_add(d * dx, acc)
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn sums<P: x86::Products, const T: usize>(
+        g: *const u8,
+        _: usize,
+        x: [*const u8; T],
+    ) -> [[x86::I32x8; 2]; T] {
+        // SAFETY: the caller's.
+        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::SLICE_AT), x, false) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn add_lanes<const T: usize>(
+        g: *const u8,
+        _: usize,
+        sums: [[x86::I32x8; 2]; T],
+        dx: [f32; T],
+        xsum: [i32; T],
+        acc: &mut [x86::F32x8; T],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            let d = x86::halves(g);
+            for t in 0..T {
+                let s = x86::add_i32(sums[t][0], sums[t][1]);
+                let dd = x86::mul(d, x86::splat(dx[t]));
+                if MIN {
+                    let m = x86::mul(x86::halves(g.add(16)), x86::splat(dx[t]));
+                    acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
+                    acc[t] = x86::fma(x86::splat(xsum[t] as f32), m, acc[t]);
+                } else {
+                    let s = x86::sub_i32(s, x86::splat_i32(Self::OFFSET * xsum[t]));
+                    acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
+                }
+            }
+        }
+    }
+}
+
+/// Q4_K and Q5_K (`BITS` 4 or 5): per block of 256 values the eight rows' f16 `d` and `dmin`
+/// (32 bytes), the 6-bit scales of the 8 slices (byte `8s + r`, 64 bytes) and their 6-bit
+/// minimums (64 bytes); then 8 slices. Value `d·sc · q − dmin·m`.
+pub struct KLayout<const BITS: u32>;
+
+impl<const BITS: u32> KLayout<BITS> {
+    const HEAD: usize = 32 + 128;
+    const SLICE: usize = slice::bytes(BITS);
+}
+
+impl<const BITS: u32> Layout for KLayout<BITS> {
+    const VALUES: usize = 256;
+    const GROUP_BLOCK: usize = Self::HEAD + 8 * Self::SLICE;
+
+    fn values(g: &[u8], s: usize, r: usize) -> [i32; 32] {
+        slice::unpack(&g[Self::HEAD + s * Self::SLICE..], BITS, r).map(|q| q as i32)
+    }
+
+    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, xsum: i32, acc: f32) -> f32 {
+        let scale = row_half(g, 0, r) * g[32 + 8 * s + r] as f32;
+        let min = row_half(g, 16, r) * g[96 + 8 * s + r] as f32;
+        let acc = ((sums[0] + sums[1]) as f32).mul_add(scale * dx, acc);
+        (-(xsum as f32)).mul_add(min * dx, acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn sums<P: x86::Products, const T: usize>(
+        g: *const u8,
+        s: usize,
+        x: [*const u8; T],
+    ) -> [[x86::I32x8; 2]; T] {
+        // SAFETY: the caller's.
+        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::HEAD + s * Self::SLICE), x, false) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn add_lanes<const T: usize>(
+        g: *const u8,
+        s: usize,
+        sums: [[x86::I32x8; 2]; T],
+        dx: [f32; T],
+        xsum: [i32; T],
+        acc: &mut [x86::F32x8; T],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            let scale = x86::mul(x86::halves(g), x86::bytes_u8(g.add(32 + 8 * s)));
+            let min = x86::mul(x86::halves(g.add(16)), x86::bytes_u8(g.add(96 + 8 * s)));
+            for t in 0..T {
+                let s = x86::add_i32(sums[t][0], sums[t][1]);
+                let dx = x86::splat(dx[t]);
+                acc[t] = x86::fma(x86::to_f32(s), x86::mul(scale, dx), acc[t]);
+                acc[t] = x86::fnma(x86::splat(xsum[t] as f32), x86::mul(min, dx), acc[t]);
+            }
+        }
+    }
+}
+
+/// Q6_K: per block of 256 values the eight rows' f16 `d` (16 bytes) and the signed 8-bit
+/// scales of the 16 half slices (byte `8h + r`, 128 bytes); then 8 slices of 6-bit values.
+/// Value `d·sc · (q − 32)`, a scale per 16 values.
+pub struct Q6KLayout;
+
+impl Q6KLayout {
+    const HEAD: usize = 16 + 128;
+    const SLICE: usize = slice::bytes(6);
+}
+
+impl Layout for Q6KLayout {
+    const VALUES: usize = 256;
+    const GROUP_BLOCK: usize = Self::HEAD + 8 * Self::SLICE;
+
+    fn values(g: &[u8], s: usize, r: usize) -> [i32; 32] {
+        slice::unpack(&g[Self::HEAD + s * Self::SLICE..], 6, r).map(|q| q as i32 - 32)
+    }
+
+    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, _: i32, acc: f32) -> f32 {
+        let d = row_half(g, 0, r);
+        let scale = |h: usize| d * g[16 + 8 * (2 * s + h) + r] as i8 as f32;
+        let acc = (sums[0] as f32).mul_add(scale(0) * dx, acc);
+        (sums[1] as f32).mul_add(scale(1) * dx, acc)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn sums<P: x86::Products, const T: usize>(
+        g: *const u8,
+        s: usize,
+        x: [*const u8; T],
+    ) -> [[x86::I32x8; 2]; T] {
+        // SAFETY: the caller's.
+        unsafe { x86::slice_sums::<P, 6, T>(g.add(Self::HEAD + s * Self::SLICE), x, true) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn add_lanes<const T: usize>(
+        g: *const u8,
+        s: usize,
+        sums: [[x86::I32x8; 2]; T],
+        dx: [f32; T],
+        _: [i32; T],
+        acc: &mut [x86::F32x8; T],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            let d = x86::halves(g);
+            let scale = |h: usize| x86::mul(d, x86::bytes_i8(g.add(16 + 8 * (2 * s + h))));
+            let (a, b) = (scale(0), scale(1));
+            for t in 0..T {
+                let dx = x86::splat(dx[t]);
+                acc[t] = x86::fma(x86::to_f32(sums[t][0]), x86::mul(a, dx), acc[t]);
+                acc[t] = x86::fma(x86::to_f32(sums[t][1]), x86::mul(b, dx), acc[t]);
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::dot::quantize_activations;
-    use super::super::f16_to_f32;
-    use super::super::testing::{in_every_form, raw_blocks};
+    use super::super::dot::QuantRows;
+    use super::super::matrix::pack;
+    use super::super::testing::{in_every_form, raw_blocks, scale_and_min_parts, values};
+    use super::super::{dequantize, Format};
     use super::*;
 
-    fn activations(x: &[f32]) -> (Vec<u8>, Vec<f32>, Vec<i32>) {
-        let q = quantize_activations(x).unwrap();
-        let scales = q.chunks(34).map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]]))).collect();
-        let sums = q.chunks(34).map(|b| b[2..].iter().map(|&v| v as i8 as i32).sum()).collect();
-        (q, scales, sums)
-    }
-
-    /// Row by row from the file's layout: each block's exact integer sum, then one fused
-    /// multiply-add per block, as the module's notes say.
-    fn by_rows(format: Format, bytes: &[u8], rows: usize, xq: &[u8], xd: &[f32]) -> Vec<f32> {
-        let rb = bytes.len() / rows;
-        (0..rows)
-            .map(|r| {
-                let mut acc = 0.0f32;
-                for (b, w) in
-                    bytes[r * rb..(r + 1) * rb].chunks_exact(format.block_bytes()).enumerate()
-                {
-                    let xs = &xq[b * 34 + 2..b * 34 + 34];
-                    let s: i32 = (0..32)
-                        .map(|j| {
-                            let q = &w[2..];
-                            let v = match format {
-                                Format::Q8_0 => q[j] as i8 as i32,
-                                _ => (if j < 16 { q[j] & 0x0f } else { q[j - 16] >> 4 }) as i32 - 8,
-                            };
-                            v * xs[j] as i8 as i32
-                        })
-                        .sum();
-                    let dw = f16_to_f32(u16::from_le_bytes([w[0], w[1]]));
-                    acc = (s as f32).mul_add(dw * xd[b], acc);
-                }
-                acc
-            })
-            .collect()
-    }
-
+    /// Every regrouped format, in every form the processor has: one token and four tokens at
+    /// once give the portable kernel's bits for each token, and the portable kernel gives the
+    /// exact product of the file's values with the quantised activations within the f32
+    /// rounding of its sums. Row counts that are not whole groups take padding rows.
     #[test]
-    fn regrouped_products_are_each_rows_product_bit_for_bit() {
+    fn every_format_multiplies_as_its_values_in_every_form() {
+        for format in Format::ALL.into_iter().filter(|f| f.ops().packed.is_some()) {
+            for (rows, blocks) in [(8, 1), (13, 2), (24, 3)] {
+                let seed = 5 + rows as u64 + format.ggml_id() as u64;
+                case(format, rows, blocks, seed);
+            }
+        }
+    }
+
+    fn case(format: Format, rows: usize, blocks: usize, seed: u64) {
+        let how = format.ops().packed.as_ref().unwrap();
+        let cols = blocks * format.block_values();
+        let bytes = raw_blocks(format, rows * blocks, seed);
+        let packed = pack(how, format, &bytes, rows);
+        let width = rows.div_ceil(ROWS) * ROWS;
+        let mut x = values(4 * cols, seed + 1);
+        x[3] = 40.0;
+        let xq = QuantRows::new(&x, cols);
+        let act: Vec<Activations> = (0..4).map(|i| xq.row(i)).collect();
+        let at = |t: usize| format!("{format:?} {rows}x{cols} token {t}");
+        let mut want = vec![vec![0.0f32; width]; 4];
+        for (t, w) in want.iter_mut().enumerate() {
+            (how.kernels.portable)(&packed, [&act[t]], w);
+        }
+        // The exact product with the activations as quantised, in f64; the bound: each slice
+        // adds its scaled sums with a few roundings, each within one ulp of the sums'
+        // magnitudes, and the accumulator carries them over the row's slices.
+        let (scaled, mins) = scale_and_min_parts(format, &bytes);
+        let w = dequantize(format, &bytes);
+        for (t, a) in act.iter().enumerate() {
+            let xd: Vec<f64> = (0..cols)
+                .map(|j| {
+                    a.blocks[34 * (j / 32) + 2 + j % 32] as i8 as f64 * a.scales[j / 32] as f64
+                })
+                .collect();
+            for r in 0..rows {
+                let row = r * cols..(r + 1) * cols;
+                let exact: f64 = w[row.clone()].iter().zip(&xd).map(|(&w, x)| w as f64 * x).sum();
+                let size: f64 = scaled[row.clone()]
+                    .iter()
+                    .zip(&mins[row])
+                    .zip(&xd)
+                    .map(|((&s, &m), x)| (s.abs() + m.abs()) as f64 * x.abs())
+                    .sum();
+                let bound = (cols / 32 + 4) as f64 * f32::EPSILON as f64 * size;
+                let got = want[t][r] as f64;
+                assert!((got - exact).abs() <= bound, "{}: row {r}: {got} vs {exact}", at(t));
+            }
+            assert!(want[t][rows..].iter().all(|&v| v == 0.0), "{}: padding rows", at(t));
+        }
         in_every_form(|form| {
-            for format in [Format::Q8_0, Format::Q4_0] {
-                for (rows, blocks) in [(8, 1), (16, 3), (24, 18)] {
-                    regrouped_case(form, format, rows, blocks);
+            let mut four = vec![0.0f32; 4 * width];
+            (how.kernels.dot4)(&packed, [&act[0], &act[1], &act[2], &act[3]], &mut four);
+            for t in 0..4 {
+                let mut one = vec![0.0f32; width];
+                (how.kernels.dot)(&packed, [&act[t]], &mut one);
+                for r in 0..width {
+                    let w = want[t][r].to_bits();
+                    assert_eq!(one[r].to_bits(), w, "{form}: {}: row {r}", at(t));
+                    assert_eq!(
+                        four[t * width + r].to_bits(),
+                        w,
+                        "{form}: {} of four: row {r}",
+                        at(t)
+                    );
                 }
             }
         });
-    }
-
-    fn regrouped_case(form: &str, format: Format, rows: usize, blocks: usize) {
-        let bytes = raw_blocks(format, rows * blocks, 5 + rows as u64);
-        let mut x: Vec<f32> =
-            (0..blocks * 32).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
-        x[0] = 1e3;
-        let (xq, xd, sums) = activations(&x);
-        let act = Activations { blocks: &xq, scales: &xd, sums: &sums };
-        let packed = pack(format, &bytes, rows);
-        let want = by_rows(format, &bytes, rows, &xq, &xd);
-        let mut portable = vec![0.0; rows];
-        group_dot_portable(format, &packed, &act, &mut portable);
-        let mut fast = vec![0.0; rows];
-        group_dot(format, &packed, &act, &mut fast);
-        // Four tokens at once: four different tokens, each the bits it gets alone.
-        let xs4: Vec<Vec<f32>> = (0..4)
-            .map(|t| {
-                x.iter().enumerate().map(|(i, v)| v * (1.0 + 0.1 * ((i + t) % 5) as f32)).collect()
-            })
-            .collect();
-        let acts4: Vec<_> = xs4.iter().map(|x| activations(x)).collect();
-        let a4: Vec<Activations> =
-            acts4.iter().map(|(q, d, s)| Activations { blocks: q, scales: d, sums: s }).collect();
-        let mut four = vec![0.0; 4 * rows];
-        group_dot4(format, &packed, [&a4[0], &a4[1], &a4[2], &a4[3]], &mut four);
-        for (t, a) in a4.iter().enumerate() {
-            let mut alone = vec![0.0; rows];
-            group_dot_portable(format, &packed, a, &mut alone);
-            for r in 0..rows {
-                assert_eq!(
-                    four[t * rows + r].to_bits(),
-                    alone[r].to_bits(),
-                    "{form}: {format:?} token {t} row {r}"
-                );
-            }
-        }
-        for r in 0..rows {
-            assert_eq!(
-                portable[r].to_bits(),
-                want[r].to_bits(),
-                "{form}: {format:?} portable row {r}"
-            );
-            assert_eq!(fast[r].to_bits(), want[r].to_bits(), "{form}: {format:?} row {r}");
-        }
     }
 }

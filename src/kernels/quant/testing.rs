@@ -30,9 +30,10 @@ pub fn raw_blocks(format: Format, blocks: usize, seed: u64) -> Vec<u8> {
     for (i, b) in bytes.chunks_exact_mut(format.block_bytes()).enumerate() {
         let scale = f32_to_f16(0.01 + 0.001 * (i % 7) as f32).to_le_bytes();
         let at: &[usize] = match format {
+            Format::F16 => unreachable!("handled above"),
             Format::Q6K => &[208],
-            Format::Q4K | Format::Q4_1 => &[0, 2],
-            _ => &[0],
+            Format::Q4K | Format::Q5K | Format::Q4_1 | Format::Q5_1 => &[0, 2],
+            Format::Q8_0 | Format::Q4_0 | Format::Q5_0 => &[0],
         };
         for &i in at {
             b[i..i + 2].copy_from_slice(&scale);
@@ -50,4 +51,25 @@ pub fn in_every_form(mut f: impl FnMut(&str)) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     f("portable");
+}
+
+/// The values of `blocks` of `format` split in two: with the minimums (`m`, `dmin`) zeroed,
+/// and with the scales zeroed (all zeros for a format without minimums), whose magnitudes
+/// bound the f32 rounding of a product that adds the two apart.
+pub fn scale_and_min_parts(format: Format, blocks: &[u8]) -> (Vec<f32>, Vec<f32>) {
+    let (scale, min) = match format {
+        Format::Q4_1 | Format::Q5_1 | Format::Q4K | Format::Q5K => (0..2, 2..4),
+        Format::F16 | Format::Q8_0 | Format::Q4_0 | Format::Q5_0 | Format::Q6K => {
+            let w = super::dequantize(format, blocks);
+            return (w.clone(), vec![0.0; w.len()]);
+        }
+    };
+    let zeroed = |at: std::ops::Range<usize>| {
+        let mut b = blocks.to_vec();
+        for block in b.chunks_exact_mut(format.block_bytes()) {
+            block[at.clone()].fill(0);
+        }
+        super::dequantize(format, &b)
+    };
+    (zeroed(min), zeroed(scale))
 }

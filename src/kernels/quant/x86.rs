@@ -1,12 +1,12 @@
-//! [`super::dot::dot_q8`] on x86-64, in two instruction sets made from one body: AVX2 (with FMA
-//! and F16C) and, where the processor has it, AVX-512 VNNI on 256-bit registers. Per block the
-//! 32 integer products are summed in one register, exactly (AVX2: `vpmaddubsw` on the weights'
-//! magnitudes and the activations with the weights' signs, then `vpmaddwd`; VNNI: `vpdpbusd`
-//! on the same operands), converted to f32 and added into an f32 accumulator scaled by both
-//! blocks' scales; the eight lanes are summed once per row. The sums run in another order than
-//! the portable code's, so they agree with it within f32 rounding, not bit for bit.
+//! The block products on x86-64, in two instruction sets made from one body: AVX2 (with FMA
+//! and F16C) and, where the processor has it, AVX-512 VNNI on 256-bit registers. Per slice of
+//! 32 values the integer products are summed exactly (AVX2: `vpmaddubsw` on unsigned weights,
+//! or the weights' magnitudes and the activations with the weights' signs, then `vpmaddwd`;
+//! VNNI: `vpdpbusd` on the same operands); the layouts ([`super::packed::Layout`]) turn the
+//! sums into f32 with their scales, in the portable code's order of operations. Also the
+//! activations' quantiser and the F16 products. [`isa`] chooses the form at run time, once;
+//! [`crate::by_isa`] is where the code branches on it.
 
-use super::Format;
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
@@ -76,68 +76,6 @@ fn sum_f32(v: __m256) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
     _mm_cvtss_f32(s)
-}
-
-/// A block's f16 scale (its first two bytes).
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-fn scale(w: &[u8]) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u16::from_le_bytes([w[0], w[1]]) as i32)))
-}
-
-/// A Q8_0 or Q4_0 block's 32 values as signed bytes.
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn values(format: Format, w: &[u8]) -> __m256i {
-    // SAFETY (both arms): a Q8_0 block holds 32 bytes after its scale, a Q4_0 block 16;
-    // unaligned loads.
-    match format {
-        Format::Q8_0 => unsafe { _mm256_loadu_si256(w[2..].as_ptr() as *const __m256i) },
-        _ => {
-            let bytes = unsafe { _mm_loadu_si128(w[2..].as_ptr() as *const __m128i) };
-            let low = _mm_and_si128(bytes, _mm_set1_epi8(0x0f));
-            let high = _mm_and_si128(_mm_srli_epi16::<4>(bytes), _mm_set1_epi8(0x0f));
-            _mm256_sub_epi8(_mm256_set_m128i(high, low), _mm256_set1_epi8(8))
-        }
-    }
-}
-
-/// Eight exact partial sums of `|w[j]| · (x[j] with w[j]'s sign)` over 32 pairs of bytes.
-/// vpmaddubsw's 16-bit pair sums cannot saturate: |w| ≤ 128 and |x| ≤ 127 (Q8_0 stores
-/// -127..127), 2·128·127 < 2^15.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn products_avx2(wabs: __m256i, xs: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, xs), _mm256_set1_epi16(1))
-}
-
-/// [`products_avx2`] in one instruction, without intermediate 16-bit sums.
-#[inline]
-#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
-fn products_vnni(wabs: __m256i, xs: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), wabs, xs)
-}
-
-/// `acc` plus the eight partial sums of [`products_avx2`].
-#[inline]
-#[target_feature(enable = "avx2")]
-fn add_products_avx2(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
-    _mm256_add_epi32(acc, products_avx2(a, b))
-}
-
-/// [`add_products_avx2`] in one instruction.
-#[inline]
-#[target_feature(enable = "avx2,avx512vnni,avx512vl")]
-fn add_products_vnni(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(acc, a, b)
-}
-
-/// Four activation bytes (values `at..at + 4` of a block's 32) in every 32-bit lane.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn broadcast4(xs: &[u8], at: usize) -> __m256i {
-    let four = &xs[at..at + 4];
-    _mm256_set1_epi32(i32::from_le_bytes([four[0], four[1], four[2], four[3]]))
 }
 
 /// [`super::dot`]'s `quantize_block` in AVX2: the largest magnitude, the scale and its
@@ -241,252 +179,292 @@ pub unsafe fn dot_f16_many<const R: usize, const T: usize>(
     out
 }
 
+/// Eight 32-bit integers.
+pub type I32x8 = __m256i;
+/// Eight f32.
+pub type F32x8 = __m256;
+
+/// `acc` plus the exact sums of four products each, `u[j] · s[j]`, of unsigned bytes `u` and
+/// signed bytes `s` (each sum in the 32-bit lane of its four bytes). vpmaddubsw's 16-bit pair
+/// sums cannot saturate: every caller's `u` is at most 128 and `|s|` at most 127 (Q8_0
+/// activations hold -127..127), 2·128·127 < 2^15.
+pub trait Products {
+    /// # Safety
+    /// The processor has the instruction set.
+    unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
+}
+
+/// [`Products`] with AVX2: `vpmaddubsw`, then `vpmaddwd` by ones.
+pub struct Avx2;
+/// [`Products`] in one instruction, `vpdpbusd`, without intermediate 16-bit sums.
+pub struct Vnni;
+
+impl Products for Avx2 {
+    #[inline(always)]
+    unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: the caller's (AVX2).
+        unsafe {
+            _mm256_add_epi32(
+                acc,
+                _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)),
+            )
+        }
+    }
+}
+
+impl Products for Vnni {
+    #[inline(always)]
+    unsafe fn add(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: the caller's (AVX-512 VNNI and VL).
+        unsafe { _mm256_dpbusd_epi32(acc, u, s) }
+    }
+}
+
+// The small operations the layouts are written in. Each is `inline(always)`: inlined into the
+// kernels below, which enable the instruction sets.
+
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn zero() -> __m256i {
+    // SAFETY: the caller's.
+    unsafe { _mm256_setzero_si256() }
+}
+
+/// 32 bytes at `p`, unaligned.
+///
+/// # Safety
+/// 32 bytes are readable at `p`; AVX2.
+#[inline(always)]
+pub unsafe fn load(p: *const u8) -> __m256i {
+    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+}
+
+/// The four bytes at `p + at` in every 32-bit lane.
+///
+/// # Safety
+/// Four bytes are readable at `p + at`; AVX2.
+#[inline(always)]
+pub unsafe fn bcast4(p: *const u8, at: usize) -> __m256i {
+    unsafe { _mm256_set1_epi32((p.add(at) as *const i32).read_unaligned()) }
+}
+
+/// [`Products::add`] of signed bytes `w`: their magnitudes with `x` signed by `w`.
+///
+/// # Safety
+/// What `P` needs.
+#[inline(always)]
+pub unsafe fn add_signed<P: Products>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+    unsafe { P::add(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)) }
+}
+
+/// The sums of a slice's values 0..16 and 16..32 times `T` tokens' activations: the slice at
+/// `s` in the layout [`super::packed`] describes, with `BITS` (4, 5 or 6) bits per value;
+/// `offset32` takes 32 from every value (Q6_K's values are signed).
+///
+/// # Safety
+/// The slice's bytes are readable at `s`, 32 activation bytes at each of `x`; AVX2 and what
+/// `P` needs.
+#[inline(always)]
+pub unsafe fn slice_sums<P: Products, const BITS: u32, const T: usize>(
+    s: *const u8,
+    x: [*const u8; T],
+    offset32: bool,
+) -> [[__m256i; 2]; T] {
+    unsafe {
+        let low4 = _mm256_set1_epi8(0x0f);
+        let (bit4, bits45) = (_mm256_set1_epi8(0x10), _mm256_set1_epi8(0x30));
+        let (ha, hb) = match BITS {
+            5 => (load(s.add(128)), zero()),
+            6 => (load(s.add(128)), load(s.add(160))),
+            _ => (zero(), zero()),
+        };
+        let shift = |v: __m256i, left: i32| {
+            if left >= 0 {
+                _mm256_sll_epi16(v, _mm_cvtsi32_si128(left))
+            } else {
+                _mm256_srl_epi16(v, _mm_cvtsi32_si128(-left))
+            }
+        };
+        let mut out = [[zero(); 2]; T];
+        for c in 0..4 {
+            let v = load(s.add(32 * c));
+            let mut lo = _mm256_and_si256(v, low4);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
+            let c = c as i32;
+            if BITS == 5 {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(shift(ha, 4 - c), bit4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(shift(ha, -c), bit4));
+            } else if BITS == 6 {
+                lo = _mm256_or_si256(lo, _mm256_and_si256(shift(ha, 4 - 2 * c), bits45));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(shift(hb, 4 - 2 * c), bits45));
+            }
+            let c = c as usize;
+            if offset32 {
+                let (lo, hi) = (
+                    _mm256_sub_epi8(lo, _mm256_set1_epi8(32)),
+                    _mm256_sub_epi8(hi, _mm256_set1_epi8(32)),
+                );
+                for t in 0..T {
+                    out[t][0] = add_signed::<P>(out[t][0], lo, bcast4(x[t], 4 * c));
+                    out[t][1] = add_signed::<P>(out[t][1], hi, bcast4(x[t], 16 + 4 * c));
+                }
+            } else {
+                for t in 0..T {
+                    out[t][0] = P::add(out[t][0], lo, bcast4(x[t], 4 * c));
+                    out[t][1] = P::add(out[t][1], hi, bcast4(x[t], 16 + 4 * c));
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Eight f16 at `p` as f32.
+///
+/// # Safety
+/// 16 bytes readable at `p`; F16C.
+#[inline(always)]
+pub unsafe fn halves(p: *const u8) -> __m256 {
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+}
+
+/// Eight unsigned bytes at `p` as f32.
+///
+/// # Safety
+/// 8 bytes readable at `p`; AVX2.
+#[inline(always)]
+pub unsafe fn bytes_u8(p: *const u8) -> __m256 {
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+}
+
+/// Eight signed bytes at `p` as f32.
+///
+/// # Safety
+/// 8 bytes readable at `p`; AVX2.
+#[inline(always)]
+pub unsafe fn bytes_i8(p: *const u8) -> __m256 {
+    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
+}
+
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn splat(v: f32) -> __m256 {
+    // SAFETY: the caller's.
+    unsafe { _mm256_set1_ps(v) }
+}
+
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn splat_i32(v: i32) -> __m256i {
+    // SAFETY: the caller's.
+    unsafe { _mm256_set1_epi32(v) }
+}
+
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn add_i32(a: __m256i, b: __m256i) -> __m256i {
+    // SAFETY: the caller's.
+    unsafe { _mm256_add_epi32(a, b) }
+}
+
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn sub_i32(a: __m256i, b: __m256i) -> __m256i {
+    // SAFETY: the caller's.
+    unsafe { _mm256_sub_epi32(a, b) }
+}
+
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn to_f32(a: __m256i) -> __m256 {
+    // SAFETY: the caller's.
+    unsafe { _mm256_cvtepi32_ps(a) }
+}
+
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+    // SAFETY: the caller's.
+    unsafe { _mm256_mul_ps(a, b) }
+}
+
+/// `a · b + c`, one rounding.
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
+    // SAFETY: the caller's.
+    unsafe { _mm256_fmadd_ps(a, b, c) }
+}
+
+/// `c − a · b`, one rounding.
+///
+/// # Safety
+/// AVX2 and FMA.
+#[inline(always)]
+pub unsafe fn fnma(a: __m256, b: __m256, c: __m256) -> __m256 {
+    // SAFETY: the caller's.
+    unsafe { _mm256_fnmadd_ps(a, b, c) }
+}
+
 macro_rules! kernels {
-    ($name:ident, $features:literal, $products:ident, $add_products:ident) => {
-        /// The kernels for one instruction set.
+    ($name:ident, $features:literal, $products:ty) => {
+        /// The products of the regrouped layouts for one instruction set.
         pub mod $name {
+            use super::super::packed::{Activations, Layout, ROWS};
             use super::*;
 
-            /// [`super::super::dot::dot_q8`].
+            /// [`super::super::packed::Kernels`]: `T` tokens' products with every group of
+            /// `packed`, outputs one after another in `y`.
             ///
             /// # Safety
-            /// The processor must have this module's instruction set ([`isa`]); `row` and `xq`
-            /// whole blocks of `format` (Q8_0 or Q4_0) and of Q8_0, as many.
+            /// The processor has this module's instruction set ([`isa`]); the sizes agree as
+            /// the portable kernel's caller checks them.
             #[target_feature(enable = $features)]
-            pub unsafe fn dot_q8(format: Format, row: &[u8], xq: &[u8]) -> f32 {
-                // One accumulator, as in the kernels below: every kernel gives a row and a
-                // token the same bits, whatever else runs with them (batch invariance).
-                let mut acc = _mm256_setzero_ps();
-                for (w, x) in row.chunks_exact(format.block_bytes()).zip(xq.chunks_exact(34)) {
-                    // SAFETY: a Q8_0 block holds 32 bytes after its scale.
-                    let xs = unsafe { _mm256_loadu_si256(x[2..].as_ptr() as *const __m256i) };
-                    let ws = unsafe { values(format, w) };
-                    let sum = $products(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xs, ws));
-                    let d = _mm256_set1_ps(scale(w) * scale(x));
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc);
-                }
-                sum_f32(acc)
-            }
-
-            /// [`dot_q8`] of one row with four activation rows at once (prefill): the row's
-            /// block is loaded, unpacked and its scale converted once for all four. `xd` holds
-            /// each activation block's scale as f32.
-            ///
-            /// # Safety
-            /// As [`dot_q8`], for each of the four activation rows.
-            #[target_feature(enable = $features)]
-            pub unsafe fn dot_q8_x4(
-                format: Format,
-                row: &[u8],
-                xq: [&[u8]; 4],
-                xd: [&[f32]; 4],
-            ) -> [f32; 4] {
-                let mut acc = [_mm256_setzero_ps(); 4];
-                for (b, w) in row.chunks_exact(format.block_bytes()).enumerate() {
-                    let ws = unsafe { values(format, w) };
-                    let (wabs, dw) = (_mm256_sign_epi8(ws, ws), scale(w));
-                    for j in 0..4 {
-                        // SAFETY: block `b` lies inside `xq[j]` (as many blocks as the row).
-                        let xs = unsafe {
-                            _mm256_loadu_si256(xq[j][b * 34 + 2..].as_ptr() as *const __m256i)
-                        };
-                        let sum = $products(wabs, _mm256_sign_epi8(xs, ws));
-                        let d = _mm256_set1_ps(dw * xd[j][b]);
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[j]);
-                    }
-                }
-                acc.map(|a| sum_f32(a))
-            }
-
-            /// [`dot_q8`] of four rows with one activation row (decoding): the activations'
-            /// block is loaded once for all four rows. `xd` holds each activation block's
-            /// scale as f32.
-            ///
-            /// # Safety
-            /// As [`dot_q8`], for each of the four rows.
-            #[target_feature(enable = $features)]
-            pub unsafe fn dot_q8_rows4(
-                format: Format,
-                rows: [&[u8]; 4],
-                xq: &[u8],
-                xd: &[f32],
-            ) -> [f32; 4] {
-                let mut acc = [_mm256_setzero_ps(); 4];
-                let bb = format.block_bytes();
-                for (b, x) in xq.chunks_exact(34).enumerate() {
-                    // SAFETY: an activation block holds 32 bytes after its scale; block `b`
-                    // lies inside every row (as many blocks as the activations).
-                    let xs = unsafe { _mm256_loadu_si256(x[2..].as_ptr() as *const __m256i) };
-                    for j in 0..4 {
-                        let w = &rows[j][b * bb..(b + 1) * bb];
-                        let ws = unsafe { values(format, w) };
-                        let sum = $products(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xs, ws));
-                        let d = _mm256_set1_ps(scale(w) * xd[b]);
-                        acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc[j]);
-                    }
-                }
-                acc.map(|a| sum_f32(a))
-            }
-
-            /// [`super::super::packed::group_dot`]: each lane one of a group's eight rows.
-            ///
-            /// # Safety
-            /// The processor must have this module's instruction set ([`isa`]); the sizes as
-            /// `group_dot` checks them.
-            #[target_feature(enable = $features)]
-            pub unsafe fn group_dot(
-                format: Format,
+            pub unsafe fn products<L: Layout, const T: usize>(
                 packed: &[u8],
-                x: &super::super::packed::Activations,
-                y: &mut [f32],
-            ) {
-                let blocks = x.scales.len();
-                let gb = super::super::packed::group_block_bytes(format);
-                for (group, out) in packed.chunks_exact(blocks * gb).zip(y.chunks_exact_mut(8)) {
-                    let mut acc = _mm256_setzero_ps();
-                    for (b, g) in group.chunks_exact(gb).enumerate() {
-                        let xs = &x.blocks[b * 34 + 2..b * 34 + 34];
-                        // SAFETY: a group's block starts with 16 bytes of scales, then 256
-                        // (Q8_0) or 128 (Q4_0) of values; unaligned loads.
-                        let scales = unsafe { _mm_loadu_si128(g.as_ptr() as *const __m128i) };
-                        let d = _mm256_mul_ps(_mm256_cvtph_ps(scales), _mm256_set1_ps(x.scales[b]));
-                        let load = |c: usize| unsafe {
-                            _mm256_loadu_si256(g[16 + 32 * c..].as_ptr() as *const __m256i)
-                        };
-                        let mut sum = _mm256_setzero_si256();
-                        if format == Format::Q8_0 {
-                            for c in 0..8 {
-                                let (w, xb) = (load(c), broadcast4(xs, 4 * c));
-                                sum = $add_products(
-                                    sum,
-                                    _mm256_sign_epi8(w, w),
-                                    _mm256_sign_epi8(xb, w),
-                                );
-                            }
-                        } else {
-                            let low = _mm256_set1_epi8(0x0f);
-                            for c in 0..4 {
-                                let v = load(c);
-                                let lo = _mm256_and_si256(v, low);
-                                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                                sum = $add_products(sum, lo, broadcast4(xs, 4 * c));
-                                sum = $add_products(sum, hi, broadcast4(xs, 16 + 4 * c));
-                            }
-                            // The stored values are q + 8.
-                            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * x.sums[b]));
-                        }
-                        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), d, acc);
-                    }
-                    // SAFETY: `out` holds eight values.
-                    unsafe { _mm256_storeu_ps(out.as_mut_ptr(), acc) };
-                }
-            }
-
-            /// [`group_dot`] for four tokens at once (prefill): each group's block is loaded,
-            /// unpacked and its scales converted once for the four; every lane computes what
-            /// `group_dot` computes for its row and token, in the same order. `y` holds the
-            /// four tokens' outputs one after another.
-            ///
-            /// # Safety
-            /// As [`group_dot`], for each token.
-            #[target_feature(enable = $features)]
-            pub unsafe fn group_dot4(
-                format: Format,
-                packed: &[u8],
-                x: [&super::super::packed::Activations; 4],
+                x: [&Activations; T],
                 y: &mut [f32],
             ) {
                 let blocks = x[0].scales.len();
-                let gb = super::super::packed::group_block_bytes(format);
-                let width = y.len() / 4;
-                let [x0, x1, x2, x3] = x;
-                // SAFETY (the loads below): every activation row holds `blocks` blocks of 34
-                // bytes, a group's block 16 bytes of scales and then its values.
-                let bcast = |x: &super::super::packed::Activations, b: usize, at: usize| unsafe {
-                    _mm256_set1_epi32(
-                        (x.blocks.as_ptr().add(b * 34 + 2 + at) as *const i32).read_unaligned(),
-                    )
-                };
-                let low = _mm256_set1_epi8(0x0f);
-                for (gi, group) in packed.chunks_exact(blocks * gb).enumerate() {
-                    let (mut a0, mut a1, mut a2, mut a3) = (
-                        _mm256_setzero_ps(),
-                        _mm256_setzero_ps(),
-                        _mm256_setzero_ps(),
-                        _mm256_setzero_ps(),
-                    );
-                    for (b, g) in group.chunks_exact(gb).enumerate() {
-                        let gp = g.as_ptr();
-                        let dw = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(gp as *const __m128i) });
-                        let load = |c: usize| unsafe {
-                            _mm256_loadu_si256(gp.add(16 + 32 * c) as *const __m256i)
-                        };
-                        let z = _mm256_setzero_si256();
-                        let (mut s0, mut s1, mut s2, mut s3) = (z, z, z, z);
-                        if format == Format::Q8_0 {
-                            for c in 0..8 {
-                                let w = load(c);
-                                let wabs = _mm256_sign_epi8(w, w);
-                                s0 = $add_products(
-                                    s0,
-                                    wabs,
-                                    _mm256_sign_epi8(bcast(x0, b, 4 * c), w),
-                                );
-                                s1 = $add_products(
-                                    s1,
-                                    wabs,
-                                    _mm256_sign_epi8(bcast(x1, b, 4 * c), w),
-                                );
-                                s2 = $add_products(
-                                    s2,
-                                    wabs,
-                                    _mm256_sign_epi8(bcast(x2, b, 4 * c), w),
-                                );
-                                s3 = $add_products(
-                                    s3,
-                                    wabs,
-                                    _mm256_sign_epi8(bcast(x3, b, 4 * c), w),
-                                );
+                let slices = L::VALUES / 32;
+                let group = blocks / slices * L::GROUP_BLOCK;
+                let width = y.len() / T;
+                for (gi, gr) in packed.chunks_exact(group).enumerate() {
+                    let mut acc = [_mm256_setzero_ps(); T];
+                    for (b, g) in gr.chunks_exact(L::GROUP_BLOCK).enumerate() {
+                        for s in 0..slices {
+                            let k = b * slices + s;
+                            // SAFETY: block `k` lies inside every token's activations, and
+                            // `g` is a whole group block (the sizes agree).
+                            unsafe {
+                                let xp = x.map(|x| x.blocks.as_ptr().add(34 * k + 2));
+                                let sums = L::sums::<$products, T>(g.as_ptr(), s, xp);
+                                let (dx, xs) = (x.map(|x| x.scales[k]), x.map(|x| x.sums[k]));
+                                L::add_lanes::<T>(g.as_ptr(), s, sums, dx, xs, &mut acc);
                             }
-                        } else {
-                            for c in 0..4 {
-                                let v = load(c);
-                                let lo = _mm256_and_si256(v, low);
-                                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                                let (l, h) = (4 * c, 16 + 4 * c);
-                                s0 = $add_products(s0, lo, bcast(x0, b, l));
-                                s0 = $add_products(s0, hi, bcast(x0, b, h));
-                                s1 = $add_products(s1, lo, bcast(x1, b, l));
-                                s1 = $add_products(s1, hi, bcast(x1, b, h));
-                                s2 = $add_products(s2, lo, bcast(x2, b, l));
-                                s2 = $add_products(s2, hi, bcast(x2, b, h));
-                                s3 = $add_products(s3, lo, bcast(x3, b, l));
-                                s3 = $add_products(s3, hi, bcast(x3, b, h));
-                            }
-                            // The stored values are q + 8.
-                            let off = |x: &super::super::packed::Activations| {
-                                _mm256_set1_epi32(8 * x.sums[b])
-                            };
-                            s0 = _mm256_sub_epi32(s0, off(x0));
-                            s1 = _mm256_sub_epi32(s1, off(x1));
-                            s2 = _mm256_sub_epi32(s2, off(x2));
-                            s3 = _mm256_sub_epi32(s3, off(x3));
                         }
-                        let d = |x: &super::super::packed::Activations| {
-                            _mm256_mul_ps(dw, _mm256_set1_ps(x.scales[b]))
-                        };
-                        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), d(x0), a0);
-                        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), d(x1), a1);
-                        a2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2), d(x2), a2);
-                        a3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s3), d(x3), a3);
                     }
-                    // SAFETY: `y` holds four rows of `width` values, each eight per group.
-                    unsafe {
-                        let o = y.as_mut_ptr().add(8 * gi);
-                        _mm256_storeu_ps(o, a0);
-                        _mm256_storeu_ps(o.add(width), a1);
-                        _mm256_storeu_ps(o.add(2 * width), a2);
-                        _mm256_storeu_ps(o.add(3 * width), a3);
+                    for (t, acc) in acc.iter().enumerate() {
+                        let at = t * width + ROWS * gi;
+                        assert!(at + ROWS <= y.len());
+                        // SAFETY: inside `y` (checked).
+                        unsafe { _mm256_storeu_ps(y.as_mut_ptr().add(at), *acc) };
                     }
                 }
             }
@@ -494,5 +472,5 @@ macro_rules! kernels {
     };
 }
 
-kernels!(avx2, "avx2,fma,f16c", products_avx2, add_products_avx2);
-kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", products_vnni, add_products_vnni);
+kernels!(avx2, "avx2,fma,f16c", Avx2);
+kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", Vnni);

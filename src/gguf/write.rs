@@ -1,9 +1,9 @@
-//! A writer for GGUF files, the counterpart of the reader in [`super::gguf`]: version 3,
-//! little-endian, metadata and tensor table, then the tensor data, each tensor starting at a
-//! multiple of the alignment (`general.alignment`, 32) from the start of the data section, which
-//! itself starts at a multiple of it in the file.
+//! The GGUF writer, the counterpart of [`super::read`]: version 3, little-endian, metadata and
+//! tensor table, then the tensor data, each tensor starting at a multiple of the alignment
+//! (`general.alignment`, 32) from the start of the data section, which itself starts at a
+//! multiple of it in the file.
 
-use super::gguf::{GgmlType, Value, MAGIC};
+use super::{GgmlType, Value, MAGIC};
 use anyhow::{bail, ensure, Result};
 
 pub const ALIGNMENT: usize = 32;
@@ -32,7 +32,7 @@ impl File {
         out.extend((self.metadata.len() as u64).to_le_bytes());
         for (key, value) in &self.metadata {
             put_str(&mut out, key);
-            out.extend(type_id(value).to_le_bytes());
+            out.extend(value.type_id().to_le_bytes());
             put_value(&mut out, value).map_err(|e| e.context(format!("metadata key {key:?}")))?;
         }
         let mut offset = 0;
@@ -75,25 +75,6 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend(s.as_bytes());
 }
 
-/// The GGUF value type id of `v` (as the reader's `Cursor::value` reads them).
-fn type_id(v: &Value) -> u32 {
-    match v {
-        Value::U8(_) => 0,
-        Value::I8(_) => 1,
-        Value::U16(_) => 2,
-        Value::I16(_) => 3,
-        Value::U32(_) => 4,
-        Value::I32(_) => 5,
-        Value::F32(_) => 6,
-        Value::Bool(_) => 7,
-        Value::Str(_) => 8,
-        Value::Array(_) => 9,
-        Value::U64(_) => 10,
-        Value::I64(_) => 11,
-        Value::F64(_) => 12,
-    }
-}
-
 fn put_value(out: &mut Vec<u8>, v: &Value) -> Result<()> {
     match v {
         Value::U8(x) => out.push(*x),
@@ -110,8 +91,8 @@ fn put_value(out: &mut Vec<u8>, v: &Value) -> Result<()> {
         Value::F64(x) => out.extend(x.to_le_bytes()),
         Value::Array(items) => {
             // An array holds one type; an empty one is written as an array of strings.
-            let elem = items.first().map_or(8, type_id);
-            if items.iter().any(|x| type_id(x) != elem) {
+            let elem = items.first().map_or(8, Value::type_id);
+            if items.iter().any(|x| x.type_id() != elem) {
                 bail!("an array mixes value types");
             }
             out.extend(elem.to_le_bytes());
@@ -127,7 +108,7 @@ fn put_value(out: &mut Vec<u8>, v: &Value) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::import::gguf::Gguf;
+    use crate::gguf::read::Gguf;
     use crate::kernels::quant::Format;
 
     /// What the writer writes, the reader reads back: every value type, nested arrays, tensor

@@ -1,182 +1,11 @@
-//! A reader for GGUF files (llama.cpp's model format), written from the specification
-//! (ggml's `docs/gguf.md`, versions 2 and 3, little-endian) and the block layouts of
-//! `ggml-common.h`. It reads the metadata and the tensor table, checks every length and offset
-//! against the file before using it, and dequantises the tensor types listed in [`GgmlType`].
+//! The GGUF reader: header, metadata and tensor table parsed from the bytes of a whole file,
+//! every length and offset checked against the file before it is used; tensors read as their
+//! blocks or dequantised to f32.
 
+use super::{type_name, GgmlType, Value, MAGIC, SUPPORTED_TYPES};
 use crate::kernels::quant::{self, bf16_to_f32, Format};
 use anyhow::{bail, ensure, Context, Result};
 use std::collections::BTreeMap;
-
-/// A metadata value.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Value {
-    U8(u8),
-    I8(i8),
-    U16(u16),
-    I16(i16),
-    U32(u32),
-    I32(i32),
-    F32(f32),
-    Bool(bool),
-    Str(String),
-    Array(Vec<Value>),
-    U64(u64),
-    I64(i64),
-    F64(f64),
-}
-
-impl Value {
-    /// An integer value of any width, if non-negative.
-    pub fn as_u64(&self) -> Option<u64> {
-        match *self {
-            Value::U8(v) => Some(v as u64),
-            Value::U16(v) => Some(v as u64),
-            Value::U32(v) => Some(v as u64),
-            Value::U64(v) => Some(v),
-            Value::I8(v) => u64::try_from(v).ok(),
-            Value::I16(v) => u64::try_from(v).ok(),
-            Value::I32(v) => u64::try_from(v).ok(),
-            Value::I64(v) => u64::try_from(v).ok(),
-            _ => None,
-        }
-    }
-
-    pub fn as_f64(&self) -> Option<f64> {
-        match *self {
-            Value::F32(v) => Some(v as f64),
-            Value::F64(v) => Some(v),
-            Value::I8(v) => Some(v as f64),
-            Value::I16(v) => Some(v as f64),
-            Value::I32(v) => Some(v as f64),
-            Value::I64(v) => Some(v as f64),
-            _ => self.as_u64().map(|v| v as f64),
-        }
-    }
-
-    pub fn as_str(&self) -> Option<&str> {
-        match self {
-            Value::Str(s) => Some(s),
-            _ => None,
-        }
-    }
-
-    pub fn as_bool(&self) -> Option<bool> {
-        match *self {
-            Value::Bool(b) => Some(b),
-            _ => None,
-        }
-    }
-
-    pub fn as_array(&self) -> Option<&[Value]> {
-        match self {
-            Value::Array(a) => Some(a),
-            _ => None,
-        }
-    }
-
-    /// The GGUF name of the value's type, for error messages.
-    pub fn type_name(&self) -> &'static str {
-        match self {
-            Value::U8(_) => "uint8",
-            Value::I8(_) => "int8",
-            Value::U16(_) => "uint16",
-            Value::I16(_) => "int16",
-            Value::U32(_) => "uint32",
-            Value::I32(_) => "int32",
-            Value::F32(_) => "float32",
-            Value::Bool(_) => "bool",
-            Value::Str(_) => "string",
-            Value::Array(_) => "array",
-            Value::U64(_) => "uint64",
-            Value::I64(_) => "int64",
-            Value::F64(_) => "float64",
-        }
-    }
-}
-
-/// The tensor types this reader dequantises, with their ggml type ids.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GgmlType {
-    F32,
-    BF16,
-    /// One of the formats the products take as they are ([`Format`]: F16 and ggml's block
-    /// formats).
-    Blocks(Format),
-}
-
-/// Names of every ggml type id, so that an unsupported one is named in the error.
-const TYPE_NAMES: &[(u32, &str)] = &[
-    (0, "F32"),
-    (1, "F16"),
-    (2, "Q4_0"),
-    (3, "Q4_1"),
-    (6, "Q5_0"),
-    (7, "Q5_1"),
-    (8, "Q8_0"),
-    (9, "Q8_1"),
-    (10, "Q2_K"),
-    (11, "Q3_K"),
-    (12, "Q4_K"),
-    (13, "Q5_K"),
-    (14, "Q6_K"),
-    (15, "Q8_K"),
-    (16, "IQ2_XXS"),
-    (17, "IQ2_XS"),
-    (18, "IQ3_XXS"),
-    (19, "IQ1_S"),
-    (20, "IQ4_NL"),
-    (21, "IQ3_S"),
-    (22, "IQ2_S"),
-    (23, "IQ4_XS"),
-    (24, "I8"),
-    (25, "I16"),
-    (26, "I32"),
-    (27, "I64"),
-    (28, "F64"),
-    (29, "IQ1_M"),
-    (30, "BF16"),
-    (34, "TQ1_0"),
-    (35, "TQ2_0"),
-    (39, "MXFP4"),
-];
-
-/// The supported types, as the error for another one lists them.
-pub const SUPPORTED_TYPES: &str = "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K";
-
-impl GgmlType {
-    pub fn from_id(id: u32) -> Option<GgmlType> {
-        Some(match id {
-            0 => GgmlType::F32,
-            30 => GgmlType::BF16,
-            _ => GgmlType::Blocks(Format::from_ggml_id(id)?),
-        })
-    }
-
-    pub fn id(self) -> u32 {
-        match self {
-            GgmlType::F32 => 0,
-            GgmlType::BF16 => 30,
-            GgmlType::Blocks(f) => f.ggml_id(),
-        }
-    }
-
-    /// Values per block and bytes per block.
-    pub fn block(self) -> (usize, usize) {
-        match self {
-            GgmlType::F32 => (1, 4),
-            GgmlType::BF16 => (1, 2),
-            GgmlType::Blocks(f) => (f.block_values(), f.block_bytes()),
-        }
-    }
-}
-
-/// The name of a ggml type id: `Q4_K`, or `type 77` for an id no version of ggml has.
-pub fn type_name(id: u32) -> String {
-    TYPE_NAMES
-        .iter()
-        .find(|(i, _)| *i == id)
-        .map_or_else(|| format!("type {id}"), |(_, n)| n.to_string())
-}
 
 /// One entry of the tensor table.
 #[derive(Clone, Debug)]
@@ -201,7 +30,6 @@ impl TensorInfo {
         self.dims.iter().rev().map(|&d| d as usize).collect()
     }
 }
-
 /// A parsed GGUF file: metadata, tensor table and the bytes of the tensor data section.
 pub struct Gguf<'a> {
     pub version: u32,
@@ -209,15 +37,12 @@ pub struct Gguf<'a> {
     pub tensors: Vec<TensorInfo>,
     data: &'a [u8],
 }
-
-pub const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
 
 /// Whether `bytes` start with the GGUF magic.
 pub fn has_magic(bytes: &[u8]) -> bool {
     bytes.starts_with(MAGIC)
 }
-
 struct Cursor<'a> {
     bytes: &'a [u8],
     pos: usize,
@@ -478,20 +303,5 @@ pub fn dequantize(ty: GgmlType, bytes: &[u8]) -> Vec<f32> {
         }
         GgmlType::BF16 => bytes.chunks_exact(2).map(|b| bf16_to_f32(two(b))).collect(),
         GgmlType::Blocks(f) => quant::dequantize(f, bytes),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn type_names_and_sizes() {
-        assert_eq!(type_name(12), "Q4_K");
-        assert_eq!(type_name(77), "type 77");
-        let blocks = Format::ALL.map(GgmlType::Blocks);
-        for ty in [GgmlType::F32, GgmlType::BF16].into_iter().chain(blocks) {
-            assert_eq!(GgmlType::from_id(ty.id()), Some(ty));
-        }
     }
 }

@@ -1,8 +1,8 @@
 //! `attnres export --to gguf`: a standard checkpoint as a GGUF file of llama.cpp's `llama`
 //! architecture with its tokenizer, the inverse of the GGUF import: the tensor names and
-//! metadata keys import reads ([`super::gguf_name`]), the query and key rows in llama.cpp's
-//! order ([`super::permute_rows`]), the tokenizer as `tokenizer.ggml.*` metadata
-//! ([`super::tokenizer::describe`]).
+//! metadata keys import reads ([`crate::import::gguf_name`]), the query and key rows in
+//! llama.cpp's order ([`crate::import::permute_rows`]), the tokenizer as `tokenizer.ggml.*`
+//! metadata ([`crate::import::tokenizer::describe`]), written with [`crate::gguf::write`].
 //!
 //! Types: `f32` writes every tensor F32. `f16` and `q8_0` store the weight matrices as
 //! `attnres quantize` does (the same bytes, the embedding included, as in llama.cpp's own Q8_0
@@ -11,11 +11,11 @@
 //! Refused: AttnRes models (llama.cpp has no architecture for a Llama with depth attention; they
 //! load in transformers instead), and quantised checkpoints (export their f32 original).
 
-use super::gguf::{GgmlType, Value};
-use super::gguf_writer::{self, Tensor};
-use super::{gguf_name, permute_rows, tokenizer, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 use crate::base::fs::{read_utf8, refuse_non_file, refuse_output_over_input, write_atomic_with};
 use crate::base::memory::format_bytes;
+use crate::gguf::write::{File, Tensor, ALIGNMENT};
+use crate::gguf::{GgmlType, Value};
+use crate::import::{gguf_name, permute_rows, tokenizer, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 use crate::kernels::quant::Format;
 use crate::model::checkpoint::{self, CONFIG_FILE};
 use crate::model::config::ResidualKind;
@@ -112,7 +112,7 @@ pub fn export(model: &Path, to: Option<Format>, out: &Path, force: bool) -> Resu
         .unwrap_or_else(|| "attnres".into());
     let mut meta = metadata(&stored.config, &name, to);
     meta.extend(described.metadata);
-    let file = gguf_writer::File { metadata: meta, tensors: tensors(&stored)? };
+    let file = File { metadata: meta, tensors: tensors(&stored)? };
     let header = file.header()?;
     write_atomic_with(out, |w| file.write(&header, w))?;
 
@@ -123,11 +123,7 @@ pub fn export(model: &Path, to: Option<Format>, out: &Path, force: bool) -> Resu
     Ok(Exported {
         tensors: counts,
         bytes: header.len()
-            + file
-                .tensors
-                .iter()
-                .map(|t| t.data.len().next_multiple_of(gguf_writer::ALIGNMENT))
-                .sum::<usize>(),
+            + file.tensors.iter().map(|t| t.data.len().next_multiple_of(ALIGNMENT)).sum::<usize>(),
         tokens: config.vocab_size,
         merges: described.merges,
         pre: described.pre,
@@ -155,7 +151,7 @@ fn metadata(c: &Config, name: &str, to: Option<Format>) -> Vec<(String, Value)> 
     let m = vec![
         ("general.architecture", Value::Str("llama".into())),
         ("general.name", Value::Str(name.into())),
-        ("general.alignment", count(gguf_writer::ALIGNMENT)),
+        ("general.alignment", count(ALIGNMENT)),
         ("general.file_type", Value::U32(file_type)),
         ("llama.vocab_size", count(c.vocab_size)),
         ("llama.context_length", count(c.max_position_embeddings)),

@@ -1,0 +1,46 @@
+//! Q5_K: Q4_K with a fifth bit per value. Super-blocks of 256 values: f16 `d`, f16 `dmin`,
+//! 12 bytes of 6-bit scales and minimums (as Q4_K's), 32 bytes of fifth bits (bit `j` of
+//! byte `l` belongs to value `l` of sub-block `j`), 128 bytes of nibbles (as Q4_K's); a value
+//! is `d·sc · q − dmin·m`. Read from files, not made here.
+
+use super::super::packed::{slice, KLayout, ROWS};
+use super::q4_k::{pack_head, scale_min};
+use super::{half, FormatOps, Packed};
+
+pub static OPS: FormatOps = FormatOps {
+    name: "Q5_K",
+    ggml_id: 13,
+    block_values: 256,
+    block_bytes: 176,
+    dequantize,
+    quantize: None,
+    packed: Some(Packed::of::<KLayout<5>>(pack)),
+};
+
+/// Sub-block `j`'s 32 values, 0..32.
+fn values(b: &[u8], j: usize) -> [u8; 32] {
+    let (qh, qs) = (&b[16..48], &b[48 + 32 * (j / 2)..][..32]);
+    std::array::from_fn(|l| {
+        let low = if j.is_multiple_of(2) { qs[l] & 0x0f } else { qs[l] >> 4 };
+        low | (((qh[l] >> j) & 1) << 4)
+    })
+}
+
+fn dequantize(b: &[u8], out: &mut [f32]) {
+    let (d, dmin) = (half(b), half(&b[2..]));
+    for (j, out) in out.chunks_exact_mut(32).enumerate() {
+        let (sc, m) = scale_min(j, &b[4..16]);
+        let (d1, m1) = (d * sc as f32, dmin * m as f32);
+        for (o, q) in out.iter_mut().zip(values(b, j)) {
+            *o = d1 * q as f32 - m1;
+        }
+    }
+}
+
+fn pack(blocks: [&[u8]; ROWS], out: &mut [u8]) {
+    pack_head(&blocks, out);
+    let bytes = slice::bytes(5);
+    for j in 0..8 {
+        slice::pack(&blocks.map(|b| values(b, j)), 5, &mut out[160 + j * bytes..][..bytes]);
+    }
+}
