@@ -52,6 +52,22 @@ fn dot_f16_portable(row: &[u8], x: &[f32]) -> f32 {
     sum
 }
 
+/// `bytes` (F16 values, two bytes each) as f32 into `out`: eight at a time with F16C.
+pub fn f16_to_f32_slice(bytes: &[u8], out: &mut [f32]) {
+    assert!(bytes.len() == 2 * out.len());
+    super::by_isa!(
+        // SAFETY: the processor has F16C (`by_isa` found AVX2, FMA and F16C); the sizes agree
+        // (checked above).
+        vnni => unsafe { super::x86::f16_to_f32_slice(bytes, out) },
+        avx2 => unsafe { super::x86::f16_to_f32_slice(bytes, out) },
+        portable => {
+            for (o, b) in out.iter_mut().zip(bytes.chunks_exact(2)) {
+                *o = super::half(b);
+            }
+        },
+    )
+}
+
 /// Activations quantised to Q8_0, blocks of 32, for [`dot_q8`].
 pub fn quantize_activations(x: &[f32]) -> Result<Vec<u8>> {
     super::quantize(Format::Q8_0, x)

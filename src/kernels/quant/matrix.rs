@@ -8,7 +8,9 @@ use super::dot::{dot_f16, dot_f16_many, QuantRows};
 use super::formats::Packed;
 use super::packed::ROWS;
 use super::{dequantize_into, Format};
+use crate::kernels::matmul::{gemm_strided, Strided, FEW_ROWS};
 use anyhow::{ensure, Result};
+use gemm::Parallelism;
 use rayon::prelude::*;
 use std::ops::{Deref, Range};
 use std::sync::Arc;
@@ -75,6 +77,9 @@ pub struct QuantMatrix {
 /// small, few enough tasks per matrix that two threads share it evenly.
 const ROWS_PER_TASK: usize = 32;
 
+/// Weight rows per task where F16 rows go through the f32 product (prefill).
+const F16_PRODUCT_ROWS: usize = 128;
+
 impl QuantMatrix {
     /// Checks that every part holds whole rows of `cols` values in its format, and regroups
     /// the rows of every format but F16 for the products.
@@ -132,7 +137,8 @@ impl QuantMatrix {
     /// `y = x · Wᵀ` for `n` rows of `x` (`[n, cols]`): `[n, rows]`. The activations are
     /// quantised to Q8_0 per row (llama.cpp's way) for the regrouped parts ([`super::packed`],
     /// eight rows at a time); F16 rows take them in f32. Every token's result has the same
-    /// bits whatever `n` is.
+    /// bits whatever `n` is, except in F16 rows past [`FEW_ROWS`] tokens: those take the f32
+    /// product, as an f32 model's rows do.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
         let k = self.cols;
         assert!(x.len() == n * k, "quantised product: {} activations, not {n} x {k}", x.len());
@@ -150,7 +156,13 @@ impl QuantMatrix {
                 None => (&p.data[..], p.data.len() / p.rows, 1),
             };
             let mut left = p.rows;
-            for w in bytes.chunks(unit * (ROWS_PER_TASK / unit_rows)) {
+            // F16 rows through the f32 product: more rows per task, as each task's product
+            // packs the activations again.
+            let per_task = match p.packed {
+                None if n > FEW_ROWS => F16_PRODUCT_ROWS,
+                _ => ROWS_PER_TASK,
+            };
+            for w in bytes.chunks(unit * (per_task / unit_rows)) {
                 let rows = (w.len() / unit * unit_rows).min(left);
                 tasks.push(Task { format: p.format, w, rows, r0 });
                 (r0, left) = (r0 + rows, left - rows);
@@ -180,6 +192,15 @@ impl QuantMatrix {
                         (kernels.dot)(t.w, [&xq.row(i)], &mut v[..width]);
                         put(i, 0, &v[..t.rows]);
                     }
+                }
+                _ if n > FEW_ROWS => {
+                    // Prefill: this task's F16 rows converted to f32, then the f32 product
+                    // (whose sums run in another order than `dot_f16`'s, as f32 models' do
+                    // past the same count).
+                    let mut w = vec![0.0f32; t.rows * k];
+                    super::dot::f16_to_f32_slice(t.w, &mut w);
+                    // SAFETY: the task owns columns `r0..r0 + rows` of every token's output.
+                    unsafe { out.product(t.r0, t.rows, x, &w, k) };
                 }
                 _ => {
                     let x = |i: usize| &x[i * k..(i + 1) * k];
@@ -286,6 +307,34 @@ struct Columns {
 unsafe impl Sync for Columns {}
 
 impl Columns {
+    /// Writes `x · wᵀ` (`x` is `[n, k]`, `w` is `[rows, k]`) to columns `r0..r0 + rows` of
+    /// every token's output, with the f32 product on this thread.
+    ///
+    /// # Safety
+    /// No other thread writes or reads those columns meanwhile.
+    unsafe fn product(&self, r0: usize, rows: usize, x: &[f32], w: &[f32], k: usize) {
+        assert!(r0 + rows <= self.m && x.len() == self.n * k && w.len() == rows * k);
+        let (lhs, rhs) = (Strided::rows(x, k), Strided::transposed(w, k));
+        // SAFETY: the views lie inside `x` and `w` (checked); the destination, columns
+        // `r0..r0 + rows` of `n` rows of `m`, lies inside the buffer (checked) and is ours.
+        unsafe {
+            let dst = self.y.add(r0);
+            gemm_strided(
+                self.n,
+                rows,
+                k,
+                dst,
+                self.m as isize,
+                1,
+                false,
+                lhs,
+                rhs,
+                1.0,
+                Parallelism::None,
+            );
+        }
+    }
+
     /// Writes `v` to token `i`'s columns `r..r + v.len()`.
     ///
     /// # Safety
@@ -362,6 +411,30 @@ mod tests {
         for few in [1, 3] {
             let y_few = m.matmul(&x[..few * k], few);
             assert!(y_few.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()), "{few} tokens");
+        }
+    }
+
+    /// F16 rows past FEW_ROWS tokens (prefill) go through the f32 product: each output is the
+    /// exact product of the halves with the activations within f32 rounding, over row counts
+    /// that split into tasks with a remainder.
+    #[test]
+    fn f16_prefill_is_the_f32_product() {
+        let (k, rows, n) = (96, 2 * F16_PRODUCT_ROWS + 5, FEW_ROWS + 3);
+        let bytes = raw_blocks(Format::F16, rows * k, 8);
+        let part = QuantPart::new("w".into(), Format::F16, rows, Bytes::from_vec(bytes));
+        let m = QuantMatrix::new(k, vec![part]).unwrap();
+        let x = values(n * k, 9);
+        let y = m.matmul(&x, n);
+        let w = m.dequantize();
+        for i in 0..n {
+            for r in 0..rows {
+                let (xi, wr) = (&x[i * k..(i + 1) * k], &w[r * k..(r + 1) * k]);
+                let exact: f64 = xi.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let size: f64 = xi.iter().zip(wr).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                let bound = k as f64 * f32::EPSILON as f64 * size;
+                let got = y[i * rows + r] as f64;
+                assert!((got - exact).abs() <= bound, "token {i} row {r}: {got} vs {exact}");
+            }
         }
     }
 

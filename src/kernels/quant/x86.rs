@@ -179,6 +179,26 @@ pub unsafe fn dot_f16_many<const R: usize, const T: usize>(
     out
 }
 
+/// [`super::dot::f16_to_f32_slice`].
+///
+/// # Safety
+/// The processor has F16C; `bytes` holds two bytes per value of `out`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn f16_to_f32_slice(bytes: &[u8], out: &mut [f32]) {
+    assert!(bytes.len() == 2 * out.len());
+    let whole = out.len() / 8 * 8;
+    for (o, b) in out[..whole].chunks_exact_mut(8).zip(bytes.chunks_exact(16)) {
+        // SAFETY: sixteen bytes in, eight floats out (the chunks); unaligned.
+        unsafe {
+            let h = _mm_loadu_si128(b.as_ptr() as *const __m128i);
+            _mm256_storeu_ps(o.as_mut_ptr(), _mm256_cvtph_ps(h));
+        }
+    }
+    for (o, b) in out[whole..].iter_mut().zip(bytes[2 * whole..].chunks_exact(2)) {
+        *o = super::half(b);
+    }
+}
+
 /// Eight 32-bit integers.
 pub type I32x8 = __m256i;
 /// Eight f32.
