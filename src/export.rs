@@ -58,10 +58,10 @@ impl Exported {
 /// Writes the checkpoint in `model` as the GGUF file `out`, whole or not at all, with the weight
 /// matrices in `to` (`None`: F32); an existing `out` is replaced only with `force`.
 pub fn export(model: &Path, to: Option<Format>, out: &Path, force: bool) -> Result<Exported> {
-    ensure!(
-        matches!(to, None | Some(Format::F16 | Format::Q8_0)),
-        "export writes f32, f16 or q8_0"
-    );
+    if let Some(f) = to {
+        let made = crate::model::quantize::targets();
+        ensure!(made.contains(&f), "export writes f32, {}", crate::model::quantize::names(&made));
+    }
     refuse_output_over_input(out, model, "--model")?;
     refuse_non_file(out)?;
     ensure!(!out.exists() || force, "{} already exists; pass --force to replace it", out.display());
@@ -142,11 +142,7 @@ fn type_name(ty: GgmlType) -> &'static str {
 /// The `general.*` and `llama.*` metadata: what import's `gguf_config` reads.
 fn metadata(c: &Config, name: &str, to: Option<Format>) -> Vec<(String, Value)> {
     // llama.cpp's `llama_ftype`: all F32, mostly F16, mostly Q8_0.
-    let file_type = match to {
-        None => 0,
-        Some(Format::F16) => 1,
-        Some(_) => 7,
-    };
+    let file_type = to.map_or(0, |f| f.ops().file_type);
     let count = |n: usize| Value::U32(n as u32);
     let m = vec![
         ("general.architecture", Value::Str("llama".into())),

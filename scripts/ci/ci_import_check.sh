@@ -8,7 +8,8 @@
 # - scripts/reference/check_transformers.py: Block, Full and ablation checkpoints of short runs
 #   loaded by transformers through the module they carry (docs/interop.md);
 # - scripts/reference/check_export.py: GGUF exports run by llama.cpp (llama-cpp-python), of the
-#   imported SmolLM2 at f32 and of a short standard run at f32, f16 and q8_0 (docs/interop.md);
+#   imported SmolLM2 at f32 and of a short standard run at f32, f16, q8_0, q4_0, q4_1, q5_0 and
+#   q5_1 (docs/interop.md);
 # - scripts/eval/check_lm_eval.py: lm-eval against `attnres serve` and on transformers, the same
 #   accuracy and log-likelihoods, on a short Block run and a short standard run (docs/serving.md).
 # Needs python3 with venv and pip, PyPI, and the release build of attnres and of the tokenize

@@ -3,11 +3,11 @@
     pip install llama-cpp-python==0.3.36 gguf==0.19.0 numpy    # as in scripts/bench/requirements.txt
     cargo build --release --bin attnres --example tokenize
     python scripts/reference/check_export.py --attnres target/release/attnres --model DIR \
-        [--types f32 f16 q8_0] [--reference TYPE FILE.gguf ...] [--keep DIR]
+        [--types f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1] [--reference TYPE FILE.gguf ...] [--keep DIR]
 
 DIR is a standard checkpoint with its tokenizer (a training run, an import). For each type the
 model is exported and loaded by llama.cpp, and compared with attnres running the same stored
-weights: DIR itself for f32, `attnres quantize --dtype f16|q8_0` of it for the others (the export
+weights: DIR itself for f32, `attnres quantize --dtype TYPE` of it for the others (the export
 stores exactly those bytes). Checks, each failing the script (exit 1):
 
 1. Token ids: llama.cpp's tokenizer on the exported file gives the ids of ours
@@ -18,7 +18,7 @@ stores exactly those bytes). Checks, each failing the script (exit 1):
    least ARGMAX_AGREE.
 3. Greedy text: each of PROMPTS continued for --new-tokens tokens (argmax, ties to the lowest id,
    stopping at the end-of-text token) by llama.cpp gives the text `attnres generate
-   --temperature 0` gives; for f16 and q8_0, whose two engines round differently (see
+   --temperature 0` gives; for the other types, whose two engines round differently (see
    LOGIT_TOL), at least the first MIN_AGREE tokens' text.
 4. With --reference TYPE FILE (a GGUF file of the same model made elsewhere: the file DIR was
    imported from, or llama.cpp's own quantisation of it): the export of that type holds the same
@@ -43,8 +43,9 @@ from gguf import GGUFReader
 # llama.cpp rounds the activations of F16 products to F16 (attnres keeps them f32): 5e-4 and
 # 1.7e-3; both quantise those of Q8_0 products to Q8_0 but round and sum differently, which on
 # SmolLM2-135M moves the logits by 4.7e-2, as much as the quantisation of the weights itself
-# (attnres q8_0 against f32: 4.3e-2); the tiny model 7e-8. Bounds: about twice the largest.
-LOGIT_TOL = {"f32": 1e-3, "f16": 5e-3, "q8_0": 1e-1}
+# (attnres q8_0 against f32: 4.3e-2); the tiny model 7e-8. The 4- and 5-bit types on a
+# 1024-wide model: 3.6e-4 to 1.2e-3. Bounds: about twice the largest.
+LOGIT_TOL = {"f32": 1e-3, "f16": 5e-3, "q8_0": 1e-1, "q4_0": 1e-1, "q4_1": 1e-1, "q5_0": 1e-1, "q5_1": 1e-1}
 ARGMAX_AGREE = 0.9
 MIN_AGREE = 3
 GGML_TYPE_F32 = 0
@@ -189,7 +190,7 @@ def main():
     ap.add_argument("--attnres", required=True)
     ap.add_argument("--model", required=True, help="a standard checkpoint with tokenizer.json")
     ap.add_argument("--tokenize", help="examples/tokenize (default: beside --attnres)")
-    ap.add_argument("--types", nargs="+", default=["f32", "f16", "q8_0"])
+    ap.add_argument("--types", nargs="+", default=list(LOGIT_TOL))
     ap.add_argument("--new-tokens", type=int, default=30)
     ap.add_argument("--reference", nargs=2, action="append", default=[],
                     metavar=("TYPE", "FILE"), help="a GGUF file of the same model and type")

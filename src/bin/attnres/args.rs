@@ -80,6 +80,14 @@ pub(crate) enum ExportType {
     F16,
     #[value(name = "q8_0")]
     Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
+    #[value(name = "q4_1")]
+    Q4_1,
+    #[value(name = "q5_0")]
+    Q5_0,
+    #[value(name = "q5_1")]
+    Q5_1,
 }
 
 impl ExportType {
@@ -90,6 +98,10 @@ impl ExportType {
             ExportType::F32 => None,
             ExportType::F16 => Some(Format::F16),
             ExportType::Q8_0 => Some(Format::Q8_0),
+            ExportType::Q4_0 => Some(Format::Q4_0),
+            ExportType::Q4_1 => Some(Format::Q4_1),
+            ExportType::Q5_0 => Some(Format::Q5_0),
+            ExportType::Q5_1 => Some(Format::Q5_1),
         }
     }
 }
@@ -102,9 +114,10 @@ pub(crate) struct ExportArgs {
     /// The file format: gguf (llama.cpp).
     #[arg(long, value_enum)]
     pub to: ExportFormat,
-    /// The weight matrices' type: f32, f16, or q8_0 (the same bytes as `quantize`; matrices
-    /// whose rows are not whole 32-value blocks stay f32); norms stay f32. `--type` is the
-    /// older name, still taken.
+    /// The weight matrices' type: f32, f16, q8_0, q4_0, q4_1, q5_0 or q5_1 (the same bytes as
+    /// `quantize`: the LM head's matrix in q8_0 under the 4- and 5-bit types, matrices whose
+    /// rows are not whole 32-value blocks in f32); norms stay f32. `--type` is the older name,
+    /// still taken.
     #[arg(long = "dtype", alias = "type", value_name = "DTYPE", value_enum, default_value = "f32")]
     pub ty: ExportType,
     /// The file to write.

@@ -6,6 +6,7 @@ use super::{half, FormatOps};
 pub static OPS: FormatOps = FormatOps {
     name: "F16",
     ggml_id: 1,
+    file_type: 1,
     block_values: 1,
     block_bytes: 2,
     dequantize,

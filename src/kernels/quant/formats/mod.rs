@@ -23,6 +23,9 @@ pub struct FormatOps {
     pub name: &'static str,
     /// ggml's type id.
     pub ggml_id: u32,
+    /// llama.cpp's file type (`general.file_type`, `LLAMA_FTYPE_MOSTLY_*`) of a file whose
+    /// matrices are mostly in this format (for a K-quant, its plain `_S` mix).
+    pub file_type: u32,
     pub block_values: usize,
     pub block_bytes: usize,
     /// One block's values (`block_values` of them into `out`).

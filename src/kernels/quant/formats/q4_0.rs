@@ -10,6 +10,7 @@ type Layout = BlockLayout<4, false>;
 pub static OPS: FormatOps = FormatOps {
     name: "Q4_0",
     ggml_id: 2,
+    file_type: 2,
     block_values: 32,
     block_bytes: 18,
     dequantize,

@@ -10,6 +10,7 @@ type Layout = BlockLayout<4, true>;
 pub static OPS: FormatOps = FormatOps {
     name: "Q4_1",
     ggml_id: 3,
+    file_type: 3,
     block_values: 32,
     block_bytes: 20,
     dequantize,

@@ -9,6 +9,7 @@ use super::{half, FormatOps, Packed};
 pub static OPS: FormatOps = FormatOps {
     name: "Q4_K",
     ggml_id: 12,
+    file_type: 14,
     block_values: 256,
     block_bytes: 144,
     dequantize,

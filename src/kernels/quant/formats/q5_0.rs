@@ -12,6 +12,7 @@ type Layout = BlockLayout<5, false>;
 pub static OPS: FormatOps = FormatOps {
     name: "Q5_0",
     ggml_id: 6,
+    file_type: 8,
     block_values: 32,
     block_bytes: 22,
     dequantize,

@@ -11,6 +11,7 @@ type Layout = BlockLayout<5, true>;
 pub static OPS: FormatOps = FormatOps {
     name: "Q5_1",
     ggml_id: 7,
+    file_type: 9,
     block_values: 32,
     block_bytes: 24,
     dequantize,

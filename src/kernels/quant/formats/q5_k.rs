@@ -10,6 +10,7 @@ use super::{half, FormatOps, Packed};
 pub static OPS: FormatOps = FormatOps {
     name: "Q5_K",
     ggml_id: 13,
+    file_type: 16,
     block_values: 256,
     block_bytes: 176,
     dequantize,

@@ -10,6 +10,7 @@ use super::{half, FormatOps, Packed};
 pub static OPS: FormatOps = FormatOps {
     name: "Q6_K",
     ggml_id: 14,
+    file_type: 18,
     block_values: 256,
     block_bytes: 210,
     dequantize,

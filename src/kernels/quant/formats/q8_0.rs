@@ -7,6 +7,7 @@ use crate::kernels::quant::f32_to_f16;
 pub static OPS: FormatOps = FormatOps {
     name: "Q8_0",
     ggml_id: 8,
+    file_type: 7,
     block_values: 32,
     block_bytes: 34,
     dequantize,
