@@ -3,7 +3,8 @@
     pip install llama-cpp-python==0.3.36 gguf==0.19.0 numpy    # as in scripts/bench/requirements.txt
     cargo build --release --bin attnres --example tokenize
     python scripts/reference/check_export.py --attnres target/release/attnres --model DIR \
-        [--types f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1] [--reference TYPE FILE.gguf ...] [--keep DIR]
+        [--types f32 f16 q8_0 q4_0 q4_1 q5_0 q5_1 q4_k q5_k q6_k] [--reference TYPE FILE.gguf ...]
+        [--keep DIR]
 
 DIR is a standard checkpoint with its tokenizer (a training run, an import). For each type the
 model is exported and loaded by llama.cpp, and compared with attnres running the same stored
@@ -45,7 +46,8 @@ from gguf import GGUFReader
 # SmolLM2-135M moves the logits by 4.7e-2, as much as the quantisation of the weights itself
 # (attnres q8_0 against f32: 4.3e-2); the tiny model 7e-8. The 4- and 5-bit types on a
 # 1024-wide model: 3.6e-4 to 1.2e-3. Bounds: about twice the largest.
-LOGIT_TOL = {"f32": 1e-3, "f16": 5e-3, "q8_0": 1e-1, "q4_0": 1e-1, "q4_1": 1e-1, "q5_0": 1e-1, "q5_1": 1e-1}
+LOGIT_TOL = {"f32": 1e-3, "f16": 5e-3, "q8_0": 1e-1, "q4_0": 1e-1, "q4_1": 1e-1, "q5_0": 1e-1,
+             "q5_1": 1e-1, "q4_k": 1e-1, "q5_k": 1e-1, "q6_k": 1e-1}
 ARGMAX_AGREE = 0.9
 MIN_AGREE = 3
 GGML_TYPE_F32 = 0

@@ -58,7 +58,8 @@ pub(crate) enum Command {
     /// parameters that start as the standard residual (pseudo-queries zero, key-norm gains one).
     Convert(ConvertArgs),
     /// Store a checkpoint's weight matrices in a smaller format (F16, Q8_0, Q4_0, Q4_1, Q5_0,
-    /// Q5_1) for faster, smaller inference; norms and depth-attention parameters stay f32.
+    /// Q5_1, Q4_K, Q5_K, Q6_K) for faster, smaller inference; norms and depth-attention
+    /// parameters stay f32.
     Quantize(QuantizeArgs),
     /// Write a standard checkpoint as a GGUF file that llama.cpp loads (llama architecture, with
     /// its tokenizer); AttnRes models are refused.
@@ -88,6 +89,12 @@ pub(crate) enum ExportType {
     Q5_0,
     #[value(name = "q5_1")]
     Q5_1,
+    #[value(name = "q4_k")]
+    Q4K,
+    #[value(name = "q5_k")]
+    Q5K,
+    #[value(name = "q6_k")]
+    Q6K,
 }
 
 impl ExportType {
@@ -102,6 +109,9 @@ impl ExportType {
             ExportType::Q4_1 => Some(Format::Q4_1),
             ExportType::Q5_0 => Some(Format::Q5_0),
             ExportType::Q5_1 => Some(Format::Q5_1),
+            ExportType::Q4K => Some(Format::Q4K),
+            ExportType::Q5K => Some(Format::Q5K),
+            ExportType::Q6K => Some(Format::Q6K),
         }
     }
 }
@@ -114,10 +124,10 @@ pub(crate) struct ExportArgs {
     /// The file format: gguf (llama.cpp).
     #[arg(long, value_enum)]
     pub to: ExportFormat,
-    /// The weight matrices' type: f32, f16, q8_0, q4_0, q4_1, q5_0 or q5_1 (the same bytes as
-    /// `quantize`: the LM head's matrix in q8_0 under the 4- and 5-bit types, matrices whose
-    /// rows are not whole 32-value blocks in f32); norms stay f32. `--type` is the older name,
-    /// still taken.
+    /// The weight matrices' type: f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k
+    /// (the same bytes as `quantize`: the LM head's matrix in q8_0 under the 4- and 5-bit
+    /// types, matrices whose rows are not whole blocks in f32); norms stay f32. `--type` is the
+    /// older name, still taken.
     #[arg(long = "dtype", alias = "type", value_name = "DTYPE", value_enum, default_value = "f32")]
     pub ty: ExportType,
     /// The file to write.
@@ -143,6 +153,12 @@ pub(crate) enum QuantTarget {
     Q5_0,
     #[value(name = "q5_1")]
     Q5_1,
+    #[value(name = "q4_k")]
+    Q4K,
+    #[value(name = "q5_k")]
+    Q5K,
+    #[value(name = "q6_k")]
+    Q6K,
 }
 
 impl QuantTarget {
@@ -155,6 +171,9 @@ impl QuantTarget {
             QuantTarget::Q4_1 => Format::Q4_1,
             QuantTarget::Q5_0 => Format::Q5_0,
             QuantTarget::Q5_1 => Format::Q5_1,
+            QuantTarget::Q4K => Format::Q4K,
+            QuantTarget::Q5K => Format::Q5K,
+            QuantTarget::Q6K => Format::Q6K,
         }
     }
 }

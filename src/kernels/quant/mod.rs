@@ -115,7 +115,7 @@ impl Format {
         self.ops().block_bytes
     }
 
-    /// Whether [`quantize`] makes the format (the others are read from files only).
+    /// Whether [`quantize`] makes the format (every format does today).
     pub fn quantizable(self) -> bool {
         self.ops().quantize.is_some()
     }
@@ -175,7 +175,8 @@ pub fn dequantize(format: Format, bytes: &[u8]) -> Vec<f32> {
 }
 
 /// Quantises `values` (a whole number of blocks) into `format`, as ggml's reference
-/// quantisation does. The K-quants are not made here: they are read from files only.
+/// quantisation does (for the K-quants, `quantize_row_q*_K_ref`, which llama.cpp's quantizer
+/// runs without an importance matrix).
 pub fn quantize(format: Format, values: &[f32]) -> Result<Vec<u8>> {
     let ops = format.ops();
     let Some(quantize_block) = ops.quantize else {
@@ -275,6 +276,7 @@ mod tests {
         assert_eq!(Format::Q4K.row_bytes(512).unwrap(), 288);
         let e = Format::Q8_0.row_bytes(40).unwrap_err().to_string();
         assert!(e.contains("blocks of 32") && e.contains("40 values"), "{e}");
-        assert!(quantize(Format::Q6K, &[0.0; 256]).is_err());
+        let e = quantize(Format::Q6K, &[0.0; 200]).unwrap_err().to_string();
+        assert!(e.contains("blocks of 256"), "{e}");
     }
 }

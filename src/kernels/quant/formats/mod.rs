@@ -13,6 +13,7 @@ pub mod q5_1;
 pub mod q5_k;
 pub mod q6_k;
 pub mod q8_0;
+mod search;
 
 pub(super) use super::half;
 use super::packed::{Kernels, Layout, ROWS};

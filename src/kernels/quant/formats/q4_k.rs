@@ -1,10 +1,12 @@
 //! Q4_K: super-blocks of 256 values in 8 sub-blocks of 32: an f16 scale `d`, an f16 `dmin`,
 //! 12 bytes of 6-bit sub-block scales `sc` and minimums `m`, 128 bytes of nibbles (32 bytes
 //! per 64 values: the low nibbles the first 32, the high nibbles the next); a value is
-//! `d·sc · q − dmin·m`. Read from files, not made here.
+//! `d·sc · q − dmin·m`.
 
 use super::super::packed::{slice, KLayout, ROWS};
+use super::search::{nearest_int, scale_and_min};
 use super::{half, FormatOps, Packed};
+use crate::kernels::quant::f32_to_f16;
 
 pub static OPS: FormatOps = FormatOps {
     name: "Q4_K",
@@ -13,7 +15,7 @@ pub static OPS: FormatOps = FormatOps {
     block_values: 256,
     block_bytes: 144,
     dequantize,
-    quantize: None,
+    quantize: Some(quantize),
     packed: Some(Packed::of::<KLayout<4>>(pack)),
 };
 
@@ -43,6 +45,70 @@ fn dequantize(b: &[u8], out: &mut [f32]) {
             *o = d1 * q as f32 - m1;
         }
     }
+}
+
+/// ggml's `quantize_row_q4_K_ref`: [`quantize_k`] with 4-bit values.
+fn quantize(x: &[f32], out: &mut [u8]) {
+    let l = quantize_k(x, 15, (-1.0, 0.1, 20), out);
+    for (g, q) in out[16..144].chunks_exact_mut(32).enumerate() {
+        for (i, q) in q.iter_mut().enumerate() {
+            *q = l[64 * g + i] | (l[64 * g + 32 + i] << 4);
+        }
+    }
+}
+
+/// The part of ggml's Q4_K and Q5_K quantisers they share: each sub-block's scale and minimum
+/// by [`scale_and_min`] (levels up to `nmax`, its search `steps`), both sets quantised to 6
+/// bits against their largest, written with `d` and `dmin` into `out`'s first 16 bytes; then
+/// each value's level under the stored scales, returned for the caller to pack.
+pub(super) fn quantize_k(
+    x: &[f32],
+    nmax: i32,
+    steps: (f32, f32, i32),
+    out: &mut [u8],
+) -> [u8; 256] {
+    let mut l = [0u8; 256];
+    let (mut scales, mut mins) = ([0.0f32; 8], [0.0f32; 8]);
+    let (mut max_scale, mut max_min) = (0.0f32, 0.0f32);
+    for j in 0..8 {
+        let x = &x[32 * j..32 * j + 32];
+        let sum_x2 = x.iter().fold(0.0f32, |s, &v| s + v * v);
+        let av_x = (sum_x2 / 32.0).sqrt();
+        let weights: [f32; 32] = std::array::from_fn(|i| av_x + x[i].abs());
+        (scales[j], mins[j]) = scale_and_min(nmax, x, &weights, &mut l[32 * j..32 * j + 32], steps);
+        max_scale = if scales[j] > max_scale { scales[j] } else { max_scale };
+        max_min = if mins[j] > max_min { mins[j] } else { max_min };
+    }
+    let inverse = |max: f32| if max > 0.0 { 63.0 / max } else { 0.0 };
+    let (inv_scale, inv_min) = (inverse(max_scale), inverse(max_min));
+    let packed = &mut out[4..16];
+    packed.fill(0);
+    for j in 0..8 {
+        let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+        let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+        if j < 4 {
+            (packed[j], packed[j + 4]) = (ls, lm);
+        } else {
+            packed[j + 4] = (ls & 0x0f) | ((lm & 0x0f) << 4);
+            packed[j - 4] |= (ls >> 4) << 6;
+            packed[j] |= (lm >> 4) << 6;
+        }
+    }
+    out[..2].copy_from_slice(&f32_to_f16(max_scale / 63.0).to_le_bytes());
+    out[2..4].copy_from_slice(&f32_to_f16(max_min / 63.0).to_le_bytes());
+    let (d, dmin) = (half(out), half(&out[2..]));
+    for j in 0..8 {
+        let (sc, m) = scale_min(j, &out[4..16]);
+        let d1 = d * sc as f32;
+        if d1 == 0.0 {
+            continue;
+        }
+        let dm = dmin * m as f32;
+        for i in 32 * j..32 * j + 32 {
+            l[i] = nearest_int((x[i] + dm) / d1).clamp(0, nmax) as u8;
+        }
+    }
+    l
 }
 
 /// Writes the head of a K-quant group block (Q4_K and Q5_K): the rows' `d` and `dmin`, then

@@ -1,10 +1,10 @@
 //! Q5_K: Q4_K with a fifth bit per value. Super-blocks of 256 values: f16 `d`, f16 `dmin`,
 //! 12 bytes of 6-bit scales and minimums (as Q4_K's), 32 bytes of fifth bits (bit `j` of
 //! byte `l` belongs to value `l` of sub-block `j`), 128 bytes of nibbles (as Q4_K's); a value
-//! is `d·sc · q − dmin·m`. Read from files, not made here.
+//! is `d·sc · q − dmin·m`.
 
 use super::super::packed::{slice, KLayout, ROWS};
-use super::q4_k::{pack_head, scale_min};
+use super::q4_k::{pack_head, quantize_k, scale_min};
 use super::{half, FormatOps, Packed};
 
 pub static OPS: FormatOps = FormatOps {
@@ -14,7 +14,7 @@ pub static OPS: FormatOps = FormatOps {
     block_values: 256,
     block_bytes: 176,
     dequantize,
-    quantize: None,
+    quantize: Some(quantize),
     packed: Some(Packed::of::<KLayout<5>>(pack)),
 };
 
@@ -34,6 +34,19 @@ fn dequantize(b: &[u8], out: &mut [f32]) {
         let (d1, m1) = (d * sc as f32, dmin * m as f32);
         for (o, q) in out.iter_mut().zip(values(b, j)) {
             *o = d1 * q as f32 - m1;
+        }
+    }
+}
+
+/// ggml's `quantize_row_q5_K_ref`: the Q4_K quantiser's search with 5-bit values.
+fn quantize(x: &[f32], out: &mut [u8]) {
+    let l = quantize_k(x, 31, (-0.5, 0.1, 15), out);
+    out[16..48].fill(0);
+    for g in 0..4 {
+        for i in 0..32 {
+            let (a, b) = (l[64 * g + i], l[64 * g + 32 + i]);
+            out[16 + i] |= ((a >> 4) << (2 * g)) | ((b >> 4) << (2 * g + 1));
+            out[48 + 32 * g + i] = (a & 0x0f) | ((b & 0x0f) << 4);
         }
     }
 }

@@ -2,10 +2,12 @@
 //! of top two bits, 16 signed 8-bit scales `sc`, an f16 scale `d`; a value is
 //! `d·sc · (q − 32)`. Value `128h + 32k + l` (h = 0..2, k = 0..4, l = 0..32) takes nibble
 //! `k / 2` of byte `64h + 32(k % 2) + l`, bits `2k, 2k + 1` of top-bit byte `32h + l`, and the
-//! scale of sub-block `v / 16`. Read from files, not made here.
+//! scale of sub-block `v / 16`.
 
 use super::super::packed::{slice, Q6KLayout, ROWS};
+use super::search::{nearest_int, scale_signed, GROUP_MAX_EPS};
 use super::{half, FormatOps, Packed};
+use crate::kernels::quant::f32_to_f16;
 
 pub static OPS: FormatOps = FormatOps {
     name: "Q6_K",
@@ -14,7 +16,7 @@ pub static OPS: FormatOps = FormatOps {
     block_values: 256,
     block_bytes: 210,
     dequantize,
-    quantize: None,
+    quantize: Some(quantize),
     packed: Some(Packed::of::<Q6KLayout>(pack)),
 };
 
@@ -32,6 +34,51 @@ fn dequantize(b: &[u8], out: &mut [f32]) {
     let d = half(&b[208..]);
     for (v, (o, q)) in out.iter_mut().zip(values(b)).enumerate() {
         *o = d * (b[192 + v / 16] as i8) as f32 * (q as i32 - 32) as f32;
+    }
+}
+
+/// ggml's `quantize_row_q6_K_ref`: each sub-block of 16 values' scale by [`scale_signed`],
+/// the scales quantised to 8 bits against the one of largest magnitude, then each value's level
+/// under the stored scales.
+fn quantize(x: &[f32], out: &mut [u8]) {
+    let mut l = [0u8; 256];
+    let mut scales = [0.0f32; 16];
+    let (mut max_scale, mut max_abs) = (0.0f32, 0.0f32);
+    for (ib, scale) in scales.iter_mut().enumerate() {
+        *scale = scale_signed(32, &x[16 * ib..16 * ib + 16], &mut l[16 * ib..16 * ib + 16]);
+        if scale.abs() > max_abs {
+            (max_abs, max_scale) = (scale.abs(), *scale);
+        }
+    }
+    out.fill(0);
+    if max_abs < GROUP_MAX_EPS {
+        return;
+    }
+    let iscale = -128.0 / max_scale;
+    out[208..210].copy_from_slice(&f32_to_f16(1.0 / iscale).to_le_bytes());
+    for (ib, &scale) in scales.iter().enumerate() {
+        out[192 + ib] = nearest_int(iscale * scale).min(127) as i8 as u8;
+    }
+    let d = half(&out[208..]);
+    for j in 0..16 {
+        let dj = d * (out[192 + j] as i8) as f32;
+        if dj == 0.0 {
+            continue;
+        }
+        for i in 16 * j..16 * j + 16 {
+            l[i] = (nearest_int(x[i] / dj).clamp(-32, 31) + 32) as u8;
+        }
+    }
+    for h in 0..2 {
+        let (l, base) = (&l[128 * h..], 64 * h);
+        for i in 0..32 {
+            out[base + i] = (l[i] & 0x0f) | ((l[i + 64] & 0x0f) << 4);
+            out[base + 32 + i] = (l[i + 32] & 0x0f) | ((l[i + 96] & 0x0f) << 4);
+            out[128 + 32 * h + i] = (l[i] >> 4)
+                | ((l[i + 32] >> 4) << 2)
+                | ((l[i + 64] >> 4) << 4)
+                | ((l[i + 96] >> 4) << 6);
+        }
     }
 }
 
