@@ -2,6 +2,7 @@
 //! of values are enums, so that `--help` lists them and a wrong value is named at once.
 
 use anyhow::Result;
+use attnres::kernels::quant::Format;
 use attnres::model::{Config, ResidualKind};
 use attnres::train::parallel::plan::Cache;
 use attnres::train::parallel::Reduce;
@@ -72,48 +73,24 @@ pub(crate) enum ExportFormat {
     Gguf,
 }
 
-/// How `export` stores the weight matrices.
-#[derive(Clone, Copy, ValueEnum)]
-pub(crate) enum ExportType {
-    #[value(name = "f32")]
-    F32,
-    #[value(name = "f16")]
-    F16,
-    #[value(name = "q8_0")]
-    Q8_0,
-    #[value(name = "q4_0")]
-    Q4_0,
-    #[value(name = "q4_1")]
-    Q4_1,
-    #[value(name = "q5_0")]
-    Q5_0,
-    #[value(name = "q5_1")]
-    Q5_1,
-    #[value(name = "q4_k")]
-    Q4K,
-    #[value(name = "q5_k")]
-    Q5K,
-    #[value(name = "q6_k")]
-    Q6K,
+/// A storage type as `quantize` and `export` take it: ggml's name in lower case (`q8_0`,
+/// `q4_k`, …), or for `export` `f32` (no block format, `None`).
+#[derive(Clone, Copy)]
+pub(crate) struct Dtype(pub Option<Format>);
+
+/// Parses a [`Dtype`]: `f32` or one of [`block_format`]'s.
+fn dtype(s: &str) -> Result<Dtype, String> {
+    match s {
+        "f32" => Ok(Dtype(None)),
+        _ => block_format(s).map(|f| Dtype(Some(f))).map_err(|e| format!("f32 or {e}")),
+    }
 }
 
-impl ExportType {
-    /// The block format of the weight matrices (`None`: f32).
-    pub fn format(self) -> Option<attnres::kernels::quant::Format> {
-        use attnres::kernels::quant::Format;
-        match self {
-            ExportType::F32 => None,
-            ExportType::F16 => Some(Format::F16),
-            ExportType::Q8_0 => Some(Format::Q8_0),
-            ExportType::Q4_0 => Some(Format::Q4_0),
-            ExportType::Q4_1 => Some(Format::Q4_1),
-            ExportType::Q5_0 => Some(Format::Q5_0),
-            ExportType::Q5_1 => Some(Format::Q5_1),
-            ExportType::Q4K => Some(Format::Q4K),
-            ExportType::Q5K => Some(Format::Q5K),
-            ExportType::Q6K => Some(Format::Q6K),
-        }
-    }
+/// Parses a block format as `quantize` takes it: one of [`attnres::model::quantize::targets`].
+fn block_format(s: &str) -> Result<Format, String> {
+    let made = attnres::model::quantize::targets();
+    let found = made.iter().find(|f| f.name().eq_ignore_ascii_case(s)).copied();
+    found.ok_or_else(|| format!("one of {}", attnres::model::quantize::names(&made)))
 }
 
 #[derive(Args)]
@@ -128,8 +105,8 @@ pub(crate) struct ExportArgs {
     /// (the same bytes as `quantize`: the LM head's matrix in q8_0 under the 4- and 5-bit
     /// types, matrices whose rows are not whole blocks in f32); norms stay f32. `--type` is the
     /// older name, still taken.
-    #[arg(long = "dtype", alias = "type", value_name = "DTYPE", value_enum, default_value = "f32")]
-    pub ty: ExportType,
+    #[arg(long = "dtype", alias = "type", value_name = "DTYPE", value_parser = dtype, default_value = "f32")]
+    pub ty: Dtype,
     /// The file to write.
     #[arg(long)]
     pub out: PathBuf,
@@ -138,55 +115,16 @@ pub(crate) struct ExportArgs {
     pub force: bool,
 }
 
-/// A format `quantize` writes.
-#[derive(Clone, Copy, ValueEnum)]
-pub(crate) enum QuantTarget {
-    #[value(name = "f16")]
-    F16,
-    #[value(name = "q8_0")]
-    Q8_0,
-    #[value(name = "q4_0")]
-    Q4_0,
-    #[value(name = "q4_1")]
-    Q4_1,
-    #[value(name = "q5_0")]
-    Q5_0,
-    #[value(name = "q5_1")]
-    Q5_1,
-    #[value(name = "q4_k")]
-    Q4K,
-    #[value(name = "q5_k")]
-    Q5K,
-    #[value(name = "q6_k")]
-    Q6K,
-}
-
-impl QuantTarget {
-    pub fn format(self) -> attnres::kernels::quant::Format {
-        use attnres::kernels::quant::Format;
-        match self {
-            QuantTarget::F16 => Format::F16,
-            QuantTarget::Q8_0 => Format::Q8_0,
-            QuantTarget::Q4_0 => Format::Q4_0,
-            QuantTarget::Q4_1 => Format::Q4_1,
-            QuantTarget::Q5_0 => Format::Q5_0,
-            QuantTarget::Q5_1 => Format::Q5_1,
-            QuantTarget::Q4K => Format::Q4K,
-            QuantTarget::Q5K => Format::Q5K,
-            QuantTarget::Q6K => Format::Q6K,
-        }
-    }
-}
-
 #[derive(Args)]
 pub(crate) struct QuantizeArgs {
     /// An f32 checkpoint directory (a training run, an import, a conversion).
     #[arg(long)]
     pub model: PathBuf,
-    /// The format of the weight matrices (the LM head's matrix takes Q8_0 under a 4-bit format).
-    /// `--to` is the older name, still taken.
-    #[arg(long = "dtype", alias = "to", value_name = "DTYPE", value_enum)]
-    pub to: QuantTarget,
+    /// The format of the weight matrices: f16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k or q6_k
+    /// (the LM head's matrix takes Q8_0 under the 4- and 5-bit formats). `--to` is the older
+    /// name, still taken.
+    #[arg(long = "dtype", alias = "to", value_name = "DTYPE", value_parser = block_format)]
+    pub to: Format,
     /// Checkpoint directory to write (the tokenizer and chat template are carried over).
     #[arg(long)]
     pub out: PathBuf,

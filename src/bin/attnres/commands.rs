@@ -49,14 +49,13 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
             Ok(())
         }
         Command::Quantize(a) => {
-            let done =
-                attnres::import::quantize::quantize(&a.model, a.to.format(), &a.out, a.force)?;
+            let done = attnres::import::quantize::quantize(&a.model, a.to, &a.out, a.force)?;
             log(&done.line(&a.model, &a.out));
             Ok(())
         }
         Command::Export(a) => {
             let ExportFormat::Gguf = a.to;
-            let done = attnres::export::export(&a.model, a.ty.format(), &a.out, a.force)?;
+            let done = attnres::export::export(&a.model, a.ty.0, &a.out, a.force)?;
             log(&done.line(&a.model, &a.out));
             Ok(())
         }

@@ -37,6 +37,12 @@ fn values(b: &[u8], j: usize) -> [u8; 32] {
 }
 
 fn dequantize(b: &[u8], out: &mut [f32]) {
+    dequantize_k(b, values, out);
+}
+
+/// A Q4_K or Q5_K block's values, `d·sc · q − dmin·m`, its sub-block `j`'s levels `q` from
+/// `values(b, j)`.
+pub(super) fn dequantize_k(b: &[u8], values: fn(&[u8], usize) -> [u8; 32], out: &mut [f32]) {
     let (d, dmin) = (half(b), half(&b[2..]));
     for (j, out) in out.chunks_exact_mut(32).enumerate() {
         let (sc, m) = scale_min(j, &b[4..16]);

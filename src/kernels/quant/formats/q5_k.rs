@@ -4,8 +4,8 @@
 //! is `d·sc · q − dmin·m`.
 
 use super::super::packed::{slice, KLayout, ROWS};
-use super::q4_k::{pack_head, quantize_k, scale_min};
-use super::{half, FormatOps, Packed};
+use super::q4_k::{dequantize_k, pack_head, quantize_k};
+use super::{FormatOps, Packed};
 
 pub static OPS: FormatOps = FormatOps {
     name: "Q5_K",
@@ -28,14 +28,7 @@ fn values(b: &[u8], j: usize) -> [u8; 32] {
 }
 
 fn dequantize(b: &[u8], out: &mut [f32]) {
-    let (d, dmin) = (half(b), half(&b[2..]));
-    for (j, out) in out.chunks_exact_mut(32).enumerate() {
-        let (sc, m) = scale_min(j, &b[4..16]);
-        let (d1, m1) = (d * sc as f32, dmin * m as f32);
-        for (o, q) in out.iter_mut().zip(values(b, j)) {
-            *o = d1 * q as f32 - m1;
-        }
-    }
+    dequantize_k(b, values, out);
 }
 
 /// ggml's `quantize_row_q5_K_ref`: the Q4_K quantiser's search with 5-bit values.
