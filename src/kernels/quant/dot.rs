@@ -74,12 +74,12 @@ pub fn quantize_activations(x: &[f32]) -> Result<Vec<u8>> {
 }
 
 /// Rows of activations quantised to Q8_0 (the same bytes as [`quantize_activations`] gives
-/// each), with what the kernels read beside the blocks: each block's scale as f32 and the sum
-/// of its 32 values.
+/// each), with what the kernels read beside the blocks: each block's scale as f32 and the sums
+/// of its values 0..16 and 16..32.
 pub struct QuantRows {
     blocks: Vec<u8>,
     scales: Vec<f32>,
-    sums: Vec<i32>,
+    sums: Vec<[i32; 2]>,
     /// Blocks per row.
     per_row: usize,
 }
@@ -91,7 +91,7 @@ impl QuantRows {
         let (per_row, n) = (cols / 32, x.len() / cols);
         let mut blocks = vec![0u8; n * per_row * 34];
         let mut scales = vec![0.0f32; n * per_row];
-        let mut sums = vec![0i32; n * per_row];
+        let mut sums = vec![[0i32; 2]; n * per_row];
         (
             blocks.par_chunks_mut(34 * per_row),
             scales.par_chunks_mut(per_row),
@@ -120,9 +120,9 @@ impl QuantRows {
 }
 
 /// One block of 32 activations into its 34 bytes of Q8_0 (`out`), as [`super::quantize`]
-/// makes them; returns the block's scale as f32 (after its f16 rounding) and the sum of its
-/// values. With AVX2 where the processor has it: the same bits.
-fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
+/// makes them; returns the block's scale as f32 (after its f16 rounding) and the sums of its
+/// values 0..16 and 16..32. With AVX2 where the processor has it: the same bits.
+fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, [i32; 2]) {
     // SAFETY: the processor has AVX2 (`by_isa` found it); `out` holds 34 bytes (checked
     // inside).
     let done = super::by_isa!(
@@ -133,9 +133,10 @@ fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
     done.unwrap_or_else(|| quantize_block_portable(x, out))
 }
 
-fn quantize_block_portable(x: &[f32; 32], out: &mut [u8]) -> (f32, i32) {
+fn quantize_block_portable(x: &[f32; 32], out: &mut [u8]) -> (f32, [i32; 2]) {
     out.copy_from_slice(&super::quantize(Format::Q8_0, x).expect("one whole block"));
-    (super::half(out), out[2..].iter().map(|&v| v as i8 as i32).sum())
+    let sum = |h: &[u8]| h.iter().map(|&v| v as i8 as i32).sum();
+    (super::half(out), [sum(&out[2..18]), sum(&out[18..])])
 }
 
 #[cfg(test)]
@@ -175,11 +176,11 @@ mod tests {
         x[250] = f32::NAN;
         x[290] = f32::INFINITY;
         x[330] = f32::NEG_INFINITY;
-        let check = |got: &[u8], scale: f32, sum: i32, want: &[u8], at: &str| {
+        let check = |got: &[u8], scale: f32, sums: [i32; 2], want: &[u8], at: &str| {
             assert_eq!(got, want, "{at}");
             assert_eq!(scale.to_bits(), super::super::half(want).to_bits(), "{at}");
-            let want_sum: i32 = want[2..].iter().map(|&v| v as i8 as i32).sum();
-            assert_eq!(sum, want_sum, "{at}");
+            let sum = |h: &[u8]| h.iter().map(|&v| v as i8 as i32).sum::<i32>();
+            assert_eq!(sums, [sum(&want[2..18]), sum(&want[18..])], "{at}");
         };
         in_every_form(|form| {
             for (b, block) in x.chunks_exact(32).enumerate() {

@@ -39,7 +39,8 @@ pub struct Activations<'a> {
     /// Q8_0 blocks, 34 bytes each.
     pub blocks: &'a [u8],
     pub scales: &'a [f32],
-    pub sums: &'a [i32],
+    /// The sums of each block's values 0..16 and 16..32.
+    pub sums: &'a [[i32; 2]],
 }
 
 impl Activations<'_> {
@@ -63,8 +64,9 @@ pub trait Layout: 'static {
     fn values(g: &[u8], s: usize, r: usize) -> [i32; 32];
 
     /// `acc` plus row `r`'s share of slice `s`: `sums` the integer products of its values
-    /// 0..16 and 16..32 with the activations, whose block has scale `dx` and sum `xsum`.
-    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, xsum: i32, acc: f32) -> f32;
+    /// 0..16 and 16..32 with the activations, whose block has scale `dx` and whose values
+    /// 0..16 and 16..32 sum to `xsum`.
+    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, xsum: [i32; 2], acc: f32) -> f32;
 
     /// [`Layout::values`] times `T` tokens' activation blocks (32 bytes at each of `x`), the
     /// eight rows in the lanes: the sums of values 0..16 and 16..32.
@@ -90,7 +92,7 @@ pub trait Layout: 'static {
         s: usize,
         sums: [[x86::I32x8; 2]; T],
         dx: [f32; T],
-        xsum: [i32; T],
+        xsum: [[i32; 2]; T],
         acc: &mut [x86::F32x8; T],
     );
 }
@@ -213,7 +215,7 @@ impl Layout for Q8Layout {
         std::array::from_fn(|v| g[16 + 32 * (v / 4) + 4 * r + v % 4] as i8 as i32)
     }
 
-    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, _: i32, acc: f32) -> f32 {
+    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, _: [i32; 2], acc: f32) -> f32 {
         ((sums[0] + sums[1]) as f32).mul_add(row_half(g, 0, r) * dx, acc)
     }
 
@@ -245,7 +247,7 @@ impl Layout for Q8Layout {
         _: usize,
         sums: [[x86::I32x8; 2]; T],
         dx: [f32; T],
-        _: [i32; T],
+        _: [[i32; 2]; T],
         acc: &mut [x86::F32x8; T],
     ) {
         // SAFETY: the caller's.
@@ -277,7 +279,8 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         slice::unpack(&g[Self::SLICE_AT..], BITS, r).map(|q| q as i32)
     }
 
-    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, xsum: i32, acc: f32) -> f32 {
+    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, x: [i32; 2], acc: f32) -> f32 {
+        let xsum = x[0] + x[1];
         let d = row_half(g, 0, r);
         if MIN {
             let acc = ((sums[0] + sums[1]) as f32).mul_add(d * dx, acc);
@@ -295,7 +298,7 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         x: [*const u8; T],
     ) -> [[x86::I32x8; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::SLICE_AT), x, false) }
+        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::SLICE_AT), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -305,7 +308,7 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         _: usize,
         sums: [[x86::I32x8; 2]; T],
         dx: [f32; T],
-        xsum: [i32; T],
+        xsum: [[i32; 2]; T],
         acc: &mut [x86::F32x8; T],
     ) {
         // SAFETY: the caller's.
@@ -317,9 +320,10 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
                 if MIN {
                     let m = x86::mul(x86::halves(g.add(16)), x86::splat(dx[t]));
                     acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
-                    acc[t] = x86::fma(x86::splat(xsum[t] as f32), m, acc[t]);
+                    acc[t] = x86::fma(x86::splat((xsum[t][0] + xsum[t][1]) as f32), m, acc[t]);
                 } else {
-                    let s = x86::sub_i32(s, x86::splat_i32(Self::OFFSET * xsum[t]));
+                    let s =
+                        x86::sub_i32(s, x86::splat_i32(Self::OFFSET * (xsum[t][0] + xsum[t][1])));
                     acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
                 }
             }
@@ -345,7 +349,8 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         slice::unpack(&g[Self::HEAD + s * Self::SLICE..], BITS, r).map(|q| q as i32)
     }
 
-    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, xsum: i32, acc: f32) -> f32 {
+    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, x: [i32; 2], acc: f32) -> f32 {
+        let xsum = x[0] + x[1];
         let scale = row_half(g, 0, r) * g[32 + 8 * s + r] as f32;
         let min = row_half(g, 16, r) * g[96 + 8 * s + r] as f32;
         let acc = ((sums[0] + sums[1]) as f32).mul_add(scale * dx, acc);
@@ -360,7 +365,7 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         x: [*const u8; T],
     ) -> [[x86::I32x8; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::HEAD + s * Self::SLICE), x, false) }
+        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::HEAD + s * Self::SLICE), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -370,7 +375,7 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         s: usize,
         sums: [[x86::I32x8; 2]; T],
         dx: [f32; T],
-        xsum: [i32; T],
+        xsum: [[i32; 2]; T],
         acc: &mut [x86::F32x8; T],
     ) {
         // SAFETY: the caller's.
@@ -381,7 +386,8 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
                 let s = x86::add_i32(sums[t][0], sums[t][1]);
                 let dx = x86::splat(dx[t]);
                 acc[t] = x86::fma(x86::to_f32(s), x86::mul(scale, dx), acc[t]);
-                acc[t] = x86::fnma(x86::splat(xsum[t] as f32), x86::mul(min, dx), acc[t]);
+                let xsum = (xsum[t][0] + xsum[t][1]) as f32;
+                acc[t] = x86::fnma(x86::splat(xsum), x86::mul(min, dx), acc[t]);
             }
         }
     }
@@ -389,7 +395,8 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
 
 /// Q6_K: per block of 256 values the eight rows' f16 `d` (16 bytes) and the signed 8-bit
 /// scales of the 16 half slices (byte `8h + r`, 128 bytes); then 8 slices of 6-bit values.
-/// Value `d·sc · (q − 32)`, a scale per 16 values.
+/// Value `d·sc · (q − 32)`, a scale per 16 values. The products take `q` as it is (unsigned, the
+/// cheap form of the integer product) and the 32 comes off through the activations' half sums.
 pub struct Q6KLayout;
 
 impl Q6KLayout {
@@ -402,14 +409,14 @@ impl Layout for Q6KLayout {
     const GROUP_BLOCK: usize = Self::HEAD + 8 * Self::SLICE;
 
     fn values(g: &[u8], s: usize, r: usize) -> [i32; 32] {
-        slice::unpack(&g[Self::HEAD + s * Self::SLICE..], 6, r).map(|q| q as i32 - 32)
+        slice::unpack(&g[Self::HEAD + s * Self::SLICE..], 6, r).map(|q| q as i32)
     }
 
-    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, _: i32, acc: f32) -> f32 {
+    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, x: [i32; 2], acc: f32) -> f32 {
         let d = row_half(g, 0, r);
         let scale = |h: usize| d * g[16 + 8 * (2 * s + h) + r] as i8 as f32;
-        let acc = (sums[0] as f32).mul_add(scale(0) * dx, acc);
-        (sums[1] as f32).mul_add(scale(1) * dx, acc)
+        let acc = ((sums[0] - 32 * x[0]) as f32).mul_add(scale(0) * dx, acc);
+        ((sums[1] - 32 * x[1]) as f32).mul_add(scale(1) * dx, acc)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -420,7 +427,7 @@ impl Layout for Q6KLayout {
         x: [*const u8; T],
     ) -> [[x86::I32x8; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { x86::slice_sums::<P, 6, T>(g.add(Self::HEAD + s * Self::SLICE), x, true) }
+        unsafe { x86::slice_sums::<P, 6, T>(g.add(Self::HEAD + s * Self::SLICE), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -430,7 +437,7 @@ impl Layout for Q6KLayout {
         s: usize,
         sums: [[x86::I32x8; 2]; T],
         dx: [f32; T],
-        _: [i32; T],
+        xsum: [[i32; 2]; T],
         acc: &mut [x86::F32x8; T],
     ) {
         // SAFETY: the caller's.
@@ -440,8 +447,9 @@ impl Layout for Q6KLayout {
             let (a, b) = (scale(0), scale(1));
             for t in 0..T {
                 let dx = x86::splat(dx[t]);
-                acc[t] = x86::fma(x86::to_f32(sums[t][0]), x86::mul(a, dx), acc[t]);
-                acc[t] = x86::fma(x86::to_f32(sums[t][1]), x86::mul(b, dx), acc[t]);
+                let off = |h: usize| x86::sub_i32(sums[t][h], x86::splat_i32(32 * xsum[t][h]));
+                acc[t] = x86::fma(x86::to_f32(off(0)), x86::mul(a, dx), acc[t]);
+                acc[t] = x86::fma(x86::to_f32(off(1)), x86::mul(b, dx), acc[t]);
             }
         }
     }

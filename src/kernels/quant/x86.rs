@@ -88,7 +88,7 @@ fn sum_f32(v: __m256) -> f32 {
 /// # Safety
 /// The processor must have AVX2, FMA and F16C ([`isa`]).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> Option<(f32, i32)> {
+pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> Option<(f32, [i32; 2])> {
     assert!(out.len() == 34);
     let sign = _mm256_set1_ps(-0.0);
     // SAFETY: `x` holds 32 values; unaligned loads.
@@ -121,10 +121,13 @@ pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> Option<(f32, i32)
         let step = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(dropped, half), away);
         _mm256_cvttps_epi32(_mm256_add_ps(whole, step))
     });
-    let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    let sum = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
-    let sum = _mm_add_epi32(sum, _mm_shuffle_epi32::<0b01_00_11_10>(sum));
-    let sum = _mm_cvtsi128_si32(_mm_add_epi32(sum, _mm_shuffle_epi32::<0b10_11_00_01>(sum)));
+    let sum = |a: __m256i, b: __m256i| {
+        let s = _mm256_add_epi32(a, b);
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+        _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
+    };
+    let sums = [sum(q[0], q[1]), sum(q[2], q[3])];
     // The packs work within 128-bit halves; the permutation puts the 32 bytes back in order.
     let bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     let bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
@@ -132,7 +135,7 @@ pub unsafe fn quantize_block(x: &[f32; 32], out: &mut [u8]) -> Option<(f32, i32)
     out[..2].copy_from_slice(&h.to_le_bytes());
     // SAFETY: `out` holds 34 bytes (checked above); an unaligned store of 32 from byte 2.
     unsafe { _mm256_storeu_si256(out[2..].as_mut_ptr() as *mut __m256i, bytes) };
-    Some((super::f16_to_f32(h), sum))
+    Some((super::f16_to_f32(h), sums))
 }
 
 /// [`super::dot::dot_f16_many`]: eight values of a row converted from F16 at once and
@@ -280,8 +283,8 @@ pub unsafe fn add_signed<P: Products>(acc: __m256i, w: __m256i, x: __m256i) -> _
 }
 
 /// The sums of a slice's values 0..16 and 16..32 times `T` tokens' activations: the slice at
-/// `s` in the layout [`super::packed`] describes, with `BITS` (4, 5 or 6) bits per value;
-/// `offset32` takes 32 from every value (Q6_K's values are signed).
+/// `s` in the layout [`super::packed`] describes, with `BITS` (4, 5 or 6) bits per value, as
+/// unsigned integers (a format's offset comes off through the activations' sums).
 ///
 /// # Safety
 /// The slice's bytes are readable at `s`, 32 activation bytes at each of `x`; AVX2 and what
@@ -290,7 +293,6 @@ pub unsafe fn add_signed<P: Products>(acc: __m256i, w: __m256i, x: __m256i) -> _
 pub unsafe fn slice_sums<P: Products, const BITS: u32, const T: usize>(
     s: *const u8,
     x: [*const u8; T],
-    offset32: bool,
 ) -> [[__m256i; 2]; T] {
     unsafe {
         let low4 = _mm256_set1_epi8(0x0f);
@@ -321,20 +323,9 @@ pub unsafe fn slice_sums<P: Products, const BITS: u32, const T: usize>(
                 hi = _mm256_or_si256(hi, _mm256_and_si256(shift(hb, 4 - 2 * c), bits45));
             }
             let c = c as usize;
-            if offset32 {
-                let (lo, hi) = (
-                    _mm256_sub_epi8(lo, _mm256_set1_epi8(32)),
-                    _mm256_sub_epi8(hi, _mm256_set1_epi8(32)),
-                );
-                for t in 0..T {
-                    out[t][0] = add_signed::<P>(out[t][0], lo, bcast4(x[t], 4 * c));
-                    out[t][1] = add_signed::<P>(out[t][1], hi, bcast4(x[t], 16 + 4 * c));
-                }
-            } else {
-                for t in 0..T {
-                    out[t][0] = P::add(out[t][0], lo, bcast4(x[t], 4 * c));
-                    out[t][1] = P::add(out[t][1], hi, bcast4(x[t], 16 + 4 * c));
-                }
+            for t in 0..T {
+                out[t][0] = P::add(out[t][0], lo, bcast4(x[t], 4 * c));
+                out[t][1] = P::add(out[t][1], hi, bcast4(x[t], 16 + 4 * c));
             }
         }
         out
