@@ -75,11 +75,12 @@ pub fn quantize_activations(x: &[f32]) -> Result<Vec<u8>> {
 
 /// Rows of activations quantised to Q8_0 (the same bytes as [`quantize_activations`] gives
 /// each), with what the kernels read beside the blocks: each block's scale as f32 and the sums
-/// of its values 0..16 and 16..32.
+/// of its values 0..16 and 16..32, and the scale times the sum of all 32 (an f32 product).
 pub struct QuantRows {
     blocks: Vec<u8>,
     scales: Vec<f32>,
     sums: Vec<[i32; 2]>,
+    dsums: Vec<f32>,
     /// Blocks per row.
     per_row: usize,
 }
@@ -105,7 +106,8 @@ impl QuantRows {
                     (*d, *s) = quantize_block(x.try_into().expect("32 values"), q);
                 }
             });
-        QuantRows { blocks, scales, sums, per_row }
+        let dsums = scales.iter().zip(&sums).map(|(&d, s)| d * (s[0] + s[1]) as f32).collect();
+        QuantRows { blocks, scales, sums, dsums, per_row }
     }
 
     /// Row `i`.
@@ -114,7 +116,8 @@ impl QuantRows {
         Activations {
             blocks: &self.blocks[34 * b.start..34 * b.end],
             scales: &self.scales[b.clone()],
-            sums: &self.sums[b],
+            sums: &self.sums[b.clone()],
+            dsums: &self.dsums[b],
         }
     }
 }
@@ -198,6 +201,8 @@ mod tests {
                 for (b, block) in want.chunks(34).enumerate() {
                     let bytes = &got.blocks[34 * b..34 * (b + 1)];
                     check(bytes, got.scales[b], got.sums[b], block, &format!("row {i} block {b}"));
+                    let sum = (got.sums[b][0] + got.sums[b][1]) as f32;
+                    assert_eq!(got.dsums[b].to_bits(), (got.scales[b] * sum).to_bits());
                 }
             }
         }

@@ -22,9 +22,11 @@
 //! Before the slices, each block of a group holds its eight rows' scales as the file has them
 //! (f16 scales, 6-bit K-quant scales, …), [`Layout`] says where. Every product of a row and a
 //! token sums each slice's integer products exactly (values 0..16 and 16..32 apart), then adds
-//! them into an f32 accumulator with the format's scales in a fixed order of f32 operations:
-//! the same in the portable code and the vector kernels, for one token or four, so a token's
-//! result has the same bits whatever form or batch computes it.
+//! them into an f32 accumulator with the format's scales in a fixed order of f32 operations
+//! (Q4_K and Q5_K sum a block's slices times their 6-bit scales first, and multiply by the
+//! block's `d` and `dmin` once at its end): the same in the portable code and the vector
+//! kernels, for one token or four, so a token's result has the same bits whatever form or
+//! batch computes it.
 
 use super::half;
 #[cfg(target_arch = "x86_64")]
@@ -34,20 +36,40 @@ use super::x86;
 pub const ROWS: usize = 8;
 
 /// Activations quantised to Q8_0, with what the kernels read beside the blocks: each block's
-/// scale as f32, and its values' sum (for the formats whose values are offset or have a min).
+/// scale as f32, and its values' sums (for the formats whose values are offset or have a min).
 pub struct Activations<'a> {
     /// Q8_0 blocks, 34 bytes each.
     pub blocks: &'a [u8],
     pub scales: &'a [f32],
     /// The sums of each block's values 0..16 and 16..32.
     pub sums: &'a [[i32; 2]],
+    /// Each block's scale times the sum of its values, in f32 (Q8_1's `s`).
+    pub dsums: &'a [f32],
+}
+
+/// One activation block as a slice's product reads it beside its integer sums.
+#[derive(Clone, Copy)]
+pub struct XBlock {
+    /// The block's scale.
+    pub d: f32,
+    /// The sums of its values 0..16 and 16..32.
+    pub sums: [i32; 2],
+    /// `d` times the sum of its values.
+    pub dsum: f32,
 }
 
 impl Activations<'_> {
     fn check(&self) -> usize {
         let n = self.scales.len();
-        assert!(self.blocks.len() == n * 34 && self.sums.len() == n, "activation rows");
+        assert!(
+            self.blocks.len() == n * 34 && self.sums.len() == n && self.dsums.len() == n,
+            "activation rows"
+        );
         n
+    }
+
+    pub(super) fn block(&self, k: usize) -> XBlock {
+        XBlock { d: self.scales[k], sums: self.sums[k], dsum: self.dsums[k] }
     }
 }
 
@@ -63,10 +85,23 @@ pub trait Layout: 'static {
     /// activations by.
     fn values(g: &[u8], s: usize, r: usize) -> [i32; 32];
 
-    /// `acc` plus row `r`'s share of slice `s`: `sums` the integer products of its values
-    /// 0..16 and 16..32 with the activations, whose block has scale `dx` and whose values
-    /// 0..16 and 16..32 sum to `xsum`.
-    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, xsum: [i32; 2], acc: f32) -> f32;
+    /// Row `r`'s share of slice `s` added into `acc`, or into `part` (sums a layout keeps over
+    /// a block before its scales multiply them, zero at each block's start): `sums` the
+    /// integer products of its values 0..16 and 16..32 with the activation block `x`.
+    fn add(
+        g: &[u8],
+        s: usize,
+        r: usize,
+        sums: [i32; 2],
+        x: XBlock,
+        acc: &mut f32,
+        part: &mut [f32; 2],
+    );
+
+    /// The end of a block: what `part` holds for row `r`, added into `acc`.
+    fn finish(_g: &[u8], _r: usize, _part: [f32; 2], acc: f32) -> f32 {
+        acc
+    }
 
     /// [`Layout::values`] times `T` tokens' activation blocks (32 bytes at each of `x`), the
     /// eight rows in the lanes: the sums of values 0..16 and 16..32.
@@ -86,15 +121,27 @@ pub trait Layout: 'static {
     /// # Safety
     /// The processor has AVX2, FMA and F16C; `g` points at a whole group block.
     #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::too_many_arguments)]
     unsafe fn add_lanes<const T: usize>(
         g: *const u8,
         s: usize,
         sums: [[x86::I32x8; 2]; T],
-        dx: [f32; T],
-        xsum: [[i32; 2]; T],
+        x: [XBlock; T],
         acc: &mut [x86::F32x8; T],
+        part: &mut [[x86::F32x8; 2]; T],
     );
+
+    /// [`Layout::finish`] for the eight rows and `T` tokens.
+    ///
+    /// # Safety
+    /// As [`Layout::add_lanes`].
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn finish_lanes<const T: usize>(
+        _g: *const u8,
+        _part: [[x86::F32x8; 2]; T],
+        _acc: &mut [x86::F32x8; T],
+    ) {
+    }
 }
 
 /// The product kernels of one layout.
@@ -139,16 +186,20 @@ fn portable<L: Layout, const T: usize>(packed: &[u8], x: [&Activations; T], y: &
         for (gi, gr) in packed.chunks_exact(group).enumerate() {
             let mut acc = [0.0f32; ROWS];
             for (b, g) in gr.chunks_exact(L::GROUP_BLOCK).enumerate() {
+                let mut part = [[0.0f32; 2]; ROWS];
                 for s in 0..slices {
                     let k = b * slices + s;
                     let xs = &x.blocks[34 * k + 2..34 * k + 34];
-                    for (r, acc) in acc.iter_mut().enumerate() {
+                    for (r, (acc, part)) in acc.iter_mut().zip(&mut part).enumerate() {
                         let w = L::values(g, s, r);
                         let sum = |h: usize| {
                             (16 * h..16 * h + 16).map(|j| w[j] * xs[j] as i8 as i32).sum::<i32>()
                         };
-                        *acc = L::add(g, s, r, [sum(0), sum(1)], x.scales[k], x.sums[k], *acc);
+                        L::add(g, s, r, [sum(0), sum(1)], x.block(k), acc, part);
                     }
+                }
+                for (r, (acc, part)) in acc.iter_mut().zip(part).enumerate() {
+                    *acc = L::finish(g, r, part, *acc);
                 }
             }
             y[t * width + ROWS * gi..][..ROWS].copy_from_slice(&acc);
@@ -215,8 +266,16 @@ impl Layout for Q8Layout {
         std::array::from_fn(|v| g[16 + 32 * (v / 4) + 4 * r + v % 4] as i8 as i32)
     }
 
-    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, _: [i32; 2], acc: f32) -> f32 {
-        ((sums[0] + sums[1]) as f32).mul_add(row_half(g, 0, r) * dx, acc)
+    fn add(
+        g: &[u8],
+        _: usize,
+        r: usize,
+        sums: [i32; 2],
+        x: XBlock,
+        acc: &mut f32,
+        _: &mut [f32; 2],
+    ) {
+        *acc = ((sums[0] + sums[1]) as f32).mul_add(row_half(g, 0, r) * x.d, *acc);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -246,16 +305,16 @@ impl Layout for Q8Layout {
         g: *const u8,
         _: usize,
         sums: [[x86::I32x8; 2]; T],
-        dx: [f32; T],
-        _: [[i32; 2]; T],
+        x: [XBlock; T],
         acc: &mut [x86::F32x8; T],
+        _: &mut [[x86::F32x8; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
             let d = x86::halves(g);
             for t in 0..T {
                 let s = x86::add_i32(sums[t][0], sums[t][1]);
-                acc[t] = x86::fma(x86::to_f32(s), x86::mul(d, x86::splat(dx[t])), acc[t]);
+                acc[t] = x86::fma(x86::to_f32(s), x86::mul(d, x86::splat(x[t].d)), acc[t]);
             }
         }
     }
@@ -279,15 +338,23 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         slice::unpack(&g[Self::SLICE_AT..], BITS, r).map(|q| q as i32)
     }
 
-    fn add(g: &[u8], _: usize, r: usize, sums: [i32; 2], dx: f32, x: [i32; 2], acc: f32) -> f32 {
-        let xsum = x[0] + x[1];
+    fn add(
+        g: &[u8],
+        _: usize,
+        r: usize,
+        sums: [i32; 2],
+        x: XBlock,
+        acc: &mut f32,
+        _: &mut [f32; 2],
+    ) {
         let d = row_half(g, 0, r);
-        if MIN {
-            let acc = ((sums[0] + sums[1]) as f32).mul_add(d * dx, acc);
-            (xsum as f32).mul_add(row_half(g, 16, r) * dx, acc)
+        *acc = if MIN {
+            let acc = ((sums[0] + sums[1]) as f32).mul_add(d * x.d, *acc);
+            x.dsum.mul_add(row_half(g, 16, r), acc)
         } else {
-            ((sums[0] + sums[1] - Self::OFFSET * xsum) as f32).mul_add(d * dx, acc)
-        }
+            let xsum = x.sums[0] + x.sums[1];
+            ((sums[0] + sums[1] - Self::OFFSET * xsum) as f32).mul_add(d * x.d, *acc)
+        };
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -307,23 +374,22 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         g: *const u8,
         _: usize,
         sums: [[x86::I32x8; 2]; T],
-        dx: [f32; T],
-        xsum: [[i32; 2]; T],
+        x: [XBlock; T],
         acc: &mut [x86::F32x8; T],
+        _: &mut [[x86::F32x8; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
             let d = x86::halves(g);
             for t in 0..T {
                 let s = x86::add_i32(sums[t][0], sums[t][1]);
-                let dd = x86::mul(d, x86::splat(dx[t]));
+                let dd = x86::mul(d, x86::splat(x[t].d));
                 if MIN {
-                    let m = x86::mul(x86::halves(g.add(16)), x86::splat(dx[t]));
                     acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
-                    acc[t] = x86::fma(x86::splat((xsum[t][0] + xsum[t][1]) as f32), m, acc[t]);
+                    acc[t] = x86::fma(x86::splat(x[t].dsum), x86::halves(g.add(16)), acc[t]);
                 } else {
-                    let s =
-                        x86::sub_i32(s, x86::splat_i32(Self::OFFSET * (xsum[t][0] + xsum[t][1])));
+                    let xsum = x[t].sums[0] + x[t].sums[1];
+                    let s = x86::sub_i32(s, x86::splat_i32(Self::OFFSET * xsum));
                     acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
                 }
             }
@@ -349,12 +415,25 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         slice::unpack(&g[Self::HEAD + s * Self::SLICE..], BITS, r).map(|q| q as i32)
     }
 
-    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, x: [i32; 2], acc: f32) -> f32 {
-        let xsum = x[0] + x[1];
-        let scale = row_half(g, 0, r) * g[32 + 8 * s + r] as f32;
-        let min = row_half(g, 16, r) * g[96 + 8 * s + r] as f32;
-        let acc = ((sums[0] + sums[1]) as f32).mul_add(scale * dx, acc);
-        (-(xsum as f32)).mul_add(min * dx, acc)
+    // Over a block, `part` holds Σ sc·(sums·dx) and Σ m·dsum; the block's `d` and `dmin`
+    // multiply them once at its end rather than once per slice and token.
+    fn add(
+        g: &[u8],
+        s: usize,
+        r: usize,
+        sums: [i32; 2],
+        x: XBlock,
+        _: &mut f32,
+        part: &mut [f32; 2],
+    ) {
+        let (sc, m) = (g[32 + 8 * s + r] as f32, g[96 + 8 * s + r] as f32);
+        part[0] = (((sums[0] + sums[1]) as f32) * x.d).mul_add(sc, part[0]);
+        part[1] = x.dsum.mul_add(m, part[1]);
+    }
+
+    fn finish(g: &[u8], r: usize, part: [f32; 2], acc: f32) -> f32 {
+        let acc = row_half(g, 0, r).mul_add(part[0], acc);
+        (-row_half(g, 16, r)).mul_add(part[1], acc)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -374,20 +453,34 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         g: *const u8,
         s: usize,
         sums: [[x86::I32x8; 2]; T],
-        dx: [f32; T],
-        xsum: [[i32; 2]; T],
+        x: [XBlock; T],
+        _: &mut [x86::F32x8; T],
+        part: &mut [[x86::F32x8; 2]; T],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            let (sc, m) = (x86::bytes_u8(g.add(32 + 8 * s)), x86::bytes_u8(g.add(96 + 8 * s)));
+            for t in 0..T {
+                let s = x86::to_f32(x86::add_i32(sums[t][0], sums[t][1]));
+                part[t][0] = x86::fma(x86::mul(s, x86::splat(x[t].d)), sc, part[t][0]);
+                part[t][1] = x86::fma(x86::splat(x[t].dsum), m, part[t][1]);
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn finish_lanes<const T: usize>(
+        g: *const u8,
+        part: [[x86::F32x8; 2]; T],
         acc: &mut [x86::F32x8; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
-            let scale = x86::mul(x86::halves(g), x86::bytes_u8(g.add(32 + 8 * s)));
-            let min = x86::mul(x86::halves(g.add(16)), x86::bytes_u8(g.add(96 + 8 * s)));
+            let (d, dmin) = (x86::halves(g), x86::halves(g.add(16)));
             for t in 0..T {
-                let s = x86::add_i32(sums[t][0], sums[t][1]);
-                let dx = x86::splat(dx[t]);
-                acc[t] = x86::fma(x86::to_f32(s), x86::mul(scale, dx), acc[t]);
-                let xsum = (xsum[t][0] + xsum[t][1]) as f32;
-                acc[t] = x86::fnma(x86::splat(xsum), x86::mul(min, dx), acc[t]);
+                acc[t] = x86::fma(d, part[t][0], acc[t]);
+                acc[t] = x86::fnma(dmin, part[t][1], acc[t]);
             }
         }
     }
@@ -412,11 +505,19 @@ impl Layout for Q6KLayout {
         slice::unpack(&g[Self::HEAD + s * Self::SLICE..], 6, r).map(|q| q as i32)
     }
 
-    fn add(g: &[u8], s: usize, r: usize, sums: [i32; 2], dx: f32, x: [i32; 2], acc: f32) -> f32 {
+    fn add(
+        g: &[u8],
+        s: usize,
+        r: usize,
+        sums: [i32; 2],
+        x: XBlock,
+        acc: &mut f32,
+        _: &mut [f32; 2],
+    ) {
         let d = row_half(g, 0, r);
         let scale = |h: usize| d * g[16 + 8 * (2 * s + h) + r] as i8 as f32;
-        let acc = ((sums[0] - 32 * x[0]) as f32).mul_add(scale(0) * dx, acc);
-        ((sums[1] - 32 * x[1]) as f32).mul_add(scale(1) * dx, acc)
+        let a = ((sums[0] - 32 * x.sums[0]) as f32).mul_add(scale(0) * x.d, *acc);
+        *acc = ((sums[1] - 32 * x.sums[1]) as f32).mul_add(scale(1) * x.d, a);
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -436,9 +537,9 @@ impl Layout for Q6KLayout {
         g: *const u8,
         s: usize,
         sums: [[x86::I32x8; 2]; T],
-        dx: [f32; T],
-        xsum: [[i32; 2]; T],
+        x: [XBlock; T],
         acc: &mut [x86::F32x8; T],
+        _: &mut [[x86::F32x8; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
@@ -446,8 +547,8 @@ impl Layout for Q6KLayout {
             let scale = |h: usize| x86::mul(d, x86::bytes_i8(g.add(16 + 8 * (2 * s + h))));
             let (a, b) = (scale(0), scale(1));
             for t in 0..T {
-                let dx = x86::splat(dx[t]);
-                let off = |h: usize| x86::sub_i32(sums[t][h], x86::splat_i32(32 * xsum[t][h]));
+                let dx = x86::splat(x[t].d);
+                let off = |h: usize| x86::sub_i32(sums[t][h], x86::splat_i32(32 * x[t].sums[h]));
                 acc[t] = x86::fma(x86::to_f32(off(0)), x86::mul(a, dx), acc[t]);
                 acc[t] = x86::fma(x86::to_f32(off(1)), x86::mul(b, dx), acc[t]);
             }

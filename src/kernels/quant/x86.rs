@@ -459,6 +459,7 @@ macro_rules! kernels {
                 for (gi, gr) in packed.chunks_exact(group).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); T];
                     for (b, g) in gr.chunks_exact(L::GROUP_BLOCK).enumerate() {
+                        let mut part = [[_mm256_setzero_ps(); 2]; T];
                         for s in 0..slices {
                             let k = b * slices + s;
                             // SAFETY: block `k` lies inside every token's activations, and
@@ -466,10 +467,12 @@ macro_rules! kernels {
                             unsafe {
                                 let xp = x.map(|x| x.blocks.as_ptr().add(34 * k + 2));
                                 let sums = L::sums::<$products, T>(g.as_ptr(), s, xp);
-                                let (dx, xs) = (x.map(|x| x.scales[k]), x.map(|x| x.sums[k]));
-                                L::add_lanes::<T>(g.as_ptr(), s, sums, dx, xs, &mut acc);
+                                let xb = x.map(|x| x.block(k));
+                                L::add_lanes::<T>(g.as_ptr(), s, sums, xb, &mut acc, &mut part);
                             }
                         }
+                        // SAFETY: as above.
+                        unsafe { L::finish_lanes::<T>(g.as_ptr(), part, &mut acc) };
                     }
                     for (t, acc) in acc.iter().enumerate() {
                         let at = t * width + ROWS * gi;
