@@ -1,5 +1,8 @@
 //! The command line's arguments: every command, its options and their help text. Closed sets
 //! of values are enums, so that `--help` lists them and a wrong value is named at once.
+//!
+//! Longer than most files on purpose: declarations and help text, no logic; the commands sit
+//! side by side so that an option several of them take reads the same in each.
 
 use anyhow::Result;
 use attnres::kernels::quant::Format;
