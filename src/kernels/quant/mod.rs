@@ -20,6 +20,8 @@
 
 pub mod dot;
 pub mod formats;
+#[cfg(target_arch = "x86_64")]
+mod lanes;
 pub mod matrix;
 pub mod packed;
 #[cfg(test)]

@@ -6,6 +6,8 @@
 //! lanes). Regrouped, a 32-byte load holds four values of each of eight rows, which one
 //! `vpmaddubsw` (or `vpdpbusd`) multiplies by the same four activations broadcast to every
 //! lane: the eight lanes are the eight rows' sums, and no lane ever needs summing across.
+//! Where the processor has AVX-512 with VNNI, two neighbouring groups share a 512-bit register
+//! ([`super::lanes`]), sixteen rows per instruction.
 //!
 //! The activations are quantised to Q8_0 (blocks of 32, [`Activations`]) whatever the weights'
 //! format, so a matrix whose parts have different formats quantises them once. The weights are
@@ -30,7 +32,7 @@
 
 use super::half;
 #[cfg(target_arch = "x86_64")]
-use super::x86;
+use super::{lanes, lanes::Lanes, x86};
 
 /// Rows per group.
 pub const ROWS: usize = 8;
@@ -48,7 +50,7 @@ pub struct Activations<'a> {
 }
 
 /// One activation block as a slice's product reads it beside its integer sums.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 pub struct XBlock {
     /// The block's scale.
     pub d: f32,
@@ -68,6 +70,7 @@ impl Activations<'_> {
         n
     }
 
+    #[inline(always)]
     pub(super) fn block(&self, k: usize) -> XBlock {
         XBlock { d: self.scales[k], sums: self.sums[k], dsum: self.dsums[k] }
     }
@@ -110,24 +113,26 @@ pub trait Layout: 'static {
     /// The processor has AVX2 and what `P` needs; `g` points at a whole group block, each `x`
     /// at 32 bytes.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn sums<P: x86::Products, const T: usize>(
+    unsafe fn sums<W: Lanes, P: x86::Products, const T: usize>(
+        w: W,
         g: *const u8,
         s: usize,
         x: [*const u8; T],
-    ) -> [[x86::I32x8; 2]; T];
+    ) -> [[W::I; 2]; T];
 
     /// [`Layout::add`] for the eight rows and `T` tokens.
     ///
     /// # Safety
     /// The processor has AVX2, FMA and F16C; `g` points at a whole group block.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn add_lanes<const T: usize>(
+    unsafe fn add_lanes<W: Lanes, const T: usize>(
+        w: W,
         g: *const u8,
         s: usize,
-        sums: [[x86::I32x8; 2]; T],
+        sums: [[W::I; 2]; T],
         x: [XBlock; T],
-        acc: &mut [x86::F32x8; T],
-        part: &mut [[x86::F32x8; 2]; T],
+        acc: &mut [W::F; T],
+        part: &mut [[W::F; 2]; T],
     );
 
     /// [`Layout::finish`] for the eight rows and `T` tokens.
@@ -136,10 +141,11 @@ pub trait Layout: 'static {
     /// As [`Layout::add_lanes`].
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn finish_lanes<const T: usize>(
+    unsafe fn finish_lanes<W: Lanes, const T: usize>(
+        _w: W,
         _g: *const u8,
-        _part: [[x86::F32x8; 2]; T],
-        _acc: &mut [x86::F32x8; T],
+        _part: [[W::F; 2]; T],
+        _acc: &mut [W::F; T],
     ) {
     }
 }
@@ -280,19 +286,19 @@ impl Layout for Q8Layout {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn sums<P: x86::Products, const T: usize>(
+    unsafe fn sums<W: Lanes, P: x86::Products, const T: usize>(
+        w: W,
         g: *const u8,
         _: usize,
         x: [*const u8; T],
-    ) -> [[x86::I32x8; 2]; T] {
+    ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's (a whole group block at `g`, 32 bytes at each of `x`).
         unsafe {
-            let mut out = [[x86::zero(); 2]; T];
+            let mut out = [[w.zero(); 2]; T];
             for c in 0..8 {
-                let w = x86::load(g.add(16 + 32 * c));
+                let v = w.load(g.add(16 + 32 * c));
                 for t in 0..T {
-                    out[t][c / 4] =
-                        x86::add_signed::<P>(out[t][c / 4], w, x86::bcast4(x[t], 4 * c));
+                    out[t][c / 4] = w.dot_signed::<P>(out[t][c / 4], v, w.bcast4(x[t].add(4 * c)));
                 }
             }
             out
@@ -301,20 +307,21 @@ impl Layout for Q8Layout {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn add_lanes<const T: usize>(
+    unsafe fn add_lanes<W: Lanes, const T: usize>(
+        w: W,
         g: *const u8,
         _: usize,
-        sums: [[x86::I32x8; 2]; T],
+        sums: [[W::I; 2]; T],
         x: [XBlock; T],
-        acc: &mut [x86::F32x8; T],
-        _: &mut [[x86::F32x8; 2]; T],
+        acc: &mut [W::F; T],
+        _: &mut [[W::F; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
-            let d = x86::halves(g);
+            let d = w.halves(g);
             for t in 0..T {
-                let s = x86::add_i32(sums[t][0], sums[t][1]);
-                acc[t] = x86::fma(x86::to_f32(s), x86::mul(d, x86::splat(x[t].d)), acc[t]);
+                let s = w.add_i32(sums[t][0], sums[t][1]);
+                acc[t] = w.fma(w.to_f32(s), w.mul(d, w.splat(x[t].d)), acc[t]);
             }
         }
     }
@@ -359,38 +366,40 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn sums<P: x86::Products, const T: usize>(
+    unsafe fn sums<W: Lanes, P: x86::Products, const T: usize>(
+        w: W,
         g: *const u8,
         _: usize,
         x: [*const u8; T],
-    ) -> [[x86::I32x8; 2]; T] {
+    ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::SLICE_AT), x) }
+        unsafe { lanes::slice_sums::<W, P, BITS, T>(w, g.add(Self::SLICE_AT), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn add_lanes<const T: usize>(
+    unsafe fn add_lanes<W: Lanes, const T: usize>(
+        w: W,
         g: *const u8,
         _: usize,
-        sums: [[x86::I32x8; 2]; T],
+        sums: [[W::I; 2]; T],
         x: [XBlock; T],
-        acc: &mut [x86::F32x8; T],
-        _: &mut [[x86::F32x8; 2]; T],
+        acc: &mut [W::F; T],
+        _: &mut [[W::F; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
-            let d = x86::halves(g);
+            let d = w.halves(g);
             for t in 0..T {
-                let s = x86::add_i32(sums[t][0], sums[t][1]);
-                let dd = x86::mul(d, x86::splat(x[t].d));
+                let s = w.add_i32(sums[t][0], sums[t][1]);
+                let dd = w.mul(d, w.splat(x[t].d));
                 if MIN {
-                    acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
-                    acc[t] = x86::fma(x86::splat(x[t].dsum), x86::halves(g.add(16)), acc[t]);
+                    acc[t] = w.fma(w.to_f32(s), dd, acc[t]);
+                    acc[t] = w.fma(w.splat(x[t].dsum), w.halves(g.add(16)), acc[t]);
                 } else {
                     let xsum = x[t].sums[0] + x[t].sums[1];
-                    let s = x86::sub_i32(s, x86::splat_i32(Self::OFFSET * xsum));
-                    acc[t] = x86::fma(x86::to_f32(s), dd, acc[t]);
+                    let s = w.sub_i32(s, w.splat_i32(Self::OFFSET * xsum));
+                    acc[t] = w.fma(w.to_f32(s), dd, acc[t]);
                 }
             }
         }
@@ -438,49 +447,52 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn sums<P: x86::Products, const T: usize>(
+    unsafe fn sums<W: Lanes, P: x86::Products, const T: usize>(
+        w: W,
         g: *const u8,
         s: usize,
         x: [*const u8; T],
-    ) -> [[x86::I32x8; 2]; T] {
+    ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { x86::slice_sums::<P, BITS, T>(g.add(Self::HEAD + s * Self::SLICE), x) }
+        unsafe { lanes::slice_sums::<W, P, BITS, T>(w, g.add(Self::HEAD + s * Self::SLICE), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn add_lanes<const T: usize>(
+    unsafe fn add_lanes<W: Lanes, const T: usize>(
+        w: W,
         g: *const u8,
         s: usize,
-        sums: [[x86::I32x8; 2]; T],
+        sums: [[W::I; 2]; T],
         x: [XBlock; T],
-        _: &mut [x86::F32x8; T],
-        part: &mut [[x86::F32x8; 2]; T],
+        _: &mut [W::F; T],
+        part: &mut [[W::F; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
-            let (sc, m) = (x86::bytes_u8(g.add(32 + 8 * s)), x86::bytes_u8(g.add(96 + 8 * s)));
+            let (sc, m) = (w.bytes_u8(g.add(32 + 8 * s)), w.bytes_u8(g.add(96 + 8 * s)));
             for t in 0..T {
-                let s = x86::to_f32(x86::add_i32(sums[t][0], sums[t][1]));
-                part[t][0] = x86::fma(x86::mul(s, x86::splat(x[t].d)), sc, part[t][0]);
-                part[t][1] = x86::fma(x86::splat(x[t].dsum), m, part[t][1]);
+                let s = w.to_f32(w.add_i32(sums[t][0], sums[t][1]));
+                part[t][0] = w.fma(w.mul(s, w.splat(x[t].d)), sc, part[t][0]);
+                part[t][1] = w.fma(w.splat(x[t].dsum), m, part[t][1]);
             }
         }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn finish_lanes<const T: usize>(
+    unsafe fn finish_lanes<W: Lanes, const T: usize>(
+        w: W,
         g: *const u8,
-        part: [[x86::F32x8; 2]; T],
-        acc: &mut [x86::F32x8; T],
+        part: [[W::F; 2]; T],
+        acc: &mut [W::F; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
-            let (d, dmin) = (x86::halves(g), x86::halves(g.add(16)));
+            let (d, dmin) = (w.halves(g), w.halves(g.add(16)));
             for t in 0..T {
-                acc[t] = x86::fma(d, part[t][0], acc[t]);
-                acc[t] = x86::fnma(dmin, part[t][1], acc[t]);
+                acc[t] = w.fma(d, part[t][0], acc[t]);
+                acc[t] = w.fnma(dmin, part[t][1], acc[t]);
             }
         }
     }
@@ -522,35 +534,37 @@ impl Layout for Q6KLayout {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn sums<P: x86::Products, const T: usize>(
+    unsafe fn sums<W: Lanes, P: x86::Products, const T: usize>(
+        w: W,
         g: *const u8,
         s: usize,
         x: [*const u8; T],
-    ) -> [[x86::I32x8; 2]; T] {
+    ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { x86::slice_sums::<P, 6, T>(g.add(Self::HEAD + s * Self::SLICE), x) }
+        unsafe { lanes::slice_sums::<W, P, 6, T>(w, g.add(Self::HEAD + s * Self::SLICE), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn add_lanes<const T: usize>(
+    unsafe fn add_lanes<W: Lanes, const T: usize>(
+        w: W,
         g: *const u8,
         s: usize,
-        sums: [[x86::I32x8; 2]; T],
+        sums: [[W::I; 2]; T],
         x: [XBlock; T],
-        acc: &mut [x86::F32x8; T],
-        _: &mut [[x86::F32x8; 2]; T],
+        acc: &mut [W::F; T],
+        _: &mut [[W::F; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
-            let d = x86::halves(g);
-            let scale = |h: usize| x86::mul(d, x86::bytes_i8(g.add(16 + 8 * (2 * s + h))));
+            let d = w.halves(g);
+            let scale = |h: usize| w.mul(d, w.bytes_i8(g.add(16 + 8 * (2 * s + h))));
             let (a, b) = (scale(0), scale(1));
             for t in 0..T {
-                let dx = x86::splat(x[t].d);
-                let off = |h: usize| x86::sub_i32(sums[t][h], x86::splat_i32(32 * x[t].sums[h]));
-                acc[t] = x86::fma(x86::to_f32(off(0)), x86::mul(a, dx), acc[t]);
-                acc[t] = x86::fma(x86::to_f32(off(1)), x86::mul(b, dx), acc[t]);
+                let dx = w.splat(x[t].d);
+                let off = |h: usize| w.sub_i32(sums[t][h], w.splat_i32(32 * x[t].sums[h]));
+                acc[t] = w.fma(w.to_f32(off(0)), w.mul(a, dx), acc[t]);
+                acc[t] = w.fma(w.to_f32(off(1)), w.mul(b, dx), acc[t]);
             }
         }
     }

@@ -38,8 +38,12 @@ pub fn forms() -> Vec<Option<Isa>> {
     let avx2 = is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c");
-    let vnni =
-        avx2 && is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+    // The VNNI kernel also runs two groups at once in 512-bit registers (`lanes::Sixteen`).
+    let vnni = avx2
+        && is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni");
     let mut forms = Vec::new();
     if vnni {
         forms.push(Some(Isa::Vnni));
@@ -202,11 +206,6 @@ pub unsafe fn f16_to_f32_slice(bytes: &[u8], out: &mut [f32]) {
     }
 }
 
-/// Eight 32-bit integers.
-pub type I32x8 = __m256i;
-/// Eight f32.
-pub type F32x8 = __m256;
-
 /// `acc` plus the exact sums of four products each, `u[j] · s[j]`, of unsigned bytes `u` and
 /// signed bytes `s` (each sum in the 32-bit lane of its four bytes). vpmaddubsw's 16-bit pair
 /// sums cannot saturate: every caller's `u` is at most 128 and `|s|` at most 127 (Q8_0
@@ -243,201 +242,22 @@ impl Products for Vnni {
     }
 }
 
-// The small operations the layouts are written in. Each is `inline(always)`: inlined into the
-// kernels below, which enable the instruction sets.
-
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn zero() -> __m256i {
-    // SAFETY: the caller's.
-    unsafe { _mm256_setzero_si256() }
-}
-
-/// 32 bytes at `p`, unaligned.
-///
-/// # Safety
-/// 32 bytes are readable at `p`; AVX2.
-#[inline(always)]
-pub unsafe fn load(p: *const u8) -> __m256i {
-    unsafe { _mm256_loadu_si256(p as *const __m256i) }
-}
-
-/// The four bytes at `p + at` in every 32-bit lane.
-///
-/// # Safety
-/// Four bytes are readable at `p + at`; AVX2.
-#[inline(always)]
-pub unsafe fn bcast4(p: *const u8, at: usize) -> __m256i {
-    unsafe { _mm256_set1_epi32((p.add(at) as *const i32).read_unaligned()) }
-}
-
-/// [`Products::add`] of signed bytes `w`: their magnitudes with `x` signed by `w`.
-///
-/// # Safety
-/// What `P` needs.
-#[inline(always)]
-pub unsafe fn add_signed<P: Products>(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
-    unsafe { P::add(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)) }
-}
-
-/// The sums of a slice's values 0..16 and 16..32 times `T` tokens' activations: the slice at
-/// `s` in the layout [`super::packed`] describes, with `BITS` (4, 5 or 6) bits per value, as
-/// unsigned integers (a format's offset comes off through the activations' sums).
-///
-/// # Safety
-/// The slice's bytes are readable at `s`, 32 activation bytes at each of `x`; AVX2 and what
-/// `P` needs.
-#[inline(always)]
-pub unsafe fn slice_sums<P: Products, const BITS: u32, const T: usize>(
-    s: *const u8,
-    x: [*const u8; T],
-) -> [[__m256i; 2]; T] {
-    unsafe {
-        let low4 = _mm256_set1_epi8(0x0f);
-        let (bit4, bits45) = (_mm256_set1_epi8(0x10), _mm256_set1_epi8(0x30));
-        let (ha, hb) = match BITS {
-            5 => (load(s.add(128)), zero()),
-            6 => (load(s.add(128)), load(s.add(160))),
-            _ => (zero(), zero()),
-        };
-        let shift = |v: __m256i, left: i32| {
-            if left >= 0 {
-                _mm256_sll_epi16(v, _mm_cvtsi32_si128(left))
-            } else {
-                _mm256_srl_epi16(v, _mm_cvtsi32_si128(-left))
-            }
-        };
-        let mut out = [[zero(); 2]; T];
-        for c in 0..4 {
-            let v = load(s.add(32 * c));
-            let mut lo = _mm256_and_si256(v, low4);
-            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low4);
-            let c = c as i32;
-            if BITS == 5 {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(shift(ha, 4 - c), bit4));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(shift(ha, -c), bit4));
-            } else if BITS == 6 {
-                lo = _mm256_or_si256(lo, _mm256_and_si256(shift(ha, 4 - 2 * c), bits45));
-                hi = _mm256_or_si256(hi, _mm256_and_si256(shift(hb, 4 - 2 * c), bits45));
-            }
-            let c = c as usize;
-            for t in 0..T {
-                out[t][0] = P::add(out[t][0], lo, bcast4(x[t], 4 * c));
-                out[t][1] = P::add(out[t][1], hi, bcast4(x[t], 16 + 4 * c));
-            }
-        }
-        out
-    }
-}
-
-/// Eight f16 at `p` as f32.
-///
-/// # Safety
-/// 16 bytes readable at `p`; F16C.
-#[inline(always)]
-pub unsafe fn halves(p: *const u8) -> __m256 {
-    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
-}
-
-/// Eight unsigned bytes at `p` as f32.
-///
-/// # Safety
-/// 8 bytes readable at `p`; AVX2.
-#[inline(always)]
-pub unsafe fn bytes_u8(p: *const u8) -> __m256 {
-    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
-}
-
-/// Eight signed bytes at `p` as f32.
-///
-/// # Safety
-/// 8 bytes readable at `p`; AVX2.
-#[inline(always)]
-pub unsafe fn bytes_i8(p: *const u8) -> __m256 {
-    unsafe { _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i))) }
-}
-
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn splat(v: f32) -> __m256 {
-    // SAFETY: the caller's.
-    unsafe { _mm256_set1_ps(v) }
-}
-
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn splat_i32(v: i32) -> __m256i {
-    // SAFETY: the caller's.
-    unsafe { _mm256_set1_epi32(v) }
-}
-
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn add_i32(a: __m256i, b: __m256i) -> __m256i {
-    // SAFETY: the caller's.
-    unsafe { _mm256_add_epi32(a, b) }
-}
-
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn sub_i32(a: __m256i, b: __m256i) -> __m256i {
-    // SAFETY: the caller's.
-    unsafe { _mm256_sub_epi32(a, b) }
-}
-
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn to_f32(a: __m256i) -> __m256 {
-    // SAFETY: the caller's.
-    unsafe { _mm256_cvtepi32_ps(a) }
-}
-
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn mul(a: __m256, b: __m256) -> __m256 {
-    // SAFETY: the caller's.
-    unsafe { _mm256_mul_ps(a, b) }
-}
-
-/// `a · b + c`, one rounding.
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn fma(a: __m256, b: __m256, c: __m256) -> __m256 {
-    // SAFETY: the caller's.
-    unsafe { _mm256_fmadd_ps(a, b, c) }
-}
-
-/// `c − a · b`, one rounding.
-///
-/// # Safety
-/// AVX2 and FMA.
-#[inline(always)]
-pub unsafe fn fnma(a: __m256, b: __m256, c: __m256) -> __m256 {
-    // SAFETY: the caller's.
-    unsafe { _mm256_fnmadd_ps(a, b, c) }
-}
-
 macro_rules! kernels {
-    ($name:ident, $features:literal, $products:ty) => {
+    (@wide $gi:ident, $groups:ident, $group:ident, $packed:ident, $x:ident, $y:ident) => {
+        // Two groups at a time in 512-bit registers, then a last one alone.
+        while $gi + 2 <= $groups {
+            let w = Sixteen { stride: $group };
+            // SAFETY: the caller's; groups `gi` and `gi + 1` lie inside `packed`.
+            unsafe { run_groups::<Sixteen, L, T>(w, &$packed[$gi * $group..], $x, $y, $gi) };
+            $gi += 2;
+        }
+    };
+    ($name:ident, $features:literal, $products:ty $(, $wide:ident)?) => {
         /// The products of the regrouped layouts for one instruction set.
         pub mod $name {
-            use super::super::packed::{Activations, Layout, ROWS};
+            #[allow(unused_imports)]
+            use super::super::lanes::{Eight, Lanes, Sixteen};
+            use super::super::packed::{Activations, Layout, XBlock, ROWS};
             use super::*;
 
             /// [`super::super::packed::Kernels`]: `T` tokens' products with every group of
@@ -452,33 +272,59 @@ macro_rules! kernels {
                 x: [&Activations; T],
                 y: &mut [f32],
             ) {
+                let group = x[0].scales.len() * 32 / L::VALUES * L::GROUP_BLOCK;
+                let groups = packed.len() / group;
+                let mut gi = 0;
+                $(kernels!(@$wide gi, groups, group, packed, x, y);)?
+                while gi < groups {
+                    // SAFETY: the caller's; group `gi` lies inside `packed`.
+                    unsafe { run_groups::<Eight, L, T>(Eight, &packed[gi * group..], x, y, gi) };
+                    gi += 1;
+                }
+            }
+
+            /// The products of the group (or two) that `w` covers, starting at group `gi`
+            /// at the start of `packed`.
+            ///
+            /// # Safety
+            /// As [`products`]; `packed` holds the groups `w` reads.
+            #[inline(always)]
+            unsafe fn run_groups<W: Lanes, L: Layout, const T: usize>(
+                w: W,
+                packed: &[u8],
+                x: [&Activations; T],
+                y: &mut [f32],
+                gi: usize,
+            ) {
                 let blocks = x[0].scales.len();
                 let slices = L::VALUES / 32;
-                let group = blocks / slices * L::GROUP_BLOCK;
                 let width = y.len() / T;
-                for (gi, gr) in packed.chunks_exact(group).enumerate() {
-                    let mut acc = [_mm256_setzero_ps(); T];
-                    for (b, g) in gr.chunks_exact(L::GROUP_BLOCK).enumerate() {
-                        let mut part = [[_mm256_setzero_ps(); 2]; T];
+                // SAFETY: block `k` lies inside every token's activations, and each group
+                // block read (at `g`, and `stride` on for two groups) is whole (the sizes agree).
+                unsafe {
+                    let mut acc = [w.zero_f(); T];
+                    for b in 0..blocks / slices {
+                        let g = packed.as_ptr().add(b * L::GROUP_BLOCK);
+                        let mut part = [[w.zero_f(); 2]; T];
                         for s in 0..slices {
                             let k = b * slices + s;
-                            // SAFETY: block `k` lies inside every token's activations, and
-                            // `g` is a whole group block (the sizes agree).
-                            unsafe {
-                                let xp = x.map(|x| x.blocks.as_ptr().add(34 * k + 2));
-                                let sums = L::sums::<$products, T>(g.as_ptr(), s, xp);
-                                let xb = x.map(|x| x.block(k));
-                                L::add_lanes::<T>(g.as_ptr(), s, sums, xb, &mut acc, &mut part);
+                            // Loops, not `array::map`, whose closures are not always
+                            // inlined here.
+                            let mut xp = [std::ptr::null(); T];
+                            let mut xb = [XBlock::default(); T];
+                            for t in 0..T {
+                                xp[t] = x[t].blocks.as_ptr().add(34 * k + 2);
+                                xb[t] = x[t].block(k);
                             }
+                            let sums = L::sums::<W, $products, T>(w, g, s, xp);
+                            L::add_lanes::<W, T>(w, g, s, sums, xb, &mut acc, &mut part);
                         }
-                        // SAFETY: as above.
-                        unsafe { L::finish_lanes::<T>(g.as_ptr(), part, &mut acc) };
+                        L::finish_lanes::<W, T>(w, g, part, &mut acc);
                     }
                     for (t, acc) in acc.iter().enumerate() {
                         let at = t * width + ROWS * gi;
-                        assert!(at + ROWS <= y.len());
-                        // SAFETY: inside `y` (checked).
-                        unsafe { _mm256_storeu_ps(y.as_mut_ptr().add(at), *acc) };
+                        assert!(at + W::ROWS <= (t + 1) * width);
+                        w.store(y.as_mut_ptr().add(at), *acc);
                     }
                 }
             }
@@ -487,4 +333,4 @@ macro_rules! kernels {
 }
 
 kernels!(avx2, "avx2,fma,f16c", Avx2);
-kernels!(vnni, "avx2,fma,f16c,avx512vnni,avx512vl", Vnni);
+kernels!(vnni, "avx2,fma,f16c,avx512f,avx512bw,avx512vnni,avx512vl", Vnni, wide);
