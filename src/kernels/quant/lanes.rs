@@ -60,6 +60,8 @@ pub trait Lanes: Copy {
     unsafe fn fnma(self, a: Self::F, b: Self::F, c: Self::F) -> Self::F;
     /// The lanes to `p` (`ROWS` floats).
     unsafe fn store(self, p: *mut f32, v: Self::F);
+    /// A hint to fetch the cache line at `p` of each group (never faults).
+    unsafe fn prefetch(self, p: *const u8);
 }
 
 /// One group of eight rows in a 256-bit register.
@@ -176,6 +178,10 @@ impl Lanes for Eight {
     #[inline(always)]
     unsafe fn store(self, p: *mut f32, v: __m256) {
         unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch(self, p: *const u8) {
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
     }
 }
 
@@ -312,6 +318,13 @@ impl Lanes for Sixteen {
     #[inline(always)]
     unsafe fn store(self, p: *mut f32, v: __m512) {
         unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn prefetch(self, p: *const u8) {
+        unsafe {
+            _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(self.stride) as *const i8);
+        }
     }
 }
 

@@ -157,6 +157,11 @@ pub unsafe fn dot_f16_many<const R: usize, const T: usize>(
     let whole = k / 32 * 32;
     let mut acc = [[[_mm256_setzero_ps(); 4]; T]; R];
     for j in (0..whole).step_by(32) {
+        for row in rows {
+            // A prefetch hint ahead of each row's stream (hints never fault, past the
+            // row's end too).
+            _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(2 * j + PREFETCH) as *const i8);
+        }
         for a in 0..4 {
             let at = j + 8 * a;
             // SAFETY: values at..at + 8 lie inside every row and token (`whole` ≤ k);
@@ -242,6 +247,10 @@ impl Products for Vnni {
     }
 }
 
+/// How far ahead of the bytes they multiply the kernels ask for the next ones: the hardware's
+/// own prefetching left decoding short of the memory's bandwidth.
+const PREFETCH: usize = 4096;
+
 macro_rules! kernels {
     (@wide $gi:ident, $groups:ident, $group:ident, $packed:ident, $x:ident, $y:ident) => {
         // Two groups at a time in 512-bit registers, then a last one alone.
@@ -305,6 +314,9 @@ macro_rules! kernels {
                     let mut acc = [w.zero_f(); T];
                     for b in 0..blocks / slices {
                         let g = packed.as_ptr().add(b * L::GROUP_BLOCK);
+                        for line in (0..L::GROUP_BLOCK).step_by(64) {
+                            w.prefetch(g.wrapping_add(PREFETCH + line));
+                        }
                         let mut part = [[w.zero_f(); 2]; T];
                         for s in 0..slices {
                             let k = b * slices + s;
