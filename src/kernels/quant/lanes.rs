@@ -328,15 +328,22 @@ impl Lanes for Sixteen {
     }
 }
 
-/// The sums of a slice's values 0..16 and 16..32 times `T` tokens' activations: the slice at
-/// `s` in the layout [`super::packed`] describes, with `BITS` (4, 5 or 6) bits per value, as
-/// unsigned integers (a format's offset comes off through the activations' sums).
+/// The sums of a slice's values times `T` tokens' activations, values 0..16 and 16..32 apart
+/// with `HALVES`, else all in the first (the second zero): the slice at `s` in the layout
+/// [`super::packed`] describes, with `BITS` (4, 5 or 6) bits per value, as unsigned integers (a
+/// format's offset comes off through the activations' sums).
 ///
 /// # Safety
 /// The slice's bytes are readable at `s` (for each group of `w`), 32 activation bytes at each
 /// of `x`; what `w` and `P` need.
 #[inline(always)]
-pub unsafe fn slice_sums<W: Lanes, P: Products, const BITS: u32, const T: usize>(
+pub unsafe fn slice_sums<
+    W: Lanes,
+    P: Products,
+    const BITS: u32,
+    const HALVES: bool,
+    const T: usize,
+>(
     w: W,
     s: *const u8,
     x: [*const u8; T],
@@ -365,7 +372,8 @@ pub unsafe fn slice_sums<W: Lanes, P: Products, const BITS: u32, const T: usize>
             let c = c as usize;
             for t in 0..T {
                 out[t][0] = w.dot::<P>(out[t][0], lo, w.bcast4(x[t].add(4 * c)));
-                out[t][1] = w.dot::<P>(out[t][1], hi, w.bcast4(x[t].add(16 + 4 * c)));
+                let h = HALVES as usize;
+                out[t][h] = w.dot::<P>(out[t][h], hi, w.bcast4(x[t].add(16 + 4 * c)));
             }
         }
         out

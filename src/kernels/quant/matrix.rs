@@ -143,6 +143,19 @@ impl QuantMatrix {
         let k = self.cols;
         assert!(x.len() == n * k, "quantised product: {} activations, not {n} x {k}", x.len());
         let xq = self.parts.iter().any(|p| p.packed.is_some()).then(|| QuantRows::new(x, k));
+        // Prefill: eight tokens at a time, then four, interleaved once for every task; the rest
+        // one at a time. Each token gets the same bits whichever way.
+        let mut batches = Vec::new();
+        if let Some(xq) = &xq {
+            let mut i = 0;
+            for size in [8, 4] {
+                while i + size <= n {
+                    batches.push((i, xq.interleave(i, size)));
+                    i += size;
+                }
+            }
+        }
+        let singles = batches.last().map_or(0, |(i, b)| i + b.view().tokens);
         let m = self.rows();
         let mut y = vec![0.0f32; n * m];
         // Each task owns whole weight rows, `r0..r0 + rows`: the same columns of every
@@ -175,21 +188,20 @@ impl QuantMatrix {
             match (&t.format.ops().packed, &xq) {
                 (Some(how), Some(xq)) => {
                     let kernels = &how.kernels;
-                    // Four tokens at a time (prefill), then one at a time: the same bits. The
-                    // last group's padding rows are computed and dropped.
+                    // The last group's padding rows are computed and dropped.
                     let width = t.rows.div_ceil(ROWS) * ROWS;
-                    let mut v = vec![0.0f32; 4 * width];
-                    let mut i = 0;
-                    while i + 4 <= n {
-                        let a = [xq.row(i), xq.row(i + 1), xq.row(i + 2), xq.row(i + 3)];
-                        (kernels.dot4)(t.w, [&a[0], &a[1], &a[2], &a[3]], &mut v);
+                    let mut v = vec![0.0f32; 8 * width];
+                    for (i, batch) in &batches {
+                        let x = batch.view();
+                        let v = &mut v[..x.tokens * width];
+                        let dot = if x.tokens == 8 { kernels.dot8 } else { kernels.dot4 };
+                        dot(t.w, &x, v);
                         for (j, v) in v.chunks_exact(width).enumerate() {
                             put(i + j, 0, &v[..t.rows]);
                         }
-                        i += 4;
                     }
-                    for i in i..n {
-                        (kernels.dot)(t.w, [&xq.row(i)], &mut v[..width]);
+                    for i in singles..n {
+                        (kernels.dot)(t.w, &xq.row(i), &mut v[..width]);
                         put(i, 0, &v[..t.rows]);
                     }
                 }
@@ -386,7 +398,7 @@ mod tests {
                 let want: Vec<f32> = match (&p.format.ops().packed, &p.packed) {
                     (Some(how), Some(packed)) => {
                         let mut v = vec![0.0; p.rows.div_ceil(ROWS) * ROWS];
-                        (how.kernels.portable)(packed, [&xq.row(i)], &mut v);
+                        (how.kernels.portable)(packed, &xq.row(i), &mut v);
                         v.truncate(p.rows);
                         v
                     }

@@ -25,9 +25,9 @@
 //! (f16 scales, 6-bit K-quant scales, …), [`Layout`] says where. Every product of a row and a
 //! token sums each slice's integer products exactly (values 0..16 and 16..32 apart), then adds
 //! them into an f32 accumulator with the format's scales in a fixed order of f32 operations
-//! (Q4_K and Q5_K sum a block's slices times their 6-bit scales first, and multiply by the
+//! (the K-quants sum a block's slices times their sub-block scales first, and multiply by the
 //! block's `d` and `dmin` once at its end): the same in the portable code and the vector
-//! kernels, for one token or four, so a token's result has the same bits whatever form or
+//! kernels, for one token, four or eight, so a token's result has the same bits whatever form or
 //! batch computes it.
 
 use super::half;
@@ -39,6 +39,8 @@ pub const ROWS: usize = 8;
 
 /// Activations quantised to Q8_0, with what the kernels read beside the blocks: each block's
 /// scale as f32, and its values' sums (for the formats whose values are offset or have a min).
+/// The blocks of `tokens` tokens are interleaved, block `k` of token `t` at `k·tokens + t`: so
+/// that a kernel reads every token's block `k` from one place.
 pub struct Activations<'a> {
     /// Q8_0 blocks, 34 bytes each.
     pub blocks: &'a [u8],
@@ -47,6 +49,10 @@ pub struct Activations<'a> {
     pub sums: &'a [[i32; 2]],
     /// Each block's scale times the sum of its values, in f32 (Q8_1's `s`).
     pub dsums: &'a [f32],
+    /// Each of `sums` times −32, Q6_K's offset: so that a kernel adds it straight from memory.
+    pub neg32: &'a [[i32; 2]],
+    /// Tokens interleaved.
+    pub tokens: usize,
 }
 
 /// One activation block as a slice's product reads it beside its integer sums.
@@ -58,21 +64,113 @@ pub struct XBlock {
     pub sums: [i32; 2],
     /// `d` times the sum of its values.
     pub dsum: f32,
+    /// −32 times `sums`.
+    pub neg32: [i32; 2],
 }
 
 impl Activations<'_> {
+    /// Checks the arrays' lengths agree; the blocks per token.
     fn check(&self) -> usize {
         let n = self.scales.len();
         assert!(
-            self.blocks.len() == n * 34 && self.sums.len() == n && self.dsums.len() == n,
+            self.blocks.len() == n * 34
+                && self.sums.len() == n
+                && self.dsums.len() == n
+                && self.neg32.len() == n
+                && self.tokens > 0
+                && n.is_multiple_of(self.tokens),
             "activation rows"
         );
-        n
+        n / self.tokens
     }
 
+    /// Block `k` of token `t`.
+    fn block(&self, t: usize, k: usize) -> XBlock {
+        let i = k * self.tokens + t;
+        XBlock { d: self.scales[i], sums: self.sums[i], dsum: self.dsums[i], neg32: self.neg32[i] }
+    }
+
+    /// The 32 values of block `k` of token `t`.
+    fn values(&self, t: usize, k: usize) -> &[u8] {
+        let i = k * self.tokens + t;
+        &self.blocks[34 * i + 2..34 * i + 34]
+    }
+
+    /// The start of each array, for the vector kernels' unchecked reads.
+    #[cfg(target_arch = "x86_64")]
+    fn raw(&self) -> RawActivations {
+        RawActivations {
+            values: self.blocks.as_ptr().wrapping_add(2),
+            scales: self.scales.as_ptr(),
+            sums: self.sums.as_ptr(),
+            dsums: self.dsums.as_ptr(),
+            neg32: self.neg32.as_ptr(),
+            stride: self.tokens,
+        }
+    }
+}
+
+/// [`Activations`] as pointers, from a first token on: the vector kernels read them in their
+/// innermost loops, where a bounds check per read costs more than the product's arithmetic,
+/// and where one pointer per array (not per token) keeps the general registers free.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub struct RawActivations {
+    /// The first token's block 0's values (past its f16 scale).
+    values: *const u8,
+    scales: *const f32,
+    sums: *const [i32; 2],
+    dsums: *const f32,
+    neg32: *const [i32; 2],
+    /// Tokens interleaved.
+    stride: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl RawActivations {
+    /// From token `t` on.
+    fn skip(self, t: usize) -> RawActivations {
+        RawActivations {
+            values: self.values.wrapping_add(34 * t),
+            scales: self.scales.wrapping_add(t),
+            sums: self.sums.wrapping_add(t),
+            dsums: self.dsums.wrapping_add(t),
+            neg32: self.neg32.wrapping_add(t),
+            stride: self.stride,
+        }
+    }
+
+    /// Where token `t`'s block `k` is, among the blocks.
     #[inline(always)]
-    pub(super) fn block(&self, k: usize) -> XBlock {
-        XBlock { d: self.scales[k], sums: self.sums[k], dsum: self.dsums[k] }
+    pub fn at(self, t: usize, k: usize) -> usize {
+        k * self.stride + t
+    }
+
+    /// The 32 values of the block at `i` ([`RawActivations::at`]).
+    ///
+    /// # Safety
+    /// The block is inside the activations.
+    #[inline(always)]
+    pub unsafe fn values(self, i: usize) -> *const u8 {
+        // SAFETY: the caller's.
+        unsafe { self.values.add(34 * i) }
+    }
+
+    /// The scale and sums of the block at `i`.
+    ///
+    /// # Safety
+    /// As [`RawActivations::values`].
+    #[inline(always)]
+    pub unsafe fn block(self, i: usize) -> XBlock {
+        // SAFETY: the caller's.
+        unsafe {
+            XBlock {
+                d: *self.scales.add(i),
+                sums: *self.sums.add(i),
+                dsum: *self.dsums.add(i),
+                neg32: *self.neg32.add(i),
+            }
+        }
     }
 }
 
@@ -107,7 +205,8 @@ pub trait Layout: 'static {
     }
 
     /// [`Layout::values`] times `T` tokens' activation blocks (32 bytes at each of `x`), the
-    /// eight rows in the lanes: the sums of values 0..16 and 16..32.
+    /// eight rows in the lanes: the sums of values 0..16 and 16..32, or (where the layout adds
+    /// them anyway: one chain of additions fewer) their sum and zero.
     ///
     /// # Safety
     /// The processor has AVX2 and what `P` needs; `g` points at a whole group block, each `x`
@@ -154,54 +253,80 @@ pub trait Layout: 'static {
 #[derive(Clone, Copy)]
 pub struct Kernels {
     /// One token: `y[r]` for each row of the groups in `packed` (eight per group).
-    pub dot: fn(packed: &[u8], x: [&Activations; 1], y: &mut [f32]),
-    /// Four tokens, outputs one after another in `y`: each the bits [`Kernels::dot`] gives.
-    pub dot4: fn(packed: &[u8], x: [&Activations; 4], y: &mut [f32]),
+    pub dot: fn(packed: &[u8], x: &Activations, y: &mut [f32]),
+    /// Four tokens interleaved, outputs one after another in `y`: each the bits
+    /// [`Kernels::dot`] gives.
+    pub dot4: fn(packed: &[u8], x: &Activations, y: &mut [f32]),
+    /// Eight tokens, as [`Kernels::dot4`].
+    pub dot8: fn(packed: &[u8], x: &Activations, y: &mut [f32]),
     /// [`Kernels::dot`] in plain Rust, whatever the processor: the tests' reference.
-    pub portable: fn(packed: &[u8], x: [&Activations; 1], y: &mut [f32]),
+    pub portable: fn(packed: &[u8], x: &Activations, y: &mut [f32]),
 }
 
 impl Kernels {
     pub const fn of<L: Layout>() -> Kernels {
-        Kernels { dot: products::<L, 1>, dot4: products::<L, 4>, portable: portable::<L, 1> }
+        Kernels {
+            dot: products::<L, 1>,
+            dot4: products::<L, 4>,
+            dot8: products::<L, 8>,
+            portable: portable::<L, 1>,
+        }
     }
 }
 
 /// `y[t·width + r] = Σ_j W[r, j] · x_t[j]` for the rows of every group in `packed` and `T`
 /// tokens, in the best form the processor has.
-fn products<L: Layout, const T: usize>(packed: &[u8], x: [&Activations; T], y: &mut [f32]) {
-    let blocks = x[0].check();
-    assert!(x.iter().all(|x| x.check() == blocks) && (blocks * 32).is_multiple_of(L::VALUES));
+fn products<L: Layout, const T: usize>(packed: &[u8], x: &Activations, y: &mut [f32]) {
+    let blocks = x.check();
+    assert!(x.tokens == T && (blocks * 32).is_multiple_of(L::VALUES));
     let group = blocks * 32 / L::VALUES * L::GROUP_BLOCK;
     assert!(packed.len().is_multiple_of(group) && y.len() == T * packed.len() / group * ROWS);
     super::by_isa!(
         // SAFETY: the processor has the instruction set (`by_isa` chose it); the sizes agree
         // (checked above).
-        vnni => unsafe { x86::vnni::products::<L, T>(packed, x, y) },
-        avx2 => unsafe { x86::avx2::products::<L, T>(packed, x, y) },
+        vnni => unsafe { x86::vnni::products::<L, T>(packed, x.raw(), blocks, y) },
+        avx2 => avx2::<L, T>(packed, x, blocks, y),
         portable => portable::<L, T>(packed, x, y),
     )
 }
 
-fn portable<L: Layout, const T: usize>(packed: &[u8], x: [&Activations; T], y: &mut [f32]) {
-    let blocks = x[0].check();
+/// The AVX2 kernel, at most four tokens at a time: its sixteen registers hold no more.
+#[cfg(target_arch = "x86_64")]
+fn avx2<L: Layout, const T: usize>(packed: &[u8], x: &Activations, blocks: usize, y: &mut [f32]) {
+    const { assert!(T == 1 || T.is_multiple_of(4), "one token or fours") };
+    let width = y.len() / T;
+    for (t, y) in (0..T).step_by(4).zip(y.chunks_mut(4 * width)) {
+        let x = x.raw().skip(t);
+        // SAFETY: `products` chose AVX2 on this processor and checked the sizes.
+        unsafe {
+            if T == 1 {
+                x86::avx2::products::<L, 1>(packed, x, blocks, y)
+            } else {
+                x86::avx2::products::<L, 4>(packed, x, blocks, y)
+            }
+        }
+    }
+}
+
+fn portable<L: Layout, const T: usize>(packed: &[u8], x: &Activations, y: &mut [f32]) {
+    let blocks = x.check();
     let slices = L::VALUES / 32;
     let group = blocks / slices * L::GROUP_BLOCK;
     let width = y.len() / T;
-    for (t, x) in x.iter().enumerate() {
+    for t in 0..T {
         for (gi, gr) in packed.chunks_exact(group).enumerate() {
             let mut acc = [0.0f32; ROWS];
             for (b, g) in gr.chunks_exact(L::GROUP_BLOCK).enumerate() {
                 let mut part = [[0.0f32; 2]; ROWS];
                 for s in 0..slices {
                     let k = b * slices + s;
-                    let xs = &x.blocks[34 * k + 2..34 * k + 34];
+                    let xs = x.values(t, k);
                     for (r, (acc, part)) in acc.iter_mut().zip(&mut part).enumerate() {
                         let w = L::values(g, s, r);
                         let sum = |h: usize| {
                             (16 * h..16 * h + 16).map(|j| w[j] * xs[j] as i8 as i32).sum::<i32>()
                         };
-                        L::add(g, s, r, [sum(0), sum(1)], x.block(k), acc, part);
+                        L::add(g, s, r, [sum(0), sum(1)], x.block(t, k), acc, part);
                     }
                 }
                 for (r, (acc, part)) in acc.iter_mut().zip(part).enumerate() {
@@ -298,7 +423,7 @@ impl Layout for Q8Layout {
             for c in 0..8 {
                 let v = w.load(g.add(16 + 32 * c));
                 for t in 0..T {
-                    out[t][c / 4] = w.dot_signed::<P>(out[t][c / 4], v, w.bcast4(x[t].add(4 * c)));
+                    out[t][0] = w.dot_signed::<P>(out[t][0], v, w.bcast4(x[t].add(4 * c)));
                 }
             }
             out
@@ -320,8 +445,7 @@ impl Layout for Q8Layout {
         unsafe {
             let d = w.halves(g);
             for t in 0..T {
-                let s = w.add_i32(sums[t][0], sums[t][1]);
-                acc[t] = w.fma(w.to_f32(s), w.mul(d, w.splat(x[t].d)), acc[t]);
+                acc[t] = w.fma(w.to_f32(sums[t][0]), w.mul(d, w.splat(x[t].d)), acc[t]);
             }
         }
     }
@@ -373,7 +497,7 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         x: [*const u8; T],
     ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { lanes::slice_sums::<W, P, BITS, T>(w, g.add(Self::SLICE_AT), x) }
+        unsafe { lanes::slice_sums::<W, P, BITS, false, T>(w, g.add(Self::SLICE_AT), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -391,7 +515,7 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         unsafe {
             let d = w.halves(g);
             for t in 0..T {
-                let s = w.add_i32(sums[t][0], sums[t][1]);
+                let s = sums[t][0];
                 let dd = w.mul(d, w.splat(x[t].d));
                 if MIN {
                     acc[t] = w.fma(w.to_f32(s), dd, acc[t]);
@@ -454,7 +578,9 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         x: [*const u8; T],
     ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { lanes::slice_sums::<W, P, BITS, T>(w, g.add(Self::HEAD + s * Self::SLICE), x) }
+        unsafe {
+            lanes::slice_sums::<W, P, BITS, false, T>(w, g.add(Self::HEAD + s * Self::SLICE), x)
+        }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -472,7 +598,7 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         unsafe {
             let (sc, m) = (w.bytes_u8(g.add(32 + 8 * s)), w.bytes_u8(g.add(96 + 8 * s)));
             for t in 0..T {
-                let s = w.to_f32(w.add_i32(sums[t][0], sums[t][1]));
+                let s = w.to_f32(sums[t][0]);
                 part[t][0] = w.fma(w.mul(s, w.splat(x[t].d)), sc, part[t][0]);
                 part[t][1] = w.fma(w.splat(x[t].dsum), m, part[t][1]);
             }
@@ -517,19 +643,25 @@ impl Layout for Q6KLayout {
         slice::unpack(&g[Self::HEAD + s * Self::SLICE..], 6, r).map(|q| q as i32)
     }
 
+    // Over a block, `part[0]` holds Σ dx·(sc₀·sums₀ + sc₁·sums₁) (the 32 off each sum); the
+    // block's `d` multiplies it once at its end.
     fn add(
         g: &[u8],
         s: usize,
         r: usize,
         sums: [i32; 2],
         x: XBlock,
-        acc: &mut f32,
-        _: &mut [f32; 2],
+        _: &mut f32,
+        part: &mut [f32; 2],
     ) {
-        let d = row_half(g, 0, r);
-        let scale = |h: usize| d * g[16 + 8 * (2 * s + h) + r] as i8 as f32;
-        let a = ((sums[0] - 32 * x.sums[0]) as f32).mul_add(scale(0) * x.d, *acc);
-        *acc = ((sums[1] - 32 * x.sums[1]) as f32).mul_add(scale(1) * x.d, a);
+        let scale = |h: usize| g[16 + 8 * (2 * s + h) + r] as i8 as f32;
+        let off = |h: usize| (sums[h] + x.neg32[h]) as f32;
+        let both = off(1).mul_add(scale(1), off(0) * scale(0));
+        part[0] = both.mul_add(x.d, part[0]);
+    }
+
+    fn finish(g: &[u8], r: usize, part: [f32; 2], acc: f32) -> f32 {
+        row_half(g, 0, r).mul_add(part[0], acc)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -541,7 +673,7 @@ impl Layout for Q6KLayout {
         x: [*const u8; T],
     ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { lanes::slice_sums::<W, P, 6, T>(w, g.add(Self::HEAD + s * Self::SLICE), x) }
+        unsafe { lanes::slice_sums::<W, P, 6, true, T>(w, g.add(Self::HEAD + s * Self::SLICE), x) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -552,19 +684,34 @@ impl Layout for Q6KLayout {
         s: usize,
         sums: [[W::I; 2]; T],
         x: [XBlock; T],
+        _: &mut [W::F; T],
+        part: &mut [[W::F; 2]; T],
+    ) {
+        // SAFETY: the caller's.
+        unsafe {
+            let scale = |h: usize| w.bytes_i8(g.add(16 + 8 * (2 * s + h)));
+            let (a, b) = (scale(0), scale(1));
+            for t in 0..T {
+                let off = |h: usize| w.add_i32(sums[t][h], w.splat_i32(x[t].neg32[h]));
+                let both = w.fma(w.to_f32(off(1)), b, w.mul(w.to_f32(off(0)), a));
+                part[t][0] = w.fma(both, w.splat(x[t].d), part[t][0]);
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn finish_lanes<W: Lanes, const T: usize>(
+        w: W,
+        g: *const u8,
+        part: [[W::F; 2]; T],
         acc: &mut [W::F; T],
-        _: &mut [[W::F; 2]; T],
     ) {
         // SAFETY: the caller's.
         unsafe {
             let d = w.halves(g);
-            let scale = |h: usize| w.mul(d, w.bytes_i8(g.add(16 + 8 * (2 * s + h))));
-            let (a, b) = (scale(0), scale(1));
             for t in 0..T {
-                let dx = w.splat(x[t].d);
-                let off = |h: usize| w.sub_i32(sums[t][h], w.splat_i32(32 * x[t].sums[h]));
-                acc[t] = w.fma(w.to_f32(off(0)), w.mul(a, dx), acc[t]);
-                acc[t] = w.fma(w.to_f32(off(1)), w.mul(b, dx), acc[t]);
+                acc[t] = w.fma(d, part[t][0], acc[t]);
             }
         }
     }
@@ -578,7 +725,7 @@ mod tests {
     use super::super::{dequantize, Format};
     use super::*;
 
-    /// Every regrouped format, in every form the processor has: one token and four tokens at
+    /// Every regrouped format, in every form the processor has: one token, four and eight at
     /// once give the portable kernel's bits for each token, and the portable kernel gives the
     /// exact product of the file's values with the quantised activations within the f32
     /// rounding of its sums. Row counts that are not whole groups take padding rows.
@@ -592,20 +739,23 @@ mod tests {
         }
     }
 
+    /// Tokens per case: one batch of eight, two of four.
+    const TOKENS: usize = 8;
+
     fn case(format: Format, rows: usize, blocks: usize, seed: u64) {
         let how = format.ops().packed.as_ref().unwrap();
         let cols = blocks * format.block_values();
         let bytes = raw_blocks(format, rows * blocks, seed);
         let packed = pack(how, format, &bytes, rows);
         let width = rows.div_ceil(ROWS) * ROWS;
-        let mut x = values(4 * cols, seed + 1);
+        let mut x = values(TOKENS * cols, seed + 1);
         x[3] = 40.0;
         let xq = QuantRows::new(&x, cols);
-        let act: Vec<Activations> = (0..4).map(|i| xq.row(i)).collect();
+        let act: Vec<Activations> = (0..TOKENS).map(|i| xq.row(i)).collect();
         let at = |t: usize| format!("{format:?} {rows}x{cols} token {t}");
-        let mut want = vec![vec![0.0f32; width]; 4];
+        let mut want = vec![vec![0.0f32; width]; TOKENS];
         for (t, w) in want.iter_mut().enumerate() {
-            (how.kernels.portable)(&packed, [&act[t]], w);
+            (how.kernels.portable)(&packed, &act[t], w);
         }
         // The exact product with the activations as quantised, in f64; the bound: each slice
         // adds its scaled sums with a few roundings, each within one ulp of the sums'
@@ -634,20 +784,28 @@ mod tests {
             assert!(want[t][rows..].iter().all(|&v| v == 0.0), "{}: padding rows", at(t));
         }
         in_every_form(|form| {
-            let mut four = vec![0.0f32; 4 * width];
-            (how.kernels.dot4)(&packed, [&act[0], &act[1], &act[2], &act[3]], &mut four);
-            for t in 0..4 {
+            let mut eight = vec![0.0f32; 8 * width];
+            (how.kernels.dot8)(&packed, &xq.interleave(0, 8).view(), &mut eight);
+            let mut four = vec![0.0f32; 8 * width];
+            for (first, y) in [0, 4].into_iter().zip(four.chunks_mut(4 * width)) {
+                (how.kernels.dot4)(&packed, &xq.interleave(first, 4).view(), y);
+            }
+            for t in 0..TOKENS {
                 let mut one = vec![0.0f32; width];
-                (how.kernels.dot)(&packed, [&act[t]], &mut one);
+                (how.kernels.dot)(&packed, &act[t], &mut one);
                 for r in 0..width {
                     let w = want[t][r].to_bits();
                     assert_eq!(one[r].to_bits(), w, "{form}: {}: row {r}", at(t));
-                    assert_eq!(
-                        four[t * width + r].to_bits(),
-                        w,
-                        "{form}: {} of four: row {r}",
-                        at(t)
-                    );
+                    let at = |many: &[f32], of: &str| {
+                        assert_eq!(
+                            many[t * width + r].to_bits(),
+                            w,
+                            "{form}: {} of {of}: row {r}",
+                            at(t)
+                        );
+                    };
+                    at(&four, "four");
+                    at(&eight, "eight");
                 }
             }
         });

@@ -252,12 +252,12 @@ impl Products for Vnni {
 const PREFETCH: usize = 4096;
 
 macro_rules! kernels {
-    (@wide $gi:ident, $groups:ident, $group:ident, $packed:ident, $x:ident, $y:ident) => {
+    (@wide $gi:ident, $groups:ident, $group:ident, $packed:ident, $x:ident, $blocks:ident, $y:ident) => {
         // Two groups at a time in 512-bit registers, then a last one alone.
         while $gi + 2 <= $groups {
             let w = Sixteen { stride: $group };
             // SAFETY: the caller's; groups `gi` and `gi + 1` lie inside `packed`.
-            unsafe { run_groups::<Sixteen, L, T>(w, &$packed[$gi * $group..], $x, $y, $gi) };
+            unsafe { run_groups::<Sixteen, L, T>(w, &$packed[$gi * $group..], $x, $blocks, $y, $gi) };
             $gi += 2;
         }
     };
@@ -266,28 +266,31 @@ macro_rules! kernels {
         pub mod $name {
             #[allow(unused_imports)]
             use super::super::lanes::{Eight, Lanes, Sixteen};
-            use super::super::packed::{Activations, Layout, XBlock, ROWS};
+            use super::super::packed::{Layout, RawActivations, XBlock, ROWS};
             use super::*;
 
-            /// [`super::super::packed::Kernels`]: `T` tokens' products with every group of
-            /// `packed`, outputs one after another in `y`.
+            /// [`super::super::packed::Kernels`]: the products of `T` tokens (`blocks` blocks
+            /// each, at `x`) with every group of `packed`, outputs one after another in `y`.
             ///
             /// # Safety
-            /// The processor has this module's instruction set ([`isa`]); the sizes agree as
-            /// the portable kernel's caller checks them.
+            /// The processor has this module's instruction set ([`isa`]); `x` holds `T` tokens'
+            /// blocks, and the sizes agree as the portable kernel's caller checks them.
             #[target_feature(enable = $features)]
             pub unsafe fn products<L: Layout, const T: usize>(
                 packed: &[u8],
-                x: [&Activations; T],
+                x: RawActivations,
+                blocks: usize,
                 y: &mut [f32],
             ) {
-                let group = x[0].scales.len() * 32 / L::VALUES * L::GROUP_BLOCK;
+                let group = blocks * 32 / L::VALUES * L::GROUP_BLOCK;
                 let groups = packed.len() / group;
                 let mut gi = 0;
-                $(kernels!(@$wide gi, groups, group, packed, x, y);)?
+                $(kernels!(@$wide gi, groups, group, packed, x, blocks, y);)?
                 while gi < groups {
                     // SAFETY: the caller's; group `gi` lies inside `packed`.
-                    unsafe { run_groups::<Eight, L, T>(Eight, &packed[gi * group..], x, y, gi) };
+                    unsafe {
+                        run_groups::<Eight, L, T>(Eight, &packed[gi * group..], x, blocks, y, gi)
+                    };
                     gi += 1;
                 }
             }
@@ -301,11 +304,11 @@ macro_rules! kernels {
             unsafe fn run_groups<W: Lanes, L: Layout, const T: usize>(
                 w: W,
                 packed: &[u8],
-                x: [&Activations; T],
+                x: RawActivations,
+                blocks: usize,
                 y: &mut [f32],
                 gi: usize,
             ) {
-                let blocks = x[0].scales.len();
                 let slices = L::VALUES / 32;
                 let width = y.len() / T;
                 // SAFETY: block `k` lies inside every token's activations, and each group
@@ -325,8 +328,9 @@ macro_rules! kernels {
                             let mut xp = [std::ptr::null(); T];
                             let mut xb = [XBlock::default(); T];
                             for t in 0..T {
-                                xp[t] = x[t].blocks.as_ptr().add(34 * k + 2);
-                                xb[t] = x[t].block(k);
+                                let i = x.at(t, k);
+                                xp[t] = x.values(i);
+                                xb[t] = x.block(i);
                             }
                             let sums = L::sums::<W, $products, T>(w, g, s, xp);
                             L::add_lanes::<W, T>(w, g, s, sums, xb, &mut acc, &mut part);
