@@ -77,13 +77,31 @@ pub fn quantize_activations(x: &[f32]) -> Result<Vec<u8>> {
 /// each), with what the kernels read beside the blocks: each block's scale as f32 and the sums
 /// of its values 0..16 and 16..32, and the scale times the sum of all 32 (an f32 product).
 pub struct QuantRows {
+    all: Blocks,
+    /// Blocks per row.
+    per_row: usize,
+}
+
+/// Quantised blocks and what the kernels read beside each ([`Activations`]' arrays).
+#[derive(Default)]
+struct Blocks {
     blocks: Vec<u8>,
     scales: Vec<f32>,
     sums: Vec<[i32; 2]>,
     dsums: Vec<f32>,
-    neg32: Vec<[i32; 2]>,
-    /// Blocks per row.
-    per_row: usize,
+}
+
+impl Blocks {
+    /// Blocks `b` as the activations of `tokens` tokens interleaved.
+    fn view(&self, b: std::ops::Range<usize>, tokens: usize) -> Activations<'_> {
+        Activations {
+            blocks: &self.blocks[34 * b.start..34 * b.end],
+            scales: &self.scales[b.clone()],
+            sums: &self.sums[b.clone()],
+            dsums: &self.dsums[b],
+            tokens,
+        }
+    }
 }
 
 impl QuantRows {
@@ -108,68 +126,39 @@ impl QuantRows {
                 }
             });
         let dsums = scales.iter().zip(&sums).map(|(&d, s)| d * (s[0] + s[1]) as f32).collect();
-        let neg32 = sums.iter().map(|s| s.map(|s| -32 * s)).collect();
-        QuantRows { blocks, scales, sums, dsums, neg32, per_row }
+        QuantRows { all: Blocks { blocks, scales, sums, dsums }, per_row }
     }
 
     /// Row `i`.
     pub fn row(&self, i: usize) -> Activations<'_> {
-        let b = i * self.per_row..(i + 1) * self.per_row;
-        Activations {
-            blocks: &self.blocks[34 * b.start..34 * b.end],
-            scales: &self.scales[b.clone()],
-            sums: &self.sums[b.clone()],
-            dsums: &self.dsums[b.clone()],
-            neg32: &self.neg32[b],
-            tokens: 1,
-        }
+        self.all.view(i * self.per_row..(i + 1) * self.per_row, 1)
     }
 
     /// Rows `first..first + count` interleaved for the kernels that take several tokens
     /// ([`Activations`]).
     pub fn interleave(&self, first: usize, count: usize) -> Interleaved {
-        let n = self.per_row * count;
-        let mut out = Interleaved {
-            blocks: Vec::with_capacity(34 * n),
-            scales: Vec::with_capacity(n),
-            sums: Vec::with_capacity(n),
-            dsums: Vec::with_capacity(n),
-            neg32: Vec::with_capacity(n),
-            tokens: count,
-        };
+        let (from, mut to) = (&self.all, Blocks::default());
         for k in 0..self.per_row {
             for i in (first..first + count).map(|t| t * self.per_row + k) {
-                out.blocks.extend_from_slice(&self.blocks[34 * i..34 * i + 34]);
-                out.scales.push(self.scales[i]);
-                out.sums.push(self.sums[i]);
-                out.dsums.push(self.dsums[i]);
-                out.neg32.push(self.neg32[i]);
+                to.blocks.extend_from_slice(&from.blocks[34 * i..34 * i + 34]);
+                to.scales.push(from.scales[i]);
+                to.sums.push(from.sums[i]);
+                to.dsums.push(from.dsums[i]);
             }
         }
-        out
+        Interleaved { all: to, tokens: count }
     }
 }
 
 /// Quantised rows interleaved ([`QuantRows::interleave`]).
 pub struct Interleaved {
-    blocks: Vec<u8>,
-    scales: Vec<f32>,
-    sums: Vec<[i32; 2]>,
-    dsums: Vec<f32>,
-    neg32: Vec<[i32; 2]>,
+    all: Blocks,
     tokens: usize,
 }
 
 impl Interleaved {
     pub fn view(&self) -> Activations<'_> {
-        Activations {
-            blocks: &self.blocks,
-            scales: &self.scales,
-            sums: &self.sums,
-            dsums: &self.dsums,
-            neg32: &self.neg32,
-            tokens: self.tokens,
-        }
+        self.all.view(0..self.all.scales.len(), self.tokens)
     }
 }
 
@@ -254,7 +243,6 @@ mod tests {
                     check(bytes, got.scales[b], got.sums[b], block, &format!("row {i} block {b}"));
                     let sum = (got.sums[b][0] + got.sums[b][1]) as f32;
                     assert_eq!(got.dsums[b].to_bits(), (got.scales[b] * sum).to_bits());
-                    assert_eq!(got.neg32[b], got.sums[b].map(|s| -32 * s));
                 }
             }
         }

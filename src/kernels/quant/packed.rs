@@ -49,8 +49,6 @@ pub struct Activations<'a> {
     pub sums: &'a [[i32; 2]],
     /// Each block's scale times the sum of its values, in f32 (Q8_1's `s`).
     pub dsums: &'a [f32],
-    /// Each of `sums` times −32, Q6_K's offset: so that a kernel adds it straight from memory.
-    pub neg32: &'a [[i32; 2]],
     /// Tokens interleaved.
     pub tokens: usize,
 }
@@ -64,8 +62,6 @@ pub struct XBlock {
     pub sums: [i32; 2],
     /// `d` times the sum of its values.
     pub dsum: f32,
-    /// −32 times `sums`.
-    pub neg32: [i32; 2],
 }
 
 impl Activations<'_> {
@@ -76,7 +72,6 @@ impl Activations<'_> {
             self.blocks.len() == n * 34
                 && self.sums.len() == n
                 && self.dsums.len() == n
-                && self.neg32.len() == n
                 && self.tokens > 0
                 && n.is_multiple_of(self.tokens),
             "activation rows"
@@ -87,7 +82,7 @@ impl Activations<'_> {
     /// Block `k` of token `t`.
     fn block(&self, t: usize, k: usize) -> XBlock {
         let i = k * self.tokens + t;
-        XBlock { d: self.scales[i], sums: self.sums[i], dsum: self.dsums[i], neg32: self.neg32[i] }
+        XBlock { d: self.scales[i], sums: self.sums[i], dsum: self.dsums[i] }
     }
 
     /// The 32 values of block `k` of token `t`.
@@ -104,7 +99,6 @@ impl Activations<'_> {
             scales: self.scales.as_ptr(),
             sums: self.sums.as_ptr(),
             dsums: self.dsums.as_ptr(),
-            neg32: self.neg32.as_ptr(),
             stride: self.tokens,
         }
     }
@@ -121,7 +115,6 @@ pub struct RawActivations {
     scales: *const f32,
     sums: *const [i32; 2],
     dsums: *const f32,
-    neg32: *const [i32; 2],
     /// Tokens interleaved.
     stride: usize,
 }
@@ -135,7 +128,6 @@ impl RawActivations {
             scales: self.scales.wrapping_add(t),
             sums: self.sums.wrapping_add(t),
             dsums: self.dsums.wrapping_add(t),
-            neg32: self.neg32.wrapping_add(t),
             stride: self.stride,
         }
     }
@@ -164,12 +156,7 @@ impl RawActivations {
     pub unsafe fn block(self, i: usize) -> XBlock {
         // SAFETY: the caller's.
         unsafe {
-            XBlock {
-                d: *self.scales.add(i),
-                sums: *self.sums.add(i),
-                dsum: *self.dsums.add(i),
-                neg32: *self.neg32.add(i),
-            }
+            XBlock { d: *self.scales.add(i), sums: *self.sums.add(i), dsum: *self.dsums.add(i) }
         }
     }
 }
@@ -655,7 +642,7 @@ impl Layout for Q6KLayout {
         part: &mut [f32; 2],
     ) {
         let scale = |h: usize| g[16 + 8 * (2 * s + h) + r] as i8 as f32;
-        let off = |h: usize| (sums[h] + x.neg32[h]) as f32;
+        let off = |h: usize| (sums[h] - 32 * x.sums[h]) as f32;
         let both = off(1).mul_add(scale(1), off(0) * scale(0));
         part[0] = both.mul_add(x.d, part[0]);
     }
@@ -692,7 +679,7 @@ impl Layout for Q6KLayout {
             let scale = |h: usize| w.bytes_i8(g.add(16 + 8 * (2 * s + h)));
             let (a, b) = (scale(0), scale(1));
             for t in 0..T {
-                let off = |h: usize| w.add_i32(sums[t][h], w.splat_i32(x[t].neg32[h]));
+                let off = |h: usize| w.sub_i32(sums[t][h], w.splat_i32(32 * x[t].sums[h]));
                 let both = w.fma(w.to_f32(off(1)), b, w.mul(w.to_f32(off(0)), a));
                 part[t][0] = w.fma(both, w.splat(x[t].d), part[t][0]);
             }
