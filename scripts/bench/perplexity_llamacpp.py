@@ -38,7 +38,9 @@ def llama_nll(path, ids, seq, threads):
         logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
         nats += float((logz - logits[np.arange(len(y)), y]).sum())
         count += len(y)
-    return nats, count, llm
+    # Freed here, before the next file loads, rather than whenever the collector gets to it.
+    llm.close()
+    return nats, count
 
 
 def main():
@@ -73,7 +75,7 @@ def main():
         if out.returncode != 0:
             sys.exit(f"attnres eval failed: {out.stderr}")
         ours = json.loads(out.stdout)
-        nats, count, _ = llama_nll(gguf, ids, a.seq, a.threads)
+        nats, count = llama_nll(gguf, ids, a.seq, a.threads)
         if ours["tokens"] != count:
             sys.exit(f"attnres predicted {ours['tokens']} tokens, llama.cpp {count}: the tokenizers differ")
         theirs = math.exp(nats / count)

@@ -22,6 +22,7 @@ pub mod dot;
 pub mod formats;
 #[cfg(target_arch = "x86_64")]
 mod lanes;
+mod layouts;
 pub mod matrix;
 pub mod packed;
 #[cfg(test)]

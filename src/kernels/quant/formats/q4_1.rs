@@ -1,7 +1,8 @@
 //! Q4_1: blocks of 32 values, an f16 scale `d`, an f16 minimum `m` and 16 bytes of nibbles `q`
 //! (the low nibbles values 0..16, the high nibbles values 16..32); a value is `q · d + m`.
 
-use super::super::packed::{slice, BlockLayout, ROWS};
+use super::super::layouts::{slice, BlockLayout};
+use super::super::packed::ROWS;
 use super::{half, inverse, min_max, FormatOps, Packed};
 use crate::kernels::quant::f32_to_f16;
 

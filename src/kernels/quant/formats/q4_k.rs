@@ -3,7 +3,8 @@
 //! per 64 values: the low nibbles the first 32, the high nibbles the next); a value is
 //! `d·sc · q − dmin·m`.
 
-use super::super::packed::{slice, KLayout, ROWS};
+use super::super::layouts::{slice, KLayout};
+use super::super::packed::ROWS;
 use super::search::{nearest_int, scale_and_min};
 use super::{half, FormatOps, Packed};
 use crate::kernels::quant::f32_to_f16;

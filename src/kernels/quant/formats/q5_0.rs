@@ -3,7 +3,8 @@
 //! the high nibbles values 16..32); a value is `(q − 16) · d`. llama.cpp's quantizer writes it
 //! for rows whose width is not a multiple of 256 in the K-quant mixes.
 
-use super::super::packed::{slice, BlockLayout, ROWS};
+use super::super::layouts::{slice, BlockLayout};
+use super::super::packed::ROWS;
 use super::{half, inverse, signed_max, FormatOps, Packed};
 use crate::kernels::quant::f32_to_f16;
 

@@ -1,7 +1,8 @@
 //! Q5_1: blocks of 32 values, an f16 scale `d`, an f16 minimum `m`, 4 bytes of fifth bits and
 //! 16 bytes of nibbles as Q5_0's; a value is `q · d + m`.
 
-use super::super::packed::{slice, BlockLayout, ROWS};
+use super::super::layouts::{slice, BlockLayout};
+use super::super::packed::ROWS;
 use super::q5_0::{store, values_at};
 use super::{half, inverse, min_max, FormatOps, Packed};
 use crate::kernels::quant::f32_to_f16;

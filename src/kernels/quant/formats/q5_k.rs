@@ -3,7 +3,8 @@
 //! byte `l` belongs to value `l` of sub-block `j`), 128 bytes of nibbles (as Q4_K's); a value
 //! is `d·sc · q − dmin·m`.
 
-use super::super::packed::{slice, KLayout, ROWS};
+use super::super::layouts::{slice, KLayout};
+use super::super::packed::ROWS;
 use super::q4_k::{dequantize_k, pack_head, quantize_k};
 use super::{FormatOps, Packed};
 

@@ -4,7 +4,8 @@
 //! `k / 2` of byte `64h + 32(k % 2) + l`, bits `2k, 2k + 1` of top-bit byte `32h + l`, and the
 //! scale of sub-block `v / 16`.
 
-use super::super::packed::{slice, Q6KLayout, ROWS};
+use super::super::layouts::{slice, Q6KLayout};
+use super::super::packed::ROWS;
 use super::search::{nearest_int, scale_signed, GROUP_MAX_EPS};
 use super::{half, FormatOps, Packed};
 use crate::kernels::quant::f32_to_f16;

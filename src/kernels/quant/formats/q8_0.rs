@@ -1,6 +1,7 @@
 //! Q8_0: blocks of 32 values, an f16 scale `d` and 32 signed bytes `q`; a value is `q · d`.
 
-use super::super::packed::{Q8Layout, ROWS};
+use super::super::layouts::Q8Layout;
+use super::super::packed::ROWS;
 use super::{half, inverse, FormatOps, Packed};
 use crate::kernels::quant::f32_to_f16;
 
