@@ -414,7 +414,7 @@ impl Timing {
     /// One line: tokens, time and throughput of prefill and of decoding.
     pub fn summary(&self) -> String {
         format!(
-            "prefill {} tokens in {:.1} ms ({:.0} tokens/s); decode {} tokens in {:.2} s ({:.1} tokens/s)",
+            "prefill {} tokens in {:.1} ms ({:.0} tokens/s); decode {} tokens in {:.3} s ({:.1} tokens/s)",
             self.prefill_tokens,
             self.prefill_seconds * 1e3,
             self.prefill_tokens as f64 / self.prefill_seconds,

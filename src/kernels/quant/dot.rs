@@ -89,6 +89,7 @@ struct Blocks {
     scales: Vec<f32>,
     sums: Vec<[i32; 2]>,
     dsums: Vec<f32>,
+    neg32: Vec<[i32; 2]>,
 }
 
 impl Blocks {
@@ -98,7 +99,8 @@ impl Blocks {
             blocks: &self.blocks[34 * b.start..34 * b.end],
             scales: &self.scales[b.clone()],
             sums: &self.sums[b.clone()],
-            dsums: &self.dsums[b],
+            dsums: &self.dsums[b.clone()],
+            neg32: &self.neg32[b],
             tokens,
         }
     }
@@ -126,7 +128,8 @@ impl QuantRows {
                 }
             });
         let dsums = scales.iter().zip(&sums).map(|(&d, s)| d * (s[0] + s[1]) as f32).collect();
-        QuantRows { all: Blocks { blocks, scales, sums, dsums }, per_row }
+        let neg32 = sums.iter().map(|s| s.map(|s| -32 * s)).collect();
+        QuantRows { all: Blocks { blocks, scales, sums, dsums, neg32 }, per_row }
     }
 
     /// Row `i`.
@@ -144,6 +147,7 @@ impl QuantRows {
                 to.scales.push(from.scales[i]);
                 to.sums.push(from.sums[i]);
                 to.dsums.push(from.dsums[i]);
+                to.neg32.push(from.neg32[i]);
             }
         }
         Interleaved { all: to, tokens: count }
@@ -243,6 +247,7 @@ mod tests {
                     check(bytes, got.scales[b], got.sums[b], block, &format!("row {i} block {b}"));
                     let sum = (got.sums[b][0] + got.sums[b][1]) as f32;
                     assert_eq!(got.dsums[b].to_bits(), (got.scales[b] * sum).to_bits());
+                    assert_eq!(got.neg32[b], got.sums[b].map(|s| -32 * s));
                 }
             }
         }

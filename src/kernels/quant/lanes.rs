@@ -331,7 +331,8 @@ impl Lanes for Sixteen {
 /// The sums of a slice's values times `T` tokens' activations, values 0..16 and 16..32 apart
 /// with `HALVES`, else all in the first (the second zero): the slice at `s` in the layout
 /// [`super::packed`] describes, with `BITS` (4, 5 or 6) bits per value, as unsigned integers (a
-/// format's offset comes off through the activations' sums).
+/// format's offset comes off through the activations' sums), from `init` (two i32 at each)
+/// where given, else zero.
 ///
 /// # Safety
 /// The slice's bytes are readable at `s` (for each group of `w`), 32 activation bytes at each
@@ -347,6 +348,7 @@ pub unsafe fn slice_sums<
     w: W,
     s: *const u8,
     x: [*const u8; T],
+    init: Option<[*const u8; T]>,
 ) -> [[W::I; 2]; T] {
     unsafe {
         let low4 = w.set1_i8(0x0f);
@@ -357,6 +359,11 @@ pub unsafe fn slice_sums<
             _ => (w.zero(), w.zero()),
         };
         let mut out = [[w.zero(); 2]; T];
+        if let Some(init) = init {
+            for t in 0..T {
+                out[t] = [w.bcast4(init[t]), w.bcast4(init[t].add(4))];
+            }
+        }
         for c in 0..4 {
             let v = w.load(s.add(32 * c));
             let mut lo = w.and(v, low4);

@@ -85,6 +85,7 @@ impl Layout for Q8Layout {
         g: *const u8,
         _: usize,
         x: [*const u8; T],
+        _neg32: [*const u8; T],
     ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's (a whole group block at `g`, 32 bytes at each of `x`).
         unsafe {
@@ -164,9 +165,10 @@ impl<const BITS: u32, const MIN: bool> Layout for BlockLayout<BITS, MIN> {
         g: *const u8,
         _: usize,
         x: [*const u8; T],
+        _neg32: [*const u8; T],
     ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
-        unsafe { lanes::slice_sums::<W, P, BITS, false, T>(w, g.add(Self::SLICE_AT), x) }
+        unsafe { lanes::slice_sums::<W, P, BITS, false, T>(w, g.add(Self::SLICE_AT), x, None) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -245,10 +247,16 @@ impl<const BITS: u32> Layout for KLayout<BITS> {
         g: *const u8,
         s: usize,
         x: [*const u8; T],
+        _neg32: [*const u8; T],
     ) -> [[W::I; 2]; T] {
         // SAFETY: the caller's.
         unsafe {
-            lanes::slice_sums::<W, P, BITS, false, T>(w, g.add(Self::HEAD + s * Self::SLICE), x)
+            lanes::slice_sums::<W, P, BITS, false, T>(
+                w,
+                g.add(Self::HEAD + s * Self::SLICE),
+                x,
+                None,
+            )
         }
     }
 
@@ -340,9 +348,11 @@ impl Layout for Q6KLayout {
         g: *const u8,
         s: usize,
         x: [*const u8; T],
+        neg32: [*const u8; T],
     ) -> [[W::I; 2]; T] {
+        let (at, init) = (g.wrapping_add(Self::HEAD + s * Self::SLICE), Some(neg32));
         // SAFETY: the caller's.
-        unsafe { lanes::slice_sums::<W, P, 6, true, T>(w, g.add(Self::HEAD + s * Self::SLICE), x) }
+        unsafe { lanes::slice_sums::<W, P, 6, true, T>(w, at, x, init) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -361,8 +371,9 @@ impl Layout for Q6KLayout {
             let scale = |h: usize| w.bytes_i8(g.add(16 + 8 * (2 * s + h)));
             let (a, b) = (scale(0), scale(1));
             for t in 0..T {
-                let off = |h: usize| w.sub_i32(sums[t][h], w.splat_i32(32 * x[t].sums[h]));
-                let both = w.fma(w.to_f32(off(1)), b, w.mul(w.to_f32(off(0)), a));
+                // The sums started from −32 times the activations' ([`Layout::sums`]).
+                let off = |h: usize| w.to_f32(sums[t][h]);
+                let both = w.fma(off(1), b, w.mul(off(0), a));
                 part[t][0] = w.fma(both, w.splat(x[t].d), part[t][0]);
             }
         }

@@ -49,6 +49,9 @@ pub struct Activations<'a> {
     pub sums: &'a [[i32; 2]],
     /// Each block's scale times the sum of its values, in f32 (Q8_1's `s`).
     pub dsums: &'a [f32],
+    /// The sums times −32: Q6_K's offset, which its vector kernels start their sums from (a
+    /// broadcast from memory costs no arithmetic).
+    pub neg32: &'a [[i32; 2]],
     /// Tokens interleaved.
     pub tokens: usize,
 }
@@ -72,6 +75,7 @@ impl Activations<'_> {
             self.blocks.len() == n * 34
                 && self.sums.len() == n
                 && self.dsums.len() == n
+                && self.neg32.len() == n
                 && self.tokens > 0
                 && n.is_multiple_of(self.tokens),
             "activation rows"
@@ -99,6 +103,7 @@ impl Activations<'_> {
             scales: self.scales.as_ptr(),
             sums: self.sums.as_ptr(),
             dsums: self.dsums.as_ptr(),
+            neg32: self.neg32.as_ptr(),
             stride: self.tokens,
         }
     }
@@ -115,6 +120,7 @@ pub struct RawActivations {
     scales: *const f32,
     sums: *const [i32; 2],
     dsums: *const f32,
+    neg32: *const [i32; 2],
     /// Tokens interleaved.
     stride: usize,
 }
@@ -128,6 +134,7 @@ impl RawActivations {
             scales: self.scales.wrapping_add(t),
             sums: self.sums.wrapping_add(t),
             dsums: self.dsums.wrapping_add(t),
+            neg32: self.neg32.wrapping_add(t),
             stride: self.stride,
         }
     }
@@ -146,6 +153,16 @@ impl RawActivations {
     pub unsafe fn values(self, i: usize) -> *const u8 {
         // SAFETY: the caller's.
         unsafe { self.values.add(34 * i) }
+    }
+
+    /// The block at `i`'s sums times −32, two i32.
+    ///
+    /// # Safety
+    /// As [`RawActivations::values`].
+    #[inline(always)]
+    pub unsafe fn neg32(self, i: usize) -> *const u8 {
+        // SAFETY: the caller's.
+        unsafe { self.neg32.add(i).cast() }
     }
 
     /// The scale and sums of the block at `i`.
@@ -193,17 +210,20 @@ pub trait Layout: 'static {
 
     /// [`Layout::values`] times `T` tokens' activation blocks (32 bytes at each of `x`), the
     /// eight rows in the lanes: the sums of values 0..16 and 16..32, or (where the layout adds
-    /// them anyway: one chain of additions fewer) their sum and zero.
+    /// them anyway: one chain of additions fewer) their sum and zero. A layout whose values are
+    /// offset by 32 (Q6_K) may start the sums from `neg32` (each token's half sums times −32,
+    /// [`Activations::neg32`]), and its [`Layout::add_lanes`] then takes them as they are.
     ///
     /// # Safety
     /// The processor has AVX2 and what `P` needs; `g` points at a whole group block, each `x`
-    /// at 32 bytes.
+    /// at 32 bytes, each `neg32` at two i32.
     #[cfg(target_arch = "x86_64")]
     unsafe fn sums<W: Lanes, P: x86::Products, const T: usize>(
         w: W,
         g: *const u8,
         s: usize,
         x: [*const u8; T],
+        neg32: [*const u8; T],
     ) -> [[W::I; 2]; T];
 
     /// [`Layout::add`] for the eight rows and `T` tokens.

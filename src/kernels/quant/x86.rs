@@ -326,13 +326,15 @@ macro_rules! kernels {
                             // Loops, not `array::map`, whose closures are not always
                             // inlined here.
                             let mut xp = [std::ptr::null(); T];
+                            let mut xn = [std::ptr::null(); T];
                             let mut xb = [XBlock::default(); T];
                             for t in 0..T {
                                 let i = x.at(t, k);
                                 xp[t] = x.values(i);
+                                xn[t] = x.neg32(i);
                                 xb[t] = x.block(i);
                             }
-                            let sums = L::sums::<W, $products, T>(w, g, s, xp);
+                            let sums = L::sums::<W, $products, T>(w, g, s, xp, xn);
                             L::add_lanes::<W, T>(w, g, s, sums, xb, &mut acc, &mut part);
                         }
                         L::finish_lanes::<W, T>(w, g, part, &mut acc);
