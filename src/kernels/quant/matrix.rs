@@ -244,7 +244,8 @@ pub(crate) fn pack(how: &Packed, format: Format, bytes: &[u8], rows: usize) -> V
     let (bb, blocks) = (format.block_bytes(), rb / format.block_bytes());
     let zero = vec![0u8; bb];
     let mut out = vec![0u8; rows.div_ceil(ROWS) * blocks * how.group_block];
-    for (g, group) in out.chunks_exact_mut(blocks * how.group_block).enumerate() {
+    // In parallel: regrouping a model's matrices takes longer than reading its file.
+    out.par_chunks_exact_mut(blocks * how.group_block).enumerate().for_each(|(g, group)| {
         for (b, o) in group.chunks_exact_mut(how.group_block).enumerate() {
             let block = |r: usize| match g * ROWS + r {
                 row if row < rows => &bytes[row * rb + b * bb..][..bb],
@@ -252,7 +253,7 @@ pub(crate) fn pack(how: &Packed, format: Format, bytes: &[u8], rows: usize) -> V
             };
             (how.pack)(std::array::from_fn(block), o);
         }
-    }
+    });
     out
 }
 
