@@ -370,3 +370,20 @@ fn plan_prints_the_reports_example_and_refuses_impossible_shapes() {
     fails(&["plan", "--pp", "0"], "--pp must be at least 1");
     fails(&["plan", "--pp", "2", "--pp-cache", "sometimes"], "--pp-cache");
 }
+
+/// `device` says what the machine has, GPUs or why there are none, and exits 0 either way; a
+/// malformed architecture is a one-line error.
+#[test]
+fn device_reports_the_machine_and_why_there_is_no_gpu() {
+    let o = attnres(&["device"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("threads: "), "{out}");
+    assert!(
+        lines.iter().any(|l| l.starts_with("GPU 0: ") || l.starts_with("GPUs: none (")),
+        "{out}"
+    );
+    assert!(lines.iter().any(|l| l.starts_with("NVRTC: ")), "{out}");
+    fails(&["device", "--compile-for", "hopper"], "write it sm_XY");
+}

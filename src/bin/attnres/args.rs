@@ -68,6 +68,9 @@ pub(crate) enum Command {
     /// Write a standard checkpoint as a GGUF file that llama.cpp loads (llama architecture, with
     /// its tokenizer); AttnRes models are refused.
     Export(ExportArgs),
+    /// What this machine offers the engine: threads, vector instructions, NVIDIA GPUs (or why
+    /// there are none), and with --compile-for every CUDA kernel compiled by NVRTC.
+    Device(DeviceArgs),
 }
 
 /// A file format `export` writes.
@@ -603,4 +606,12 @@ impl Mode {
             Mode::Full => ResidualKind::Full,
         }
     }
+}
+
+#[derive(Args)]
+pub(crate) struct DeviceArgs {
+    /// Compile every CUDA kernel with NVRTC for this architecture (sm_90 for Hopper); needs the
+    /// NVRTC library, not a GPU.
+    #[arg(long, value_name = "ARCH")]
+    pub compile_for: Option<String>,
 }

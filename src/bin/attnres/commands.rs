@@ -33,6 +33,7 @@ pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
             Ok(())
         }
         Command::Plan(a) => plan_cmd(a),
+        Command::Device(a) => device_cmd(a),
         Command::Import(a) => {
             let summary = attnres::import::import(
                 &a.from,
@@ -99,6 +100,48 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
     let variants = suite::suite(&name, &base)?;
     let plan = suite::Plan { suite: name, base, variants, seeds: a.seeds, data: a.data };
     compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
+}
+
+fn device_cmd(a: DeviceArgs) -> Result<()> {
+    use attnres::gpu;
+    let mut lines =
+        vec![format!("threads: {} (--threads sets them)", rayon::current_num_threads())];
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        let sets = [
+            ("AVX2", has!("avx2")),
+            ("FMA", has!("fma")),
+            ("F16C", has!("f16c")),
+            ("AVX-512F", has!("avx512f")),
+            ("AVX-512 VNNI", has!("avx512vnni")),
+        ];
+        let found: Vec<&str> = sets.iter().filter(|s| s.1).map(|s| s.0).collect();
+        let found =
+            if found.is_empty() { "none beyond SSE2".to_string() } else { found.join(", ") };
+        lines.push(format!("vector instructions: {found}"));
+    }
+    match gpu::gpus() {
+        Ok(gpus) => lines.extend(gpus.iter().map(|g| {
+            let gib = g.memory_bytes as f64 / (1u64 << 30) as f64;
+            format!("GPU {}: {}, {gib:.1} GiB, {}", g.ordinal, g.name, g.arch())
+        })),
+        Err(why) => lines.push(format!("GPUs: none ({why})")),
+    }
+    let nvrtc = if gpu::nvrtc_present() { "found" } else { "not found (libnvrtc.so.13)" };
+    lines.push(format!("NVRTC: {nvrtc}"));
+    write_stdout((lines.join("\n") + "\n").as_bytes())?;
+    if let Some(arch) = a.compile_for {
+        for k in gpu::compile_all(&arch)? {
+            let kb = k.ptx.len() as f64 / 1024.0;
+            let line = format!(
+                "compiled {} for {arch}: {kb:.0} KiB of PTX in {:.2} s\n",
+                k.file, k.seconds
+            );
+            write_stdout(line.as_bytes())?;
+        }
+    }
+    Ok(())
 }
 
 fn plan_cmd(a: PlanArgs) -> Result<()> {
