@@ -7,11 +7,20 @@
 //! no GPU. cudarc panics when it cannot open a library, so every entry point here asks first
 //! whether the library is there and turns its absence into an error that names it.
 
+pub mod device;
+pub mod rmsnorm;
+
 use anyhow::{bail, Result};
 use std::time::Instant;
 
 /// The engine's CUDA kernels: (file name, source).
 pub const KERNELS: &[(&str, &str)] = &[("rmsnorm.cu", include_str!("kernels/rmsnorm.cu"))];
+
+/// The kernels a source file declares (`extern "C" __global__ void NAME(`).
+pub fn kernel_names(src: &str) -> Vec<&str> {
+    let heads = src.split("extern \"C\" __global__ void ").skip(1);
+    heads.map(|s| s.split('(').next().unwrap_or("").trim()).collect()
+}
 
 /// One GPU as the driver reports it.
 #[derive(Debug)]
@@ -143,8 +152,7 @@ mod tests {
         for (k, &(file, src)) in compiled.iter().zip(KERNELS) {
             assert_eq!(k.file, file);
             assert!(k.ptx.contains(".target sm_90"), "{file}: not compiled for sm_90");
-            let names = src.split("extern \"C\" __global__ void ").skip(1);
-            let names: Vec<&str> = names.map(|s| s.split('(').next().unwrap().trim()).collect();
+            let names = kernel_names(src);
             assert!(!names.is_empty(), "{file} declares no kernel");
             for name in names {
                 assert!(k.ptx.contains(&format!(".entry {name}(")), "{file}: no entry {name}");

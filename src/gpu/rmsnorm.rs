@@ -1,0 +1,108 @@
+//! RMSNorm on the GPU (`kernels/rmsnorm.cu`): what `crate::kernels::rmsnorm` computes on the
+//! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
+
+use super::device::Device;
+use anyhow::Result;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Threads per row: a power of two, as the kernels' reductions need.
+const THREADS: u32 = 256;
+
+fn per_row(rows: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Forward: `y` and the per-row `rstd`.
+pub fn forward(
+    dev: &Device,
+    x: &CudaSlice<f32>,
+    g: &CudaSlice<f32>,
+    d: usize,
+    eps: f32,
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    let rows = x.len() / d;
+    assert!(rows * d == x.len() && g.len() == d && d <= i32::MAX as usize);
+    let (mut y, mut rstd) = (dev.zeros(x.len())?, dev.zeros(rows)?);
+    let d32 = d as i32;
+    let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_forward"));
+    launch.arg(&mut y).arg(&mut rstd).arg(x).arg(g).arg(&d32).arg(&eps);
+    // SAFETY: the arguments are the kernel's, in its order, and every buffer holds what the
+    // kernel reads or writes for `rows` rows of `d` (checked above).
+    unsafe { launch.launch(per_row(rows)) }?;
+    Ok((y, rstd))
+}
+
+/// Backward: returns `dx`; `dg` accumulates.
+pub fn backward(
+    dev: &Device,
+    dg: &mut CudaSlice<f32>,
+    dy: &CudaSlice<f32>,
+    x: &CudaSlice<f32>,
+    g: &CudaSlice<f32>,
+    rstd: &CudaSlice<f32>,
+    d: usize,
+) -> Result<CudaSlice<f32>> {
+    let rows = rstd.len();
+    assert!(x.len() == rows * d && dy.len() == x.len() && g.len() == d && dg.len() == d);
+    let (mut dx, d32, rows32) = (dev.zeros(x.len())?, d as i32, rows as i32);
+    let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_backward"));
+    launch.arg(&mut dx).arg(dy).arg(x).arg(g).arg(rstd).arg(&d32);
+    // SAFETY: as in `forward`.
+    unsafe { launch.launch(per_row(rows)) }?;
+    let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_backward_gain"));
+    launch.arg(dg).arg(dy).arg(x).arg(rstd).arg(&rows32).arg(&d32);
+    let cfg = LaunchConfig {
+        grid_dim: ((d as u32).div_ceil(THREADS), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: as in `forward`; one thread per column of `dg`.
+    unsafe { launch.launch(cfg) }?;
+    Ok(dx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::rmsnorm as cpu;
+    use crate::testutil::rand_vec;
+
+    /// The largest difference between `got` and `want`, relative to `want`'s largest magnitude.
+    fn rel(got: &[f32], want: &[f32]) -> f32 {
+        assert_eq!(got.len(), want.len());
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+        got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+    }
+
+    /// Forward and backward against the CPU kernel on random rows, widths below, at and past
+    /// one thread per value (the GPU sums in another order: 1e-5 relative).
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
+    fn rmsnorm_on_the_gpu_is_the_cpu_kernel() {
+        let dev = Device::open(0).unwrap();
+        for (rows, d) in [(3, 64), (37, 1000), (5, 4096)] {
+            let x = rand_vec(rows * d, 1, 3.0);
+            let g: Vec<f32> = rand_vec(d, 2, 0.5).iter().map(|v| 1.0 + v).collect();
+            let dy = rand_vec(rows * d, 3, 1.0);
+            let (want_y, want_rstd) = cpu::forward(&x, &g, d, 1e-5);
+            let mut want_dg = vec![0.25f32; d];
+            let want_dx = cpu::backward(&mut want_dg, &dy, &x, &g, &want_rstd, d, None);
+
+            let (xg, gg, dyg) =
+                (dev.upload(&x).unwrap(), dev.upload(&g).unwrap(), dev.upload(&dy).unwrap());
+            let (y, rstd) = forward(&dev, &xg, &gg, d, 1e-5).unwrap();
+            let mut dg = dev.upload(&vec![0.25f32; d]).unwrap();
+            let dx = backward(&dev, &mut dg, &dyg, &xg, &gg, &rstd, d).unwrap();
+            let at = format!("{rows}x{d}");
+            for (name, got, want) in [
+                ("y", dev.download(&y).unwrap(), want_y),
+                ("rstd", dev.download(&rstd).unwrap(), want_rstd),
+                ("dx", dev.download(&dx).unwrap(), want_dx),
+                ("dg", dev.download(&dg).unwrap(), want_dg),
+            ] {
+                let r = rel(&got, &want);
+                assert!(r <= 1e-5, "{at}: {name} differs by {r:e} of its largest value");
+            }
+        }
+    }
+}
