@@ -21,6 +21,26 @@ pub fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     }
 }
 
+/// `got` against `want` within `tol` of `want`'s largest magnitude: for kernels that sum in
+/// another order (the GPU's), where a value near zero carries the rounding of larger ones.
+pub fn assert_close_to_largest(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let largest = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+    let (i, diff) = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .enumerate()
+        .fold((0, 0.0f32), |(bi, b), (i, d)| if d > b { (i, d) } else { (bi, b) });
+    assert!(
+        diff <= tol * largest,
+        "{what}[{i}]: got {}, want {}: off by {:e} of the largest value {largest}",
+        got[i],
+        want[i],
+        diff / largest
+    );
+}
+
 /// Compares an analytic gradient with central differences of `f` (evaluated in f32, summed
 /// in f64) at every coordinate of `x`.
 pub fn fd_check(x: &[f32], grad: &[f32], f: impl Fn(&[f32]) -> f64, what: &str) {

@@ -8,13 +8,18 @@
 //! whether the library is there and turns its absence into an error that names it.
 
 pub mod device;
+pub mod elementwise;
 pub mod rmsnorm;
 
 use anyhow::{bail, Result};
 use std::time::Instant;
 
 /// The engine's CUDA kernels: (file name, source).
-pub const KERNELS: &[(&str, &str)] = &[("rmsnorm.cu", include_str!("kernels/rmsnorm.cu"))];
+pub const KERNELS: &[(&str, &str)] = &[
+    ("embedding.cu", include_str!("kernels/embedding.cu")),
+    ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),
+    ("swiglu.cu", include_str!("kernels/swiglu.cu")),
+];
 
 /// The kernels a source file declares (`extern "C" __global__ void NAME(`).
 pub fn kernel_names(src: &str) -> Vec<&str> {

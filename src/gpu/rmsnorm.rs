@@ -65,17 +65,8 @@ pub fn backward(
 mod tests {
     use super::*;
     use crate::kernels::rmsnorm as cpu;
-    use crate::testutil::rand_vec;
+    use crate::testutil::{assert_close_to_largest, rand_vec};
 
-    /// The largest difference between `got` and `want`, relative to `want`'s largest magnitude.
-    fn rel(got: &[f32], want: &[f32]) -> f32 {
-        assert_eq!(got.len(), want.len());
-        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-        got.iter().zip(want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs())) / scale
-    }
-
-    /// Forward and backward against the CPU kernel on random rows, widths below, at and past
-    /// one thread per value (the GPU sums in another order: 1e-5 relative).
     #[test]
     #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
     fn rmsnorm_on_the_gpu_is_the_cpu_kernel() {
@@ -100,8 +91,7 @@ mod tests {
                 ("dx", dev.download(&dx).unwrap(), want_dx),
                 ("dg", dev.download(&dg).unwrap(), want_dg),
             ] {
-                let r = rel(&got, &want);
-                assert!(r <= 1e-5, "{at}: {name} differs by {r:e} of its largest value");
+                assert_close_to_largest(&got, &want, 1e-5, &format!("{at}: {name}"));
             }
         }
     }
