@@ -7,11 +7,11 @@
 //! 1. [`base`]: files written atomically, the binary's allocator, phase timers, the code
 //!    version, log lines and progress bars, the machine's memory.
 //! 2. [`text`]: tokenizers, chat templates, and text streamed back from tokens.
-//! 3. [`kernels`], [`gpu`], side by side: forward and backward of every operation, on contiguous
-//!    f32 slices; NVIDIA GPUs found and the CUDA kernels compiled (docs/gpu.md).
-//! 4. [`model`], [`gguf`], side by side: configuration, parameters, the residual connection
-//!    (standard / full / block), the transformer, decoding with a key/value cache, checkpoints
-//!    and diagnostics; GGUF files (llama.cpp's format) read and written.
+//! 3. [`kernels`]: forward and backward of every operation, on contiguous f32 slices.
+//! 4. [`model`], [`gguf`], [`gpu`], side by side: configuration, parameters, the residual
+//!    connection (standard / full / block), the transformer, decoding with a key/value cache,
+//!    checkpoints and diagnostics; GGUF files (llama.cpp's format) read and written; NVIDIA GPUs
+//!    found, the CUDA kernels compiled and run (docs/gpu.md).
 //! 5. [`train`], [`infer`], [`import`], side by side: training (data, settings, optimisers, the
 //!    loop, and parallel training over ranks); inference (generation, evaluation, one batch
 //!    through a model, and the OpenAI-compatible server); Llama checkpoints from GGUF files and
@@ -24,10 +24,10 @@
 pub mod base;
 pub mod text;
 
-pub mod gpu;
 pub mod kernels;
 
 pub mod gguf;
+pub mod gpu;
 pub mod model;
 
 pub mod import;

@@ -10,6 +10,7 @@
 pub mod device;
 pub mod elementwise;
 pub mod rmsnorm;
+pub mod rope;
 
 use anyhow::{bail, Result};
 use std::time::Instant;
@@ -18,6 +19,7 @@ use std::time::Instant;
 pub const KERNELS: &[(&str, &str)] = &[
     ("embedding.cu", include_str!("kernels/embedding.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),
+    ("rope.cu", include_str!("kernels/rope.cu")),
     ("swiglu.cu", include_str!("kernels/swiglu.cu")),
 ];
 

@@ -1,0 +1,99 @@
+//! Rotary position embedding on the GPU (`kernels/rope.cu`): `crate::kernels::rope::apply`,
+//! bit for bit, with the CPU's cos/sin tables uploaded once.
+
+use super::device::Device;
+use crate::kernels::rope::RopeTable;
+use anyhow::{ensure, Result};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// A [`RopeTable`]'s cos and sin on the GPU: positions `0..len`.
+pub struct RopeTables {
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+    half: usize,
+    len: usize,
+}
+
+impl RopeTables {
+    pub fn upload(dev: &Device, t: &RopeTable) -> Result<RopeTables> {
+        Ok(RopeTables {
+            cos: dev.upload(&t.cos)?,
+            sin: dev.upload(&t.sin)?,
+            half: t.half,
+            len: t.len,
+        })
+    }
+}
+
+/// Rotates, in place, `n_heads` consecutive heads from column `col0` of each row of `x`
+/// (`[rows, width]`), row `r` at `positions[r]`; `inverse` applies the transpose.
+#[allow(clippy::too_many_arguments)]
+pub fn apply(
+    dev: &Device,
+    x: &mut CudaSlice<f32>,
+    width: usize,
+    col0: usize,
+    n_heads: usize,
+    positions: &[usize],
+    t: &RopeTables,
+    inverse: bool,
+) -> Result<()> {
+    let rows = positions.len();
+    assert!(x.len() == rows * width && col0 + n_heads * 2 * t.half <= width);
+    assert!(width <= i32::MAX as usize);
+    let beyond = positions.iter().find(|&&p| p >= t.len);
+    ensure!(
+        beyond.is_none(),
+        "position {} is past the GPU's rotary tables ({} positions)",
+        beyond.unwrap(),
+        t.len
+    );
+    let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+    let pos = dev.stream().clone_htod(&pos)?;
+    let pairs = rows * n_heads * t.half;
+    let (rows64, width32, col32, heads32, half32) =
+        (rows as i64, width as i32, col0 as i32, n_heads as i32, t.half as i32);
+    let sign: f32 = if inverse { -1.0 } else { 1.0 };
+    let mut launch = dev.stream().launch_builder(dev.function("rope_apply"));
+    launch.arg(x).arg(&t.cos).arg(&t.sin).arg(&pos).arg(&rows64).arg(&width32).arg(&col32);
+    launch.arg(&heads32).arg(&half32).arg(&sign);
+    let blocks = pairs.div_ceil(256);
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the kernel's arguments in its order; every row's position is inside the tables
+    // (checked) and every head inside the row.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::rope::{self as cpu, Positions};
+    use crate::testutil::rand_vec;
+
+    /// Query and key heads of a packed `qkv` buffer, forward and inverse, at the CPU's bits.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
+    fn rope_on_the_gpu_is_the_cpu_kernel_bit_for_bit() {
+        let dev = Device::open(0).unwrap();
+        let (hd, heads, kv, seq, rows) = (64, 8, 2, 100, 300);
+        let width = (heads + 2 * kv) * hd;
+        let table = RopeTable::new(hd, 2048, 10000.0);
+        let gpu_table = RopeTables::upload(&dev, &table).unwrap();
+        let x = rand_vec(rows * width, 5, 2.0);
+        let positions: Vec<usize> = (0..rows).map(|r| r % seq).collect();
+        for inverse in [false, true] {
+            let mut want = x.clone();
+            cpu::apply(&mut want, width, 0, heads + kv, Positions::Packed(seq), &table, inverse);
+            let mut got = dev.upload(&x).unwrap();
+            apply(&dev, &mut got, width, 0, heads + kv, &positions, &gpu_table, inverse).unwrap();
+            let got = dev.download(&got).unwrap();
+            let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "inverse {inverse}: the GPU's rotation differs from the CPU's bits");
+        }
+    }
+}
