@@ -7,6 +7,7 @@
 //! no GPU. cudarc panics when it cannot open a library, so every entry point here asks first
 //! whether the library is there and turns its absence into an error that names it.
 
+pub mod cross_entropy;
 pub mod device;
 pub mod elementwise;
 pub mod rmsnorm;
@@ -15,8 +16,12 @@ pub mod rope;
 use anyhow::{bail, Result};
 use std::time::Instant;
 
+/// What every kernel file starts with when compiled: the block-wide reductions.
+const COMMON: &str = include_str!("kernels/reduce.cuh");
+
 /// The engine's CUDA kernels: (file name, source).
 pub const KERNELS: &[(&str, &str)] = &[
+    ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),
@@ -119,6 +124,8 @@ pub fn compile(file: &'static str, src: &str, arch: &str) -> Result<Compiled> {
         options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()],
         ..Default::default()
     };
+    // `#line` keeps NVRTC's messages at the file's own lines.
+    let src = format!("#line 1 \"reduce.cuh\"\n{COMMON}\n#line 1 \"{file}\"\n{src}");
     match cudarc::nvrtc::compile_ptx_with_opts(src, opts) {
         Ok(ptx) => Ok(Compiled { file, ptx: ptx.to_src(), seconds: t.elapsed().as_secs_f64() }),
         Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => {

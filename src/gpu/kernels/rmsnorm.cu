@@ -1,20 +1,7 @@
 // RMSNorm with a learnable gain, fp32, as src/kernels/rmsnorm.rs computes it:
 // y = x * rstd * g with rstd = 1 / sqrt(mean(x^2) + eps), one thread block per row.
 
-// The kernels run with a power of two of threads per block, 32 to 1024.
-
-// The sum of `v` over the block's threads, in every thread.
-__device__ float block_sum(float v) {
-    __shared__ float warps[32];
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    __syncthreads();
-    if (lane == 0) warps[warp] = v;
-    __syncthreads();
-    v = lane < blockDim.x / 32 ? warps[lane] : 0.0f;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+// block_sum comes from reduce.cuh; one block of a power of two of threads per row.
 
 // The reciprocal RMS of row `x` (`d` values). Where the squares overflow f32 although every
 // value is finite, the statistic is taken again in f64, as the CPU kernel does.

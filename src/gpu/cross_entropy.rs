@@ -1,0 +1,68 @@
+//! Softmax cross-entropy fused with its gradient on the GPU (`kernels/cross_entropy.cu`): what
+//! `crate::kernels::cross_entropy` computes on the CPU.
+
+use super::device::Device;
+use anyhow::Result;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// The mean loss of `logits[rows, V]` against `targets` (each below V, checked), and with
+/// `grad` the gradient `(softmax − onehot) / rows`.
+pub fn loss(
+    dev: &Device,
+    logits: &CudaSlice<f32>,
+    targets: &[u32],
+    v: usize,
+    grad: bool,
+) -> Result<(f32, Option<CudaSlice<f32>>)> {
+    let rows = targets.len();
+    assert!(logits.len() == rows * v && v <= i32::MAX as usize && rows > 0);
+    assert!(targets.iter().all(|&t| (t as usize) < v), "a target outside the vocabulary");
+    let targets_dev = dev.stream().clone_htod(targets)?;
+    let mut row_loss = dev.zeros(rows)?;
+    let mut dlogits = if grad { Some(dev.zeros(rows * v)?) } else { None };
+    let (v32, inv) = (v as i32, 1.0 / rows as f32);
+    let mut launch = dev.stream().launch_builder(dev.function("cross_entropy"));
+    let null: u64 = 0;
+    match dlogits.as_mut() {
+        Some(d) => launch.arg(d),
+        None => launch.arg(&null),
+    };
+    launch.arg(&mut row_loss).arg(logits).arg(&targets_dev).arg(&v32).arg(&inv);
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the kernel's arguments in its order (a null pointer where no gradient is asked
+    // for, which the kernel checks); one block per row, every target inside its row.
+    unsafe { launch.launch(cfg) }?;
+    let total: f32 = dev.download(&row_loss)?.iter().sum();
+    Ok((total * inv, dlogits))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::cross_entropy as cpu;
+    use crate::testutil::{assert_close_to_largest, rand_vec};
+
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
+    fn cross_entropy_on_the_gpu_is_the_cpu_kernel() {
+        let dev = Device::open(0).unwrap();
+        let (rows, v) = (19, 49152);
+        let logits = rand_vec(rows * v, 7, 8.0);
+        let targets: Vec<u32> = (0..rows as u32).map(|r| r * 2711 % v as u32).collect();
+        let (want_loss, want_grad) = cpu::loss_and_grad(&logits, &targets, v);
+        let logits_dev = dev.upload(&logits).unwrap();
+        let (got_loss, grad) = loss(&dev, &logits_dev, &targets, v, true).unwrap();
+        assert!(
+            (got_loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
+            "{got_loss} vs {want_loss}"
+        );
+        let grad = dev.download(&grad.unwrap()).unwrap();
+        assert_close_to_largest(&grad, &want_grad, 1e-5, "dlogits");
+        let (no_grad_loss, none) = loss(&dev, &logits_dev, &targets, v, false).unwrap();
+        assert!(none.is_none() && no_grad_loss == got_loss);
+    }
+}

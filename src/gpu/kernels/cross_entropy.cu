@@ -1,0 +1,25 @@
+// Softmax cross-entropy over the vocabulary, fused with its gradient, fp32, as
+// src/kernels/cross_entropy.rs computes it; one block per row of logits[rows, V].
+// block_max and block_sum come from reduce.cuh.
+
+// row_loss[r] = ln(sum exp(x - m)) + m - x[target]; with dlogits (else null), also
+// dlogits[r] = (softmax(x) - onehot(target)) * inv, inv = 1 / rows.
+extern "C" __global__ void cross_entropy(float* dlogits, float* row_loss, const float* logits,
+                                         const unsigned int* targets, int v, float inv) {
+    size_t at = (size_t)blockIdx.x * v;
+    const float* x = logits + at;
+    float m = NEG_INF;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, x[j]);
+    m = block_max(m);
+    float z = 0.0f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) z += expf(x[j] - m);
+    z = block_sum(z);
+    unsigned int t = targets[blockIdx.x];
+    if (threadIdx.x == 0) row_loss[blockIdx.x] = (float)log((double)z) + m - x[t];
+    if (dlogits == 0) return;
+    float scale = inv / z;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float e = expf(x[j] - m) * scale;
+        dlogits[at + j] = j == (int)t ? e - inv : e;
+    }
+}
