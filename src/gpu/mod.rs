@@ -2,10 +2,12 @@
 //! loading): the binary builds without the CUDA toolkit and runs where there is no GPU.
 //!
 //! Training on the GPU is being built (docs/gpu.md). What is here: finding the GPUs, or saying
-//! why there are none, and compiling the engine's CUDA kernels (the `.cu` files beside this one,
-//! built into the binary) with NVRTC for a given architecture, which needs the NVRTC library but
-//! no GPU. cudarc panics when it cannot open a library, so every entry point here asks first
-//! whether the library is there and turns its absence into an error that names it.
+//! why there are none; compiling the engine's CUDA kernels (`kernels/*.cu`, built into the
+//! binary) with NVRTC for an architecture, which needs the NVRTC library but no GPU; a device
+//! ([`device`]) that compiles and loads them; and the host side of each kernel, taking the
+//! buffers its CPU kernel takes. cudarc panics when it cannot open a library, so every entry
+//! point here asks first whether the library is there and turns its absence into an error
+//! that names it.
 
 pub mod cross_entropy;
 pub mod device;
