@@ -12,6 +12,7 @@
 pub mod cross_entropy;
 pub mod device;
 pub mod elementwise;
+pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
 
@@ -23,6 +24,7 @@ const COMMON: &str = include_str!("kernels/reduce.cuh");
 
 /// The engine's CUDA kernels: (file name, source).
 pub const KERNELS: &[(&str, &str)] = &[
+    ("adamw.cu", include_str!("kernels/adamw.cu")),
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),

@@ -5,6 +5,7 @@
 //! parameter gradients (so several uses of one weight add up) and say in their docs whether they
 //! overwrite or accumulate input gradients.
 
+pub mod adamw;
 pub mod attention;
 pub mod cross_entropy;
 pub mod depth;

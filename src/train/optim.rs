@@ -12,6 +12,7 @@
 //! - **No weight decay** for RMSNorm gains, depth key-norm gains, pseudo-queries and the token
 //!   embedding; the untied LM head and the hidden matrices are decayed.
 
+use crate::kernels::adamw::{self, AdamStep};
 use crate::kernels::matmul::{matmul, threads};
 use crate::model::params::{Init, Layout, ParamSpec};
 use rayon::prelude::*;
@@ -157,27 +158,20 @@ impl Optimizer {
         self.step += 1;
         let c = self.config.clone();
         let t = self.step as i32;
-        let (bc1, bc2) = (1.0 - c.beta1.powi(t), 1.0 - c.beta2.powi(t));
         for (range, rule) in self.rules.clone() {
             let p = &mut params[range.clone()];
             let g = &grads[range.clone()];
             match rule {
                 Rule::Adam { decay } => {
                     let wd = if decay { c.weight_decay } else { 0.0 };
+                    let k = AdamStep::at(t, c.beta1, c.beta2, c.adam_eps, lr, wd);
                     let (m, v) = (&mut self.m[range.clone()], &mut self.v[range.clone()]);
                     p.par_chunks_mut(4096)
                         .zip(g.par_chunks(4096))
                         .zip(m.par_chunks_mut(4096).zip(v.par_chunks_mut(4096)))
                         .for_each(|((p, g), (m, v))| {
                             for i in 0..p.len() {
-                                let gi = g[i] as f64;
-                                let mi = c.beta1 * m[i] as f64 + (1.0 - c.beta1) * gi;
-                                let vi = c.beta2 * v[i] as f64 + (1.0 - c.beta2) * gi * gi;
-                                m[i] = mi as f32;
-                                v[i] = vi as f32;
-                                let upd = (mi / bc1) / ((vi / bc2).sqrt() + c.adam_eps)
-                                    + wd * p[i] as f64;
-                                p[i] = (p[i] as f64 - lr * upd) as f32;
+                                adamw::update(&mut p[i], &mut m[i], &mut v[i], g[i], &k);
                             }
                         });
                 }
