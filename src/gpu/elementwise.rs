@@ -3,20 +3,9 @@
 //! buffers.
 
 use super::device::Device;
+use super::per_value;
 use anyhow::Result;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
-
-/// One thread per value.
-fn per_value(n: usize) -> LaunchConfig {
-    const THREADS: u32 = 256;
-    let blocks = n.div_ceil(THREADS as usize);
-    assert!(blocks <= i32::MAX as usize, "{n} values: too many for one launch");
-    LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// SwiGLU forward: `act[rows, F]` from the fused `gu[rows, 2F]`.
 pub fn swiglu_forward(dev: &Device, gu: &CudaSlice<f32>, f: usize) -> Result<CudaSlice<f32>> {

@@ -32,6 +32,18 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("swiglu.cu", include_str!("kernels/swiglu.cu")),
 ];
 
+/// A launch of one thread per value, in blocks of 256.
+pub fn per_value(n: usize) -> cudarc::driver::LaunchConfig {
+    const THREADS: u32 = 256;
+    let blocks = n.div_ceil(THREADS as usize);
+    assert!(blocks <= i32::MAX as usize, "{n} values: too many for one launch");
+    cudarc::driver::LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// The kernels a source file declares (`extern "C" __global__ void NAME(`).
 pub fn kernel_names(src: &str) -> Vec<&str> {
     let heads = src.split("extern \"C\" __global__ void ").skip(1);

@@ -2,9 +2,10 @@
 //! `crate::kernels::adamw::update` computes it, bit for bit.
 
 use super::device::Device;
+use super::per_value;
 use crate::kernels::adamw::AdamStep;
 use anyhow::Result;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// One AdamW step of the parameters `p` with gradients `g`, moments `m` and `v` in place.
 pub fn adamw(
@@ -22,12 +23,7 @@ pub fn adamw(
     launch.arg(p).arg(m).arg(v).arg(g).arg(&n64);
     launch.arg(&k.beta1).arg(&k.beta2).arg(&k.bc1).arg(&k.bc2).arg(&k.eps).arg(&k.lr);
     launch.arg(&k.weight_decay);
-    let blocks = n.div_ceil(256);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = per_value(n);
     // SAFETY: the kernel's arguments in its order; the four buffers hold `n` values each.
     unsafe { launch.launch(cfg) }?;
     Ok(())

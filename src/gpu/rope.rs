@@ -2,9 +2,10 @@
 //! bit for bit, with the CPU's cos/sin tables uploaded once.
 
 use super::device::Device;
+use super::per_value;
 use crate::kernels::rope::RopeTable;
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// A [`RopeTable`]'s cos and sin on the GPU: positions `0..len`.
 pub struct RopeTables {
@@ -57,12 +58,7 @@ pub fn apply(
     let mut launch = dev.stream().launch_builder(dev.function("rope_apply"));
     launch.arg(x).arg(&t.cos).arg(&t.sin).arg(&pos).arg(&rows64).arg(&width32).arg(&col32);
     launch.arg(&heads32).arg(&half32).arg(&sign);
-    let blocks = pairs.div_ceil(256);
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let cfg = per_value(pairs);
     // SAFETY: the kernel's arguments in its order; every row's position is inside the tables
     // (checked) and every head inside the row.
     unsafe { launch.launch(cfg) }?;
