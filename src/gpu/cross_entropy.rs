@@ -2,8 +2,9 @@
 //! `crate::kernels::cross_entropy` computes on the CPU.
 
 use super::device::Device;
+use super::per_row;
 use anyhow::Result;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// The mean loss of `logits[rows, V]` against `targets` (each below V, checked), and with
 /// `grad` the gradient `(softmax − onehot) / rows`.
@@ -28,14 +29,9 @@ pub fn loss(
         None => launch.arg(&null),
     };
     launch.arg(&mut row_loss).arg(logits).arg(&targets_dev).arg(&v32).arg(&inv);
-    let cfg = LaunchConfig {
-        grid_dim: (rows as u32, 1, 1),
-        block_dim: (1024, 1, 1),
-        shared_mem_bytes: 0,
-    };
     // SAFETY: the kernel's arguments in its order (a null pointer where no gradient is asked
     // for, which the kernel checks); one block per row, every target inside its row.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(per_row(rows, 1024)) }?;
     let total: f32 = dev.download(&row_loss)?.iter().sum();
     Ok((total * inv, dlogits))
 }

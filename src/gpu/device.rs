@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 pub struct Device {
-    ctx: Arc<CudaContext>,
+    /// The context's default stream, which also keeps the context alive.
     stream: Arc<CudaStream>,
     /// `sm_XY`, what the kernels were compiled for.
     pub arch: String,
@@ -36,7 +36,7 @@ impl Device {
             }
         }
         let stream = ctx.default_stream();
-        Ok(Device { ctx, stream, arch, functions })
+        Ok(Device { stream, arch, functions })
     }
 
     pub fn stream(&self) -> &Arc<CudaStream> {
@@ -59,10 +59,5 @@ impl Device {
     /// `x` back on the host, once the work queued before it is done.
     pub fn download(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
         Ok(self.stream.clone_dtoh(x)?)
-    }
-
-    /// Waits for the work queued so far.
-    pub fn synchronize(&self) -> Result<()> {
-        Ok(self.ctx.synchronize()?)
     }
 }

@@ -32,6 +32,19 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("swiglu.cu", include_str!("kernels/swiglu.cu")),
 ];
 
+/// A launch of one block of `threads` threads per row, for the kernels that reduce over a row
+/// (`threads` a power of two, as `reduce.cuh` needs).
+pub fn per_row(rows: usize, threads: u32) -> cudarc::driver::LaunchConfig {
+    assert!(
+        rows <= i32::MAX as usize && threads.is_power_of_two() && (32..=1024).contains(&threads)
+    );
+    cudarc::driver::LaunchConfig {
+        grid_dim: (rows as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// A launch of one thread per value, in blocks of 256.
 pub fn per_value(n: usize) -> cudarc::driver::LaunchConfig {
     const THREADS: u32 = 256;

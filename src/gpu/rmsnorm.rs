@@ -2,15 +2,12 @@
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
 use super::device::Device;
+use super::{per_row, per_value};
 use anyhow::Result;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 
-/// Threads per row: a power of two, as the kernels' reductions need.
+/// Threads per row.
 const THREADS: u32 = 256;
-
-fn per_row(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
-}
 
 /// Forward: `y` and the per-row `rstd`.
 pub fn forward(
@@ -28,7 +25,7 @@ pub fn forward(
     launch.arg(&mut y).arg(&mut rstd).arg(x).arg(g).arg(&d32).arg(&eps);
     // SAFETY: the arguments are the kernel's, in its order, and every buffer holds what the
     // kernel reads or writes for `rows` rows of `d` (checked above).
-    unsafe { launch.launch(per_row(rows)) }?;
+    unsafe { launch.launch(per_row(rows, THREADS)) }?;
     Ok((y, rstd))
 }
 
@@ -48,16 +45,11 @@ pub fn backward(
     let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_backward"));
     launch.arg(&mut dx).arg(dy).arg(x).arg(g).arg(rstd).arg(&d32);
     // SAFETY: as in `forward`.
-    unsafe { launch.launch(per_row(rows)) }?;
+    unsafe { launch.launch(per_row(rows, THREADS)) }?;
     let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_backward_gain"));
     launch.arg(dg).arg(dy).arg(x).arg(rstd).arg(&rows32).arg(&d32);
-    let cfg = LaunchConfig {
-        grid_dim: ((d as u32).div_ceil(THREADS), 1, 1),
-        block_dim: (THREADS, 1, 1),
-        shared_mem_bytes: 0,
-    };
     // SAFETY: as in `forward`; one thread per column of `dg`.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(per_value(d)) }?;
     Ok(dx)
 }
 
