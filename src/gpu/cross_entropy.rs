@@ -1,37 +1,37 @@
 //! Softmax cross-entropy fused with its gradient on the GPU (`kernels/cross_entropy.cu`): what
 //! `crate::kernels::cross_entropy` computes on the CPU.
 
-use super::device::Device;
+use super::device::{Arg, Buf, Device};
 use super::per_row;
 use anyhow::Result;
-use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// The mean loss of `logits[rows, V]` against `targets` (each below V, checked), and with
 /// `grad` the gradient `(softmax − onehot) / rows`.
 pub fn loss(
     dev: &Device,
-    logits: &CudaSlice<f32>,
+    logits: &Buf<f32>,
     targets: &[u32],
     v: usize,
     grad: bool,
-) -> Result<(f32, Option<CudaSlice<f32>>)> {
+) -> Result<(f32, Option<Buf<f32>>)> {
     let rows = targets.len();
     assert!(logits.len() == rows * v && v <= i32::MAX as usize && rows > 0);
     assert!(targets.iter().all(|&t| (t as usize) < v), "a target outside the vocabulary");
-    let targets_dev = dev.stream().clone_htod(targets)?;
+    let targets_dev = dev.upload(targets)?;
     let mut row_loss = dev.zeros(rows)?;
     let mut dlogits = if grad { Some(dev.zeros(rows * v)?) } else { None };
-    let (v32, inv) = (v as i32, 1.0 / rows as f32);
-    let mut launch = dev.stream().launch_builder(dev.function("cross_entropy"));
-    let null: u64 = 0;
-    match dlogits.as_mut() {
-        Some(d) => launch.arg(d),
-        None => launch.arg(&null),
-    };
-    launch.arg(&mut row_loss).arg(logits).arg(&targets_dev).arg(&v32).arg(&inv);
+    let inv = 1.0 / rows as f32;
+    let args = [
+        dlogits.as_mut().map_or(Arg::null(), |d| d.arg_mut()),
+        row_loss.arg_mut(),
+        logits.arg(),
+        targets_dev.arg(),
+        Arg::i32(v as i32),
+        Arg::f32(inv),
+    ];
     // SAFETY: the kernel's arguments in its order (a null pointer where no gradient is asked
     // for, which the kernel checks); one block per row, every target inside its row.
-    unsafe { launch.launch(per_row(rows, 1024)) }?;
+    unsafe { dev.launch("cross_entropy", per_row(rows, 1024), &args) }?;
     let total: f32 = dev.download(&row_loss)?.iter().sum();
     Ok((total * inv, dlogits))
 }
@@ -42,23 +42,21 @@ mod tests {
     use crate::kernels::cross_entropy as cpu;
     use crate::testutil::{assert_close_to_largest, rand_vec};
 
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
-    fn cross_entropy_on_the_gpu_is_the_cpu_kernel() {
-        let dev = Device::open(0).unwrap();
+    fn cross_entropy_matches_the_cpu_kernel(dev: &Device) {
         let (rows, v) = (19, 49152);
         let logits = rand_vec(rows * v, 7, 8.0);
         let targets: Vec<u32> = (0..rows as u32).map(|r| r * 2711 % v as u32).collect();
         let (want_loss, want_grad) = cpu::loss_and_grad(&logits, &targets, v);
         let logits_dev = dev.upload(&logits).unwrap();
-        let (got_loss, grad) = loss(&dev, &logits_dev, &targets, v, true).unwrap();
+        let (got_loss, grad) = loss(dev, &logits_dev, &targets, v, true).unwrap();
         assert!(
             (got_loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
             "{got_loss} vs {want_loss}"
         );
         let grad = dev.download(&grad.unwrap()).unwrap();
         assert_close_to_largest(&grad, &want_grad, 1e-5, "dlogits");
-        let (no_grad_loss, none) = loss(&dev, &logits_dev, &targets, v, false).unwrap();
+        let (no_grad_loss, none) = loss(dev, &logits_dev, &targets, v, false).unwrap();
         assert!(none.is_none() && no_grad_loss == got_loss);
     }
+    crate::gpu::on_cpu_and_gpu!(cross_entropy_matches_the_cpu_kernel);
 }

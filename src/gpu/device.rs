@@ -1,18 +1,126 @@
 //! One GPU: its context and stream, the engine's kernels compiled for its architecture when it
-//! opens, and buffers moved to and from it.
+//! opens, buffers on it, and kernel launches. In the tests the same device can instead run the
+//! kernels on the CPU ([`super::emulator`]), so that every host side and kernel is checked
+//! without a GPU.
 
 use super::{compile, gpus, kernel_names, KERNELS};
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    ValidAsZeroBits,
+};
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 pub struct Device {
-    /// The context's default stream, which also keeps the context alive.
-    stream: Arc<CudaStream>,
+    backend: Backend,
     /// `sm_XY`, what the kernels were compiled for.
     pub arch: String,
-    functions: HashMap<&'static str, CudaFunction>,
+}
+
+enum Backend {
+    Cuda {
+        /// The context's default stream, which also keeps the context alive.
+        stream: Arc<CudaStream>,
+        functions: HashMap<&'static str, CudaFunction>,
+    },
+    #[cfg(test)]
+    Emulated(Arc<super::emulator::Kernels>),
+}
+
+/// What a buffer may hold.
+pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static {}
+impl Elem for f32 {}
+impl Elem for u32 {}
+impl Elem for i32 {}
+impl Elem for u16 {}
+
+/// Values in the device's memory (in host memory where the kernels are emulated).
+pub struct Buf<T: Elem> {
+    mem: Mem<T>,
+}
+
+enum Mem<T: Elem> {
+    Cuda(CudaSlice<T>),
+    #[cfg(test)]
+    Host(Vec<T>),
+}
+
+/// One kernel argument: a scalar's bits, or the address of a buffer's value. Kernels read as
+/// many bytes as their parameter's type holds (little-endian).
+#[derive(Clone, Copy, Debug)]
+pub struct Arg(u64);
+
+impl Arg {
+    pub fn i32(v: i32) -> Arg {
+        Arg(v as u32 as u64)
+    }
+    pub fn u32(v: u32) -> Arg {
+        Arg(v as u64)
+    }
+    /// A count or index as the kernels' `long long`.
+    pub fn i64(v: usize) -> Arg {
+        Arg(v as u64)
+    }
+    pub fn f32(v: f32) -> Arg {
+        Arg(v.to_bits() as u64)
+    }
+    pub fn f64(v: f64) -> Arg {
+        Arg(v.to_bits())
+    }
+    /// A null pointer, for an optional buffer the kernel checks.
+    pub fn null() -> Arg {
+        Arg(0)
+    }
+}
+
+impl<T: Elem> Buf<T> {
+    pub fn len(&self) -> usize {
+        match &self.mem {
+            Mem::Cuda(s) => s.len(),
+            #[cfg(test)]
+            Mem::Host(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn address(&self) -> u64 {
+        match &self.mem {
+            Mem::Cuda(s) => s.device_ptr(s.stream()).0,
+            #[cfg(test)]
+            Mem::Host(v) => v.as_ptr() as u64,
+        }
+    }
+
+    /// The buffer as a kernel argument that the kernel reads.
+    pub fn arg(&self) -> Arg {
+        Arg(self.address())
+    }
+
+    /// The buffer as a kernel argument that the kernel writes.
+    pub fn arg_mut(&mut self) -> Arg {
+        match &mut self.mem {
+            Mem::Cuda(s) => Arg(s.device_ptr(s.stream()).0),
+            #[cfg(test)]
+            Mem::Host(v) => Arg(v.as_mut_ptr() as u64),
+        }
+    }
+
+    /// Value `at` onward as a kernel argument that the kernel reads.
+    pub fn arg_at(&self, at: usize) -> Arg {
+        assert!(at <= self.len(), "offset {at} past a buffer of {}", self.len());
+        Arg(self.address() + (at * size_of::<T>()) as u64)
+    }
+
+    /// Value `at` onward as a kernel argument that the kernel writes.
+    pub fn arg_mut_at(&mut self, at: usize) -> Arg {
+        assert!(at <= self.len(), "offset {at} past a buffer of {}", self.len());
+        Arg(self.arg_mut().0 + (at * size_of::<T>()) as u64)
+    }
 }
 
 impl Device {
@@ -24,6 +132,10 @@ impl Device {
             bail!("GPU {ordinal} asked for, but the driver reports {} GPU(s)", found.len());
         }
         let ctx = CudaContext::new(ordinal).context("opening the GPU")?;
+        // One stream does all the work, in order: cudarc's events that order buffers between
+        // streams would only cost time.
+        // SAFETY: before any buffer exists, and nothing here uses a second stream.
+        unsafe { ctx.disable_event_tracking() };
         let arch = found[ordinal].arch();
         let mut functions = HashMap::new();
         for &(file, src) in KERNELS {
@@ -36,28 +148,102 @@ impl Device {
             }
         }
         let stream = ctx.default_stream();
-        Ok(Device { stream, arch, functions })
+        Ok(Device { backend: Backend::Cuda { stream, functions }, arch })
     }
 
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    /// A device that runs the kernels on the CPU (tests only).
+    #[cfg(test)]
+    pub(crate) fn emulated(kernels: Arc<super::emulator::Kernels>) -> Device {
+        Device { backend: Backend::Emulated(kernels), arch: "emulated".to_string() }
     }
 
-    /// The kernel `name`, which one of the kernel files declares.
-    pub fn function(&self, name: &str) -> &CudaFunction {
-        self.functions.get(name).unwrap_or_else(|| panic!("no kernel {name} in src/gpu/kernels"))
+    pub fn upload<T: Elem>(&self, x: &[T]) -> Result<Buf<T>> {
+        let mem = match &self.backend {
+            Backend::Cuda { stream, .. } => Mem::Cuda(stream.clone_htod(x)?),
+            #[cfg(test)]
+            Backend::Emulated(_) => Mem::Host(x.to_vec()),
+        };
+        Ok(Buf { mem })
     }
 
-    pub fn upload(&self, x: &[f32]) -> Result<CudaSlice<f32>> {
-        Ok(self.stream.clone_htod(x)?)
+    pub fn zeros<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
+        let mem = match &self.backend {
+            Backend::Cuda { stream, .. } => Mem::Cuda(stream.alloc_zeros(n)?),
+            #[cfg(test)]
+            Backend::Emulated(_) => Mem::Host(vec![T::default(); n]),
+        };
+        Ok(Buf { mem })
     }
 
-    pub fn zeros(&self, n: usize) -> Result<CudaSlice<f32>> {
-        Ok(self.stream.alloc_zeros(n)?)
+    /// Sets every value of `x` to zero.
+    pub fn fill_zeros<T: Elem>(&self, x: &mut Buf<T>) -> Result<()> {
+        match (&self.backend, &mut x.mem) {
+            (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => stream.memset_zeros(s)?,
+            #[cfg(test)]
+            (Backend::Emulated(_), Mem::Host(v)) => v.fill(T::default()),
+            #[cfg(test)]
+            _ => bail!("a buffer used on another device"),
+        }
+        Ok(())
     }
 
     /// `x` back on the host, once the work queued before it is done.
-    pub fn download(&self, x: &CudaSlice<f32>) -> Result<Vec<f32>> {
-        Ok(self.stream.clone_dtoh(x)?)
+    pub fn download<T: Elem>(&self, x: &Buf<T>) -> Result<Vec<T>> {
+        match (&self.backend, &x.mem) {
+            (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => Ok(stream.clone_dtoh(s)?),
+            #[cfg(test)]
+            (Backend::Emulated(_), Mem::Host(v)) => Ok(v.clone()),
+            #[cfg(test)]
+            _ => bail!("a buffer used on another device"),
+        }
     }
+
+    /// Waits for the work queued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        match &self.backend {
+            Backend::Cuda { stream, .. } => Ok(stream.synchronize()?),
+            #[cfg(test)]
+            Backend::Emulated(_) => Ok(()),
+        }
+    }
+
+    /// Queues kernel `name`, one of those the kernel files declare, over `cfg`.
+    ///
+    /// # Safety
+    /// `args` are the kernel's parameters in its order, each of its type, and every buffer
+    /// holds what the kernel reads or writes over `cfg`.
+    pub unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let mut values: Vec<u64> = args.iter().map(|a| a.0).collect();
+        let mut params: Vec<*mut c_void> =
+            values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
+        match &self.backend {
+            Backend::Cuda { stream, functions } => {
+                let f = functions.get(name).with_context(|| no_kernel(name))?;
+                stream.context().bind_to_thread()?;
+                // SAFETY: the caller's promise; `params` point at the arguments' values,
+                // which outlive the call (the driver copies them when it queues the launch).
+                unsafe {
+                    cudarc::driver::result::launch_kernel(
+                        f.cu_function(),
+                        cfg.grid_dim,
+                        cfg.block_dim,
+                        cfg.shared_mem_bytes,
+                        stream.cu_stream(),
+                        &mut params,
+                    )
+                }
+                .with_context(|| format!("launching {name}"))?;
+            }
+            #[cfg(test)]
+            Backend::Emulated(kernels) => {
+                // SAFETY: the caller's promise, as above.
+                unsafe { kernels.run(name, cfg, &mut params) }?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn no_kernel(name: &str) -> String {
+    format!("no kernel {name} in src/gpu/kernels")
 }

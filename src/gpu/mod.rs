@@ -12,6 +12,8 @@
 pub mod cross_entropy;
 pub mod device;
 pub mod elementwise;
+#[cfg(test)]
+mod emulator;
 pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
@@ -20,7 +22,7 @@ use anyhow::{bail, Result};
 use std::time::Instant;
 
 /// What every kernel file starts with when compiled: the block-wide reductions.
-const COMMON: &str = include_str!("kernels/reduce.cuh");
+pub(crate) const COMMON: &str = include_str!("kernels/reduce.cuh");
 
 /// The engine's CUDA kernels: (file name, source).
 pub const KERNELS: &[(&str, &str)] = &[
@@ -163,6 +165,30 @@ pub fn compile(file: &'static str, src: &str, arch: &str) -> Result<Compiled> {
         Err(e) => bail!("NVRTC failed on {file}: {e:?}"),
     }
 }
+
+/// A GPU test, `check(&Device)`, twice, in a module of its name: on the CPU through the
+/// emulator (every test run) and on GPU 0 (`--ignored`, on a machine with one).
+#[cfg(test)]
+macro_rules! on_cpu_and_gpu {
+    ($check:ident) => {
+        mod $check {
+            #[test]
+            fn emulated_on_the_cpu() {
+                if let Some(dev) = crate::gpu::emulator::device(stringify!($check)) {
+                    super::$check(&dev);
+                }
+            }
+
+            #[test]
+            #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
+            fn on_the_gpu() {
+                super::$check(&crate::gpu::device::Device::open(0).unwrap());
+            }
+        }
+    };
+}
+#[cfg(test)]
+pub(crate) use on_cpu_and_gpu;
 
 #[cfg(test)]
 mod tests {

@@ -1,31 +1,38 @@
 //! The optimisers' updates on the GPU (`kernels/adamw.cu`): AdamW as
 //! `crate::kernels::adamw::update` computes it, bit for bit.
 
-use super::device::Device;
+use super::device::{Arg, Buf, Device};
 use super::per_value;
 use crate::kernels::adamw::AdamStep;
 use anyhow::Result;
-use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// One AdamW step of the parameters `p` with gradients `g`, moments `m` and `v` in place.
 pub fn adamw(
     dev: &Device,
-    p: &mut CudaSlice<f32>,
-    m: &mut CudaSlice<f32>,
-    v: &mut CudaSlice<f32>,
-    g: &CudaSlice<f32>,
+    p: &mut Buf<f32>,
+    m: &mut Buf<f32>,
+    v: &mut Buf<f32>,
+    g: &Buf<f32>,
     k: &AdamStep,
 ) -> Result<()> {
     let n = p.len();
     assert!(m.len() == n && v.len() == n && g.len() == n);
-    let n64 = n as i64;
-    let mut launch = dev.stream().launch_builder(dev.function("adamw"));
-    launch.arg(p).arg(m).arg(v).arg(g).arg(&n64);
-    launch.arg(&k.beta1).arg(&k.beta2).arg(&k.bc1).arg(&k.bc2).arg(&k.eps).arg(&k.lr);
-    launch.arg(&k.weight_decay);
-    let cfg = per_value(n);
+    let args = [
+        p.arg_mut(),
+        m.arg_mut(),
+        v.arg_mut(),
+        g.arg(),
+        Arg::i64(n),
+        Arg::f64(k.beta1),
+        Arg::f64(k.beta2),
+        Arg::f64(k.bc1),
+        Arg::f64(k.bc2),
+        Arg::f64(k.eps),
+        Arg::f64(k.lr),
+        Arg::f64(k.weight_decay),
+    ];
     // SAFETY: the kernel's arguments in its order; the four buffers hold `n` values each.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { dev.launch("adamw", per_value(n), &args) }?;
     Ok(())
 }
 
@@ -36,10 +43,7 @@ mod tests {
     use crate::testutil::rand_vec;
 
     /// Five steps with changing gradients, decay on and off: the CPU's bits every step.
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
-    fn adamw_on_the_gpu_is_the_cpu_update_bit_for_bit() {
-        let dev = Device::open(0).unwrap();
+    fn adamw_is_the_cpu_update_bit_for_bit(dev: &Device) {
         let n = 10_000;
         let (mut p, mut m, mut v) = (rand_vec(n, 1, 1.0), vec![0.0f32; n], vec![0.0f32; n]);
         let (mut pd, mut md, mut vd) =
@@ -51,7 +55,7 @@ mod tests {
             for i in 0..n {
                 update(&mut p[i], &mut m[i], &mut v[i], g[i], &k);
             }
-            adamw(&dev, &mut pd, &mut md, &mut vd, &dev.upload(&g).unwrap(), &k).unwrap();
+            adamw(dev, &mut pd, &mut md, &mut vd, &dev.upload(&g).unwrap(), &k).unwrap();
             for (name, got, want) in [("p", &pd, &p), ("m", &md, &m), ("v", &vd, &v)] {
                 let got = dev.download(got).unwrap();
                 let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
@@ -59,4 +63,5 @@ mod tests {
             }
         }
     }
+    crate::gpu::on_cpu_and_gpu!(adamw_is_the_cpu_update_bit_for_bit);
 }

@@ -1,10 +1,9 @@
 //! RMSNorm on the GPU (`kernels/rmsnorm.cu`): what `crate::kernels::rmsnorm` computes on the
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
-use super::device::Device;
+use super::device::{Arg, Buf, Device};
 use super::{per_row, per_value};
 use anyhow::Result;
-use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// Threads per row.
 const THREADS: u32 = 256;
@@ -12,44 +11,41 @@ const THREADS: u32 = 256;
 /// Forward: `y` and the per-row `rstd`.
 pub fn forward(
     dev: &Device,
-    x: &CudaSlice<f32>,
-    g: &CudaSlice<f32>,
+    x: &Buf<f32>,
+    g: &Buf<f32>,
     d: usize,
     eps: f32,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+) -> Result<(Buf<f32>, Buf<f32>)> {
     let rows = x.len() / d;
     assert!(rows * d == x.len() && g.len() == d && d <= i32::MAX as usize);
     let (mut y, mut rstd) = (dev.zeros(x.len())?, dev.zeros(rows)?);
-    let d32 = d as i32;
-    let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_forward"));
-    launch.arg(&mut y).arg(&mut rstd).arg(x).arg(g).arg(&d32).arg(&eps);
+    let args = [y.arg_mut(), rstd.arg_mut(), x.arg(), g.arg(), Arg::i32(d as i32), Arg::f32(eps)];
     // SAFETY: the arguments are the kernel's, in its order, and every buffer holds what the
     // kernel reads or writes for `rows` rows of `d` (checked above).
-    unsafe { launch.launch(per_row(rows, THREADS)) }?;
+    unsafe { dev.launch("rmsnorm_forward", per_row(rows, THREADS), &args) }?;
     Ok((y, rstd))
 }
 
 /// Backward: returns `dx`; `dg` accumulates.
 pub fn backward(
     dev: &Device,
-    dg: &mut CudaSlice<f32>,
-    dy: &CudaSlice<f32>,
-    x: &CudaSlice<f32>,
-    g: &CudaSlice<f32>,
-    rstd: &CudaSlice<f32>,
+    dg: &mut Buf<f32>,
+    dy: &Buf<f32>,
+    x: &Buf<f32>,
+    g: &Buf<f32>,
+    rstd: &Buf<f32>,
     d: usize,
-) -> Result<CudaSlice<f32>> {
+) -> Result<Buf<f32>> {
     let rows = rstd.len();
     assert!(x.len() == rows * d && dy.len() == x.len() && g.len() == d && dg.len() == d);
-    let (mut dx, d32, rows32) = (dev.zeros(x.len())?, d as i32, rows as i32);
-    let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_backward"));
-    launch.arg(&mut dx).arg(dy).arg(x).arg(g).arg(rstd).arg(&d32);
+    let mut dx = dev.zeros(x.len())?;
+    let args = [dx.arg_mut(), dy.arg(), x.arg(), g.arg(), rstd.arg(), Arg::i32(d as i32)];
     // SAFETY: as in `forward`.
-    unsafe { launch.launch(per_row(rows, THREADS)) }?;
-    let mut launch = dev.stream().launch_builder(dev.function("rmsnorm_backward_gain"));
-    launch.arg(dg).arg(dy).arg(x).arg(rstd).arg(&rows32).arg(&d32);
+    unsafe { dev.launch("rmsnorm_backward", per_row(rows, THREADS), &args) }?;
+    let args =
+        [dg.arg_mut(), dy.arg(), x.arg(), rstd.arg(), Arg::i32(rows as i32), Arg::i32(d as i32)];
     // SAFETY: as in `forward`; one thread per column of `dg`.
-    unsafe { launch.launch(per_value(d)) }?;
+    unsafe { dev.launch("rmsnorm_backward_gain", per_value(d), &args) }?;
     Ok(dx)
 }
 
@@ -59,10 +55,7 @@ mod tests {
     use crate::kernels::rmsnorm as cpu;
     use crate::testutil::{assert_close_to_largest, rand_vec};
 
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
-    fn rmsnorm_on_the_gpu_is_the_cpu_kernel() {
-        let dev = Device::open(0).unwrap();
+    fn rmsnorm_matches_the_cpu_kernel(dev: &Device) {
         for (rows, d) in [(3, 64), (37, 1000), (5, 4096)] {
             let x = rand_vec(rows * d, 1, 3.0);
             let g: Vec<f32> = rand_vec(d, 2, 0.5).iter().map(|v| 1.0 + v).collect();
@@ -73,9 +66,9 @@ mod tests {
 
             let (xg, gg, dyg) =
                 (dev.upload(&x).unwrap(), dev.upload(&g).unwrap(), dev.upload(&dy).unwrap());
-            let (y, rstd) = forward(&dev, &xg, &gg, d, 1e-5).unwrap();
+            let (y, rstd) = forward(dev, &xg, &gg, d, 1e-5).unwrap();
             let mut dg = dev.upload(&vec![0.25f32; d]).unwrap();
-            let dx = backward(&dev, &mut dg, &dyg, &xg, &gg, &rstd, d).unwrap();
+            let dx = backward(dev, &mut dg, &dyg, &xg, &gg, &rstd, d).unwrap();
             let at = format!("{rows}x{d}");
             for (name, got, want) in [
                 ("y", dev.download(&y).unwrap(), want_y),
@@ -87,4 +80,5 @@ mod tests {
             }
         }
     }
+    crate::gpu::on_cpu_and_gpu!(rmsnorm_matches_the_cpu_kernel);
 }

@@ -1,16 +1,15 @@
 //! Rotary position embedding on the GPU (`kernels/rope.cu`): `crate::kernels::rope::apply`,
 //! bit for bit, with the CPU's cos/sin tables uploaded once.
 
-use super::device::Device;
+use super::device::{Arg, Buf, Device};
 use super::per_value;
 use crate::kernels::rope::RopeTable;
 use anyhow::{ensure, Result};
-use cudarc::driver::{CudaSlice, PushKernelArg};
 
 /// A [`RopeTable`]'s cos and sin on the GPU: positions `0..len`.
 pub struct RopeTables {
-    cos: CudaSlice<f32>,
-    sin: CudaSlice<f32>,
+    cos: Buf<f32>,
+    sin: Buf<f32>,
     half: usize,
     len: usize,
 }
@@ -31,7 +30,7 @@ impl RopeTables {
 #[allow(clippy::too_many_arguments)]
 pub fn apply(
     dev: &Device,
-    x: &mut CudaSlice<f32>,
+    x: &mut Buf<f32>,
     width: usize,
     col0: usize,
     n_heads: usize,
@@ -50,18 +49,23 @@ pub fn apply(
         t.len
     );
     let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    let pos = dev.stream().clone_htod(&pos)?;
-    let pairs = rows * n_heads * t.half;
-    let (rows64, width32, col32, heads32, half32) =
-        (rows as i64, width as i32, col0 as i32, n_heads as i32, t.half as i32);
+    let pos = dev.upload(&pos)?;
     let sign: f32 = if inverse { -1.0 } else { 1.0 };
-    let mut launch = dev.stream().launch_builder(dev.function("rope_apply"));
-    launch.arg(x).arg(&t.cos).arg(&t.sin).arg(&pos).arg(&rows64).arg(&width32).arg(&col32);
-    launch.arg(&heads32).arg(&half32).arg(&sign);
-    let cfg = per_value(pairs);
+    let args = [
+        x.arg_mut(),
+        t.cos.arg(),
+        t.sin.arg(),
+        pos.arg(),
+        Arg::i64(rows),
+        Arg::i32(width as i32),
+        Arg::i32(col0 as i32),
+        Arg::i32(n_heads as i32),
+        Arg::i32(t.half as i32),
+        Arg::f32(sign),
+    ];
     // SAFETY: the kernel's arguments in its order; every row's position is inside the tables
     // (checked) and every head inside the row.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { dev.launch("rope_apply", per_value(rows * n_heads * t.half), &args) }?;
     Ok(())
 }
 
@@ -72,24 +76,22 @@ mod tests {
     use crate::testutil::rand_vec;
 
     /// Query and key heads of a packed `qkv` buffer, forward and inverse, at the CPU's bits.
-    #[test]
-    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
-    fn rope_on_the_gpu_is_the_cpu_kernel_bit_for_bit() {
-        let dev = Device::open(0).unwrap();
+    fn rope_is_the_cpu_kernel_bit_for_bit(dev: &Device) {
         let (hd, heads, kv, seq, rows) = (64, 8, 2, 100, 300);
         let width = (heads + 2 * kv) * hd;
         let table = RopeTable::new(hd, 2048, 10000.0);
-        let gpu_table = RopeTables::upload(&dev, &table).unwrap();
+        let gpu_table = RopeTables::upload(dev, &table).unwrap();
         let x = rand_vec(rows * width, 5, 2.0);
         let positions: Vec<usize> = (0..rows).map(|r| r % seq).collect();
         for inverse in [false, true] {
             let mut want = x.clone();
             cpu::apply(&mut want, width, 0, heads + kv, Positions::Packed(seq), &table, inverse);
             let mut got = dev.upload(&x).unwrap();
-            apply(&dev, &mut got, width, 0, heads + kv, &positions, &gpu_table, inverse).unwrap();
+            apply(dev, &mut got, width, 0, heads + kv, &positions, &gpu_table, inverse).unwrap();
             let got = dev.download(&got).unwrap();
             let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
             assert!(same, "inverse {inverse}: the GPU's rotation differs from the CPU's bits");
         }
     }
+    crate::gpu::on_cpu_and_gpu!(rope_is_the_cpu_kernel_bit_for_bit);
 }

@@ -4,6 +4,14 @@
 // NVRTC has no math.h: minus infinity by its bits.
 #define NEG_INF __int_as_float(0xff800000)
 
+// The launch's dynamic shared memory as `type* name` (src/gpu/emulator/emu.h defines it for
+// the CPU).
+#ifndef DYNAMIC_SHARED
+#define DYNAMIC_SHARED(type, name)                                      \
+    extern __shared__ __align__(16) unsigned char dynamic_shared_raw[]; \
+    type* name = reinterpret_cast<type*>(dynamic_shared_raw)
+#endif
+
 // The sum of `v` over the block's threads, in every thread.
 __device__ float block_sum(float v) {
     __shared__ float warps[32];

@@ -1,0 +1,141 @@
+//! The engine's CUDA kernels run on the CPU, for the tests: each kernel file is compiled as C++
+//! by the system's `g++` against `emulator/emu.h` (CUDA's built-ins as threads and barriers),
+//! into one shared library that [`Device`] launches kernels from. So every kernel and its host
+//! side is checked against the CPU engine in CI, which has no GPU; the same tests run on a GPU
+//! with `--ignored`.
+
+use super::device::Device;
+use super::{kernel_names, COMMON, KERNELS};
+use anyhow::{bail, Context, Result};
+use cudarc::driver::LaunchConfig;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Arc, OnceLock};
+
+const HEADER: &str = include_str!("emulator/emu.h");
+
+/// `emu_NAME(config, args)`: 0 when the launch ran.
+type Entry = unsafe extern "C" fn(*const Config, *mut *mut c_void) -> i32;
+
+#[repr(C)]
+struct Config {
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u32,
+}
+
+pub struct Kernels {
+    entries: HashMap<&'static str, Entry>,
+    /// Keeps the entries' code loaded.
+    _library: libloading::Library,
+}
+
+impl Kernels {
+    /// Runs kernel `name` over `cfg` on the CPU.
+    ///
+    /// # Safety
+    /// As [`Device::launch`].
+    pub unsafe fn run(
+        &self,
+        name: &str,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let entry = self.entries.get(name).with_context(|| format!("no kernel {name}"))?;
+        let (g, b) = (cfg.grid_dim, cfg.block_dim);
+        let config = Config {
+            grid: [g.0, g.1, g.2],
+            block: [b.0, b.1, b.2],
+            shared_bytes: cfg.shared_mem_bytes,
+        };
+        // SAFETY: the caller's promise.
+        if unsafe { entry(&config, params.as_mut_ptr()) } != 0 {
+            bail!("{name}: a block of {b:?} threads (1 to 1024 in all)");
+        }
+        Ok(())
+    }
+}
+
+/// A device that runs the kernels on the CPU, or why there is none: the library is built once
+/// per process. Where `g++` is missing the tests pass with a note, unless
+/// `ATTNRES_REQUIRE_GPU_EMULATOR` is set (CI sets it).
+pub fn device(test: &str) -> Option<Device> {
+    static BUILT: OnceLock<Result<Arc<Kernels>, String>> = OnceLock::new();
+    let built = BUILT.get_or_init(|| build().map(Arc::new).map_err(|e| format!("{e:#}")));
+    match built {
+        Ok(kernels) => Some(Device::emulated(kernels.clone())),
+        Err(why) if std::env::var_os("ATTNRES_REQUIRE_GPU_EMULATOR").is_none() => {
+            eprintln!("{test}: skipped, the kernels cannot run on the CPU here: {why}");
+            None
+        }
+        Err(why) => panic!("{test}: {why}"),
+    }
+}
+
+/// Each kernel file as a C++ file, after the emulation header and the shared reductions, with
+/// an entry per kernel it declares.
+fn cpp_source(file: &str, src: &str) -> String {
+    let mut out = format!(
+        "#include \"emu.h\"\n#line 1 \"reduce.cuh\"\n{COMMON}\n#line 1 \"{file}\"\n{src}\n"
+    );
+    for name in kernel_names(src) {
+        out.push_str(&format!("EMU_KERNEL({name})\n"));
+    }
+    out
+}
+
+fn build() -> Result<Kernels> {
+    // A folder per version of the sources, so that a stale library is never loaded.
+    let mut hash = std::hash::DefaultHasher::new();
+    std::hash::Hash::hash(&(HEADER, COMMON, KERNELS), &mut hash);
+    let dir = std::env::temp_dir()
+        .join(format!("attnres-gpu-emulator-{:016x}", std::hash::Hasher::finish(&hash)));
+    let library = dir.join("kernels.so");
+    if !library.exists() {
+        compile(&dir, &library)?;
+    }
+    // SAFETY: a library built above from the kernels' sources; loading runs no code of ours.
+    let lib = unsafe { libloading::Library::new(&library) }
+        .with_context(|| format!("loading {}", library.display()))?;
+    let mut entries = HashMap::new();
+    for &(file, src) in KERNELS {
+        for name in kernel_names(src) {
+            let symbol = format!("emu_{name}");
+            // SAFETY: EMU_KERNEL defines every `emu_NAME` with the type of `Entry`.
+            let entry: Entry = *unsafe { lib.get::<Entry>(symbol.as_bytes()) }
+                .with_context(|| format!("{file}: no {symbol} in the library"))?;
+            entries.insert(name, entry);
+        }
+    }
+    Ok(Kernels { entries, _library: lib })
+}
+
+/// Compiles the kernels into `library`, written under a temporary name and renamed, so that
+/// test processes running at once never load a half-written file.
+fn compile(dir: &Path, library: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    std::fs::write(dir.join("emu.h"), HEADER)?;
+    let mut sources: Vec<PathBuf> = Vec::new();
+    for &(file, src) in KERNELS {
+        let path = dir.join(format!("{file}.cpp"));
+        std::fs::write(&path, cpp_source(file, src))?;
+        sources.push(path);
+    }
+    let partial = dir.join(format!("kernels.so.{}", std::process::id()));
+    // No fused multiply-adds: the CPU kernels have none either, and the kernels that promise
+    // the CPU's bits (RoPE, AdamW) round each operation on their own on the GPU.
+    let out = Command::new("g++")
+        .args(["-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-ffp-contract=off"])
+        .args(&sources)
+        .arg("-o")
+        .arg(&partial)
+        .output()
+        .context("running g++ (the kernels run on the CPU through it)")?;
+    if !out.status.success() {
+        bail!("g++ could not compile the kernels:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    std::fs::rename(&partial, library)?;
+    Ok(())
+}
