@@ -3,6 +3,7 @@
 //! kernels on the CPU ([`super::emulator`]), so that every host side and kernel is checked
 //! without a GPU.
 
+use super::gemm::Blas;
 use super::{compile, gpus, kernel_names, KERNELS};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{
@@ -24,6 +25,7 @@ enum Backend {
         /// The context's default stream, which also keeps the context alive.
         stream: Arc<CudaStream>,
         functions: HashMap<&'static str, CudaFunction>,
+        blas: Blas,
     },
     #[cfg(test)]
     Emulated(Arc<super::emulator::Kernels>),
@@ -72,6 +74,10 @@ impl Arg {
     /// A null pointer, for an optional buffer the kernel checks.
     pub fn null() -> Arg {
         Arg(0)
+    }
+    /// The value as the kernel reads it: an address, or a scalar's bits.
+    pub fn bits(self) -> u64 {
+        self.0
     }
 }
 
@@ -148,7 +154,8 @@ impl Device {
             }
         }
         let stream = ctx.default_stream();
-        Ok(Device { backend: Backend::Cuda { stream, functions }, arch })
+        let blas = Blas::new(&stream)?;
+        Ok(Device { backend: Backend::Cuda { stream, functions, blas }, arch })
     }
 
     /// A device that runs the kernels on the CPU (tests only).
@@ -198,6 +205,15 @@ impl Device {
         }
     }
 
+    /// cuBLASLt and the stream it runs on (none where the kernels are emulated).
+    pub(super) fn blas(&self) -> Option<(&Blas, &Arc<CudaStream>)> {
+        match &self.backend {
+            Backend::Cuda { blas, stream, .. } => Some((blas, stream)),
+            #[cfg(test)]
+            Backend::Emulated(_) => None,
+        }
+    }
+
     /// Waits for the work queued so far.
     pub fn synchronize(&self) -> Result<()> {
         match &self.backend {
@@ -217,7 +233,7 @@ impl Device {
         let mut params: Vec<*mut c_void> =
             values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         match &self.backend {
-            Backend::Cuda { stream, functions } => {
+            Backend::Cuda { stream, functions, .. } => {
                 let f = functions.get(name).with_context(|| no_kernel(name))?;
                 stream.context().bind_to_thread()?;
                 // SAFETY: the caller's promise; `params` point at the arguments' values,

@@ -14,6 +14,7 @@ pub mod device;
 pub mod elementwise;
 #[cfg(test)]
 mod emulator;
+pub mod gemm;
 pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
