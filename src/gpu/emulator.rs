@@ -74,11 +74,12 @@ pub fn device(test: &str) -> Option<Device> {
     }
 }
 
-/// Each kernel file as a C++ file, after the emulation header and the shared reductions, with
-/// an entry per kernel it declares.
+/// Each kernel file as a C++ file, after the emulation header and the shared reductions, in
+/// a namespace of its own, with an entry per kernel it declares.
 fn cpp_source(file: &str, src: &str) -> String {
     let mut out = format!(
-        "#include \"emu.h\"\n#line 1 \"reduce.cuh\"\n{COMMON}\n#line 1 \"{file}\"\n{src}\n"
+        "#include \"emu.h\"\nnamespace {{\n#line 1 \"reduce.cuh\"\n{COMMON}\n\
+         #line 1 \"{file}\"\n{src}\n}}\n"
     );
     for name in kernel_names(src) {
         out.push_str(&format!("EMU_KERNEL({name})\n"));

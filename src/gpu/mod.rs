@@ -9,6 +9,7 @@
 //! point here asks first whether the library is there and turns its absence into an error
 //! that names it.
 
+pub mod attention;
 pub mod cross_entropy;
 pub mod device;
 pub mod elementwise;
@@ -28,6 +29,7 @@ pub(crate) const COMMON: &str = include_str!("kernels/reduce.cuh");
 /// The engine's CUDA kernels: (file name, source).
 pub const KERNELS: &[(&str, &str)] = &[
     ("adamw.cu", include_str!("kernels/adamw.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),

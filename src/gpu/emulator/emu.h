@@ -17,7 +17,9 @@
 #include <vector>
 
 #define __global__
-#define __device__ static inline
+// Each kernel file sits in an unnamed namespace of its own translation unit (emulator.rs), so
+// its device functions need no `static` to stay apart from another file's of the same name.
+#define __device__
 #define __host__
 #define __forceinline__
 #define __shared__ static

@@ -1,0 +1,135 @@
+//! Causal attention on the GPU (`kernels/attention.cu`): what `crate::kernels::attention`
+//! computes on the CPU, with the same buffers (the packed `qkv`, the `[B, H, T, 2]` softmax
+//! statistics), in memory that grows with T.
+
+use super::device::{Arg, Buf, Device};
+use super::per_value;
+use crate::kernels::attention::AttnShape;
+use anyhow::{ensure, Result};
+use cudarc::driver::LaunchConfig;
+
+/// Rows per block and rows per shared tile, as the kernels define them (ROWS, TILE).
+const ROWS: usize = 64;
+const TILE: usize = 32;
+/// The longest head the kernels hold (MAX_HD).
+const MAX_HEAD_DIM: usize = 128;
+
+fn check(s: AttnShape, qkv: &Buf<f32>) -> Result<()> {
+    ensure!(
+        s.head_dim <= MAX_HEAD_DIM,
+        "the GPU's attention takes heads of up to {MAX_HEAD_DIM} values, not {}",
+        s.head_dim
+    );
+    assert!(s.kv_heads > 0 && s.heads.is_multiple_of(s.kv_heads));
+    assert!(s.seq <= i32::MAX as usize && s.batch * s.heads <= 65_535 * 1024);
+    assert_eq!(qkv.len(), s.batch * s.seq * s.qkv_width());
+    Ok(())
+}
+
+/// Blocks of ROWS rows over `y` sequences-by-heads; `shared` floats of dynamic shared memory.
+fn blocks(s: AttnShape, y: usize, shared: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (s.seq.div_ceil(ROWS) as u32, y as u32, 1),
+        block_dim: (ROWS as u32, 1, 1),
+        shared_mem_bytes: (shared * size_of::<f32>()) as u32,
+    }
+}
+
+/// The arguments every attention kernel ends with.
+fn shape_args(s: AttnShape) -> [Arg; 5] {
+    [
+        Arg::i32(s.seq as i32),
+        Arg::i32(s.heads as i32),
+        Arg::i32(s.kv_heads as i32),
+        Arg::i32(s.head_dim as i32),
+        Arg::f32(1.0 / (s.head_dim as f32).sqrt()),
+    ]
+}
+
+/// Forward: `out[B·T, H·hd]` and the statistics `[B, H, T, 2]`.
+pub fn forward(dev: &Device, qkv: &Buf<f32>, s: AttnShape) -> Result<(Buf<f32>, Buf<f32>)> {
+    check(s, qkv)?;
+    let (mut out, mut stats) =
+        (dev.zeros(s.batch * s.seq * s.out_width())?, dev.zeros(s.stats_len())?);
+    let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
+    args.extend(shape_args(s));
+    let cfg = blocks(s, s.batch * s.heads, 2 * TILE * s.head_dim);
+    // SAFETY: the kernel's arguments in its order; `out`, `stats` and `qkv` hold the shape's
+    // values (checked), and the shared memory two tiles of keys and values.
+    unsafe { dev.launch("attention_forward", cfg, &args) }?;
+    Ok((out, stats))
+}
+
+/// Backward: `dqkv` (every column written) from `dout`, with what forward returned.
+pub fn backward(
+    dev: &Device,
+    dout: &Buf<f32>,
+    qkv: &Buf<f32>,
+    out: &Buf<f32>,
+    stats: &Buf<f32>,
+    s: AttnShape,
+) -> Result<Buf<f32>> {
+    check(s, qkv)?;
+    let rows = s.batch * s.seq;
+    assert!(dout.len() == rows * s.out_width() && out.len() == dout.len());
+    assert_eq!(stats.len(), s.stats_len());
+    let mut delta = dev.zeros::<f32>(rows * s.heads)?;
+    let args = [
+        delta.arg_mut(),
+        dout.arg(),
+        out.arg(),
+        Arg::i64(rows),
+        Arg::i32(s.seq as i32),
+        Arg::i32(s.heads as i32),
+        Arg::i32(s.head_dim as i32),
+    ];
+    // SAFETY: the kernel's arguments in its order; one thread per row and head.
+    unsafe { dev.launch("attention_backward_delta", per_value(rows * s.heads), &args) }?;
+    let mut dqkv = dev.zeros(qkv.len())?;
+    let mut args = vec![dqkv.arg_mut(), dout.arg(), qkv.arg(), stats.arg(), delta.arg()];
+    args.extend(shape_args(s));
+    let hd = s.head_dim;
+    // SAFETY: as in `forward`; each kernel writes its own columns of `dqkv`.
+    unsafe {
+        dev.launch("attention_backward_dq", blocks(s, s.batch * s.heads, 2 * TILE * hd), &args)?;
+        let cfg = blocks(s, s.batch * s.kv_heads, 2 * TILE * hd + 3 * TILE);
+        dev.launch("attention_backward_dkv", cfg, &args)?;
+    }
+    Ok(dqkv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::attention as cpu;
+    use crate::testutil::{assert_close_to_largest, rand_vec};
+
+    /// Grouped and plain heads, sequences that end mid-tile and span several blocks.
+    fn attention_matches_the_cpu_kernel(dev: &Device) {
+        let shapes = [
+            AttnShape { batch: 2, seq: 37, heads: 4, kv_heads: 2, head_dim: 16 },
+            AttnShape { batch: 1, seq: 150, heads: 2, kv_heads: 2, head_dim: 64 },
+            AttnShape { batch: 1, seq: 70, heads: 3, kv_heads: 1, head_dim: 128 },
+        ];
+        for s in shapes {
+            let qkv = rand_vec(s.batch * s.seq * s.qkv_width(), 1, 2.0);
+            let dout = rand_vec(s.batch * s.seq * s.out_width(), 2, 1.0);
+            let (want_out, want_stats) = cpu::forward(&qkv, s);
+            let mut want_dqkv = vec![0.0f32; qkv.len()];
+            cpu::backward(&mut want_dqkv, &dout, &qkv, &want_stats, s);
+
+            let (qkv_d, dout_d) = (dev.upload(&qkv).unwrap(), dev.upload(&dout).unwrap());
+            let (out, stats) = forward(dev, &qkv_d, s).unwrap();
+            let dqkv = backward(dev, &dout_d, &qkv_d, &out, &stats, s).unwrap();
+            let at = format!("{s:?}");
+            for (name, got, want) in [
+                ("out", dev.download(&out).unwrap(), want_out),
+                ("stats", dev.download(&stats).unwrap(), want_stats),
+                ("dqkv", dev.download(&dqkv).unwrap(), want_dqkv),
+            ] {
+                assert_close_to_largest(&got, &want, 1e-5, &format!("{at}: {name}"));
+            }
+        }
+    }
+    crate::gpu::on_cpu_and_gpu!(attention_matches_the_cpu_kernel);
+}
