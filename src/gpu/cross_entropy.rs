@@ -1,23 +1,22 @@
 //! Softmax cross-entropy fused with its gradient on the GPU (`kernels/cross_entropy.cu`): what
 //! `crate::kernels::cross_entropy` computes on the CPU.
 
-use super::device::{Arg, Buf, Device};
+use super::device::{Arg, Buf, Device, Ids};
 use super::per_row;
 use anyhow::Result;
 
-/// The mean loss of `logits[rows, V]` against `targets` (each below V, checked), and with
-/// `grad` the gradient `(softmax − onehot) / rows`.
+/// The mean loss of `logits[rows, V]` against `targets`, and with `grad` the gradient
+/// `(softmax − onehot) / rows`.
 pub fn loss(
     dev: &Device,
     logits: &Buf<f32>,
-    targets: &[u32],
+    targets: &Ids,
     v: usize,
     grad: bool,
 ) -> Result<(f32, Option<Buf<f32>>)> {
     let rows = targets.len();
     assert!(logits.len() == rows * v && v <= i32::MAX as usize && rows > 0);
-    assert!(targets.iter().all(|&t| (t as usize) < v), "a target outside the vocabulary");
-    let targets_dev = dev.upload(targets)?;
+    assert!(targets.below <= v, "targets checked against a larger vocabulary");
     let mut row_loss = dev.zeros(rows)?;
     let mut dlogits = if grad { Some(dev.zeros(rows * v)?) } else { None };
     let inv = 1.0 / rows as f32;
@@ -25,7 +24,7 @@ pub fn loss(
         dlogits.as_mut().map_or(Arg::null(), |d| d.arg_mut()),
         row_loss.arg_mut(),
         logits.arg(),
-        targets_dev.arg(),
+        targets.buf.arg(),
         Arg::i32(v as i32),
         Arg::f32(inv),
     ];
@@ -48,6 +47,7 @@ mod tests {
         let targets: Vec<u32> = (0..rows as u32).map(|r| r * 2711 % v as u32).collect();
         let (want_loss, want_grad) = cpu::loss_and_grad(&logits, &targets, v);
         let logits_dev = dev.upload(&logits).unwrap();
+        let targets = Ids::upload(dev, &targets, v).unwrap();
         let (got_loss, grad) = loss(dev, &logits_dev, &targets, v, true).unwrap();
         assert!(
             (got_loss - want_loss).abs() <= 1e-5 * want_loss.abs(),

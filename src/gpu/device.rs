@@ -12,6 +12,7 @@ use cudarc::driver::{
 };
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::ops::Range;
 use std::sync::Arc;
 
 pub struct Device {
@@ -129,6 +130,99 @@ impl<T: Elem> Buf<T> {
     }
 }
 
+/// Values `at..at + len` of a buffer, which a kernel reads: a tensor of the model's parameters.
+#[derive(Clone, Copy)]
+pub struct Slice<'a, T: Elem> {
+    buf: &'a Buf<T>,
+    at: usize,
+    len: usize,
+}
+
+/// Values of a buffer that a kernel writes: a tensor's gradient.
+pub struct SliceMut<'a, T: Elem> {
+    buf: &'a mut Buf<T>,
+    at: usize,
+    len: usize,
+}
+
+impl<T: Elem> Buf<T> {
+    pub fn slice(&self, r: Range<usize>) -> Slice<'_, T> {
+        assert!(
+            r.start <= r.end && r.end <= self.len(),
+            "{r:?} outside a buffer of {}",
+            self.len()
+        );
+        Slice { buf: self, at: r.start, len: r.len() }
+    }
+
+    pub fn slice_mut(&mut self, r: Range<usize>) -> SliceMut<'_, T> {
+        assert!(
+            r.start <= r.end && r.end <= self.len(),
+            "{r:?} outside a buffer of {}",
+            self.len()
+        );
+        SliceMut { buf: self, at: r.start, len: r.len() }
+    }
+
+    /// The whole buffer as a slice.
+    pub fn all(&self) -> Slice<'_, T> {
+        self.slice(0..self.len())
+    }
+
+    pub fn all_mut(&mut self) -> SliceMut<'_, T> {
+        let n = self.len();
+        self.slice_mut(0..n)
+    }
+}
+
+impl<T: Elem> Slice<'_, T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn arg(&self) -> Arg {
+        self.buf.arg_at(self.at)
+    }
+}
+
+impl<T: Elem> SliceMut<'_, T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn arg_mut(&mut self) -> Arg {
+        self.buf.arg_mut_at(self.at)
+    }
+}
+
+/// Token ids on the device, each checked on the host to lie below `below` (the vocabulary), so
+/// that the kernels that index rows with them stay inside their tables.
+pub struct Ids {
+    pub buf: Buf<u32>,
+    pub below: usize,
+}
+
+impl Ids {
+    pub fn upload(dev: &Device, ids: &[u32], below: usize) -> Result<Ids> {
+        if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= below) {
+            bail!("token id {t} at position {i} is out of range for a vocabulary of {below}");
+        }
+        Ok(Ids { buf: dev.upload(ids)?, below })
+    }
+
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+}
+
 impl Device {
     /// GPU `ordinal` (0 for the first), with every kernel compiled and loaded; an error that
     /// says why where there is no such GPU or a kernel does not compile.
@@ -178,6 +272,18 @@ impl Device {
             Backend::Cuda { stream, .. } => Mem::Cuda(stream.alloc_zeros(n)?),
             #[cfg(test)]
             Backend::Emulated(_) => Mem::Host(vec![T::default(); n]),
+        };
+        Ok(Buf { mem })
+    }
+
+    /// A copy of `x`.
+    pub fn copy<T: Elem>(&self, x: &Buf<T>) -> Result<Buf<T>> {
+        let mem = match (&self.backend, &x.mem) {
+            (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => Mem::Cuda(stream.clone_dtod(s)?),
+            #[cfg(test)]
+            (Backend::Emulated(_), Mem::Host(v)) => Mem::Host(v.clone()),
+            #[cfg(test)]
+            _ => bail!("a buffer used on another device"),
         };
         Ok(Buf { mem })
     }

@@ -2,7 +2,7 @@
 //! `crate::kernels::swiglu` and `crate::kernels::embedding` compute on the CPU, with the same
 //! buffers.
 
-use super::device::{Arg, Buf, Device};
+use super::device::{Arg, Buf, Device, Ids, Slice, SliceMut};
 use super::per_value;
 use anyhow::Result;
 
@@ -28,20 +28,13 @@ pub fn swiglu_backward(dev: &Device, dact: &Buf<f32>, gu: &Buf<f32>, f: usize) -
     Ok(dgu)
 }
 
-/// Embedding forward: `out[tokens, d]`, row `t` the table's row `ids[t]`; every id must be
-/// below the table's rows (checked on the host, where the ids come from).
-pub fn embedding_forward(
-    dev: &Device,
-    table: &Buf<f32>,
-    ids: &[u32],
-    d: usize,
-) -> Result<Buf<f32>> {
-    let vocab = table.len() / d;
-    assert!(ids.iter().all(|&i| (i as usize) < vocab) && d <= i32::MAX as usize);
-    let ids_dev = dev.upload(ids)?;
+/// Embedding forward: `out[tokens, d]`, row `t` the table's row `ids[t]`.
+pub fn embedding_forward(dev: &Device, table: Slice<f32>, ids: &Ids, d: usize) -> Result<Buf<f32>> {
+    assert!(ids.below * d <= table.len() && d <= i32::MAX as usize);
     let mut out = dev.zeros(ids.len() * d)?;
-    let args = [out.arg_mut(), table.arg(), ids_dev.arg(), Arg::i64(ids.len()), Arg::i32(d as i32)];
-    // SAFETY: the kernel's arguments in its order; every id indexes a row of `table` (checked).
+    let args = [out.arg_mut(), table.arg(), ids.buf.arg(), Arg::i64(ids.len()), Arg::i32(d as i32)];
+    // SAFETY: the kernel's arguments in its order; every id indexes a row of `table` (checked
+    // when the ids were uploaded, against a vocabulary the table holds).
     unsafe { dev.launch("embedding_forward", per_value(ids.len() * d), &args) }?;
     Ok(out)
 }
@@ -49,16 +42,14 @@ pub fn embedding_forward(
 /// Embedding backward: `dtable[ids[t]] += dout[t]`.
 pub fn embedding_backward(
     dev: &Device,
-    dtable: &mut Buf<f32>,
+    dtable: &mut SliceMut<f32>,
     dout: &Buf<f32>,
-    ids: &[u32],
+    ids: &Ids,
     d: usize,
 ) -> Result<()> {
-    let vocab = dtable.len() / d;
-    assert!(ids.iter().all(|&i| (i as usize) < vocab) && dout.len() == ids.len() * d);
-    let ids_dev = dev.upload(ids)?;
+    assert!(ids.below * d <= dtable.len() && dout.len() == ids.len() * d);
     let args =
-        [dtable.arg_mut(), dout.arg(), ids_dev.arg(), Arg::i64(ids.len()), Arg::i32(d as i32)];
+        [dtable.arg_mut(), dout.arg(), ids.buf.arg(), Arg::i64(ids.len()), Arg::i32(d as i32)];
     // SAFETY: as in `embedding_forward`.
     unsafe { dev.launch("embedding_backward", per_value(ids.len() * d), &args) }?;
     Ok(())
@@ -97,10 +88,11 @@ mod tests {
         let mut want_dtable = vec![0.5f32; vocab * d];
         embedding::backward(&mut want_dtable, &dout, &ids, d);
         let (table_d, dout_d) = (dev.upload(&table).unwrap(), dev.upload(&dout).unwrap());
-        let out = dev.download(&embedding_forward(dev, &table_d, &ids, d).unwrap()).unwrap();
+        let ids_d = Ids::upload(dev, &ids, vocab).unwrap();
+        let out = dev.download(&embedding_forward(dev, table_d.all(), &ids_d, d).unwrap()).unwrap();
         assert_eq!(out, want_out, "a gather is exact");
         let mut dtable = dev.upload(&vec![0.5f32; vocab * d]).unwrap();
-        embedding_backward(dev, &mut dtable, &dout_d, &ids, d).unwrap();
+        embedding_backward(dev, &mut dtable.all_mut(), &dout_d, &ids_d, d).unwrap();
         let dtable = dev.download(&dtable).unwrap();
         assert_close_to_largest(&dtable, &want_dtable, 1e-5, "dtable");
     }

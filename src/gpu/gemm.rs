@@ -6,7 +6,7 @@
 //! address, so `C = op(A)·op(B)` is asked for as `Cᵀ = op(B)ᵀ·op(A)ᵀ`: the operands swap places
 //! and keep their transpose flags.
 
-use super::device::{Arg, Buf, Device};
+use super::device::{Arg, Buf, Device, Slice, SliceMut};
 use anyhow::{bail, Context, Result};
 use cudarc::cublaslt::{result, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
@@ -208,13 +208,12 @@ fn holds(x: usize, at: usize, span: usize, what: &str) {
     assert!(at + span <= x, "{what}: {span} values from {at} past a buffer of {x}");
 }
 
-/// `y[rows, d_out] = x[rows, d_in] · wᵀ`, the weight `w[d_out, d_in]` from value `w_at` of its
-/// buffer (the model's parameters).
+/// `y[rows, d_out] = x[rows, d_in] · wᵀ`, the weight `w[d_out, d_in]` (a tensor of the
+/// model's parameters).
 pub fn linear(
     dev: &Device,
     x: &Buf<f32>,
-    w: &Buf<f32>,
-    w_at: usize,
+    w: Slice<f32>,
     rows: usize,
     d_in: usize,
     d_out: usize,
@@ -234,24 +233,23 @@ pub fn linear(
     };
     let (sa, sb, sc) = g.spans();
     holds(x.len(), 0, sa, "linear input");
-    holds(w.len(), w_at, sb, "linear weight");
+    holds(w.len(), 0, sb, "linear weight");
     holds(y.len(), 0, sc, "linear output");
     // SAFETY: spans checked; `y` is new.
-    unsafe { gemm(dev, &g, x.arg(), w.arg_at(w_at), y.arg_mut()) }?;
+    unsafe { gemm(dev, &g, x.arg(), w.arg(), y.arg_mut()) }?;
     Ok(y)
 }
 
 /// Both backward products of [`linear`]: `dx = dy · w` (added into `dx` with `accumulate_dx`,
-/// else written) and `dw += dyᵀ · x`, the weight's gradient at `w_at` of `dw`.
+/// else written) and `dw += dyᵀ · x`.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_backward(
     dev: &Device,
     dx: &mut Buf<f32>,
-    dw: &mut Buf<f32>,
+    dw: &mut SliceMut<f32>,
     dy: &Buf<f32>,
     x: &Buf<f32>,
-    w: &Buf<f32>,
-    w_at: usize,
+    w: Slice<f32>,
     rows: usize,
     d_in: usize,
     d_out: usize,
@@ -283,16 +281,16 @@ pub fn linear_backward(
     };
     let (sa, sb, sc) = input.spans();
     holds(dy.len(), 0, sa, "linear output gradient");
-    holds(w.len(), w_at, sb, "linear weight");
+    holds(w.len(), 0, sb, "linear weight");
     holds(dx.len(), 0, sc, "linear input gradient");
     let (sa, sb, sc) = weight.spans();
     holds(dy.len(), 0, sa, "linear output gradient");
     holds(x.len(), 0, sb, "linear input");
-    holds(dw.len(), w_at, sc, "linear weight gradient");
+    holds(dw.len(), 0, sc, "linear weight gradient");
     // SAFETY: spans checked; `dx` and `dw` are `&mut` of their own, so overlap no input.
     unsafe {
-        gemm(dev, &input, dy.arg(), w.arg_at(w_at), dx.arg_mut())?;
-        gemm(dev, &weight, dy.arg(), x.arg(), dw.arg_mut_at(w_at))
+        gemm(dev, &input, dy.arg(), w.arg(), dx.arg_mut())?;
+        gemm(dev, &weight, dy.arg(), x.arg(), dw.arg_mut())
     }
 }
 
@@ -361,13 +359,14 @@ mod tests {
 
             let (xd, pd, dyd) =
                 (dev.upload(&x).unwrap(), dev.upload(&params).unwrap(), dev.upload(&dy).unwrap());
-            let y = linear(dev, &xd, &pd, w_at, rows, d_in, d_out).unwrap();
+            let wr = w_at..w_at + d_in * d_out;
+            let y = linear(dev, &xd, pd.slice(wr.clone()), rows, d_in, d_out).unwrap();
             let mut dx = dev.upload(&dx0).unwrap();
             let mut dw_all = vec![7.0f32; params.len()];
             dw_all[w_at..w_at + d_in * d_out].copy_from_slice(&dw0);
             let mut dw = dev.upload(&dw_all).unwrap();
-            linear_backward(dev, &mut dx, &mut dw, &dyd, &xd, &pd, w_at, rows, d_in, d_out, true)
-                .unwrap();
+            let (dwr, wv) = (&mut dw.slice_mut(wr.clone()), pd.slice(wr.clone()));
+            linear_backward(dev, &mut dx, dwr, &dyd, &xd, wv, rows, d_in, d_out, true).unwrap();
             let at = format!("{rows}x{d_in}->{d_out}");
             let dw = dev.download(&dw).unwrap();
             assert!(
@@ -383,20 +382,9 @@ mod tests {
             }
             // Written, not added, without `accumulate_dx`.
             let mut dx = dev.upload(&dx0).unwrap();
-            linear_backward(
-                dev,
-                &mut dx,
-                &mut dev.zeros(params.len()).unwrap(),
-                &dyd,
-                &xd,
-                &pd,
-                w_at,
-                rows,
-                d_in,
-                d_out,
-                false,
-            )
-            .unwrap();
+            let mut scratch = dev.zeros(d_in * d_out).unwrap();
+            let (dwr, wv) = (&mut scratch.all_mut(), pd.slice(wr.clone()));
+            linear_backward(dev, &mut dx, dwr, &dyd, &xd, wv, rows, d_in, d_out, false).unwrap();
             let want = cpu::linear(&dy, &transpose(w, d_out, d_in), rows, d_out, d_in);
             assert_close_to_largest(
                 &dev.download(&dx).unwrap(),

@@ -1,7 +1,7 @@
 //! RMSNorm on the GPU (`kernels/rmsnorm.cu`): what `crate::kernels::rmsnorm` computes on the
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
-use super::device::{Arg, Buf, Device};
+use super::device::{Arg, Buf, Device, Slice, SliceMut};
 use super::{per_row, per_value};
 use anyhow::Result;
 
@@ -12,7 +12,7 @@ const THREADS: u32 = 256;
 pub fn forward(
     dev: &Device,
     x: &Buf<f32>,
-    g: &Buf<f32>,
+    g: Slice<f32>,
     d: usize,
     eps: f32,
 ) -> Result<(Buf<f32>, Buf<f32>)> {
@@ -29,10 +29,10 @@ pub fn forward(
 /// Backward: returns `dx`; `dg` accumulates.
 pub fn backward(
     dev: &Device,
-    dg: &mut Buf<f32>,
+    dg: &mut SliceMut<f32>,
     dy: &Buf<f32>,
     x: &Buf<f32>,
-    g: &Buf<f32>,
+    g: Slice<f32>,
     rstd: &Buf<f32>,
     d: usize,
 ) -> Result<Buf<f32>> {
@@ -66,9 +66,9 @@ mod tests {
 
             let (xg, gg, dyg) =
                 (dev.upload(&x).unwrap(), dev.upload(&g).unwrap(), dev.upload(&dy).unwrap());
-            let (y, rstd) = forward(dev, &xg, &gg, d, 1e-5).unwrap();
+            let (y, rstd) = forward(dev, &xg, gg.all(), d, 1e-5).unwrap();
             let mut dg = dev.upload(&vec![0.25f32; d]).unwrap();
-            let dx = backward(dev, &mut dg, &dyg, &xg, &gg, &rstd, d).unwrap();
+            let dx = backward(dev, &mut dg.all_mut(), &dyg, &xg, gg.all(), &rstd, d).unwrap();
             let at = format!("{rows}x{d}");
             for (name, got, want) in [
                 ("y", dev.download(&y).unwrap(), want_y),
