@@ -1,6 +1,6 @@
-//! The GPU's elementwise operations (`kernels/swiglu.cu`, `kernels/embedding.cu`): what
-//! `crate::kernels::swiglu` and `crate::kernels::embedding` compute on the CPU, with the same
-//! buffers.
+//! The GPU's elementwise operations (`kernels/swiglu.cu`, `kernels/embedding.cu`,
+//! `kernels/residual.cu`): what `crate::kernels::swiglu` and `crate::kernels::embedding`
+//! compute on the CPU, with the same buffers, and the standard residual's sums.
 
 use super::device::{Arg, Buf, Device, Ids, Slice, SliceMut};
 use super::per_value;
@@ -53,6 +53,25 @@ pub fn embedding_backward(
     // SAFETY: as in `embedding_forward`.
     unsafe { dev.launch("embedding_backward", per_value(ids.len() * d), &args) }?;
     Ok(())
+}
+
+/// `a + b`, a new buffer.
+pub fn add(dev: &Device, a: &Buf<f32>, b: &Buf<f32>) -> Result<Buf<f32>> {
+    assert_eq!(a.len(), b.len());
+    let mut y = dev.zeros(a.len())?;
+    let args = [y.arg_mut(), a.arg(), b.arg(), Arg::i64(a.len())];
+    // SAFETY: the kernel's arguments in its order; three buffers of `n` values.
+    unsafe { dev.launch("add", per_value(a.len()), &args) }?;
+    Ok(y)
+}
+
+/// `y += x`.
+pub fn add_into(dev: &Device, y: &mut Buf<f32>, x: &Buf<f32>) -> Result<()> {
+    assert_eq!(y.len(), x.len());
+    let n = y.len();
+    let args = [y.arg_mut(), x.arg(), Arg::i64(n)];
+    // SAFETY: as in `add`.
+    unsafe { dev.launch("add_into", per_value(n), &args) }
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 
 const HEADER: &str = include_str!("emulator/emu.h");
 
-/// `emu_NAME(config, args)`: 0 when the launch ran.
+/// `emu_NAME(config, args)`: 0 when the launch ran (else as `emu::run` says).
 type Entry = unsafe extern "C" fn(*const Config, *mut *mut c_void) -> i32;
 
 #[repr(C)]
@@ -51,10 +51,11 @@ impl Kernels {
             shared_bytes: cfg.shared_mem_bytes,
         };
         // SAFETY: the caller's promise.
-        if unsafe { entry(&config, params.as_mut_ptr()) } != 0 {
-            bail!("{name}: a block of {b:?} threads (1 to 1024 in all)");
+        match unsafe { entry(&config, params.as_mut_ptr()) } {
+            0 => Ok(()),
+            1 => bail!("{name}: a block of {b:?} threads (1 to 1024 in all)"),
+            _ => bail!("{name}: threads left waiting at a barrier that never fills"),
         }
-        Ok(())
     }
 }
 

@@ -16,6 +16,7 @@ pub mod elementwise;
 #[cfg(test)]
 mod emulator;
 pub mod gemm;
+pub mod model;
 pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
@@ -32,6 +33,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
+    ("residual.cu", include_str!("kernels/residual.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),
     ("swiglu.cu", include_str!("kernels/swiglu.cu")),

@@ -1,18 +1,20 @@
 // The CUDA C that the engine's kernels use, on the CPU, so that the tests run every kernel
-// without a GPU (src/gpu/emulator.rs). Each thread of a block is an OS thread; the blocks of a
-// launch run one after another; __syncthreads and the warp shuffles are barriers among those
-// threads. It checks what a kernel computes, not how fast: a GPU still has the last word
-// (memory model, fused multiply-adds, blocks running at once).
+// without a GPU (src/gpu/emulator.rs). Each thread of a block is a fiber (ucontext) on one
+// worker thread, which switches fibers at __syncthreads and at the warp shuffles; the blocks
+// of a launch are shared among a few worker threads, each with its own shared memory. It
+// checks what a kernel computes, not how fast: a GPU still has the last word (its memory
+// model, fused multiply-adds, warps running in lockstep).
 #pragma once
 #include <atomic>
 #include <bit>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <ucontext.h>
 #include <utility>
 #include <vector>
 
@@ -22,110 +24,14 @@
 #define __device__
 #define __host__
 #define __forceinline__
-#define __shared__ static
+// Shared memory is per block: per worker thread, which runs one block at a time.
+#define __shared__ static thread_local
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 
 struct dim3 {
     unsigned int x = 1, y = 1, z = 1;
 };
-
-namespace emu {
-
-// A barrier that threads may leave for the rest of a block (those that return early).
-struct Barrier {
-    std::mutex m;
-    std::condition_variable cv;
-    int expected = 0, arrived = 0;
-    long generation = 0;
-
-    void reset(int n) {
-        expected = n;
-        arrived = 0;
-    }
-    void release_if_complete() {
-        if (arrived >= expected && expected > 0) {
-            arrived = 0;
-            generation++;
-            cv.notify_all();
-        }
-    }
-    void wait() {
-        std::unique_lock<std::mutex> lock(m);
-        long g = generation;
-        arrived++;
-        if (arrived >= expected) {
-            arrived = 0;
-            generation++;
-            cv.notify_all();
-            return;
-        }
-        cv.wait(lock, [&] { return generation != g; });
-    }
-    void leave() {
-        std::lock_guard<std::mutex> lock(m);
-        expected--;
-        release_if_complete();
-    }
-};
-
-struct Launch {
-    dim3 grid, block;
-    Barrier block_barrier;
-    std::vector<Barrier> warp_barriers;
-    std::vector<uint64_t> warp_slots;
-    std::vector<unsigned char> dynamic_shared;
-};
-
-inline thread_local Launch* current = nullptr;
-inline thread_local int thread_rank = 0;
-inline std::mutex one_launch_at_a_time;
-
-}  // namespace emu
-
-inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
-
-// Dynamic shared memory: `DYNAMIC_SHARED(float, buf);` declares `buf`, as
-// `extern __shared__ float buf[];` does on a GPU (reduce.cuh defines it there).
-#define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::current->dynamic_shared.data())
-
-static inline void __syncthreads() { emu::current->block_barrier.wait(); }
-static inline void __syncwarp(unsigned int = 0xffffffffu) {
-    emu::current->warp_barriers[emu::thread_rank / 32].wait();
-}
-
-// Lane `from(lane)`'s `v`, for every lane of the warp.
-template <class T, class F>
-static inline T emu_exchange(T v, F from) {
-    static_assert(sizeof(T) <= 8);
-    int lane = emu::thread_rank % 32, warp = emu::thread_rank / 32;
-    uint64_t bits = 0;
-    std::memcpy(&bits, &v, sizeof(T));
-    emu::current->warp_slots[emu::thread_rank] = bits;
-    __syncwarp();
-    int src = from(lane);
-    bits = emu::current->warp_slots[warp * 32 + src];
-    __syncwarp();
-    T out;
-    std::memcpy(&out, &bits, sizeof(T));
-    return out;
-}
-template <class T>
-static inline T __shfl_xor_sync(unsigned int, T v, int mask) {
-    return emu_exchange(v, [&](int lane) { return (lane ^ mask) & 31; });
-}
-template <class T>
-static inline T __shfl_down_sync(unsigned int, T v, unsigned int delta) {
-    return emu_exchange(v, [&](int lane) { return lane + (int)delta < 32 ? lane + (int)delta : lane; });
-}
-template <class T>
-static inline T __shfl_up_sync(unsigned int, T v, unsigned int delta) {
-    return emu_exchange(v, [&](int lane) { return lane >= (int)delta ? lane - (int)delta : lane; });
-}
-template <class T>
-static inline T __shfl_sync(unsigned int, T v, int src) {
-    return emu_exchange(v, [&](int) { return src & 31; });
-}
 
 template <class T>
 static inline T atomicAdd(T* p, T v) {
@@ -172,56 +78,191 @@ namespace emu {
 
 using Kernel = std::function<void()>;
 
-// Runs `kernel` over the grid: each block's threads as OS threads, the blocks one by one.
+enum class State { Runnable, AtBlockBarrier, AtWarpBarrier, Done };
+
+struct Fiber {
+    ucontext_t context;
+    char* stack;
+    dim3 index;
+    int rank;
+    State state;
+};
+
+// One worker thread: the fibers of the block it runs, and what they share.
+struct Worker {
+    const Kernel* kernel;
+    ucontext_t scheduler;
+    std::vector<Fiber> fibers;
+    Fiber* current = nullptr;
+    std::vector<uint64_t> warp_slots;
+    std::vector<unsigned char> dynamic_shared;
+    bool deadlocked = false;
+};
+
+inline thread_local Worker* worker = nullptr;
+inline std::mutex one_launch_at_a_time;
+// Room for a kernel's per-thread arrays (attention keeps four of 128 floats).
+constexpr size_t STACK_BYTES = 256 << 10;
+
+}  // namespace emu
+
+inline thread_local dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+// Dynamic shared memory: `DYNAMIC_SHARED(float, buf);` declares `buf`, as
+// `extern __shared__ float buf[];` does on a GPU (reduce.cuh defines it there).
+#define DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::worker->dynamic_shared.data())
+
+namespace emu {
+
+// The running fiber waits in `state` until the scheduler releases it.
+inline void wait(State state) {
+    Worker* w = worker;
+    Fiber* f = w->current;
+    f->state = state;
+    swapcontext(&f->context, &w->scheduler);
+}
+
+inline void fiber_main() {
+    Worker* w = worker;
+    (*w->kernel)();
+    w->current->state = State::Done;
+    // uc_link returns to the scheduler.
+}
+
+// Runs one block: every fiber until all are done, releasing barriers as they fill.
+inline void run_block(Worker& w) {
+    int n = (int)w.fibers.size();
+    for (auto& f : w.fibers) {
+        getcontext(&f.context);
+        f.context.uc_stack.ss_sp = f.stack;
+        f.context.uc_stack.ss_size = STACK_BYTES;
+        f.context.uc_link = &w.scheduler;
+        makecontext(&f.context, fiber_main, 0);
+        f.state = State::Runnable;
+    }
+    for (;;) {
+        bool ran = false;
+        for (auto& f : w.fibers) {
+            if (f.state != State::Runnable) continue;
+            ran = true;
+            w.current = &f;
+            threadIdx = f.index;
+            swapcontext(&w.scheduler, &f.context);
+        }
+        int live = 0, at_block = 0;
+        for (auto& f : w.fibers) {
+            live += f.state != State::Done;
+            at_block += f.state == State::AtBlockBarrier;
+        }
+        if (live == 0) return;
+        bool released = false;
+        if (at_block == live) {
+            for (auto& f : w.fibers)
+                if (f.state == State::AtBlockBarrier) f.state = State::Runnable;
+            released = true;
+        }
+        for (int w0 = 0; w0 < n; w0 += 32) {
+            int w_live = 0, w_at = 0;
+            for (int r = w0; r < std::min(n, w0 + 32); r++) {
+                w_live += w.fibers[r].state != State::Done;
+                w_at += w.fibers[r].state == State::AtWarpBarrier;
+            }
+            if (w_live > 0 && w_at == w_live) {
+                for (int r = w0; r < std::min(n, w0 + 32); r++) w.fibers[r].state = State::Runnable;
+                released = true;
+            }
+        }
+        if (!released && !ran) {
+            // Threads wait at barriers that can never fill: a kernel's bug on a GPU too.
+            w.deadlocked = true;
+            return;
+        }
+    }
+}
+
+// Runs `kernel` over the grid: blocks shared among worker threads, each block's threads as
+// fibers on its worker. Returns 0, 1 for a block of no or over 1024 threads, 2 for threads
+// left waiting at a barrier.
 inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, const Kernel& kernel) {
     std::lock_guard<std::mutex> one(one_launch_at_a_time);
     int threads = (int)(block.x * block.y * block.z);
     if (threads <= 0 || threads > 1024) return 1;
-    Launch launch;
-    launch.grid = grid;
-    launch.block = block;
-    launch.warp_barriers = std::vector<Barrier>((threads + 31) / 32);
-    launch.warp_slots.assign((size_t)((threads + 31) / 32) * 32, 0);
-    launch.dynamic_shared.assign(shared_bytes, 0);
-    Barrier end_of_block;
-    end_of_block.reset(threads);
-    auto start_block = [&] {
-        launch.block_barrier.reset(threads);
-        for (int w = 0; w < (int)launch.warp_barriers.size(); w++) {
-            launch.warp_barriers[w].reset(std::min(32, threads - 32 * w));
-        }
-    };
-    start_block();
-    std::mutex block_done;
-    long blocks_done = 0;
     long blocks = (long)grid.x * grid.y * grid.z;
+    int workers = (int)std::max(1u, std::min(std::thread::hardware_concurrency(), 8u));
+    std::atomic<long> next{0};
+    std::atomic<bool> deadlocked{false};
+    auto work = [&] {
+        Worker w;
+        worker = &w;
+        w.kernel = &kernel;
+        w.warp_slots.assign((size_t)(threads + 31) / 32 * 32, 0);
+        w.dynamic_shared.assign(shared_bytes, 0);
+        w.fibers.resize(threads);
+        // Stacks are not zeroed: only the pages a fiber touches are ever backed.
+        char* stacks = static_cast<char*>(std::malloc(STACK_BYTES * threads));
+        for (int r = 0; r < threads; r++) {
+            w.fibers[r].stack = stacks + STACK_BYTES * r;
+            w.fibers[r].rank = r;
+            w.fibers[r].index = dim3{(unsigned)(r % block.x), (unsigned)(r / block.x % block.y),
+                                     (unsigned)(r / (block.x * block.y))};
+        }
+        blockDim = block;
+        gridDim = grid;
+        for (long b; (b = next.fetch_add(1)) < blocks && !deadlocked;) {
+            blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
+                            (unsigned)(b / ((long)grid.x * grid.y))};
+            run_block(w);
+            if (w.deadlocked) deadlocked = true;
+        }
+        std::free(stacks);
+        worker = nullptr;
+    };
     std::vector<std::thread> pool;
-    for (int rank = 0; rank < threads; rank++) {
-        pool.emplace_back([&, rank] {
-            current = &launch;
-            thread_rank = rank;
-            blockDim = block;
-            gridDim = grid;
-            threadIdx = dim3{(unsigned)(rank % block.x), (unsigned)(rank / block.x % block.y),
-                             (unsigned)(rank / (block.x * block.y))};
-            for (long b = 0; b < blocks; b++) {
-                blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
-                                (unsigned)(b / ((long)grid.x * grid.y))};
-                kernel();
-                launch.block_barrier.leave();
-                launch.warp_barriers[rank / 32].leave();
-                // The last thread out of the block readies the barriers for the next one.
-                {
-                    std::lock_guard<std::mutex> l(block_done);
-                    if (++blocks_done % threads == 0) start_block();
-                }
-                end_of_block.wait();
-            }
-        });
-    }
+    for (int i = 1; i < std::min<long>(workers, blocks); i++) pool.emplace_back(work);
+    work();
     for (auto& t : pool) t.join();
-    return 0;
+    return deadlocked ? 2 : 0;
 }
+
+}  // namespace emu
+
+static inline void __syncthreads() { emu::wait(emu::State::AtBlockBarrier); }
+static inline void __syncwarp(unsigned int = 0xffffffffu) { emu::wait(emu::State::AtWarpBarrier); }
+
+// Lane `from(lane)`'s `v`, for every lane of the warp.
+template <class T, class F>
+static inline T emu_exchange(T v, F from) {
+    static_assert(sizeof(T) <= 8);
+    int rank = emu::worker->current->rank;
+    int lane = rank % 32, warp = rank / 32;
+    uint64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    emu::worker->warp_slots[rank] = bits;
+    __syncwarp();
+    bits = emu::worker->warp_slots[warp * 32 + from(lane)];
+    __syncwarp();
+    T out;
+    std::memcpy(&out, &bits, sizeof(T));
+    return out;
+}
+template <class T>
+static inline T __shfl_xor_sync(unsigned int, T v, int mask) {
+    return emu_exchange(v, [&](int lane) { return (lane ^ mask) & 31; });
+}
+template <class T>
+static inline T __shfl_down_sync(unsigned int, T v, unsigned int delta) {
+    return emu_exchange(v, [&](int lane) { return lane + (int)delta < 32 ? lane + (int)delta : lane; });
+}
+template <class T>
+static inline T __shfl_up_sync(unsigned int, T v, unsigned int delta) {
+    return emu_exchange(v, [&](int lane) { return lane >= (int)delta ? lane - (int)delta : lane; });
+}
+template <class T>
+static inline T __shfl_sync(unsigned int, T v, int src) {
+    return emu_exchange(v, [&](int) { return src & 31; });
+}
+
+namespace emu {
 
 template <class... A, size_t... I>
 void call(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
@@ -239,7 +280,7 @@ struct EmuConfig {
 };
 
 // The entry `emu_NAME(config, args)` for kernel NAME, `args` as cuLaunchKernel takes them: a
-// pointer to each argument's value. Returns 0, or 1 for a block of no or over 1024 threads.
+// pointer to each argument's value. Returns what emu::run does.
 #define EMU_KERNEL(name)                                                                    \
     extern "C" int emu_##name(const EmuConfig* c, void** args) {                            \
         return emu::run(dim3{c->grid[0], c->grid[1], c->grid[2]},                           \

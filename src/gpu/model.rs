@@ -1,0 +1,365 @@
+//! The engine's transformer on the GPU: the same config, parameter layout and numbers as
+//! `crate::model::Model` (the oracle), forward keeping what backward needs and backward adding
+//! every parameter's gradient into one buffer laid out as the parameters are. fp32 throughout.
+//!
+//! So far the standard residual; Full and Block AttnRes are refused with an error that says so.
+
+use super::attention;
+use super::cross_entropy;
+use super::device::{Buf, Device, Ids};
+use super::elementwise::{add, add_into, embedding_backward, embedding_forward};
+use super::elementwise::{swiglu_backward, swiglu_forward};
+use super::gemm::{linear, linear_backward};
+use super::rmsnorm;
+use super::rope::{self, RopeTables};
+use crate::kernels::attention::AttnShape;
+use crate::model::params::{LayerParams, Layout};
+use crate::model::{Config, Model};
+use anyhow::{bail, ensure, Result};
+
+/// A model's parameters on the GPU, with what its forward pass needs beside them.
+pub struct GpuModel {
+    pub config: Config,
+    pub layout: Layout,
+    /// Every tensor, laid out as `Model::params`.
+    pub params: Buf<f32>,
+    rope: RopeTables,
+}
+
+/// What the attention sublayer keeps for backward: its input, the norm's 1/rms and output,
+/// the rotated q/k with v, the attention's output and softmax statistics.
+struct AttnSaved {
+    h: Buf<f32>,
+    rstd: Buf<f32>,
+    xn: Buf<f32>,
+    qkv: Buf<f32>,
+    o: Buf<f32>,
+    stats: Buf<f32>,
+}
+
+/// What the MLP keeps: its input, the norm's 1/rms and output, gate/up and the activation.
+struct MlpSaved {
+    h: Buf<f32>,
+    rstd: Buf<f32>,
+    xn: Buf<f32>,
+    gu: Buf<f32>,
+    act: Buf<f32>,
+}
+
+/// A forward pass over `batch` sequences of `seq` tokens.
+pub struct GpuForward {
+    pub batch: usize,
+    pub seq: usize,
+    ids: Ids,
+    attn: Vec<AttnSaved>,
+    mlp: Vec<MlpSaved>,
+    h_final: Buf<f32>,
+    rstd_final: Buf<f32>,
+    xn_final: Buf<f32>,
+    /// `[batch·seq, vocab]`.
+    pub logits: Buf<f32>,
+}
+
+impl GpuModel {
+    /// `model`'s parameters on `dev`; an error for what the GPU does not run yet.
+    pub fn upload(dev: &Device, model: &Model) -> Result<GpuModel> {
+        let c = &model.config;
+        ensure!(
+            !model.is_quantized(),
+            "the model is quantised: the GPU trains and evaluates f32 models"
+        );
+        if c.block_size().is_some() {
+            bail!(
+                "{:?} AttnRes does not run on the GPU yet: only the standard residual does \
+                 (docs/gpu.md)",
+                c.residual
+            );
+        }
+        ensure!(model.layout.total == model.params.len(), "a pipeline stage's part of a model");
+        Ok(GpuModel {
+            config: c.clone(),
+            layout: model.layout.clone(),
+            params: dev.upload(&model.params)?,
+            rope: RopeTables::upload(dev, &model.rope)?,
+        })
+    }
+
+    /// The parameters back on the host, laid out as `Model::params`.
+    pub fn download_params(&self, dev: &Device) -> Result<Vec<f32>> {
+        dev.download(&self.params)
+    }
+
+    fn shape(&self, batch: usize, seq: usize) -> AttnShape {
+        let c = &self.config;
+        AttnShape {
+            batch,
+            seq,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+        }
+    }
+
+    /// Forward over `batch` sequences of `seq` tokens (`ids`, checked as `Model::forward`
+    /// checks them).
+    pub fn forward(
+        &self,
+        dev: &Device,
+        ids: &[u32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<GpuForward> {
+        let c = &self.config;
+        ensure!(batch > 0 && seq > 0, "empty batch");
+        ensure!(ids.len() == batch * seq, "batch has {} ids, expected {batch} x {seq}", ids.len());
+        ensure!(
+            seq <= c.max_position_embeddings,
+            "sequence length {seq} exceeds max_position_embeddings = {}",
+            c.max_position_embeddings
+        );
+        let (d, p, lay) = (c.hidden_size, &self.params, &self.layout);
+        let ids = Ids::upload(dev, ids, c.vocab_size)?;
+        let positions: Vec<usize> = (0..batch * seq).map(|r| r % seq).collect();
+        let sh = self.shape(batch, seq);
+        let mut stream = embedding_forward(dev, p.slice(lay.embed.clone()), &ids, d)?;
+        let (mut attn, mut mlp) = (Vec::new(), Vec::new());
+        for lp in &lay.layers {
+            let (saved, out) = self.attn_forward(dev, lp, stream, &positions, sh)?;
+            stream = add(dev, &saved.h, &out)?;
+            attn.push(saved);
+            let (saved, out) = self.mlp_forward(dev, lp, stream)?;
+            stream = add(dev, &saved.h, &out)?;
+            mlp.push(saved);
+        }
+        let eps = c.rms_norm_eps as f32;
+        let (xn_final, rstd_final) =
+            rmsnorm::forward(dev, &stream, p.slice(lay.final_norm.clone()), d, eps)?;
+        let logits =
+            linear(dev, &xn_final, p.slice(lay.head.clone()), batch * seq, d, c.vocab_size)?;
+        Ok(GpuForward { batch, seq, ids, attn, mlp, h_final: stream, rstd_final, xn_final, logits })
+    }
+
+    /// The attention sublayer on its input `h`: what it keeps, and its output.
+    fn attn_forward(
+        &self,
+        dev: &Device,
+        lp: &LayerParams,
+        h: Buf<f32>,
+        positions: &[usize],
+        sh: AttnShape,
+    ) -> Result<(AttnSaved, Buf<f32>)> {
+        let c = &self.config;
+        let (d, p, n) = (c.hidden_size, &self.params, positions.len());
+        let (qw, ow) = (sh.qkv_width(), sh.out_width());
+        let eps = c.rms_norm_eps as f32;
+        let (xn, rstd) = rmsnorm::forward(dev, &h, p.slice(lp.input_norm.clone()), d, eps)?;
+        let mut qkv = linear(dev, &xn, p.slice(lp.qkv.clone()), n, d, qw)?;
+        let heads = sh.heads + sh.kv_heads;
+        rope::apply(dev, &mut qkv, qw, 0, heads, positions, &self.rope, false)?;
+        let (o, stats) = attention::forward(dev, &qkv, sh)?;
+        let out = linear(dev, &o, p.slice(lp.o_proj.clone()), n, ow, d)?;
+        Ok((AttnSaved { h, rstd, xn, qkv, o, stats }, out))
+    }
+
+    /// The MLP sublayer on its input `h`: what it keeps, and its output.
+    fn mlp_forward(
+        &self,
+        dev: &Device,
+        lp: &LayerParams,
+        h: Buf<f32>,
+    ) -> Result<(MlpSaved, Buf<f32>)> {
+        let c = &self.config;
+        let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
+        let n = h.len() / d;
+        let eps = c.rms_norm_eps as f32;
+        let (xn, rstd) = rmsnorm::forward(dev, &h, p.slice(lp.post_norm.clone()), d, eps)?;
+        let gu = linear(dev, &xn, p.slice(lp.gate_up.clone()), n, d, 2 * f)?;
+        let act = swiglu_forward(dev, &gu, f)?;
+        let out = linear(dev, &act, p.slice(lp.down.clone()), n, f, d)?;
+        Ok((MlpSaved { h, rstd, xn, gu, act }, out))
+    }
+
+    /// The mean loss of `fwd` against `targets`, without gradients.
+    pub fn loss(&self, dev: &Device, fwd: &GpuForward, targets: &[u32]) -> Result<f32> {
+        let c = &self.config;
+        let targets = self.targets(dev, fwd, targets)?;
+        Ok(cross_entropy::loss(dev, &fwd.logits, &targets, c.vocab_size, false)?.0)
+    }
+
+    fn targets(&self, dev: &Device, fwd: &GpuForward, targets: &[u32]) -> Result<Ids> {
+        ensure!(
+            targets.len() == fwd.ids.len(),
+            "targets have {} ids, inputs have {}",
+            targets.len(),
+            fwd.ids.len()
+        );
+        Ids::upload(dev, targets, self.config.vocab_size)
+    }
+
+    /// The mean loss of `fwd` against `targets`, and every parameter's gradient added into
+    /// `grads` (laid out as the parameters).
+    pub fn backward(
+        &self,
+        dev: &Device,
+        fwd: &GpuForward,
+        targets: &[u32],
+        grads: &mut Buf<f32>,
+    ) -> Result<f32> {
+        let c = &self.config;
+        let (d, v, p, lay) = (c.hidden_size, c.vocab_size, &self.params, &self.layout);
+        assert_eq!(grads.len(), p.len());
+        let n = fwd.batch * fwd.seq;
+        let targets = self.targets(dev, fwd, targets)?;
+        let (loss, dlogits) = cross_entropy::loss(dev, &fwd.logits, &targets, v, true)?;
+        let dlogits = dlogits.expect("asked for");
+        let mut dxn = dev.zeros(n * d)?;
+        let head = lay.head.clone();
+        let (dw, w) = (&mut grads.slice_mut(head.clone()), p.slice(head));
+        linear_backward(dev, &mut dxn, dw, &dlogits, &fwd.xn_final, w, n, d, v, false)?;
+        drop(dlogits);
+        let norm = lay.final_norm.clone();
+        let mut dstream = rmsnorm::backward(
+            dev,
+            &mut grads.slice_mut(norm.clone()),
+            &dxn,
+            &fwd.h_final,
+            p.slice(norm),
+            &fwd.rstd_final,
+            d,
+        )?;
+        let sh = self.shape(fwd.batch, fwd.seq);
+        let positions: Vec<usize> = (0..n).map(|r| r % fwd.seq).collect();
+        for (i, lp) in lay.layers.iter().enumerate().rev() {
+            // The stream's gradient is each sublayer's output gradient; the sublayer's input
+            // gradient adds to it.
+            let dh = self.mlp_backward(dev, lp, &fwd.mlp[i], &dstream, grads)?;
+            add_into(dev, &mut dstream, &dh)?;
+            let dh = self.attn_backward(dev, lp, &fwd.attn[i], &dstream, &positions, sh, grads)?;
+            add_into(dev, &mut dstream, &dh)?;
+        }
+        embedding_backward(dev, &mut grads.slice_mut(lay.embed.clone()), &dstream, &fwd.ids, d)?;
+        Ok(loss)
+    }
+
+    /// The MLP's backward from its output gradient `dout`: its input gradient.
+    fn mlp_backward(
+        &self,
+        dev: &Device,
+        lp: &LayerParams,
+        s: &MlpSaved,
+        dout: &Buf<f32>,
+        grads: &mut Buf<f32>,
+    ) -> Result<Buf<f32>> {
+        let c = &self.config;
+        let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
+        let n = s.h.len() / d;
+        let mut dact = dev.zeros(n * f)?;
+        let (dw, w) = (&mut grads.slice_mut(lp.down.clone()), p.slice(lp.down.clone()));
+        linear_backward(dev, &mut dact, dw, dout, &s.act, w, n, f, d, false)?;
+        let dgu = swiglu_backward(dev, &dact, &s.gu, f)?;
+        drop(dact);
+        let mut dxn = dev.zeros(n * d)?;
+        let (dw, w) = (&mut grads.slice_mut(lp.gate_up.clone()), p.slice(lp.gate_up.clone()));
+        linear_backward(dev, &mut dxn, dw, &dgu, &s.xn, w, n, d, 2 * f, false)?;
+        let norm = lp.post_norm.clone();
+        let dg = &mut grads.slice_mut(norm.clone());
+        rmsnorm::backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d)
+    }
+
+    /// The attention sublayer's backward from its output gradient `dout`: its input gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_backward(
+        &self,
+        dev: &Device,
+        lp: &LayerParams,
+        s: &AttnSaved,
+        dout: &Buf<f32>,
+        positions: &[usize],
+        sh: AttnShape,
+        grads: &mut Buf<f32>,
+    ) -> Result<Buf<f32>> {
+        let (d, p, n) = (self.config.hidden_size, &self.params, positions.len());
+        let (qw, ow) = (sh.qkv_width(), sh.out_width());
+        let mut do_ = dev.zeros(n * ow)?;
+        let (dw, w) = (&mut grads.slice_mut(lp.o_proj.clone()), p.slice(lp.o_proj.clone()));
+        linear_backward(dev, &mut do_, dw, dout, &s.o, w, n, ow, d, false)?;
+        let mut dqkv = attention::backward(dev, &do_, &s.qkv, &s.o, &s.stats, sh)?;
+        drop(do_);
+        let heads = sh.heads + sh.kv_heads;
+        rope::apply(dev, &mut dqkv, qw, 0, heads, positions, &self.rope, true)?;
+        let mut dxn = dev.zeros(n * d)?;
+        let (dw, w) = (&mut grads.slice_mut(lp.qkv.clone()), p.slice(lp.qkv.clone()));
+        linear_backward(dev, &mut dxn, dw, &dqkv, &s.xn, w, n, d, qw, false)?;
+        let norm = lp.input_norm.clone();
+        let dg = &mut grads.slice_mut(norm.clone());
+        rmsnorm::backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::ResidualKind;
+    use crate::testutil::assert_close_to_largest;
+
+    /// A small standard model whose shapes cross the kernels' tiles (grouped heads, a sequence
+    /// longer than one attention block, untied head).
+    fn small(tied: bool) -> Model {
+        let c = Config {
+            vocab_size: 97,
+            hidden_size: 64,
+            intermediate_size: 96,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 16,
+            max_position_embeddings: 128,
+            tie_word_embeddings: tied,
+            residual: ResidualKind::Standard,
+            ..Config::default()
+        };
+        Model::init(c, 5).unwrap()
+    }
+
+    /// The loss and every tensor's gradient of one batch, against the CPU engine.
+    fn a_training_pass_matches_the_cpu_engine(dev: &Device) {
+        for tied in [true, false] {
+            let model = small(tied);
+            let (batch, seq) = (2, 70);
+            let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 31 % 97) as u32).collect();
+            let targets: Vec<u32> = (0..batch * seq).map(|i| ((i * 17 + 5) % 97) as u32).collect();
+            let fwd = model.forward(&ids, batch, seq).unwrap();
+            let (want_loss, want) = model.backward(&fwd, &targets).unwrap();
+
+            let gm = GpuModel::upload(dev, &model).unwrap();
+            let gf = gm.forward(dev, &ids, batch, seq).unwrap();
+            let logits = dev.download(&gf.logits).unwrap();
+            assert_close_to_largest(&logits, &fwd.logits, 1e-5, "logits");
+            let mut grads = dev.zeros(model.params.len()).unwrap();
+            let loss = gm.backward(dev, &gf, &targets, &mut grads).unwrap();
+            assert!((loss - want_loss).abs() <= 1e-5 * want_loss, "loss {loss} vs {want_loss}");
+            assert_eq!(gm.loss(dev, &gf, &targets).unwrap(), loss);
+            let got = dev.download(&grads).unwrap();
+            for spec in &model.layout.specs {
+                let r = spec.range.clone();
+                let what = format!("tied {tied}: {}", spec.name);
+                assert_close_to_largest(&got[r.clone()], &want[r], 1e-4, &what);
+            }
+        }
+    }
+    crate::gpu::on_cpu_and_gpu!(a_training_pass_matches_the_cpu_engine);
+
+    #[test]
+    fn attnres_models_are_refused_with_a_reason() {
+        let Some(dev) = crate::gpu::emulator::device("attnres_models_are_refused_with_a_reason")
+        else {
+            return;
+        };
+        for (residual, name) in [(ResidualKind::Block, "Block"), (ResidualKind::Full, "Full")] {
+            let c = Config { num_hidden_layers: 2, num_blocks: 2, residual, ..small(true).config };
+            let err = GpuModel::upload(&dev, &Model::init(c, 1).unwrap()).err().unwrap();
+            let want = format!("{name} AttnRes does not run on the GPU yet");
+            assert!(err.to_string().contains(&want), "{err}");
+        }
+    }
+}
