@@ -15,18 +15,21 @@ use std::ffi::c_void;
 use std::ops::Range;
 use std::sync::Arc;
 
+/// Cloning shares the device: the same context, stream, kernels and buffers' home.
+#[derive(Clone)]
 pub struct Device {
     backend: Backend,
     /// `sm_XY`, what the kernels were compiled for.
     pub arch: String,
 }
 
+#[derive(Clone)]
 enum Backend {
     Cuda {
         /// The context's default stream, which also keeps the context alive.
         stream: Arc<CudaStream>,
         functions: HashMap<&'static str, CudaFunction>,
-        blas: Blas,
+        blas: Arc<Blas>,
     },
     #[cfg(test)]
     Emulated(Arc<super::emulator::Kernels>),
@@ -38,6 +41,8 @@ impl Elem for f32 {}
 impl Elem for u32 {}
 impl Elem for i32 {}
 impl Elem for u16 {}
+impl Elem for i64 {}
+impl Elem for f64 {}
 
 /// Values in the device's memory (in host memory where the kernels are emulated).
 pub struct Buf<T: Elem> {
@@ -248,7 +253,7 @@ impl Device {
             }
         }
         let stream = ctx.default_stream();
-        let blas = Blas::new(&stream)?;
+        let blas = Arc::new(Blas::new(&stream)?);
         Ok(Device { backend: Backend::Cuda { stream, functions, blas }, arch })
     }
 
@@ -314,7 +319,7 @@ impl Device {
     /// cuBLASLt and the stream it runs on (none where the kernels are emulated).
     pub(super) fn blas(&self) -> Option<(&Blas, &Arc<CudaStream>)> {
         match &self.backend {
-            Backend::Cuda { blas, stream, .. } => Some((blas, stream)),
+            Backend::Cuda { blas, stream, .. } => Some((&**blas, stream)),
             #[cfg(test)]
             Backend::Emulated(_) => None,
         }

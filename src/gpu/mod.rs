@@ -20,6 +20,7 @@ pub mod model;
 pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
+pub mod train;
 
 use anyhow::{bail, Result};
 use std::time::Instant;
@@ -29,10 +30,10 @@ pub(crate) const COMMON: &str = include_str!("kernels/reduce.cuh");
 
 /// The engine's CUDA kernels: (file name, source).
 pub const KERNELS: &[(&str, &str)] = &[
-    ("adamw.cu", include_str!("kernels/adamw.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
+    ("optim.cu", include_str!("kernels/optim.cu")),
     ("residual.cu", include_str!("kernels/residual.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),

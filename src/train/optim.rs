@@ -143,6 +143,20 @@ impl Optimizer {
         }
     }
 
+    /// Each tensor's range and whether it decays, where AdamW updates every tensor; an error
+    /// naming a tensor that Muon updates otherwise (the GPU runs AdamW alone so far).
+    pub fn adam_tensors(&self) -> anyhow::Result<Vec<(std::ops::Range<usize>, bool)>> {
+        self.rules
+            .iter()
+            .map(|(range, rule)| match rule {
+                Rule::Adam { decay } => Ok((range.clone(), *decay)),
+                Rule::Muon { .. } => {
+                    anyhow::bail!("optimizer = \"muon\" does not run on the GPU yet: use adamw")
+                }
+            })
+            .collect()
+    }
+
     /// Scales `grads` down to the configured global norm when `norm` (theirs, [`global_norm`])
     /// exceeds it.
     pub fn clip(&self, grads: &mut [f32], norm: f64) {

@@ -1,0 +1,48 @@
+// The optimisers' kernels and the gradient norms they clip by.
+
+// AdamW, as src/kernels/adamw.rs updates a parameter: in f64, each operation rounded on its
+// own (the _rn intrinsics are never fused into multiply-adds), so the GPU gives the CPU's
+// bits. One thread per parameter; bc1, bc2 are the bias corrections 1 - beta^t.
+extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, long long n,
+                                 double beta1, double beta2, double bc1, double bc2, double eps,
+                                 double lr, double weight_decay) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    double gi = (double)g[i];
+    double mi = __dadd_rn(__dmul_rn(beta1, (double)m[i]), __dmul_rn(__dsub_rn(1.0, beta1), gi));
+    double vi = __dadd_rn(__dmul_rn(beta2, (double)v[i]),
+                          __dmul_rn(__dmul_rn(__dsub_rn(1.0, beta2), gi), gi));
+    m[i] = __double2float_rn(mi);
+    v[i] = __double2float_rn(vi);
+    double denom = __dadd_rn(__dsqrt_rn(__ddiv_rn(vi, bc2)), eps);
+    double step = __dadd_rn(__ddiv_rn(__ddiv_rn(mi, bc1), denom), __dmul_rn(weight_decay, (double)p[i]));
+    p[i] = __double2float_rn(__dsub_rn((double)p[i], __dmul_rn(lr, step)));
+}
+
+// Partial sums of squares of each tensor of g, in f64: tensor y = blockIdx.y spans
+// starts[y]..starts[y + 1]; block x of gridDim.x sums every gridDim.x-th stretch of it into
+// partial[y * gridDim.x + x]. The host adds the partials in order. Blocks of 256 threads.
+extern "C" __global__ void tensor_squares(double* partial, const float* g,
+                                          const long long* starts) {
+    __shared__ double sums[256];
+    long long from = starts[blockIdx.y], to = starts[blockIdx.y + 1];
+    double s = 0.0;
+    for (long long i = from + (long long)blockIdx.x * blockDim.x + threadIdx.x; i < to;
+         i += (long long)gridDim.x * blockDim.x) {
+        double v = (double)g[i];
+        s += v * v;
+    }
+    sums[threadIdx.x] = s;
+    __syncthreads();
+    for (int n = blockDim.x / 2; n > 0; n >>= 1) {
+        if (threadIdx.x < n) sums[threadIdx.x] += sums[threadIdx.x + n];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) partial[blockIdx.y * gridDim.x + blockIdx.x] = sums[0];
+}
+
+// x *= s, in f32 (the CPU's clipping and averaging). One thread per value.
+extern "C" __global__ void scale(float* x, float s, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= s;
+}

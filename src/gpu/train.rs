@@ -1,0 +1,189 @@
+//! Training steps on the GPU: the model, its gradients and the optimiser's state stay on the
+//! device between steps; the host hands over token ids and takes back the step's figures, and
+//! the weights and state when the run validates or writes a checkpoint ([`GpuTrainer::sync`]),
+//! so that checkpoints are the CPU's, in the same format, and resume on either.
+//!
+//! One step is `crate::train::step::optimizer_step` on the device: forward and backward over
+//! each micro-batch, the mean gradient, clipping by the global norm, the AdamW update.
+
+use super::device::{Buf, Device};
+use super::model::GpuModel;
+use super::optim::{scale, tensor_squares, GpuOptimizer};
+use crate::model::params::Layout;
+use crate::model::Model;
+use crate::train::optim::{global_norm, Optimizer};
+use crate::train::step::{check_loss, non_finite_advice, StepOutcome};
+use anyhow::{bail, Result};
+
+pub struct GpuTrainer {
+    pub dev: Device,
+    pub model: GpuModel,
+    opt: GpuOptimizer,
+    grads: Buf<f32>,
+}
+
+impl GpuTrainer {
+    /// `model` and `opt` on `dev`.
+    pub fn new(dev: Device, model: &Model, opt: &Optimizer) -> Result<GpuTrainer> {
+        let gm = GpuModel::upload(&dev, model)?;
+        let gopt = GpuOptimizer::upload(&dev, opt)?;
+        let grads = dev.zeros(model.params.len())?;
+        Ok(GpuTrainer { dev, model: gm, opt: gopt, grads })
+    }
+
+    /// One optimiser step over `micro_batches` of `rows` sequences each, at learning rate `lr`;
+    /// `step` (from 0) names the step in errors.
+    pub fn step(
+        &mut self,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+        lr: f64,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        anyhow::ensure!(!micro_batches.is_empty(), "a step needs at least one micro-batch");
+        let dev = &self.dev;
+        dev.fill_zeros(&mut self.grads)?;
+        let mut loss_sum = 0.0f64;
+        for (ids, targets) in micro_batches {
+            let fwd = self.model.forward(dev, ids, rows, ids.len() / rows)?;
+            let loss = self.model.backward(dev, &fwd, targets, &mut self.grads)?;
+            check_loss(loss, &self.opt.config, step)?;
+            loss_sum += loss as f64;
+        }
+        let accum = micro_batches.len();
+        if accum > 1 {
+            scale(dev, &mut self.grads, 1.0 / accum as f32)?;
+        }
+        let layout = &self.model.layout;
+        let squares = tensor_squares(dev, layout, &self.grads)?;
+        let grad_norm = global_norm(&squares);
+        if !grad_norm.is_finite() {
+            let first = layout.specs.iter().zip(&squares).find(|(_, s)| !s.is_finite());
+            bail!(
+                "the gradient norm became {grad_norm} at step {} (first in {}); {}",
+                step + 1,
+                first.map_or("?", |(s, _)| s.name.as_str()),
+                non_finite_advice(&self.opt.config, step, false)
+            );
+        }
+        self.opt.clip(dev, &mut self.grads, grad_norm)?;
+        self.opt.update(dev, &mut self.model.params, &self.grads, lr)?;
+        Ok(StepOutcome {
+            lr,
+            train_loss: loss_sum / accum as f64,
+            grad_norm,
+            sublayer_grad_norms: sublayer_norms(layout, &squares),
+            pipeline_bytes: None,
+        })
+    }
+
+    /// The device's weights into `model` and, with `opt`, its optimiser state into `opt`.
+    pub fn sync(&self, model: &mut Model, opt: Option<&mut Optimizer>) -> Result<()> {
+        model.params = self.model.download_params(&self.dev)?;
+        if let Some(opt) = opt {
+            self.opt.download_into(&self.dev, opt)?;
+        }
+        Ok(())
+    }
+
+    /// The mean loss of `batches` (ids and targets of `rows` sequences each), without
+    /// gradients: validation on the device.
+    pub fn mean_loss(&self, batches: &[(Vec<u32>, Vec<u32>)], rows: usize) -> Result<f64> {
+        let mut sum = 0.0f64;
+        for (ids, targets) in batches {
+            let fwd = self.model.forward(&self.dev, ids, rows, ids.len() / rows)?;
+            sum += self.model.loss(&self.dev, &fwd, targets)? as f64;
+        }
+        Ok(sum / batches.len().max(1) as f64)
+    }
+}
+
+/// Each sublayer's gradient norm (its norm gain and matrices), from the tensors' sums of
+/// squares, as `crate::model::diagnostics::sublayer_grad_norms` takes it from the gradients.
+fn sublayer_norms(layout: &Layout, squares: &[f64]) -> Vec<f64> {
+    let within = |ranges: &[&std::ops::Range<usize>]| -> f64 {
+        let inside = |r: &std::ops::Range<usize>| {
+            ranges.iter().any(|o| o.start <= r.start && r.end <= o.end)
+        };
+        let sum: f64 = layout
+            .specs
+            .iter()
+            .zip(squares)
+            .filter(|(s, _)| inside(&s.range))
+            .map(|(_, q)| q)
+            .sum();
+        sum.sqrt()
+    };
+    layout
+        .layers
+        .iter()
+        .flat_map(|lp| {
+            [
+                within(&[&lp.input_norm, &lp.qkv, &lp.o_proj]),
+                within(&[&lp.post_norm, &lp.gate_up, &lp.down]),
+            ]
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Config, ResidualKind};
+    use crate::train::optim::OptimConfig;
+    use crate::train::step::{optimizer_step, Pass};
+
+    /// Six steps of two micro-batches, with clipping at work: each step's loss, gradient norm
+    /// and sublayer norms against the CPU's steps from the same start, and the weights after.
+    fn training_steps_match_the_cpu_engine(dev: &Device) {
+        let c = Config {
+            vocab_size: 61,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_hidden_layers: 2,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 8,
+            max_position_embeddings: 64,
+            residual: ResidualKind::Standard,
+            tie_word_embeddings: false,
+            ..Config::default()
+        };
+        let mut cpu = Model::init(c, 9).unwrap();
+        let oc =
+            OptimConfig { lr: 1e-2, grad_clip: 0.5, warmup_steps: 2, ..OptimConfig::default() };
+        let mut cpu_opt = Optimizer::new(oc, &cpu.layout);
+        let dev = dev.clone();
+        let mut gpu = GpuTrainer::new(dev, &cpu, &cpu_opt).unwrap();
+        let (rows, seq) = (2, 20);
+        let batch = |step: usize, k: usize| -> (Vec<u32>, Vec<u32>) {
+            let at = |i: usize| ((i * 7 + step * 13 + k * 5) % 61) as u32;
+            ((0..rows * seq).map(at).collect(), (0..rows * seq).map(|i| at(i + 1)).collect())
+        };
+        for step in 0..6 {
+            let mbs = [batch(step, 0), batch(step, 1)];
+            let lr = crate::train::optim::lr_at(&cpu_opt.config, step, 6);
+            let want =
+                optimizer_step(&mut cpu, &mut cpu_opt, &mbs, Pass::rows(rows), lr, step).unwrap();
+            let got = gpu.step(&mbs, rows, lr, step).unwrap();
+            let close = |a: f64, b: f64, what: &str| {
+                assert!((a - b).abs() <= 1e-4 * b.abs(), "step {step}: {what} {a} vs {b}")
+            };
+            close(got.train_loss, want.train_loss, "loss");
+            close(got.grad_norm, want.grad_norm, "gradient norm");
+            for (g, w) in got.sublayer_grad_norms.iter().zip(&want.sublayer_grad_norms) {
+                close(*g, *w, "sublayer gradient norm");
+            }
+            assert!(want.grad_norm > 0.5, "step {step}: clipping never acted");
+        }
+        let mut synced = Model::init(cpu.config.clone(), 1).unwrap();
+        let mut synced_opt = Optimizer::new(cpu_opt.config.clone(), &cpu.layout);
+        gpu.sync(&mut synced, Some(&mut synced_opt)).unwrap();
+        assert_eq!(synced_opt.step, 6);
+        // AdamW moves every weight by about lr a step whatever its gradient's size, so weights
+        // whose gradients are mere rounding may part by a step's worth.
+        let moved = synced.params.iter().zip(&cpu.params).filter(|(a, b)| (*a - *b).abs() > 1e-3);
+        assert!(moved.count() <= cpu.params.len() / 1000, "the weights parted from the CPU's");
+    }
+    crate::gpu::on_cpu_and_gpu!(training_steps_match_the_cpu_engine);
+}
