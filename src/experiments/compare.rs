@@ -184,6 +184,7 @@ pub fn run(plan: &Plan, opts: &CompareOptions) -> Result<()> {
                     offset,
                     label: label.clone(),
                 }),
+                device: run::Hardware::Cpu,
             };
             if bar.is_none() {
                 log(&label);

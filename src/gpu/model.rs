@@ -61,13 +61,8 @@ pub struct GpuForward {
 }
 
 impl GpuModel {
-    /// `model`'s parameters on `dev`; an error for what the GPU does not run yet.
-    pub fn upload(dev: &Device, model: &Model) -> Result<GpuModel> {
-        let c = &model.config;
-        ensure!(
-            !model.is_quantized(),
-            "the model is quantised: the GPU trains and evaluates f32 models"
-        );
+    /// An error for a model the GPU does not run yet.
+    pub fn check_config(c: &Config) -> Result<()> {
         if c.block_size().is_some() {
             bail!(
                 "{:?} AttnRes does not run on the GPU yet: only the standard residual does \
@@ -75,6 +70,17 @@ impl GpuModel {
                 c.residual
             );
         }
+        Ok(())
+    }
+
+    /// `model`'s parameters on `dev`; an error for what the GPU does not run yet.
+    pub fn upload(dev: &Device, model: &Model) -> Result<GpuModel> {
+        let c = &model.config;
+        ensure!(
+            !model.is_quantized(),
+            "the model is quantised: the GPU trains and evaluates f32 models"
+        );
+        GpuModel::check_config(c)?;
         ensure!(model.layout.total == model.params.len(), "a pipeline stage's part of a model");
         Ok(GpuModel {
             config: c.clone(),

@@ -11,6 +11,7 @@ use super::model::GpuModel;
 use super::optim::{scale, tensor_squares, GpuOptimizer};
 use crate::model::params::Layout;
 use crate::model::Model;
+use crate::train::config::TrainConfig;
 use crate::train::optim::{global_norm, Optimizer};
 use crate::train::step::{check_loss, non_finite_advice, StepOutcome};
 use anyhow::{bail, Result};
@@ -23,6 +24,15 @@ pub struct GpuTrainer {
 }
 
 impl GpuTrainer {
+    /// An error for training settings the GPU does not run yet.
+    pub fn check_settings(t: &TrainConfig) -> Result<()> {
+        anyhow::ensure!(
+            !t.recompute,
+            "recompute = true does not run on the GPU yet: set recompute=false"
+        );
+        Ok(())
+    }
+
     /// `model` and `opt` on `dev`.
     pub fn new(dev: Device, model: &Model, opt: &Optimizer) -> Result<GpuTrainer> {
         let gm = GpuModel::upload(&dev, model)?;
@@ -86,15 +96,11 @@ impl GpuTrainer {
         Ok(())
     }
 
-    /// The mean loss of `batches` (ids and targets of `rows` sequences each), without
+    /// The mean loss of `rows` sequences of `seq` tokens against their targets, without
     /// gradients: validation on the device.
-    pub fn mean_loss(&self, batches: &[(Vec<u32>, Vec<u32>)], rows: usize) -> Result<f64> {
-        let mut sum = 0.0f64;
-        for (ids, targets) in batches {
-            let fwd = self.model.forward(&self.dev, ids, rows, ids.len() / rows)?;
-            sum += self.model.loss(&self.dev, &fwd, targets)? as f64;
-        }
-        Ok(sum / batches.len().max(1) as f64)
+    pub fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32> {
+        let fwd = self.model.forward(&self.dev, ids, rows, seq)?;
+        self.model.loss(&self.dev, &fwd, targets)
     }
 }
 
@@ -130,12 +136,20 @@ fn sublayer_norms(layout: &Layout, squares: &[f64]) -> Vec<f64> {
 mod tests {
     use super::*;
     use crate::model::{Config, ResidualKind};
-    use crate::train::optim::OptimConfig;
+    use crate::train::optim::{OptimConfig, OptimizerKind};
     use crate::train::step::{optimizer_step, Pass};
 
-    /// Six steps of two micro-batches, with clipping at work: each step's loss, gradient norm
-    /// and sublayer norms against the CPU's steps from the same start, and the weights after.
+    /// Six steps of two micro-batches, with clipping at work, under AdamW and under Muon:
+    /// each step's loss, gradient norm and sublayer norms against the CPU's steps from the
+    /// same start, and the weights after.
     fn training_steps_match_the_cpu_engine(dev: &Device) {
+        for optimizer in [OptimizerKind::Adamw, OptimizerKind::Muon] {
+            steps_match(dev, optimizer);
+        }
+    }
+    crate::gpu::on_cpu_and_gpu!(training_steps_match_the_cpu_engine);
+
+    fn steps_match(dev: &Device, optimizer: OptimizerKind) {
         let c = Config {
             vocab_size: 61,
             hidden_size: 32,
@@ -167,7 +181,10 @@ mod tests {
                 optimizer_step(&mut cpu, &mut cpu_opt, &mbs, Pass::rows(rows), lr, step).unwrap();
             let got = gpu.step(&mbs, rows, lr, step).unwrap();
             let close = |a: f64, b: f64, what: &str| {
-                assert!((a - b).abs() <= 1e-4 * b.abs(), "step {step}: {what} {a} vs {b}")
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs(),
+                    "{optimizer:?} step {step}: {what} {a} vs {b}"
+                )
             };
             close(got.train_loss, want.train_loss, "loss");
             close(got.grad_norm, want.grad_norm, "gradient norm");
@@ -183,7 +200,6 @@ mod tests {
         // AdamW moves every weight by about lr a step whatever its gradient's size, so weights
         // whose gradients are mere rounding may part by a step's worth.
         let moved = synced.params.iter().zip(&cpu.params).filter(|(a, b)| (*a - *b).abs() > 1e-3);
-        assert!(moved.count() <= cpu.params.len() / 1000, "the weights parted from the CPU's");
+        assert!(moved.count() <= cpu.params.len() / 1000, "{optimizer:?}: the weights parted");
     }
-    crate::gpu::on_cpu_and_gpu!(training_steps_match_the_cpu_engine);
 }

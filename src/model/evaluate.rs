@@ -14,6 +14,23 @@ pub fn windowed_loss(
     micro_batch: usize,
     max_tokens: usize,
 ) -> Result<(f64, usize)> {
+    windowed_loss_by(ids, seq, micro_batch, max_tokens, |x, y, rows, t| {
+        // No backward follows: keep of each sublayer only its input (as recomputation does),
+        // not its work, so that validation takes less memory than a training step.
+        let f = model.forward_with(x, rows, t, true)?;
+        model.loss(&f, y)
+    })
+}
+
+/// [`windowed_loss`] with the model's mean loss given by `loss(ids, targets, rows, seq)`, for
+/// `rows` windows of `seq` tokens (the GPU's, for one).
+pub fn windowed_loss_by(
+    ids: &[u32],
+    seq: usize,
+    micro_batch: usize,
+    max_tokens: usize,
+    mut loss: impl FnMut(&[u32], &[u32], usize, usize) -> Result<f32>,
+) -> Result<(f64, usize)> {
     ensure!(ids.len() >= 2, "need at least two tokens to measure a loss");
     let mut starts: Vec<usize> = (0..ids.len() - 1).step_by(seq).collect();
     if max_tokens > 0 {
@@ -28,16 +45,12 @@ pub fn windowed_loss(
             x.extend_from_slice(&ids[s..s + seq]);
             y.extend_from_slice(&ids[s + 1..s + seq + 1]);
         }
-        // No backward follows: keep of each sublayer only its input (as recomputation does),
-        // not its work, so that validation takes less memory than a training step.
-        let f = model.forward_with(&x, chunk.len(), seq, true)?;
-        nats += model.loss(&f, &y)? as f64 * y.len() as f64;
+        nats += loss(&x, &y, chunk.len(), seq)? as f64 * y.len() as f64;
         count += y.len();
     }
     for s in last {
         let t = ids.len() - 1 - s;
-        let f = model.forward_with(&ids[s..s + t], 1, t, true)?;
-        nats += model.loss(&f, &ids[s + 1..])? as f64 * t as f64;
+        nats += loss(&ids[s..s + t], &ids[s + 1..], 1, t)? as f64 * t as f64;
         count += t;
     }
     Ok((nats, count))

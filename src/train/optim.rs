@@ -98,7 +98,7 @@ pub fn lr_at(c: &OptimConfig, step: usize, total: usize) -> f64 {
 
 /// How one parameter tensor is updated.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Rule {
+pub enum Rule {
     Adam { decay: bool },
     Muon { rows: usize, cols: usize },
 }
@@ -143,18 +143,9 @@ impl Optimizer {
         }
     }
 
-    /// Each tensor's range and whether it decays, where AdamW updates every tensor; an error
-    /// naming a tensor that Muon updates otherwise (the GPU runs AdamW alone so far).
-    pub fn adam_tensors(&self) -> anyhow::Result<Vec<(std::ops::Range<usize>, bool)>> {
-        self.rules
-            .iter()
-            .map(|(range, rule)| match rule {
-                Rule::Adam { decay } => Ok((range.clone(), *decay)),
-                Rule::Muon { .. } => {
-                    anyhow::bail!("optimizer = \"muon\" does not run on the GPU yet: use adamw")
-                }
-            })
-            .collect()
+    /// Each tensor's range and how it is updated.
+    pub fn rules(&self) -> &[(std::ops::Range<usize>, Rule)] {
+        &self.rules
     }
 
     /// Scales `grads` down to the configured global norm when `norm` (theirs, [`global_norm`])

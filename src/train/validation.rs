@@ -2,7 +2,7 @@
 //! floor a useful model must beat.
 
 use super::tokens::Tokens;
-use crate::model::evaluate::windowed_loss;
+use crate::model::evaluate::{windowed_loss, windowed_loss_by};
 use crate::model::Model;
 use anyhow::Result;
 
@@ -17,10 +17,30 @@ pub fn validate(
 ) -> Result<(f64, f64)> {
     let n = tokens.val_len();
     let val: Vec<u32> = tokens.val(0..n);
-    let (nats, count) = windowed_loss(model, &val, seq.min(n - 1), micro_batch, max_tokens)?;
+    let measured = windowed_loss(model, &val, seq.min(n - 1), micro_batch, max_tokens)?;
+    Ok(per_token_and_byte(tokens, measured))
+}
+
+/// [`validate`] with the model's mean loss given by `loss` ([`windowed_loss_by`]).
+pub fn validate_by(
+    tokens: &Tokens,
+    seq: usize,
+    micro_batch: usize,
+    max_tokens: usize,
+    loss: impl FnMut(&[u32], &[u32], usize, usize) -> Result<f32>,
+) -> Result<(f64, f64)> {
+    let n = tokens.val_len();
+    let val: Vec<u32> = tokens.val(0..n);
+    let measured = windowed_loss_by(&val, seq.min(n - 1), micro_batch, max_tokens, loss)?;
+    Ok(per_token_and_byte(tokens, measured))
+}
+
+/// Mean loss per token and bits per byte from summed nats over `count` tokens.
+fn per_token_and_byte(tokens: &Tokens, (nats, count): (f64, usize)) -> (f64, f64) {
+    let n = tokens.val_len();
     let loss = nats / count as f64;
     let bytes_per_token = tokens.val_bytes as f64 / n as f64;
-    Ok((loss, loss / std::f64::consts::LN_2 / bytes_per_token))
+    (loss, loss / std::f64::consts::LN_2 / bytes_per_token)
 }
 
 /// Bits per byte of the validation split under a unigram model of the training tokens (add-one

@@ -357,6 +357,10 @@ pub(crate) struct TrainArgs {
     /// Plain log lines instead of a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (standard residual and
+    /// AdamW so far, fp32; docs/gpu.md). Checkpoints are the same either way.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
     /// Under mpirun: how the ranks add their gradients. exact: in the order one process adds
     /// them (bit-identical to training alone); mpi: MPI's all-reduce (docs/distributed.md).
     #[arg(long, value_enum, default_value_t = ReduceArg::Exact)]
@@ -532,6 +536,24 @@ pub(crate) struct GenerateArgs {
 /// The named presets (configs/), as `--preset` accepts them.
 fn preset_names() -> PossibleValuesParser {
     PossibleValuesParser::new(presets::names())
+}
+
+/// Where a command computes (`--device`).
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum DeviceArg {
+    /// The CPU's threads.
+    Cpu,
+    /// The first NVIDIA GPU.
+    Cuda,
+}
+
+impl From<DeviceArg> for attnres::train::run::Hardware {
+    fn from(d: DeviceArg) -> Self {
+        match d {
+            DeviceArg::Cpu => attnres::train::run::Hardware::Cpu,
+            DeviceArg::Cuda => attnres::train::run::Hardware::Cuda,
+        }
+    }
 }
 
 /// How the ranks of a job add their gradients (`--reduce`).

@@ -205,6 +205,7 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
         overwrite: a.overwrite,
         progress: !a.no_progress,
         shared_bar: None,
+        device: a.device.into(),
     };
     let reduce = a.reduce.get();
     let layout = Layout {

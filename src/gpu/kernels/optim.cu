@@ -46,3 +46,44 @@ extern "C" __global__ void scale(float* x, float s, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] *= s;
 }
+
+// Muon's Nesterov momentum, as src/train/optim.rs takes it: buf = mu * buf + g, and the
+// direction dir = g + mu * buf, rounded one operation at a time. One thread per value.
+extern "C" __global__ void muon_momentum(float* buf, float* dir, const float* g, float mu,
+                                         long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float b = __fadd_rn(__fmul_rn(mu, buf[i]), g[i]);
+    buf[i] = b;
+    dir[i] = __fadd_rn(g[i], __fmul_rn(mu, b));
+}
+
+// out = alpha * p + beta * q (out may be p or q), rounded one operation at a time: the
+// Newton-Schulz steps' sums.
+extern "C" __global__ void combine(float* out, const float* p, float alpha, const float* q,
+                                   float beta, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = __fadd_rn(__fmul_rn(alpha, p[i]), __fmul_rn(beta, q[i]));
+}
+
+// x /= d. One thread per value.
+extern "C" __global__ void divide(float* x, float d, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = __fdiv_rn(x[i], d);
+}
+
+// out[cols, rows] = in[rows, cols] transposed. One thread per value.
+extern "C" __global__ void transpose(float* out, const float* in, int rows, int cols) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * cols) return;
+    long long r = i / cols, c = i % cols;
+    out[c * rows + r] = in[i];
+}
+
+// Muon's update with decoupled weight decay, in f64 as the CPU takes it:
+// p = p * decay - lr_scale * o. One thread per value.
+extern "C" __global__ void muon_apply(float* p, const float* o, double decay, double lr_scale,
+                                      long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) p[i] = __double2float_rn(__dsub_rn(__dmul_rn((double)p[i], decay), __dmul_rn(lr_scale, (double)o[i])));
+}

@@ -13,10 +13,12 @@ use super::config::RunConfig;
 use super::optim::{lr_at, Optimizer};
 use super::step::{micro_batch, optimizer_step, Pass, StepOutcome};
 use super::tokens::{Tokens, WindowOrder};
-use super::validation::{unigram_bits_per_byte, validate};
+use super::validation::{unigram_bits_per_byte, validate, validate_by};
 use crate::base::fs::write_atomic;
 use crate::base::progress::SharedBar;
 use crate::base::version::CodeVersion;
+use crate::gpu::model::GpuModel;
+use crate::gpu::train::GpuTrainer;
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
 use crate::train::parallel::{self, Group};
@@ -45,6 +47,18 @@ pub struct TrainOptions {
     /// Report progress on this bar (shared by the runs of a comparison) instead of a bar of the
     /// run's own.
     pub shared_bar: Option<SharedBar>,
+    /// Where the steps run. Not a setting of the run: a run resumes on either.
+    pub device: Hardware,
+}
+
+/// Where a run's steps run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Hardware {
+    #[default]
+    Cpu,
+    /// The first NVIDIA GPU (docs/gpu.md): the model, its gradients and the optimiser's state
+    /// live there; validation runs there; checkpoints are the CPU's.
+    Cuda,
 }
 
 /// The longest a run trains without writing a checkpoint, in seconds (besides the step under
@@ -66,10 +80,29 @@ pub fn train(run: Option<RunConfig>, opts: &TrainOptions) -> Result<f64> {
 /// with the same arguments; rank 0 alone reads and writes the run directory). Returns the
 /// final validation loss (NaN on the other ranks).
 pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Group>) -> Result<f64> {
+    // A GPU run fails before it writes anything where it cannot run at all.
+    let dev = match opts.device {
+        Hardware::Cpu => None,
+        Hardware::Cuda => {
+            anyhow::ensure!(
+                group.is_none(),
+                "--device cuda trains on one GPU in one process, not under mpirun"
+            );
+            if let Some(r) = &run {
+                GpuModel::check_config(&r.model)?;
+                GpuTrainer::check_settings(&r.train)?;
+            }
+            Some(crate::gpu::device::Device::open(0)?)
+        }
+    };
     let mut trainer = match group {
         None => Trainer::start(run, opts, 1, true)?,
         Some(g) => Trainer::start_group(run, opts, g)?,
     };
+    if let Some(dev) = dev {
+        GpuTrainer::check_settings(&trainer.run.train)?;
+        trainer.gpu = Some(GpuTrainer::new(dev, &trainer.model, &trainer.opt)?);
+    }
     if trainer.at.step == 0 {
         // A run is resumable from its first moment: a kill before the first regular checkpoint
         // resumes at step 0 instead of leaving a directory that can only be overwritten.
@@ -87,6 +120,9 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
             (true, false) => Whole::Weights,
             (false, false) => Whole::Nothing,
         };
+        if whole == Whole::State {
+            trainer.sync_from_gpu(true)?;
+        }
         trainer.lead(whole, |t| {
             let mut record = outcome.record(&t.at, t.run.train.batch_tokens);
             if evaluated {
@@ -99,6 +135,7 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
             Ok(())
         })?;
     }
+    trainer.sync_from_gpu(false)?;
     trainer.lead_finish()
 }
 
@@ -189,6 +226,8 @@ struct Trainer<'g> {
     started: Instant,
     throughput: Throughput,
     last_val: f64,
+    /// Where the steps run when they run on a GPU.
+    gpu: Option<GpuTrainer>,
 }
 
 /// What every rank sets up for itself: the rest of a [`Trainer`] starts the same on every
@@ -237,6 +276,7 @@ impl<'g> Trainer<'g> {
             started: now,
             throughput: Throughput { tokens: 0, since: now },
             last_val: f64::NAN,
+            gpu: None,
         }
     }
 }
@@ -264,9 +304,10 @@ impl<'g> Trainer<'g> {
         self.at.windows_seen += (accumulation * tc.micro_batch) as u64;
         let (model, opt, step) = (&mut self.model, &mut self.opt, self.at.step);
         let pass = Pass { rows: tc.micro_batch, recompute: tc.recompute };
-        let done = match self.group {
-            None => optimizer_step(model, opt, &micro_batches, pass, lr, step)?,
-            Some(g) => g.optimizer_step(model, opt, &micro_batches, pass, lr, step)?,
+        let done = match (self.group, self.gpu.as_mut()) {
+            (_, Some(gpu)) => gpu.step(&micro_batches, tc.micro_batch, lr, step)?,
+            (None, None) => optimizer_step(model, opt, &micro_batches, pass, lr, step)?,
+            (Some(g), None) => g.optimizer_step(model, opt, &micro_batches, pass, lr, step)?,
         };
         self.at.train_seconds += t_step.elapsed().as_secs_f64();
         self.at.step += 1;
@@ -329,7 +370,33 @@ impl<'g> Trainer<'g> {
 
     fn validate(&self) -> Result<(f64, f64)> {
         let tc = &self.run.train;
-        validate(&self.model, &self.tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens)
+        let (tokens, seq, rows, max) = (&self.tokens, tc.seq_len, tc.micro_batch, tc.eval_tokens);
+        match &self.gpu {
+            Some(gpu) => validate_by(tokens, seq, rows, max, |x, y, r, t| gpu.loss(x, y, r, t)),
+            None => validate(&self.model, tokens, seq, rows, max),
+        }
+    }
+
+    /// The GPU's weights (and, with `state`, optimiser state) into the host's model and
+    /// optimiser, which checkpoints, diagnostics and the summary read.
+    fn sync_from_gpu(&mut self, state: bool) -> Result<()> {
+        if let Some(gpu) = &self.gpu {
+            gpu.sync(&mut self.model, state.then_some(&mut self.opt))?;
+            if let Some(name) =
+                crate::train::step::first_non_finite(&self.model.layout, &self.model.params)
+            {
+                anyhow::bail!(
+                    "the weights became non-finite on the GPU by step {} (first in {name}); {}",
+                    self.at.step,
+                    crate::train::step::non_finite_advice(
+                        &self.run.train.optim,
+                        self.at.step,
+                        true
+                    )
+                );
+            }
+        }
+        Ok(())
     }
 
     /// Appends the step's record to `metrics.jsonl` and shows progress; the throughput window
