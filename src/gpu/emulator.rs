@@ -16,6 +16,36 @@ use std::sync::{Arc, OnceLock};
 
 const HEADER: &str = include_str!("emulator/emu.h");
 
+/// The fibers' switch, once for the library: save the callee-saved registers on the stack
+/// left, swap stack pointers, pop them from the stack entered (x86-64 System V).
+const RUNTIME: &str = r#"
+#if defined(__x86_64__)
+asm(R"(
+    .text
+    .globl emu_switch
+    .type emu_switch, @function
+emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size emu_switch, .-emu_switch
+    .section .note.GNU-stack,"",@progbits
+)");
+#endif
+"#;
+
 /// `emu_NAME(config, args)`: 0 when the launch ran (else as `emu::run` says).
 type Entry = unsafe extern "C" fn(*const Config, *mut *mut c_void) -> i32;
 
@@ -91,7 +121,7 @@ fn cpp_source(file: &str, src: &str) -> String {
 fn build() -> Result<Kernels> {
     // A folder per version of the sources, so that a stale library is never loaded.
     let mut hash = std::hash::DefaultHasher::new();
-    std::hash::Hash::hash(&(HEADER, COMMON, KERNELS), &mut hash);
+    std::hash::Hash::hash(&(HEADER, RUNTIME, COMMON, KERNELS), &mut hash);
     let dir = std::env::temp_dir()
         .join(format!("attnres-gpu-emulator-{:016x}", std::hash::Hasher::finish(&hash)));
     let library = dir.join("kernels.so");
@@ -119,7 +149,9 @@ fn build() -> Result<Kernels> {
 fn compile(dir: &Path, library: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::write(dir.join("emu.h"), HEADER)?;
-    let mut sources: Vec<PathBuf> = Vec::new();
+    let runtime = dir.join("runtime.cpp");
+    std::fs::write(&runtime, RUNTIME)?;
+    let mut sources: Vec<PathBuf> = vec![runtime];
     for &(file, src) in KERNELS {
         let path = dir.join(format!("{file}.cpp"));
         std::fs::write(&path, cpp_source(file, src))?;

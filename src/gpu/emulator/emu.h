@@ -1,5 +1,5 @@
 // The CUDA C that the engine's kernels use, on the CPU, so that the tests run every kernel
-// without a GPU (src/gpu/emulator.rs). Each thread of a block is a fiber (ucontext) on one
+// without a GPU (src/gpu/emulator.rs). Each thread of a block is a fiber on one
 // worker thread, which switches fibers at __syncthreads and at the warp shuffles; the blocks
 // of a launch are shared among a few worker threads, each with its own shared memory. It
 // checks what a kernel computes, not how fast: a GPU still has the last word (its memory
@@ -80,8 +80,40 @@ using Kernel = std::function<void()>;
 
 enum class State { Runnable, AtBlockBarrier, AtWarpBarrier, Done };
 
+#if defined(__x86_64__)
+// A fiber's saved stack pointer: switching saves the callee-saved registers on the stack it
+// leaves and pops them from the one it enters (emu_switch, in the runtime's own translation
+// unit: emulator.rs). No system call, unlike swapcontext, which saves the signal mask.
+struct Context {
+    void* sp = nullptr;
+};
+extern "C" void emu_switch(void** save, void* to);
+inline void switch_to(Context& from, Context& to) { emu_switch(&from.sp, to.sp); }
+// A stack whose first switch "returns" into `entry`, aligned as if `entry` had been called.
+inline void start(Context& c, char* stack, size_t bytes, void (*entry)()) {
+    uintptr_t top = ((uintptr_t)(stack + bytes)) & ~(uintptr_t)15;
+    void** sp = reinterpret_cast<void**>(top);
+    *--sp = nullptr;                             // entry's return address: it never returns
+    *--sp = reinterpret_cast<void*>(entry);      // popped by emu_switch's ret
+    for (int r = 0; r < 6; r++) *--sp = nullptr;  // rbp, rbx, r12-r15
+    c.sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+inline void switch_to(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void start(Context& c, char* stack, size_t bytes, void (*entry)()) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack;
+    c.uc.uc_stack.ss_size = bytes;
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, entry, 0);
+}
+#endif
+
 struct Fiber {
-    ucontext_t context;
+    Context context;
     char* stack;
     dim3 index;
     int rank;
@@ -91,7 +123,7 @@ struct Fiber {
 // One worker thread: the fibers of the block it runs, and what they share.
 struct Worker {
     const Kernel* kernel;
-    ucontext_t scheduler;
+    Context scheduler;
     std::vector<Fiber> fibers;
     Fiber* current = nullptr;
     std::vector<uint64_t> warp_slots;
@@ -119,25 +151,22 @@ inline void wait(State state) {
     Worker* w = worker;
     Fiber* f = w->current;
     f->state = state;
-    swapcontext(&f->context, &w->scheduler);
+    switch_to(f->context, w->scheduler);
 }
 
 inline void fiber_main() {
     Worker* w = worker;
     (*w->kernel)();
     w->current->state = State::Done;
-    // uc_link returns to the scheduler.
+    // Back to the scheduler, never to return here.
+    switch_to(w->current->context, w->scheduler);
 }
 
 // Runs one block: every fiber until all are done, releasing barriers as they fill.
 inline void run_block(Worker& w) {
     int n = (int)w.fibers.size();
     for (auto& f : w.fibers) {
-        getcontext(&f.context);
-        f.context.uc_stack.ss_sp = f.stack;
-        f.context.uc_stack.ss_size = STACK_BYTES;
-        f.context.uc_link = &w.scheduler;
-        makecontext(&f.context, fiber_main, 0);
+        start(f.context, f.stack, STACK_BYTES, fiber_main);
         f.state = State::Runnable;
     }
     for (;;) {
@@ -147,7 +176,7 @@ inline void run_block(Worker& w) {
             ran = true;
             w.current = &f;
             threadIdx = f.index;
-            swapcontext(&w.scheduler, &f.context);
+            switch_to(w.scheduler, f.context);
         }
         int live = 0, at_block = 0;
         for (auto& f : w.fibers) {
