@@ -28,9 +28,11 @@ pub fn loss(
         Arg::i32(v as i32),
         Arg::f32(inv),
     ];
+    // About four values per thread, up to a block of 1024 (a vocabulary of 4096 and more).
+    let threads = (v / 4).next_power_of_two().clamp(32, 1024) as u32;
     // SAFETY: the kernel's arguments in its order (a null pointer where no gradient is asked
     // for, which the kernel checks); one block per row, every target inside its row.
-    unsafe { dev.launch("cross_entropy", per_row(rows, 1024), &args) }?;
+    unsafe { dev.launch("cross_entropy", per_row(rows, threads), &args) }?;
     let total: f32 = dev.download(&row_loss)?.iter().sum();
     Ok((total * inv, dlogits))
 }

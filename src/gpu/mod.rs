@@ -14,7 +14,7 @@ pub mod cross_entropy;
 pub mod device;
 pub mod elementwise;
 #[cfg(test)]
-mod emulator;
+pub(crate) mod emulator;
 pub mod gemm;
 pub mod model;
 pub mod optim;

@@ -45,8 +45,11 @@ pub fn adamw(
     Ok(())
 }
 
-/// Blocks per tensor of `tensor_squares`.
-const SQUARE_BLOCKS: usize = 64;
+/// Blocks per tensor of `tensor_squares` for tensors of up to `len` values: enough that each
+/// thread sums about 64 values, at most 64.
+fn square_blocks(len: usize) -> usize {
+    len.div_ceil(256 * 64).clamp(1, 64)
+}
 
 /// Each tensor's sum of squared values of `g` (laid out by `layout`), in f64, as
 /// `crate::train::optim::tensor_squares` takes them (summed in another order).
@@ -64,10 +67,11 @@ pub fn tensor_squares(dev: &Device, layout: &Layout, g: &Buf<f32>) -> Result<Vec
     if tensors == 0 {
         return Ok(Vec::new());
     }
+    let blocks = square_blocks(layout.specs.iter().map(|s| s.range.len()).max().unwrap_or(0));
     let starts = dev.upload(&starts)?;
-    let mut partial = dev.zeros::<f64>(tensors * SQUARE_BLOCKS)?;
+    let mut partial = dev.zeros::<f64>(tensors * blocks)?;
     let cfg = LaunchConfig {
-        grid_dim: (SQUARE_BLOCKS as u32, tensors as u32, 1),
+        grid_dim: (blocks as u32, tensors as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -75,7 +79,7 @@ pub fn tensor_squares(dev: &Device, layout: &Layout, g: &Buf<f32>) -> Result<Vec
     // (checked), `partial` holds a value per block.
     unsafe { dev.launch("tensor_squares", cfg, &[partial.arg_mut(), g.arg(), starts.arg()]) }?;
     let partial = dev.download(&partial)?;
-    Ok(partial.chunks(SQUARE_BLOCKS).map(|c| c.iter().sum()).collect())
+    Ok(partial.chunks(blocks).map(|c| c.iter().sum()).collect())
 }
 
 /// `x *= s`, in f32.
@@ -87,10 +91,11 @@ pub fn scale(dev: &Device, x: &mut Buf<f32>, s: f32) -> Result<()> {
 
 /// The sum of squares of `x[range]`, in f64.
 fn range_squares(dev: &Device, x: &Buf<f32>, range: Range<usize>) -> Result<f64> {
+    let blocks = square_blocks(range.len());
     let starts = dev.upload(&[range.start as i64, range.end as i64])?;
-    let mut partial = dev.zeros::<f64>(SQUARE_BLOCKS)?;
+    let mut partial = dev.zeros::<f64>(blocks)?;
     let cfg = LaunchConfig {
-        grid_dim: (SQUARE_BLOCKS as u32, 1, 1),
+        grid_dim: (blocks as u32, 1, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };

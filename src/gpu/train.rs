@@ -137,6 +137,8 @@ mod tests {
     use super::*;
     use crate::model::{Config, ResidualKind};
     use crate::train::optim::{OptimConfig, OptimizerKind};
+    use crate::train::run::setup::Settings;
+    use crate::train::run::{train, Hardware, TrainOptions};
     use crate::train::step::{optimizer_step, Pass};
 
     /// Six steps of two micro-batches, with clipping at work, under AdamW and under Muon:
@@ -201,5 +203,81 @@ mod tests {
         // whose gradients are mere rounding may part by a step's worth.
         let moved = synced.params.iter().zip(&cpu.params).filter(|(a, b)| (*a - *b).abs() > 1e-3);
         assert!(moved.count() <= cpu.params.len() / 1000, "{optimizer:?}: the weights parted");
+    }
+
+    /// Validation losses of `metrics.jsonl`, by step.
+    fn val_losses(dir: &std::path::Path) -> Vec<(u64, f64)> {
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|r| Some((r["step"].as_u64()?, r["val_loss"].as_f64()?)))
+            .collect()
+    }
+
+    /// A run on `device` beside the same run on the CPU: the validation loss within 0.02 nats
+    /// at every evaluation; then each run's last checkpoint, resumed on the other, validates
+    /// to the loss its own device measured.
+    fn a_run_agrees_with_the_cpu_and_moves_between_them(device: Hardware, sets: &[&str]) {
+        let tmp = tempfile::tempdir().unwrap();
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let settings =
+            Settings { config: None, preset: Some("tiny"), sets: &sets, init: None, resume: false };
+        let run = crate::train::run::setup::settings(&settings).unwrap();
+        let opts = |dir: &str, device, resume| TrainOptions {
+            out: tmp.path().join(dir),
+            data: None,
+            tokenizer: None,
+            init: None,
+            resume,
+            overwrite: false,
+            progress: false,
+            shared_bar: None,
+            device,
+        };
+        let cpu_val = train(run.clone(), &opts("cpu", Hardware::Cpu, false)).unwrap();
+        let gpu_val = train(run, &opts("gpu", device, false)).unwrap();
+        let (cpu, gpu) = (val_losses(&tmp.path().join("cpu")), val_losses(&tmp.path().join("gpu")));
+        assert!(cpu.len() >= 3 && cpu.len() == gpu.len(), "{cpu:?} vs {gpu:?}");
+        for ((step, c), (gstep, g)) in cpu.iter().zip(&gpu) {
+            assert_eq!(step, gstep);
+            assert!(
+                (c - g).abs() <= 0.02,
+                "step {step}: validation loss {g} on the GPU, {c} on the CPU"
+            );
+        }
+        // A finished run resumed validates its last checkpoint and stops.
+        let gpu_on_cpu = train(None, &opts("gpu", Hardware::Cpu, true)).unwrap();
+        assert!((gpu_on_cpu - gpu_val).abs() <= 1e-4 * gpu_val, "{gpu_on_cpu} vs {gpu_val}");
+        let cpu_on_gpu = train(None, &opts("cpu", device, true)).unwrap();
+        assert!((cpu_on_gpu - cpu_val).abs() <= 1e-4 * cpu_val, "{cpu_on_gpu} vs {cpu_val}");
+    }
+
+    #[test]
+    fn a_run_on_the_emulated_gpu_agrees_with_the_cpu() {
+        if crate::gpu::emulator::device("a_run_on_the_emulated_gpu_agrees_with_the_cpu").is_none() {
+            return;
+        }
+        let sets = [
+            "residual=standard",
+            "hidden_size=32",
+            "intermediate_size=48",
+            "num_hidden_layers=2",
+            "num_attention_heads=2",
+            "num_key_value_heads=2",
+            "seq_len=32",
+            "micro_batch=4",
+            "batch_tokens=256",
+            "max_tokens=5120",
+            "eval_every=5",
+            "eval_tokens=1024",
+        ];
+        a_run_agrees_with_the_cpu_and_moves_between_them(Hardware::Emulated, &sets);
+    }
+
+    /// The tiny preset's 300 steps with the standard residual.
+    #[test]
+    #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
+    fn a_tiny_run_on_the_gpu_agrees_with_the_cpu() {
+        a_run_agrees_with_the_cpu_and_moves_between_them(Hardware::Cuda, &["residual=standard"]);
     }
 }

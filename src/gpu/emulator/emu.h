@@ -118,6 +118,8 @@ struct Fiber {
     dim3 index;
     int rank;
     State state;
+    // Warp exchanges so far in the block: their slots alternate between two sets.
+    long exchanges;
 };
 
 // One worker thread: the fibers of the block it runs, and what they share.
@@ -126,6 +128,7 @@ struct Worker {
     Context scheduler;
     std::vector<Fiber> fibers;
     Fiber* current = nullptr;
+    // Two sets of one slot per thread, for the warp exchanges.
     std::vector<uint64_t> warp_slots;
     std::vector<unsigned char> dynamic_shared;
     bool deadlocked = false;
@@ -134,7 +137,7 @@ struct Worker {
 inline thread_local Worker* worker = nullptr;
 inline std::mutex one_launch_at_a_time;
 // Room for a kernel's per-thread arrays (attention keeps four of 128 floats).
-constexpr size_t STACK_BYTES = 256 << 10;
+constexpr size_t STACK_BYTES = 64 << 10;
 
 }  // namespace emu
 
@@ -168,6 +171,7 @@ inline void run_block(Worker& w) {
     for (auto& f : w.fibers) {
         start(f.context, f.stack, STACK_BYTES, fiber_main);
         f.state = State::Runnable;
+        f.exchanges = 0;
     }
     for (;;) {
         bool ran = false;
@@ -224,7 +228,7 @@ inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, c
         Worker w;
         worker = &w;
         w.kernel = &kernel;
-        w.warp_slots.assign((size_t)(threads + 31) / 32 * 32, 0);
+        w.warp_slots.assign((size_t)(threads + 31) / 32 * 32 * 2, 0);
         w.dynamic_shared.assign(shared_bytes, 0);
         w.fibers.resize(threads);
         // Stacks are not zeroed: only the pages a fiber touches are ever backed.
@@ -258,18 +262,21 @@ inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, c
 static inline void __syncthreads() { emu::wait(emu::State::AtBlockBarrier); }
 static inline void __syncwarp(unsigned int = 0xffffffffu) { emu::wait(emu::State::AtWarpBarrier); }
 
-// Lane `from(lane)`'s `v`, for every lane of the warp.
+// Lane `from(lane)`'s `v`, for every lane of the warp. Consecutive exchanges use alternate
+// sets of slots, so one barrier each suffices: a lane writes a set again two exchanges later,
+// when every lane has passed the barrier after its reads of it.
 template <class T, class F>
 static inline T emu_exchange(T v, F from) {
     static_assert(sizeof(T) <= 8);
-    int rank = emu::worker->current->rank;
+    emu::Worker* w = emu::worker;
+    int rank = w->current->rank;
     int lane = rank % 32, warp = rank / 32;
+    uint64_t* slots = w->warp_slots.data() + (w->current->exchanges++ & 1) * (w->warp_slots.size() / 2);
     uint64_t bits = 0;
     std::memcpy(&bits, &v, sizeof(T));
-    emu::worker->warp_slots[rank] = bits;
+    slots[rank] = bits;
     __syncwarp();
-    bits = emu::worker->warp_slots[warp * 32 + from(lane)];
-    __syncwarp();
+    bits = slots[warp * 32 + from(lane)];
     T out;
     std::memcpy(&out, &bits, sizeof(T));
     return out;

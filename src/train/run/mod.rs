@@ -59,6 +59,9 @@ pub enum Hardware {
     /// The first NVIDIA GPU (docs/gpu.md): the model, its gradients and the optimiser's state
     /// live there; validation runs there; checkpoints are the CPU's.
     Cuda,
+    /// The GPU's code with its kernels run on the CPU (tests only: `crate::gpu::emulator`).
+    #[cfg(test)]
+    Emulated,
 }
 
 /// The longest a run trains without writing a checkpoint, in seconds (besides the step under
@@ -83,6 +86,10 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
     // A GPU run fails before it writes anything where it cannot run at all.
     let dev = match opts.device {
         Hardware::Cpu => None,
+        #[cfg(test)]
+        Hardware::Emulated => {
+            Some(crate::gpu::emulator::device("train").context("no emulated GPU here")?)
+        }
         Hardware::Cuda => {
             anyhow::ensure!(
                 group.is_none(),
