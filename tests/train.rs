@@ -60,6 +60,7 @@ fn in_process_options(env: &RunEnv, out: &str, resume: bool) -> attnres::train::
         overwrite: false,
         progress: false,
         shared_bar: None,
+        device: attnres::train::run::Hardware::Cpu,
     }
 }
 
