@@ -1,11 +1,11 @@
 //! The engine's CUDA kernels run on the CPU, for the tests: each kernel file is compiled as C++
 //! by the system's `g++` against `emulator/emu.h` (CUDA's built-ins as threads and barriers),
-//! into one shared library that [`Device`] launches kernels from. So every kernel and its host
+//! into one shared library that `Device` launches kernels from. So every kernel and its host
 //! side is checked against the CPU engine in CI, which has no GPU; the same tests run on a GPU
 //! with `--ignored`.
 
-use super::device::Device;
-use super::{kernel_names, COMMON, KERNELS};
+use super::blas::Gemm;
+use super::nvrtc::{kernel_names, COMMON, KERNELS};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::LaunchConfig;
 use std::collections::HashMap;
@@ -89,20 +89,10 @@ impl Kernels {
     }
 }
 
-/// A device that runs the kernels on the CPU, or why there is none: the library is built once
-/// per process. Where `g++` is missing the tests pass with a note, unless
-/// `ATTNRES_REQUIRE_GPU_EMULATOR` is set (CI sets it).
-pub fn device(test: &str) -> Option<Device> {
+/// The kernels built for the CPU, once per process, or why they cannot be.
+pub fn kernels() -> Result<Arc<Kernels>, String> {
     static BUILT: OnceLock<Result<Arc<Kernels>, String>> = OnceLock::new();
-    let built = BUILT.get_or_init(|| build().map(Arc::new).map_err(|e| format!("{e:#}")));
-    match built {
-        Ok(kernels) => Some(Device::emulated(kernels.clone())),
-        Err(why) if std::env::var_os("ATTNRES_REQUIRE_GPU_EMULATOR").is_none() => {
-            eprintln!("{test}: skipped, the kernels cannot run on the CPU here: {why}");
-            None
-        }
-        Err(why) => panic!("{test}: {why}"),
-    }
+    BUILT.get_or_init(|| build().map(Arc::new).map_err(|e| format!("{e:#}"))).clone()
 }
 
 /// Each kernel file as a C++ file, after the emulation header and the shared reductions, in
@@ -171,5 +161,33 @@ fn compile(dir: &Path, library: &Path) -> Result<()> {
         bail!("g++ could not compile the kernels:\n{}", String::from_utf8_lossy(&out.stderr));
     }
     std::fs::rename(&partial, library)?;
+    Ok(())
+}
+
+/// The product on the CPU, for the emulated device: each value summed in f64 (closer to
+/// exact than either engine, which the tests compare within their bounds).
+///
+/// # Safety
+/// As `Device::matmul`, with host addresses.
+pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
+    use rayon::prelude::*;
+    let (sa, sb, sc) = g.spans();
+    // SAFETY: the caller's promise: the spans lie inside the buffers, `c` overlaps neither.
+    let (a, b, c) = unsafe {
+        (
+            std::slice::from_raw_parts(a as *const f32, sa),
+            std::slice::from_raw_parts(b as *const f32, sb),
+            std::slice::from_raw_parts_mut(c as *mut f32, sc),
+        )
+    };
+    let at_a = |i: usize, p: usize| if g.a_trans { a[p * g.lda + i] } else { a[i * g.lda + p] };
+    let at_b = |p: usize, j: usize| if g.b_trans { b[j * g.ldb + p] } else { b[p * g.ldb + j] };
+    c.par_chunks_mut(g.ldc).enumerate().for_each(|(i, row)| {
+        for (j, out) in row.iter_mut().take(g.n).enumerate() {
+            let s: f64 = (0..g.k).map(|p| at_a(i, p) as f64 * at_b(p, j) as f64).sum();
+            let before = if g.beta == 0.0 { 0.0 } else { g.beta * *out };
+            *out = g.alpha * s as f32 + before;
+        }
+    });
     Ok(())
 }

@@ -10,35 +10,21 @@
 //! that names it.
 
 pub mod attention;
+pub mod blas;
 pub mod cross_entropy;
 pub mod device;
+pub mod driver;
 pub mod elementwise;
 #[cfg(test)]
 pub(crate) mod emulator;
 pub mod gemm;
-pub mod model;
+pub mod nvrtc;
 pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
-pub mod train;
 
-use anyhow::{bail, Result};
-use std::time::Instant;
-
-/// What every kernel file starts with when compiled: the block-wide reductions.
-pub(crate) const COMMON: &str = include_str!("kernels/reduce.cuh");
-
-/// The engine's CUDA kernels: (file name, source).
-pub const KERNELS: &[(&str, &str)] = &[
-    ("attention.cu", include_str!("kernels/attention.cu")),
-    ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
-    ("embedding.cu", include_str!("kernels/embedding.cu")),
-    ("optim.cu", include_str!("kernels/optim.cu")),
-    ("residual.cu", include_str!("kernels/residual.cu")),
-    ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),
-    ("rope.cu", include_str!("kernels/rope.cu")),
-    ("swiglu.cu", include_str!("kernels/swiglu.cu")),
-];
+pub use driver::{gpus, Gpu};
+pub use nvrtc::{compile, compile_all, kernel_names, nvrtc_present, Compiled, KERNELS};
 
 /// A launch of one block of `threads` threads per row, for the kernels that reduce over a row
 /// (`threads` a power of two, as `reduce.cuh` needs).
@@ -65,113 +51,6 @@ pub fn per_value(n: usize) -> cudarc::driver::LaunchConfig {
     }
 }
 
-/// The kernels a source file declares (`extern "C" __global__ void NAME(`).
-pub fn kernel_names(src: &str) -> Vec<&str> {
-    let heads = src.split("extern \"C\" __global__ void ").skip(1);
-    heads.map(|s| s.split('(').next().unwrap_or("").trim()).collect()
-}
-
-/// One GPU as the driver reports it.
-#[derive(Debug)]
-pub struct Gpu {
-    pub ordinal: usize,
-    pub name: String,
-    pub memory_bytes: usize,
-    /// Compute capability (major, minor): (9, 0) for Hopper, the `sm_90` of NVRTC.
-    pub capability: (i32, i32),
-}
-
-impl Gpu {
-    /// The architecture NVRTC compiles for, `sm_XY`.
-    pub fn arch(&self) -> String {
-        format!("sm_{}{}", self.capability.0, self.capability.1)
-    }
-}
-
-/// The GPUs the CUDA driver sees; an error that says why where there are none to use.
-pub fn gpus() -> Result<Vec<Gpu>> {
-    use cudarc::driver::{result, sys};
-    // SAFETY: only tries to open the library.
-    if !unsafe { sys::is_culib_present() } {
-        bail!("no NVIDIA driver: the CUDA driver library (libcuda.so.1) is not on this machine");
-    }
-    let attr = |dev, a| -> Result<i32> {
-        // SAFETY: `dev` is a device the driver returned.
-        Ok(unsafe { result::device::get_attribute(dev, a) }?)
-    };
-    let failed = |e: result::DriverError| anyhow::anyhow!("the CUDA driver failed: {e}");
-    result::init().map_err(failed)?;
-    let count = result::device::get_count().map_err(failed)?;
-    let mut out = Vec::new();
-    for ordinal in 0..count {
-        let dev = result::device::get(ordinal).map_err(failed)?;
-        out.push(Gpu {
-            ordinal: ordinal as usize,
-            name: result::device::get_name(dev).map_err(failed)?,
-            // SAFETY: as above.
-            memory_bytes: unsafe { result::device::total_mem(dev) }.map_err(failed)?,
-            capability: (
-                attr(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-                attr(dev, sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
-            ),
-        });
-    }
-    if out.is_empty() {
-        bail!("the CUDA driver is here but reports no GPU");
-    }
-    Ok(out)
-}
-
-/// Whether the NVRTC library can be opened.
-pub fn nvrtc_present() -> bool {
-    // SAFETY: only tries to open the library.
-    unsafe { cudarc::nvrtc::sys::is_culib_present() }
-}
-
-/// One kernel file compiled to PTX.
-#[derive(Debug)]
-pub struct Compiled {
-    pub file: &'static str,
-    pub ptx: String,
-    pub seconds: f64,
-}
-
-/// Every kernel file compiled with NVRTC for `arch` (`sm_90`, …); the first that fails ends it
-/// with NVRTC's log.
-pub fn compile_all(arch: &str) -> Result<Vec<Compiled>> {
-    KERNELS.iter().map(|&(file, src)| compile(file, src, arch)).collect()
-}
-
-/// One kernel file compiled with NVRTC for `arch`.
-pub fn compile(file: &'static str, src: &str, arch: &str) -> Result<Compiled> {
-    let digits = arch.strip_prefix("sm_").unwrap_or("");
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_alphanumeric()) {
-        bail!("architecture {arch:?}: write it sm_XY, as sm_90 for Hopper");
-    }
-    if !nvrtc_present() {
-        bail!(
-            "NVRTC (libnvrtc.so.13) is not on the library path: install PyPI's \
-             nvidia-cuda-nvrtc for CUDA 13 (torch brings it) and add its lib folder \
-             (site-packages/nvidia/cu13/lib) to LD_LIBRARY_PATH"
-        );
-    }
-    let t = Instant::now();
-    let opts = cudarc::nvrtc::CompileOptions {
-        name: Some(file.to_string()),
-        options: vec![format!("--gpu-architecture={arch}"), "--std=c++17".to_string()],
-        ..Default::default()
-    };
-    // `#line` keeps NVRTC's messages at the file's own lines.
-    let src = format!("#line 1 \"reduce.cuh\"\n{COMMON}\n#line 1 \"{file}\"\n{src}");
-    match cudarc::nvrtc::compile_ptx_with_opts(src, opts) {
-        Ok(ptx) => Ok(Compiled { file, ptx: ptx.to_src(), seconds: t.elapsed().as_secs_f64() }),
-        Err(cudarc::nvrtc::CompileError::CompileError { log, .. }) => {
-            bail!("{file} does not compile for {arch}:\n{}", log.to_string_lossy())
-        }
-        Err(e) => bail!("NVRTC failed on {file}: {e:?}"),
-    }
-}
-
 /// A GPU test, `check(&Device)`, twice, in a module of its name: on the CPU through the
 /// emulator (every test run) and on GPU 0 (`--ignored`, on a machine with one).
 #[cfg(test)]
@@ -180,7 +59,7 @@ macro_rules! on_cpu_and_gpu {
         mod $check {
             #[test]
             fn emulated_on_the_cpu() {
-                if let Some(dev) = crate::gpu::emulator::device(stringify!($check)) {
+                if let Some(dev) = crate::gpu::device::Device::emulated(stringify!($check)) {
                     super::$check(&dev);
                 }
             }
@@ -195,76 +74,3 @@ macro_rules! on_cpu_and_gpu {
 }
 #[cfg(test)]
 pub(crate) use on_cpu_and_gpu;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Whether NVRTC can be used here; where it cannot, the tests that need it pass with a
-    /// note, unless `ATTNRES_REQUIRE_NVRTC` is set (CI sets it and puts PyPI's NVRTC on the
-    /// library path, so there they run).
-    fn nvrtc_or_skip(test: &str) -> bool {
-        if nvrtc_present() {
-            return true;
-        }
-        assert!(
-            std::env::var_os("ATTNRES_REQUIRE_NVRTC").is_none(),
-            "{test}: ATTNRES_REQUIRE_NVRTC is set but NVRTC (libnvrtc.so.13) is not on the library path"
-        );
-        eprintln!("{test}: skipped, NVRTC (libnvrtc.so.13) is not on the library path");
-        false
-    }
-
-    /// Every kernel file compiles for Hopper, and its PTX holds an entry for each kernel the
-    /// source declares.
-    #[test]
-    fn every_kernel_compiles_for_hopper() {
-        if !nvrtc_or_skip("every_kernel_compiles_for_hopper") {
-            return;
-        }
-        let compiled = compile_all("sm_90").unwrap();
-        assert_eq!(compiled.len(), KERNELS.len());
-        for (k, &(file, src)) in compiled.iter().zip(KERNELS) {
-            assert_eq!(k.file, file);
-            assert!(k.ptx.contains(".target sm_90"), "{file}: not compiled for sm_90");
-            let names = kernel_names(src);
-            assert!(!names.is_empty(), "{file} declares no kernel");
-            for name in names {
-                assert!(k.ptx.contains(&format!(".entry {name}(")), "{file}: no entry {name}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_kernel_that_does_not_compile_is_named_with_nvrtc_s_log() {
-        if !nvrtc_or_skip("a_kernel_that_does_not_compile_is_named_with_nvrtc_s_log") {
-            return;
-        }
-        let src = "extern \"C\" __global__ void f(float* y) { y[0] = no_such_name; }";
-        let err = compile("broken.cu", src, "sm_90").unwrap_err().to_string();
-        assert!(err.contains("broken.cu does not compile for sm_90"), "{err}");
-        assert!(err.contains("no_such_name"), "{err}");
-    }
-
-    #[test]
-    fn an_architecture_is_written_sm_and_its_number() {
-        for arch in ["90", "sm_", "sm_9.0", "compute_90"] {
-            let err = compile("k.cu", "", arch).unwrap_err().to_string();
-            assert!(err.contains("write it sm_XY"), "{arch}: {err}");
-        }
-    }
-
-    /// Without the driver, the reason names its library (and nothing panics in cudarc).
-    #[test]
-    fn no_driver_is_an_error_that_names_its_library() {
-        // SAFETY: only tries to open the library.
-        if unsafe { cudarc::driver::sys::is_culib_present() } {
-            eprintln!(
-                "no_driver_is_an_error_that_names_its_library: skipped, a CUDA driver is here"
-            );
-            return;
-        }
-        let err = gpus().unwrap_err().to_string();
-        assert!(err.contains("libcuda.so.1"), "{err}");
-    }
-}

@@ -1,13 +1,11 @@
-//! The optimisers on the GPU (`kernels/optim.cu`): AdamW as `crate::kernels::adamw::update`
-//! computes it, bit for bit, Muon with its Newton–Schulz steps on cuBLASLt, the per-tensor sums
-//! of squares that the gradient norm and its clipping take, and the optimiser state of a run,
-//! laid out as `crate::train::optim` lays it.
+//! The optimisers' operations on the GPU (`kernels/optim.cu`): AdamW as
+//! `crate::kernels::adamw::update` computes it, bit for bit, Muon's momentum, Newton–Schulz
+//! steps (on cuBLASLt) and update, and the per-tensor sums of squares that the gradient norm
+//! and its clipping take. `crate::train::gpu` holds a run's state and applies them.
 
 use super::device::{Arg, Buf, Device};
 use super::per_value;
 use crate::kernels::adamw::AdamStep;
-use crate::model::params::Layout;
-use crate::train::optim::{OptimConfig, Optimizer, Rule};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 use std::ops::Range;
@@ -51,27 +49,23 @@ fn square_blocks(len: usize) -> usize {
     len.div_ceil(256 * 64).clamp(1, 64)
 }
 
-/// Each tensor's sum of squared values of `g` (laid out by `layout`), in f64, as
-/// `crate::train::optim::tensor_squares` takes them (summed in another order).
-pub fn tensor_squares(dev: &Device, layout: &Layout, g: &Buf<f32>) -> Result<Vec<f64>> {
-    let mut starts: Vec<i64> = Vec::with_capacity(layout.specs.len() + 1);
-    for s in &layout.specs {
-        starts.push(s.range.start as i64);
-    }
-    let tensors = layout.specs.len();
-    // A tensor's stretch ends where the next begins: specs are laid out in order, each after
-    // the one before.
-    assert!(layout.specs.windows(2).all(|w| w[0].range.end == w[1].range.start));
-    starts.push(layout.specs.last().map_or(0, |s| s.range.end) as i64);
+/// The sum of squared values of `g` over each of `tensors` (ranges laid end to end, in
+/// order), in f64, as `crate::train::optim::tensor_squares` takes them (summed in another
+/// order).
+pub fn tensor_squares(dev: &Device, tensors: &[Range<usize>], g: &Buf<f32>) -> Result<Vec<f64>> {
+    // A tensor's stretch ends where the next begins.
+    assert!(tensors.windows(2).all(|w| w[0].end == w[1].start));
+    let mut starts: Vec<i64> = tensors.iter().map(|r| r.start as i64).collect();
+    starts.push(tensors.last().map_or(0, |r| r.end) as i64);
     assert!(*starts.last().unwrap() as usize <= g.len());
-    if tensors == 0 {
+    if tensors.is_empty() {
         return Ok(Vec::new());
     }
-    let blocks = square_blocks(layout.specs.iter().map(|s| s.range.len()).max().unwrap_or(0));
+    let blocks = square_blocks(tensors.iter().map(|r| r.len()).max().unwrap_or(0));
     let starts = dev.upload(&starts)?;
-    let mut partial = dev.zeros::<f64>(tensors * blocks)?;
+    let mut partial = dev.zeros::<f64>(tensors.len() * blocks)?;
     let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, tensors as u32, 1),
+        grid_dim: (blocks as u32, tensors.len() as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -90,7 +84,7 @@ pub fn scale(dev: &Device, x: &mut Buf<f32>, s: f32) -> Result<()> {
 }
 
 /// The sum of squares of `x[range]`, in f64.
-fn range_squares(dev: &Device, x: &Buf<f32>, range: Range<usize>) -> Result<f64> {
+pub fn range_squares(dev: &Device, x: &Buf<f32>, range: Range<usize>) -> Result<f64> {
     let blocks = square_blocks(range.len());
     let starts = dev.upload(&[range.start as i64, range.end as i64])?;
     let mut partial = dev.zeros::<f64>(blocks)?;
@@ -103,6 +97,43 @@ fn range_squares(dev: &Device, x: &Buf<f32>, range: Range<usize>) -> Result<f64>
     // SAFETY: as in `tensor_squares`.
     unsafe { dev.launch("tensor_squares", cfg, &[partial.arg_mut(), x.arg(), starts.arg()]) }?;
     Ok(dev.download(&partial)?.iter().sum())
+}
+
+/// Muon's Nesterov momentum over the tensor at `range`: `momentum = mu·momentum + g`, and
+/// the direction `g + mu·momentum` returned.
+pub fn muon_momentum(
+    dev: &Device,
+    range: Range<usize>,
+    momentum: &mut Buf<f32>,
+    grads: &Buf<f32>,
+    mu: f32,
+) -> Result<Buf<f32>> {
+    let (n, at) = (range.len(), range.start);
+    assert!(range.end <= momentum.len() && grads.len() == momentum.len());
+    let mut dir = dev.zeros::<f32>(n)?;
+    let args =
+        [momentum.arg_mut_at(at), dir.arg_mut(), grads.arg_at(at), Arg::f32(mu), Arg::i64(n)];
+    // SAFETY: the kernel's arguments in its order; each holds the tensor's n values (checked).
+    unsafe { dev.launch("muon_momentum", per_value(n), &args) }?;
+    Ok(dir)
+}
+
+/// Muon's update of the tensor at `range` of `params` by the orthogonalised `o`:
+/// `p = p·decay − lr_scale·o`, in f64 as the CPU takes it.
+pub fn muon_apply(
+    dev: &Device,
+    range: Range<usize>,
+    params: &mut Buf<f32>,
+    o: &Buf<f32>,
+    decay: f64,
+    lr_scale: f64,
+) -> Result<()> {
+    let n = range.len();
+    assert!(range.end <= params.len() && o.len() == n);
+    let args =
+        [params.arg_mut_at(range.start), o.arg(), Arg::f64(decay), Arg::f64(lr_scale), Arg::i64(n)];
+    // SAFETY: as in `muon_momentum`.
+    unsafe { dev.launch("muon_apply", per_value(n), &args) }
 }
 
 /// `out = alpha·p + beta·q` over `n` values from the given arguments.
@@ -137,7 +168,8 @@ fn transposed(dev: &Device, x: &Buf<f32>, rows: usize, cols: usize) -> Result<Bu
 /// `g[rows, cols]` by five quintic Newton–Schulz steps, on the wide orientation, its products
 /// on cuBLASLt.
 pub fn newton_schulz(dev: &Device, g: &Buf<f32>, rows: usize, cols: usize) -> Result<Buf<f32>> {
-    use super::gemm::{gemm, Gemm};
+    use super::blas::Gemm;
+    use super::gemm::gemm;
     let (a, b, c) = (3.4445f32, -4.7750f32, 2.0315f32);
     let tall = rows > cols;
     let (r, k) = if tall { (cols, rows) } else { (rows, cols) };
@@ -177,99 +209,6 @@ pub fn newton_schulz(dev: &Device, g: &Buf<f32>, rows: usize, cols: usize) -> Re
         transposed(dev, &x, cols, rows)
     } else {
         Ok(x)
-    }
-}
-
-/// A run's optimiser state on the GPU: the moments and Muon's momentum laid out as the
-/// parameters, and each tensor's rule ([`Optimizer::rules`]).
-pub struct GpuOptimizer {
-    pub config: OptimConfig,
-    pub step: u64,
-    m: Buf<f32>,
-    v: Buf<f32>,
-    momentum: Buf<f32>,
-    rules: Vec<(Range<usize>, Rule)>,
-}
-
-impl GpuOptimizer {
-    /// `opt`'s state on `dev`.
-    pub fn upload(dev: &Device, opt: &Optimizer) -> Result<GpuOptimizer> {
-        Ok(GpuOptimizer {
-            config: opt.config.clone(),
-            step: opt.step,
-            m: dev.upload(&opt.m)?,
-            v: dev.upload(&opt.v)?,
-            momentum: dev.upload(&opt.momentum)?,
-            rules: opt.rules().to_vec(),
-        })
-    }
-
-    /// The state back into `opt`.
-    pub fn download_into(&self, dev: &Device, opt: &mut Optimizer) -> Result<()> {
-        opt.m = dev.download(&self.m)?;
-        opt.v = dev.download(&self.v)?;
-        opt.momentum = dev.download(&self.momentum)?;
-        opt.step = self.step;
-        Ok(())
-    }
-
-    /// Scales `grads` down to the configured global norm when `norm` exceeds it, as
-    /// [`Optimizer::clip`].
-    pub fn clip(&self, dev: &Device, grads: &mut Buf<f32>, norm: f64) -> Result<()> {
-        let max = self.config.grad_clip;
-        if max > 0.0 && norm > max {
-            scale(dev, grads, (max / (norm + 1e-12)) as f32)?;
-        }
-        Ok(())
-    }
-
-    /// One update of `params` with learning rate `lr`, as [`Optimizer::update`].
-    pub fn update(
-        &mut self,
-        dev: &Device,
-        params: &mut Buf<f32>,
-        grads: &Buf<f32>,
-        lr: f64,
-    ) -> Result<()> {
-        self.step += 1;
-        let c = self.config.clone();
-        for (range, rule) in self.rules.clone() {
-            match rule {
-                Rule::Adam { decay } => {
-                    let wd = if decay { c.weight_decay } else { 0.0 };
-                    let k = AdamStep::at(self.step as i32, c.beta1, c.beta2, c.adam_eps, lr, wd);
-                    adamw(dev, range, params, &mut self.m, &mut self.v, grads, &k)?;
-                }
-                Rule::Muon { rows, cols } => {
-                    let n = range.len();
-                    let mut dir = dev.zeros::<f32>(n)?;
-                    let at = range.start;
-                    let args = [
-                        self.momentum.arg_mut_at(at),
-                        dir.arg_mut(),
-                        grads.arg_at(at),
-                        Arg::f32(c.muon_momentum as f32),
-                        Arg::i64(n),
-                    ];
-                    assert!(range.end <= params.len() && grads.len() == params.len());
-                    // SAFETY: the kernel's arguments in its order; each holds the tensor's
-                    // n values from `at` (checked).
-                    unsafe { dev.launch("muon_momentum", per_value(n), &args) }?;
-                    let o = newton_schulz(dev, &dir, rows, cols)?;
-                    let scale = 0.2 * (rows.max(cols) as f64).sqrt();
-                    let args = [
-                        params.arg_mut_at(at),
-                        o.arg(),
-                        Arg::f64(1.0 - lr * c.weight_decay),
-                        Arg::f64(lr * scale),
-                        Arg::i64(n),
-                    ];
-                    // SAFETY: as above.
-                    unsafe { dev.launch("muon_apply", per_value(n), &args) }?;
-                }
-            }
-        }
-        Ok(())
     }
 }
 

@@ -7,10 +7,12 @@
 //! - [`run`]: the training loop; [`checkpoint`]: the run directory it writes;
 //!   [`validation`]: its loss measurements.
 //! - [`parallel`]: data and pipeline parallelism over the ranks of an MPI job.
+//! - [`gpu`]: the model, optimiser and steps on an NVIDIA GPU (`train --device cuda`).
 
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod gpu;
 pub mod optim;
 pub mod parallel;
 pub mod presets;

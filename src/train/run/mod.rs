@@ -17,10 +17,10 @@ use super::validation::{unigram_bits_per_byte, validate, validate_by};
 use crate::base::fs::write_atomic;
 use crate::base::progress::SharedBar;
 use crate::base::version::CodeVersion;
-use crate::gpu::model::GpuModel;
-use crate::gpu::train::GpuTrainer;
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
+use crate::train::gpu::model::GpuModel;
+use crate::train::gpu::trainer::GpuTrainer;
 use crate::train::parallel::{self, Group};
 use anyhow::{Context, Result};
 use progress::Progress;
@@ -59,7 +59,7 @@ pub enum Hardware {
     /// The first NVIDIA GPU (docs/gpu.md): the model, its gradients and the optimiser's state
     /// live there; validation runs there; checkpoints are the CPU's.
     Cuda,
-    /// The GPU's code with its kernels run on the CPU (tests only: `crate::gpu::emulator`).
+    /// The GPU's code with its kernels run on the CPU (tests only: `crate::gpu::device::Device::emulated`).
     #[cfg(test)]
     Emulated,
 }
@@ -88,7 +88,7 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
         Hardware::Cpu => None,
         #[cfg(test)]
         Hardware::Emulated => {
-            Some(crate::gpu::emulator::device("train").context("no emulated GPU here")?)
+            Some(crate::gpu::device::Device::emulated("train").context("no emulated GPU here")?)
         }
         Hardware::Cuda => {
             anyhow::ensure!(

@@ -6,9 +6,10 @@
 //! One step is `crate::train::step::optimizer_step` on the device: forward and backward over
 //! each micro-batch, the mean gradient, clipping by the global norm, the AdamW update.
 
-use super::device::{Buf, Device};
 use super::model::GpuModel;
-use super::optim::{scale, tensor_squares, GpuOptimizer};
+use super::optim::GpuOptimizer;
+use crate::gpu::device::{Buf, Device};
+use crate::gpu::optim::{scale, tensor_squares};
 use crate::model::params::Layout;
 use crate::model::Model;
 use crate::train::config::TrainConfig;
@@ -65,7 +66,8 @@ impl GpuTrainer {
             scale(dev, &mut self.grads, 1.0 / accum as f32)?;
         }
         let layout = &self.model.layout;
-        let squares = tensor_squares(dev, layout, &self.grads)?;
+        let ranges: Vec<_> = layout.specs.iter().map(|s| s.range.clone()).collect();
+        let squares = tensor_squares(dev, &ranges, &self.grads)?;
         let grad_norm = global_norm(&squares);
         if !grad_norm.is_finite() {
             let first = layout.specs.iter().zip(&squares).find(|(_, s)| !s.is_finite());
@@ -254,7 +256,7 @@ mod tests {
 
     #[test]
     fn a_run_on_the_emulated_gpu_agrees_with_the_cpu() {
-        if crate::gpu::emulator::device("a_run_on_the_emulated_gpu_agrees_with_the_cpu").is_none() {
+        if Device::emulated("a_run_on_the_emulated_gpu_agrees_with_the_cpu").is_none() {
             return;
         }
         let sets = [

@@ -4,14 +4,14 @@
 //!
 //! So far the standard residual; Full and Block AttnRes are refused with an error that says so.
 
-use super::attention;
-use super::cross_entropy;
-use super::device::{Buf, Device, Ids};
-use super::elementwise::{add, add_into, embedding_backward, embedding_forward};
-use super::elementwise::{swiglu_backward, swiglu_forward};
-use super::gemm::{linear, linear_backward};
-use super::rmsnorm;
-use super::rope::{self, RopeTables};
+use crate::gpu::attention;
+use crate::gpu::cross_entropy;
+use crate::gpu::device::{Buf, Device, Ids};
+use crate::gpu::elementwise::{add, add_into, embedding_backward, embedding_forward};
+use crate::gpu::elementwise::{swiglu_backward, swiglu_forward};
+use crate::gpu::gemm::{linear, linear_backward};
+use crate::gpu::rmsnorm;
+use crate::gpu::rope::{self, RopeTables};
 use crate::kernels::attention::AttnShape;
 use crate::model::params::{LayerParams, Layout};
 use crate::model::{Config, Model};
@@ -357,8 +357,7 @@ mod tests {
 
     #[test]
     fn attnres_models_are_refused_with_a_reason() {
-        let Some(dev) = crate::gpu::emulator::device("attnres_models_are_refused_with_a_reason")
-        else {
+        let Some(dev) = Device::emulated("attnres_models_are_refused_with_a_reason") else {
             return;
         };
         for (residual, name) in [(ResidualKind::Block, "Block"), (ResidualKind::Full, "Full")] {

@@ -1,0 +1,189 @@
+//! cuBLASLt, the GPU's matrix products, in fp32 with TF32 off (the exact mode), for the
+//! row-major matrices the engine keeps.
+//!
+//! cuBLASLt is column-major. A row-major `C[m, n]` is the column-major `Cᵀ[n, m]` at the same
+//! address, so `C = op(A)·op(B)` is asked for as `Cᵀ = op(B)ᵀ·op(A)ᵀ`: the operands swap places
+//! and keep their transpose flags.
+
+use anyhow::{bail, Context, Result};
+use cudarc::cublaslt::{result, sys};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// `C[m, n] = alpha·op(A)·op(B) + beta·C`, row-major: `op(A)` is `[m, k]`, stored as `A[m, k]`
+/// (`lda` its row length, ≥ k) or, with `a_trans`, as `A[k, m]` (`lda` ≥ m); alike for B.
+#[derive(Clone, Copy, Debug)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub a_trans: bool,
+    pub b_trans: bool,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+    pub alpha: f32,
+    pub beta: f32,
+}
+
+impl Gemm {
+    /// Values each operand spans from its first: A, B, C.
+    pub fn spans(&self) -> (usize, usize, usize) {
+        let span = |rows: usize, cols: usize, ld: usize| {
+            if rows == 0 || cols == 0 {
+                0
+            } else {
+                (rows - 1) * ld + cols
+            }
+        };
+        let (ar, ac) = if self.a_trans { (self.k, self.m) } else { (self.m, self.k) };
+        let (br, bc) = if self.b_trans { (self.n, self.k) } else { (self.k, self.n) };
+        (span(ar, ac, self.lda), span(br, bc, self.ldb), span(self.m, self.n, self.ldc))
+    }
+
+    /// Each row holds what its leading dimension says it does.
+    pub fn check(&self) {
+        let a_cols = if self.a_trans { self.m } else { self.k };
+        let b_cols = if self.b_trans { self.k } else { self.n };
+        assert!(
+            self.lda >= a_cols.max(1) && self.ldb >= b_cols.max(1) && self.ldc >= self.n.max(1),
+            "leading dimensions shorter than their rows: {self:?}"
+        );
+    }
+}
+
+/// The cuBLASLt handle of a device and its workspace.
+pub struct Blas {
+    handle: sys::cublasLtHandle_t,
+    workspace: CudaSlice<u8>,
+}
+
+// SAFETY: the handle is used from one thread at a time (the device's), as cuBLASLt allows.
+unsafe impl Send for Blas {}
+unsafe impl Sync for Blas {}
+
+/// cuBLASLt's library, as cudarc opens it.
+const LIBRARY: &str = "libcublasLt.so.13";
+
+impl Blas {
+    pub fn new(stream: &Arc<CudaStream>) -> Result<Blas> {
+        // SAFETY: only tries to open the library (cudarc panics when it cannot).
+        if !unsafe { sys::is_culib_present() } {
+            bail!(
+                "cuBLASLt ({LIBRARY}) is not on the library path: install PyPI's \
+                 nvidia-cublas for CUDA 13 (torch brings it) and add its lib folder to \
+                 LD_LIBRARY_PATH"
+            );
+        }
+        let handle = result::create_handle().context("creating a cuBLASLt handle")?;
+        // 32 MiB, what NVIDIA advises for Hopper.
+        // SAFETY: cuBLASLt only uses it as scratch space.
+        let workspace = unsafe { stream.alloc::<u8>(32 << 20) }?;
+        Ok(Blas { handle, workspace })
+    }
+
+    /// # Safety
+    /// `a`, `b`, `c` are device addresses of buffers that hold what `g` spans.
+    pub unsafe fn matmul(
+        &self,
+        stream: &CudaStream,
+        g: &Gemm,
+        a: u64,
+        b: u64,
+        c: u64,
+    ) -> Result<(), result::CublasError> {
+        let f32_ = sys::cudaDataType_t::CUDA_R_32F;
+        // Column-major: D[n, m] = op(B)ᵀ[n, k] · op(A)ᵀ[k, m].
+        let (m, n, k) = (g.n as u64, g.m as u64, g.k as u64);
+        let stored =
+            |trans: bool, rows: u64, cols: u64| if trans { (cols, rows) } else { (rows, cols) };
+        let (a_rows, a_cols) = stored(g.b_trans, m, k);
+        let (b_rows, b_cols) = stored(g.a_trans, k, n);
+        let la = Layout(result::create_matrix_layout(f32_, a_rows, a_cols, g.ldb as i64)?);
+        let lb = Layout(result::create_matrix_layout(f32_, b_rows, b_cols, g.lda as i64)?);
+        let lc = Layout(result::create_matrix_layout(f32_, m, n, g.ldc as i64)?);
+        // fp32 products with fp32 accumulation: TF32 off.
+        let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+        let desc = Desc(result::create_matmul_desc(compute, f32_)?);
+        let set = |attr, v: i32| {
+            // SAFETY: `attr` takes a 32-bit value.
+            unsafe { result::set_matmul_desc_attribute(desc.0, attr, (&v as *const i32).cast(), 4) }
+        };
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        set(A::CUBLASLT_MATMUL_DESC_TRANSA, g.b_trans as i32)?;
+        set(A::CUBLASLT_MATMUL_DESC_TRANSB, g.a_trans as i32)?;
+        let pref = Pref(result::create_matmul_pref()?);
+        let size = self.workspace.len();
+        // SAFETY: the attribute takes a usize.
+        unsafe {
+            result::set_matmul_pref_attribute(
+                pref.0,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                (&size as *const usize).cast(),
+                size_of::<usize>(),
+            )
+        }?;
+        // SAFETY: descriptors made above; the caller's promise for the addresses.
+        unsafe {
+            let h = result::get_matmul_algo_heuristic(
+                self.handle,
+                desc.0,
+                la.0,
+                lb.0,
+                lc.0,
+                lc.0,
+                pref.0,
+            )?;
+            let (w, _) = self.workspace.device_ptr(stream);
+            result::matmul(
+                self.handle,
+                desc.0,
+                (&g.alpha as *const f32).cast(),
+                (&g.beta as *const f32).cast(),
+                b as *const c_void,
+                la.0,
+                a as *const c_void,
+                lb.0,
+                c as *const c_void,
+                lc.0,
+                c as *mut c_void,
+                lc.0,
+                &h.algo,
+                w as *mut c_void,
+                size,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
+        }
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: made in `new`, destroyed once.
+        let _ = unsafe { result::destroy_handle(self.handle) };
+    }
+}
+
+/// cuBLASLt descriptors, destroyed when dropped.
+struct Layout(sys::cublasLtMatrixLayout_t);
+struct Desc(sys::cublasLtMatmulDesc_t);
+struct Pref(sys::cublasLtMatmulPreference_t);
+impl Drop for Layout {
+    fn drop(&mut self) {
+        // SAFETY: made once, destroyed once.
+        let _ = unsafe { result::destroy_matrix_layout(self.0) };
+    }
+}
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        let _ = unsafe { result::destroy_matmul_desc(self.0) };
+    }
+}
+impl Drop for Pref {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        let _ = unsafe { result::destroy_matmul_pref(self.0) };
+    }
+}

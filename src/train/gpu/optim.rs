@@ -1,0 +1,83 @@
+//! A run's optimiser state on the GPU, laid out as [`crate::train::optim`] lays it, and its
+//! update through the GPU's kernels (`crate::gpu::optim`).
+
+use crate::gpu::device::{Buf, Device};
+use crate::gpu::optim::{adamw, muon_apply, muon_momentum, newton_schulz, scale};
+use crate::kernels::adamw::AdamStep;
+use crate::train::optim::{OptimConfig, Optimizer, Rule};
+use anyhow::Result;
+use std::ops::Range;
+
+/// A run's optimiser state on the GPU: the moments and Muon's momentum laid out as the
+/// parameters, and each tensor's rule ([`Optimizer::rules`]).
+pub struct GpuOptimizer {
+    pub config: OptimConfig,
+    pub step: u64,
+    m: Buf<f32>,
+    v: Buf<f32>,
+    momentum: Buf<f32>,
+    rules: Vec<(Range<usize>, Rule)>,
+}
+
+impl GpuOptimizer {
+    /// `opt`'s state on `dev`.
+    pub fn upload(dev: &Device, opt: &Optimizer) -> Result<GpuOptimizer> {
+        Ok(GpuOptimizer {
+            config: opt.config.clone(),
+            step: opt.step,
+            m: dev.upload(&opt.m)?,
+            v: dev.upload(&opt.v)?,
+            momentum: dev.upload(&opt.momentum)?,
+            rules: opt.rules().to_vec(),
+        })
+    }
+
+    /// The state back into `opt`.
+    pub fn download_into(&self, dev: &Device, opt: &mut Optimizer) -> Result<()> {
+        opt.m = dev.download(&self.m)?;
+        opt.v = dev.download(&self.v)?;
+        opt.momentum = dev.download(&self.momentum)?;
+        opt.step = self.step;
+        Ok(())
+    }
+
+    /// Scales `grads` down to the configured global norm when `norm` exceeds it, as
+    /// [`Optimizer::clip`].
+    pub fn clip(&self, dev: &Device, grads: &mut Buf<f32>, norm: f64) -> Result<()> {
+        let max = self.config.grad_clip;
+        if max > 0.0 && norm > max {
+            scale(dev, grads, (max / (norm + 1e-12)) as f32)?;
+        }
+        Ok(())
+    }
+
+    /// One update of `params` with learning rate `lr`, as [`Optimizer::update`].
+    pub fn update(
+        &mut self,
+        dev: &Device,
+        params: &mut Buf<f32>,
+        grads: &Buf<f32>,
+        lr: f64,
+    ) -> Result<()> {
+        self.step += 1;
+        let c = self.config.clone();
+        for (range, rule) in self.rules.clone() {
+            match rule {
+                Rule::Adam { decay } => {
+                    let wd = if decay { c.weight_decay } else { 0.0 };
+                    let k = AdamStep::at(self.step as i32, c.beta1, c.beta2, c.adam_eps, lr, wd);
+                    adamw(dev, range, params, &mut self.m, &mut self.v, grads, &k)?;
+                }
+                Rule::Muon { rows, cols } => {
+                    let mu = c.muon_momentum as f32;
+                    let dir = muon_momentum(dev, range.clone(), &mut self.momentum, grads, mu)?;
+                    let o = newton_schulz(dev, &dir, rows, cols)?;
+                    let scale = 0.2 * (rows.max(cols) as f64).sqrt();
+                    let decay = 1.0 - lr * c.weight_decay;
+                    muon_apply(dev, range, params, &o, decay, lr * scale)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
