@@ -14,12 +14,14 @@ use cudarc::driver::{
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Cloning shares the device: the same context, stream, kernels and buffers' home.
 #[derive(Clone)]
 pub struct Device {
     backend: Backend,
+    meter: Arc<Meter>,
     /// `sm_XY`, what the kernels were compiled for.
     pub arch: String,
 }
@@ -48,6 +50,21 @@ impl Elem for f64 {}
 /// Values in the device's memory (in host memory where the kernels are emulated).
 pub struct Buf<T: Elem> {
     mem: Mem<T>,
+    /// The device's count of bytes held, which this buffer leaves when dropped.
+    meter: Arc<Meter>,
+}
+
+impl<T: Elem> Drop for Buf<T> {
+    fn drop(&mut self) {
+        self.meter.live.fetch_sub(self.len() * size_of::<T>(), Ordering::Relaxed);
+    }
+}
+
+/// Bytes the buffers of a device hold: now, and the most since the last [`Device::reset_peak`].
+#[derive(Default)]
+pub struct Meter {
+    live: AtomicUsize,
+    peak: AtomicUsize,
 }
 
 enum Mem<T: Elem> {
@@ -255,7 +272,11 @@ impl Device {
         }
         let stream = ctx.default_stream();
         let blas = Arc::new(Blas::new(&stream)?);
-        Ok(Device { backend: Backend::Cuda { stream, functions, blas }, arch })
+        Ok(Device {
+            backend: Backend::Cuda { stream, functions, blas },
+            arch,
+            meter: Arc::default(),
+        })
     }
 
     /// A device that runs the kernels on the CPU (tests only), or why there is none: where
@@ -264,9 +285,11 @@ impl Device {
     #[cfg(test)]
     pub(crate) fn emulated(test: &str) -> Option<Device> {
         match super::emulator::kernels() {
-            Ok(kernels) => {
-                Some(Device { backend: Backend::Emulated(kernels), arch: "emulated".to_string() })
-            }
+            Ok(kernels) => Some(Device {
+                backend: Backend::Emulated(kernels),
+                arch: "emulated".to_string(),
+                meter: Arc::default(),
+            }),
             Err(why) if std::env::var_os("ATTNRES_REQUIRE_GPU_EMULATOR").is_none() => {
                 eprintln!("{test}: skipped, the kernels cannot run on the CPU here: {why}");
                 None
@@ -275,13 +298,32 @@ impl Device {
         }
     }
 
+    /// A buffer of `mem`, counted in the device's bytes held.
+    fn held<T: Elem>(&self, mem: Mem<T>) -> Buf<T> {
+        let buf = Buf { mem, meter: self.meter.clone() };
+        let live = self.meter.live.fetch_add(buf.len() * size_of::<T>(), Ordering::Relaxed);
+        self.meter.peak.fetch_max(live + buf.len() * size_of::<T>(), Ordering::Relaxed);
+        buf
+    }
+
+    /// Bytes the device's buffers hold now, and the most they held since the last
+    /// [`Self::reset_peak`] (cuBLASLt's workspace and the kernels' code left out).
+    pub fn memory(&self) -> (usize, usize) {
+        (self.meter.live.load(Ordering::Relaxed), self.meter.peak.load(Ordering::Relaxed))
+    }
+
+    /// Starts the peak of [`Self::memory`] again from what is held now.
+    pub fn reset_peak(&self) {
+        self.meter.peak.store(self.meter.live.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
     pub fn upload<T: Elem>(&self, x: &[T]) -> Result<Buf<T>> {
         let mem = match &self.backend {
             Backend::Cuda { stream, .. } => Mem::Cuda(stream.clone_htod(x)?),
             #[cfg(test)]
             Backend::Emulated(_) => Mem::Host(x.to_vec()),
         };
-        Ok(Buf { mem })
+        Ok(self.held(mem))
     }
 
     pub fn zeros<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
@@ -290,7 +332,7 @@ impl Device {
             #[cfg(test)]
             Backend::Emulated(_) => Mem::Host(vec![T::default(); n]),
         };
-        Ok(Buf { mem })
+        Ok(self.held(mem))
     }
 
     /// A copy of `x`.
@@ -302,7 +344,7 @@ impl Device {
             #[cfg(test)]
             _ => bail!("a buffer used on another device"),
         };
-        Ok(Buf { mem })
+        Ok(self.held(mem))
     }
 
     /// Sets every value of `x` to zero.
@@ -402,4 +444,24 @@ impl Device {
 
 fn no_kernel(name: &str) -> String {
     format!("no kernel {name} in src/gpu/kernels")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bytes held follow the buffers, and the peak stays until reset.
+    #[test]
+    fn the_meter_counts_what_buffers_hold() {
+        let Some(dev) = Device::emulated("the_meter_counts_what_buffers_hold") else { return };
+        let a = dev.zeros::<f32>(1000).unwrap();
+        let b = dev.upload(&[1u32, 2, 3]).unwrap();
+        assert_eq!(dev.memory(), (4012, 4012));
+        let c = dev.copy(&a).unwrap();
+        drop((a, b));
+        assert_eq!(dev.memory(), (4000, 8012));
+        dev.reset_peak();
+        drop(c);
+        assert_eq!(dev.memory(), (0, 4000));
+    }
 }

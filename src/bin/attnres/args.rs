@@ -458,6 +458,10 @@ pub(crate) struct BenchArgs {
     /// Untimed warm-up steps per mode.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
+    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (whole training steps, fp32,
+    /// the standard residual so far; docs/gpu.md).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
     /// Residual modes to compare: standard, full, block (block uses the preset's num_blocks).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "standard,block,full")]
     pub modes: Vec<Mode>,

@@ -405,6 +405,9 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         a.checkpoints.is_empty(),
         "--checkpoint goes with --generate (training steps run fresh models)"
     );
+    if matches!(a.device, DeviceArg::Cuda) {
+        return bench_gpu(&a, &configs);
+    }
     ensure!(
         a.seq <= base.max_position_embeddings,
         "--seq {} exceeds max_position_embeddings = {}",
@@ -425,6 +428,36 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     let report = bench::run(&configs, batch, seq, recompute, a.warmup, a.steps, |line| {
         log(&format!("  {line}"))
     })?;
+    if a.json {
+        return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
+    }
+    output(&report.table())
+}
+
+/// Training steps timed on the first GPU.
+fn bench_gpu(a: &BenchArgs, configs: &[Config]) -> Result<()> {
+    ensure!(
+        !a.recompute && !a.profile,
+        "--recompute and --profile are the CPU's (not with --device cuda)"
+    );
+    for c in configs {
+        attnres::train::gpu::model::GpuModel::check_config(c)?;
+    }
+    let dev = attnres::gpu::device::Device::open(0)?;
+    let name = attnres::gpu::gpus()?.swap_remove(0).name;
+    let base = &configs[0];
+    log(&format!(
+        "bench on {name}: {} layers, hidden {}, {} heads, batch {} x seq {}",
+        base.num_hidden_layers, base.hidden_size, base.num_attention_heads, a.batch, a.seq
+    ));
+    let plan = bench::gpu::Plan {
+        batch: a.batch,
+        seq: a.seq,
+        warmup: a.warmup,
+        steps: a.steps,
+        peak_size: 4096,
+    };
+    let report = bench::gpu::run(&dev, &name, configs, plan, |line| log(&format!("  {line}")))?;
     if a.json {
         return output(&format!("{}\n", serde_json::to_string_pretty(&report)?));
     }

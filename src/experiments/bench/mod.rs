@@ -4,6 +4,7 @@
 //! Markdown tables.
 
 pub mod generate;
+pub mod gpu;
 
 use crate::kernels::matmul::{matmul, threads};
 use crate::model::{Config, Model, ResidualKind};

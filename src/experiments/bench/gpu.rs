@@ -1,0 +1,200 @@
+//! Training steps on an NVIDIA GPU timed (`bench --device cuda`): each residual mode's whole
+//! step (forward, backward, clipping, AdamW) on the same batch, its tokens per second, model
+//! TFLOP/s against cuBLASLt's measured rate on this GPU, and the peak of the device memory the
+//! step's buffers hold.
+
+use super::{pseudo_tokens, step_flops};
+use crate::gpu::blas::Gemm;
+use crate::gpu::device::Device;
+use crate::gpu::gemm::gemm;
+use crate::model::{Config, Model};
+use crate::train::gpu::trainer::GpuTrainer;
+use crate::train::optim::{OptimConfig, Optimizer};
+use anyhow::Result;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::time::Instant;
+
+#[derive(Serialize)]
+pub struct GpuModeResult {
+    pub residual: String,
+    /// Median over the timed steps.
+    pub step_seconds: f64,
+    pub tokens_per_second: f64,
+    pub model_tflops: f64,
+    /// The most bytes the device's buffers held during the mode's steps.
+    pub peak_bytes: usize,
+    /// Step time over the first mode's.
+    pub vs_first: f64,
+}
+
+#[derive(Serialize)]
+pub struct GpuBenchReport {
+    pub device: String,
+    pub batch: usize,
+    pub seq: usize,
+    /// cuBLASLt's fp32 rate on this GPU (best of five products of `peak_size`³), in TFLOP/s.
+    pub blas_tflops: f64,
+    pub peak_size: usize,
+    pub modes: Vec<GpuModeResult>,
+}
+
+/// cuBLASLt's best rate over five `size³` fp32 products, in TFLOP/s.
+pub fn blas_peak(dev: &Device, size: usize) -> Result<f64> {
+    let a = dev.upload(&vec![0.5f32; size * size])?;
+    let mut c = dev.zeros::<f32>(size * size)?;
+    let g = Gemm {
+        m: size,
+        n: size,
+        k: size,
+        a_trans: false,
+        b_trans: false,
+        lda: size,
+        ldb: size,
+        ldc: size,
+        alpha: 1.0,
+        beta: 0.0,
+    };
+    let mut best = f64::MAX;
+    for _ in 0..6 {
+        dev.synchronize()?;
+        let t = Instant::now();
+        // SAFETY: `a` and `c` hold size² values, which the product spans; `c` is its own.
+        unsafe { gemm(dev, &g, a.arg(), a.arg(), c.arg_mut()) }?;
+        dev.synchronize()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (size as f64).powi(3) / best / 1e12)
+}
+
+/// What [`run`] times: `steps` training steps (after `warmup` untimed ones) on `batch`
+/// sequences of `seq` tokens, and cuBLASLt's rate at `peak_size`³.
+#[derive(Clone, Copy, Debug)]
+pub struct Plan {
+    pub batch: usize,
+    pub seq: usize,
+    pub warmup: usize,
+    pub steps: usize,
+    pub peak_size: usize,
+}
+
+/// Times the steps of `plan` of a fresh model of each config on `dev` (named `name`), one mode
+/// after another.
+pub fn run(
+    dev: &Device,
+    name: &str,
+    configs: &[Config],
+    plan: Plan,
+    mut progress: impl FnMut(&str),
+) -> Result<GpuBenchReport> {
+    let Plan { batch, seq, warmup, steps, peak_size } = plan;
+    let blas_tflops = blas_peak(dev, peak_size)?;
+    let mut modes: Vec<GpuModeResult> = Vec::new();
+    for c in configs {
+        let vocab = c.vocab_size;
+        let batches =
+            [(pseudo_tokens(batch * seq, vocab, 1), pseudo_tokens(batch * seq, vocab, 2))];
+        let model = Model::init(c.clone(), 0)?;
+        let opt = Optimizer::new(OptimConfig::default(), &model.layout);
+        let mut trainer = GpuTrainer::new(dev.clone(), &model, &opt)?;
+        drop((model, opt));
+        dev.reset_peak();
+        let mut times = Vec::new();
+        for step in 0..warmup + steps {
+            dev.synchronize()?;
+            let t = Instant::now();
+            trainer.step(&batches, batch, 1e-4, step)?;
+            dev.synchronize()?;
+            let dt = t.elapsed().as_secs_f64();
+            if step >= warmup {
+                times.push(dt);
+            }
+            let label = c.residual_label();
+            let kind = if step < warmup { "warmup" } else { "timed " };
+            progress(&format!(
+                "{kind} {label:>8} step {:>2}/{}: {dt:.3} s",
+                step + 1,
+                warmup + steps
+            ));
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let first = modes.first().map_or(median, |m| m.step_seconds);
+        modes.push(GpuModeResult {
+            residual: c.residual_label(),
+            step_seconds: median,
+            tokens_per_second: (batch * seq) as f64 / median,
+            model_tflops: step_flops(c, batch, seq) / median / 1e12,
+            peak_bytes: dev.memory().1,
+            vs_first: median / first,
+        });
+    }
+    Ok(GpuBenchReport { device: name.to_string(), batch, seq, blas_tflops, peak_size, modes })
+}
+
+impl GpuBenchReport {
+    /// A Markdown table, one row per mode.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "{}, batch {} x {} tokens, fp32; cuBLASLt fp32 at {}^3: {:.1} TFLOP/s\n\n",
+            self.device, self.batch, self.seq, self.peak_size, self.blas_tflops
+        );
+        out.push_str(
+            "| mode | step ms | tokens/s | model TFLOP/s | of cuBLASLt | peak GB | / first |\n",
+        );
+        out.push_str("|---|---:|---:|---:|---:|---:|---:|\n");
+        for m in &self.modes {
+            let _ = writeln!(
+                out,
+                "| {} | {:.1} | {:.0} | {:.1} | {:.0}% | {:.2} | {:.2}x |",
+                m.residual,
+                m.step_seconds * 1e3,
+                m.tokens_per_second,
+                m.model_tflops,
+                100.0 * m.model_tflops / self.blas_tflops,
+                m.peak_bytes as f64 / 1e9,
+                m.vs_first
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::params::Layout;
+    use crate::model::ResidualKind;
+
+    /// The table's figures come from the steps it timed.
+    #[test]
+    fn a_benchmark_on_the_emulated_gpu_reports_each_mode() {
+        let Some(dev) = Device::emulated("a_benchmark_on_the_emulated_gpu_reports_each_mode")
+        else {
+            return;
+        };
+        let c = report_config();
+        let plan = Plan { batch: 2, seq: 16, warmup: 1, steps: 2, peak_size: 64 };
+        let report = run(&dev, "emulated", &[c.clone(), c], plan, |_| {}).unwrap();
+        assert_eq!(report.modes.len(), 2);
+        let m = &report.modes[0];
+        assert!(m.step_seconds > 0.0 && m.tokens_per_second == 32.0 / m.step_seconds);
+        // Parameters, gradients and two moments at the least.
+        assert!(m.peak_bytes >= 4 * 4 * Layout::new(&report_config()).total);
+        assert!(report.table().contains("| standard |"), "{}", report.table());
+    }
+
+    fn report_config() -> Config {
+        Config {
+            vocab_size: 64,
+            hidden_size: 32,
+            intermediate_size: 48,
+            num_hidden_layers: 1,
+            num_attention_heads: 2,
+            num_key_value_heads: 2,
+            head_dim: 16,
+            residual: ResidualKind::Standard,
+            ..Config::default()
+        }
+    }
+}
