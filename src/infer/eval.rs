@@ -1,7 +1,7 @@
 //! `attnres eval`: a checkpoint measured on a text: mean loss per token, perplexity and bits per
 //! byte, over windows of the model's context.
 
-use crate::model::evaluate::windowed_loss;
+use crate::model::evaluate::windowed_loss_by;
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
 use anyhow::{ensure, Context, Result};
@@ -28,6 +28,22 @@ pub fn measure(
     origin: &str,
     seq: Option<usize>,
 ) -> Result<Measurement> {
+    measure_by(model, bpe, text, origin, seq, |x, y, rows, t| {
+        let f = model.forward_with(x, rows, t, true)?;
+        model.loss(&f, y)
+    })
+}
+
+/// [`measure`] with the model's mean loss over windows given by `loss(ids, targets, rows,
+/// seq)` (the GPU's, for one; `crate::model::evaluate::windowed_loss_by`).
+pub fn measure_by(
+    model: &Model,
+    bpe: &Bpe,
+    text: &str,
+    origin: &str,
+    seq: Option<usize>,
+    loss: impl FnMut(&[u32], &[u32], usize, usize) -> Result<f32>,
+) -> Result<Measurement> {
     let ids = bpe.encode(text)?;
     ensure!(
         ids.len() >= 2,
@@ -37,7 +53,7 @@ pub fn measure(
     let context = model.config.max_position_embeddings;
     let seq = seq.unwrap_or(context);
     ensure!(seq > 0 && seq <= context, "--seq must lie in 1..={context}");
-    let (nats, tokens) = windowed_loss(model, &ids, seq.min(ids.len() - 1), 8, 0)?;
+    let (nats, tokens) = windowed_loss_by(&ids, seq.min(ids.len() - 1), 8, 0, loss)?;
     let loss = nats / tokens as f64;
     // Every token but the first is predicted: count the bytes those tokens stand for. The
     // first token can end inside a UTF-8 character, so its bytes are counted from its entry in

@@ -396,6 +396,10 @@ pub(crate) struct EvalArgs {
     /// Print one JSON object with loss, perplexity and bits_per_byte.
     #[arg(long)]
     pub json: bool,
+    /// Where the model runs: cpu, or cuda for the first NVIDIA GPU (f32 models with the
+    /// standard residual so far; docs/gpu.md).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
 }
 
 #[derive(Args)]

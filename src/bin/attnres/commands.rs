@@ -332,7 +332,18 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
 fn eval_cmd(a: EvalArgs) -> Result<()> {
     let (model, bpe) = load_with_tokenizer(&a.model)?;
     let text = attnres::base::fs::read_utf8(&a.text)?;
-    let m = eval::measure(&model, &bpe, &text, &a.text.display().to_string(), a.seq)?;
+    let origin = a.text.display().to_string();
+    let m = match a.device {
+        DeviceArg::Cpu => eval::measure(&model, &bpe, &text, &origin, a.seq)?,
+        DeviceArg::Cuda => {
+            let dev = attnres::gpu::device::Device::open(0)?;
+            let gpu = attnres::train::gpu::model::GpuModel::upload(&dev, &model)?;
+            eval::measure_by(&model, &bpe, &text, &origin, a.seq, |x, y, rows, t| {
+                let f = gpu.forward(&dev, x, rows, t)?;
+                gpu.loss(&dev, &f, y)
+            })?
+        }
+    };
     if a.json {
         output(&format!(
             "{}\n",
