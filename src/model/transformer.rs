@@ -170,14 +170,7 @@ impl Model {
     }
 
     pub(super) fn attn_shape(&self, batch: usize, seq: usize) -> AttnShape {
-        let c = &self.config;
-        AttnShape {
-            batch,
-            seq,
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-        }
+        self.config.attn_shape(batch, seq)
     }
 
     /// Checks a batch of token ids against the vocabulary and the context length.

@@ -212,6 +212,17 @@ impl Config {
         (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
     }
 
+    /// The attention's shape over `batch` sequences of `seq` tokens.
+    pub fn attn_shape(&self, batch: usize, seq: usize) -> crate::kernels::attention::AttnShape {
+        crate::kernels::attention::AttnShape {
+            batch,
+            seq,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+        }
+    }
+
     /// The residual connection in one word, as logs and reports show it: `standard`, `full`, or
     /// `block` followed by the number of blocks.
     pub fn residual_label(&self) -> String {

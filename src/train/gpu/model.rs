@@ -96,14 +96,7 @@ impl GpuModel {
     }
 
     fn shape(&self, batch: usize, seq: usize) -> AttnShape {
-        let c = &self.config;
-        AttnShape {
-            batch,
-            seq,
-            heads: c.num_attention_heads,
-            kv_heads: c.num_key_value_heads,
-            head_dim: c.head_dim,
-        }
+        self.config.attn_shape(batch, seq)
     }
 
     /// Forward over `batch` sequences of `seq` tokens (`ids`, checked as `Model::forward`
