@@ -1,6 +1,6 @@
 //! One GPU: its context and stream, the engine's kernels compiled for its architecture when it
 //! opens, buffers on it, and kernel launches. In the tests the same device can instead run the
-//! kernels on the CPU ([`super::emulator`]), so that every host side and kernel is checked
+//! kernels on the CPU (`emulator.rs`), so that every host side and kernel is checked
 //! without a GPU.
 
 use super::blas::{Blas, Gemm};

@@ -1,11 +1,13 @@
-//! NVIDIA GPUs, through the CUDA driver and NVRTC opened at run time (`cudarc` with dynamic
-//! loading): the binary builds without the CUDA toolkit and runs where there is no GPU.
+//! NVIDIA GPUs, through the CUDA driver, NVRTC and cuBLASLt opened at run time (`cudarc` with
+//! dynamic loading): the binary builds without the CUDA toolkit and runs where there is no GPU
+//! (docs/gpu.md).
 //!
-//! Training on the GPU is being built (docs/gpu.md). What is here: finding the GPUs, or saying
-//! why there are none; compiling the engine's CUDA kernels (`kernels/*.cu`, built into the
-//! binary) with NVRTC for an architecture, which needs the NVRTC library but no GPU; a device
-//! ([`device`]) that compiles and loads them; and the host side of each kernel, taking the
-//! buffers its CPU kernel takes. cudarc panics when it cannot open a library, so every entry
+//! What is here: finding the GPUs, or saying why there are none ([`driver`]); compiling the
+//! engine's CUDA kernels (`kernels/*.cu`, built into the binary) with NVRTC for an
+//! architecture, which needs the NVRTC library but no GPU ([`nvrtc`]); a device ([`device`])
+//! that loads them, holds buffers and launches; matrix products ([`blas`], [`gemm`]); and the
+//! host side of each kernel, taking the buffers its CPU kernel takes. The model and its
+//! training on the device are `crate::train::gpu`. cudarc panics when it cannot open a library, so every entry
 //! point here asks first whether the library is there and turns its absence into an error
 //! that names it.
 
