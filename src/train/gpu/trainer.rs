@@ -168,8 +168,13 @@ mod tests {
             ..Config::default()
         };
         let mut cpu = Model::init(c, 9).unwrap();
-        let oc =
-            OptimConfig { lr: 1e-2, grad_clip: 0.5, warmup_steps: 2, ..OptimConfig::default() };
+        let oc = OptimConfig {
+            optimizer,
+            lr: 1e-2,
+            grad_clip: 0.5,
+            warmup_steps: 2,
+            ..OptimConfig::default()
+        };
         let mut cpu_opt = Optimizer::new(oc, &cpu.layout);
         let dev = dev.clone();
         let mut gpu = GpuTrainer::new(dev, &cpu, &cpu_opt).unwrap();
