@@ -28,6 +28,23 @@ pub struct Gemm {
 }
 
 impl Gemm {
+    /// `C = op(A)·op(B)` of matrices stored whole, each row right after the one before (the
+    /// leading dimensions are the stored rows' lengths).
+    pub fn packed(m: usize, n: usize, k: usize, a_trans: bool, b_trans: bool) -> Gemm {
+        Gemm {
+            m,
+            n,
+            k,
+            a_trans,
+            b_trans,
+            lda: if a_trans { m } else { k },
+            ldb: if b_trans { k } else { n },
+            ldc: n,
+            alpha: 1.0,
+            beta: 0.0,
+        }
+    }
+
     /// Values each operand spans from its first: A, B, C.
     pub fn spans(&self) -> (usize, usize, usize) {
         let span = |rows: usize, cols: usize, ld: usize| {

@@ -43,7 +43,6 @@ pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static 
 impl Elem for f32 {}
 impl Elem for u32 {}
 impl Elem for i32 {}
-impl Elem for u16 {}
 impl Elem for i64 {}
 impl Elem for f64 {}
 
@@ -82,9 +81,6 @@ impl Arg {
     pub fn i32(v: i32) -> Arg {
         Arg(v as u32 as u64)
     }
-    pub fn u32(v: u32) -> Arg {
-        Arg(v as u64)
-    }
     /// A count or index as the kernels' `long long`.
     pub fn i64(v: usize) -> Arg {
         Arg(v as u64)
@@ -118,38 +114,36 @@ impl<T: Elem> Buf<T> {
         self.len() == 0
     }
 
-    fn address(&self) -> u64 {
-        match &self.mem {
-            Mem::Cuda(s) => s.device_ptr(s.stream()).0,
-            #[cfg(test)]
-            Mem::Host(v) => v.as_ptr() as u64,
-        }
-    }
-
     /// The buffer as a kernel argument that the kernel reads.
     pub fn arg(&self) -> Arg {
-        Arg(self.address())
+        self.arg_at(0)
     }
 
     /// The buffer as a kernel argument that the kernel writes.
     pub fn arg_mut(&mut self) -> Arg {
-        match &mut self.mem {
-            Mem::Cuda(s) => Arg(s.device_ptr(s.stream()).0),
-            #[cfg(test)]
-            Mem::Host(v) => Arg(v.as_mut_ptr() as u64),
-        }
+        self.arg_mut_at(0)
     }
 
     /// Value `at` onward as a kernel argument that the kernel reads.
     pub fn arg_at(&self, at: usize) -> Arg {
         assert!(at <= self.len(), "offset {at} past a buffer of {}", self.len());
-        Arg(self.address() + (at * size_of::<T>()) as u64)
+        let base = match &self.mem {
+            Mem::Cuda(s) => s.device_ptr(s.stream()).0,
+            #[cfg(test)]
+            Mem::Host(v) => v.as_ptr() as u64,
+        };
+        Arg(base + (at * size_of::<T>()) as u64)
     }
 
     /// Value `at` onward as a kernel argument that the kernel writes.
     pub fn arg_mut_at(&mut self, at: usize) -> Arg {
         assert!(at <= self.len(), "offset {at} past a buffer of {}", self.len());
-        Arg(self.arg_mut().0 + (at * size_of::<T>()) as u64)
+        let base = match &mut self.mem {
+            Mem::Cuda(s) => s.device_ptr(s.stream()).0,
+            #[cfg(test)]
+            Mem::Host(v) => v.as_mut_ptr() as u64,
+        };
+        Arg(base + (at * size_of::<T>()) as u64)
     }
 }
 
@@ -222,8 +216,9 @@ impl<T: Elem> SliceMut<'_, T> {
     }
 }
 
-/// Token ids on the device, each checked on the host to lie below `below` (the vocabulary), so
-/// that the kernels that index rows with them stay inside their tables.
+/// Indices on the device, each checked on the host to lie below `below`, so that the kernels
+/// that index rows with them stay inside their tables: token ids (below the vocabulary), and
+/// positions (below the rotary tables' length, `RopeTables::positions`).
 pub struct Ids {
     pub buf: Buf<u32>,
     pub below: usize,
@@ -370,15 +365,6 @@ impl Device {
         }
     }
 
-    /// cuBLASLt and the stream it runs on (none where the kernels are emulated).
-    pub(super) fn blas(&self) -> Option<(&Blas, &Arc<CudaStream>)> {
-        match &self.backend {
-            Backend::Cuda { blas, stream, .. } => Some((&**blas, stream)),
-            #[cfg(test)]
-            Backend::Emulated(_) => None,
-        }
-    }
-
     /// Waits for the work queued so far.
     pub fn synchronize(&self) -> Result<()> {
         match &self.backend {
@@ -399,7 +385,9 @@ impl Device {
             values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         match &self.backend {
             Backend::Cuda { stream, functions, .. } => {
-                let f = functions.get(name).with_context(|| no_kernel(name))?;
+                let f = functions
+                    .get(name)
+                    .with_context(|| format!("no kernel {name} in src/gpu/kernels"))?;
                 stream.context().bind_to_thread()?;
                 // SAFETY: the caller's promise; `params` point at the arguments' values,
                 // which outlive the call (the driver copies them when it queues the launch).
@@ -429,21 +417,19 @@ impl Device {
     /// # Safety
     /// `a`, `b` and `c` hold what `g` spans from them, and `c` overlaps neither.
     pub(super) unsafe fn matmul(&self, g: &Gemm, a: Arg, b: Arg, c: Arg) -> Result<()> {
-        match self.blas() {
+        match &self.backend {
             // SAFETY: the caller's promise.
-            Some((blas, stream)) => unsafe { blas.matmul(stream, g, a.bits(), b.bits(), c.bits()) }
-                .with_context(|| format!("cuBLASLt failed on {g:?}")),
+            Backend::Cuda { blas, stream, .. } => {
+                unsafe { blas.matmul(stream, g, a.bits(), b.bits(), c.bits()) }
+                    .with_context(|| format!("cuBLASLt failed on {g:?}"))
+            }
             // SAFETY: the caller's promise; the emulated device's addresses are host ones.
             #[cfg(test)]
-            None => unsafe { super::emulator::host_matmul(g, a.bits(), b.bits(), c.bits()) },
-            #[cfg(not(test))]
-            None => unreachable!("every device but an emulated one has cuBLASLt"),
+            Backend::Emulated(_) => unsafe {
+                super::emulator::host_matmul(g, a.bits(), b.bits(), c.bits())
+            },
         }
     }
-}
-
-fn no_kernel(name: &str) -> String {
-    format!("no kernel {name} in src/gpu/kernels")
 }
 
 #[cfg(test)]

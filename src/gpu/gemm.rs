@@ -18,9 +18,9 @@ pub unsafe fn gemm(dev: &Device, g: &Gemm, a: Arg, b: Arg, c: Arg) -> Result<()>
     unsafe { dev.matmul(g, a, b, c) }
 }
 
-/// Checks that buffer `x` holds `span` values from `at`.
-fn holds(x: usize, at: usize, span: usize, what: &str) {
-    assert!(at + span <= x, "{what}: {span} values from {at} past a buffer of {x}");
+/// Checks that a buffer of `len` values holds the `span` a product reads or writes.
+fn holds(len: usize, span: usize, what: &str) {
+    assert!(span <= len, "{what}: {span} values past a buffer of {len}");
 }
 
 /// `y[rows, d_out] = x[rows, d_in] · wᵀ`, the weight `w[d_out, d_in]` (a tensor of the
@@ -34,22 +34,11 @@ pub fn linear(
     d_out: usize,
 ) -> Result<Buf<f32>> {
     let mut y = dev.zeros(rows * d_out)?;
-    let g = Gemm {
-        m: rows,
-        n: d_out,
-        k: d_in,
-        a_trans: false,
-        b_trans: true,
-        lda: d_in,
-        ldb: d_in,
-        ldc: d_out,
-        alpha: 1.0,
-        beta: 0.0,
-    };
+    let g = Gemm::packed(rows, d_out, d_in, false, true);
     let (sa, sb, sc) = g.spans();
-    holds(x.len(), 0, sa, "linear input");
-    holds(w.len(), 0, sb, "linear weight");
-    holds(y.len(), 0, sc, "linear output");
+    holds(x.len(), sa, "linear input");
+    holds(w.len(), sb, "linear weight");
+    holds(y.len(), sc, "linear output");
     // SAFETY: spans checked; `y` is new.
     unsafe { gemm(dev, &g, x.arg(), w.arg(), y.arg_mut()) }?;
     Ok(y)
@@ -70,38 +59,17 @@ pub fn linear_backward(
     d_out: usize,
     accumulate_dx: bool,
 ) -> Result<()> {
-    let input = Gemm {
-        m: rows,
-        n: d_in,
-        k: d_out,
-        a_trans: false,
-        b_trans: false,
-        lda: d_out,
-        ldb: d_in,
-        ldc: d_in,
-        alpha: 1.0,
-        beta: if accumulate_dx { 1.0 } else { 0.0 },
-    };
-    let weight = Gemm {
-        m: d_out,
-        n: d_in,
-        k: rows,
-        a_trans: true,
-        b_trans: false,
-        lda: d_out,
-        ldb: d_in,
-        ldc: d_in,
-        alpha: 1.0,
-        beta: 1.0,
-    };
+    let beta = if accumulate_dx { 1.0 } else { 0.0 };
+    let input = Gemm { beta, ..Gemm::packed(rows, d_in, d_out, false, false) };
+    let weight = Gemm { beta: 1.0, ..Gemm::packed(d_out, d_in, rows, true, false) };
     let (sa, sb, sc) = input.spans();
-    holds(dy.len(), 0, sa, "linear output gradient");
-    holds(w.len(), 0, sb, "linear weight");
-    holds(dx.len(), 0, sc, "linear input gradient");
+    holds(dy.len(), sa, "linear output gradient");
+    holds(w.len(), sb, "linear weight");
+    holds(dx.len(), sc, "linear input gradient");
     let (sa, sb, sc) = weight.spans();
-    holds(dy.len(), 0, sa, "linear output gradient");
-    holds(x.len(), 0, sb, "linear input");
-    holds(dw.len(), 0, sc, "linear weight gradient");
+    holds(dy.len(), sa, "linear output gradient");
+    holds(x.len(), sb, "linear input");
+    holds(dw.len(), sc, "linear weight gradient");
     // SAFETY: spans checked; `dx` and `dw` are `&mut` of their own, so overlap no input.
     unsafe {
         gemm(dev, &input, dy.arg(), w.arg(), dx.arg_mut())?;

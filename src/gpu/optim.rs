@@ -83,22 +83,6 @@ pub fn scale(dev: &Device, x: &mut Buf<f32>, s: f32) -> Result<()> {
     unsafe { dev.launch("scale", per_value(n), &[x.arg_mut(), Arg::f32(s), Arg::i64(n)]) }
 }
 
-/// The sum of squares of `x[range]`, in f64.
-pub fn range_squares(dev: &Device, x: &Buf<f32>, range: Range<usize>) -> Result<f64> {
-    let blocks = square_blocks(range.len());
-    let starts = dev.upload(&[range.start as i64, range.end as i64])?;
-    let mut partial = dev.zeros::<f64>(blocks)?;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    assert!(range.end <= x.len());
-    // SAFETY: as in `tensor_squares`.
-    unsafe { dev.launch("tensor_squares", cfg, &[partial.arg_mut(), x.arg(), starts.arg()]) }?;
-    Ok(dev.download(&partial)?.iter().sum())
-}
-
 /// Muon's Nesterov momentum over the tensor at `range`: `momentum = mu·momentum + g`, and
 /// the direction `g + mu·momentum` returned.
 pub fn muon_momentum(
@@ -174,34 +158,23 @@ pub fn newton_schulz(dev: &Device, g: &Buf<f32>, rows: usize, cols: usize) -> Re
     let tall = rows > cols;
     let (r, k) = if tall { (cols, rows) } else { (rows, cols) };
     let mut x = if tall { transposed(dev, g, rows, cols)? } else { dev.copy(g)? };
-    let norm = range_squares(dev, &x, 0..r * k)?.sqrt() as f32 + 1e-7;
+    let whole = 0..r * k;
+    let norm = tensor_squares(dev, std::slice::from_ref(&whole), &x)?[0].sqrt() as f32 + 1e-7;
     // SAFETY: the kernel's arguments in its order; `x` holds r·k values.
     unsafe {
         dev.launch("divide", per_value(r * k), &[x.arg_mut(), Arg::f32(norm), Arg::i64(r * k)])
     }?;
     let (mut s, mut s2, mut y) =
         (dev.zeros::<f32>(r * r)?, dev.zeros::<f32>(r * r)?, dev.zeros::<f32>(r * k)?);
-    let product = |m, n, kk, bt, lda, ldb, ldc| Gemm {
-        m,
-        n,
-        k: kk,
-        a_trans: false,
-        b_trans: bt,
-        lda,
-        ldb,
-        ldc,
-        alpha: 1.0,
-        beta: 0.0,
-    };
     for _ in 0..5 {
         // S = X Xᵀ; P = b S + c S²; X ← a X + P X
         // SAFETY: every operand holds what its product spans (r·k, r·r), and no product
         // writes a buffer it reads; `combine` reads and writes r·r or r·k values.
         unsafe {
-            gemm(dev, &product(r, r, k, true, k, k, r), x.arg(), x.arg(), s.arg_mut())?;
-            gemm(dev, &product(r, r, r, false, r, r, r), s.arg(), s.arg(), s2.arg_mut())?;
+            gemm(dev, &Gemm::packed(r, r, k, false, true), x.arg(), x.arg(), s.arg_mut())?;
+            gemm(dev, &Gemm::packed(r, r, r, false, false), s.arg(), s.arg(), s2.arg_mut())?;
             combine(dev, s2.arg_mut(), s.arg(), b, s2.arg(), c, r * r)?;
-            gemm(dev, &product(r, k, r, false, r, k, k), s2.arg(), x.arg(), y.arg_mut())?;
+            gemm(dev, &Gemm::packed(r, k, r, false, false), s2.arg(), x.arg(), y.arg_mut())?;
             combine(dev, x.arg_mut(), x.arg(), a, y.arg(), 1.0, r * k)?;
         }
     }

@@ -43,18 +43,7 @@ pub struct GpuBenchReport {
 pub fn blas_peak(dev: &Device, size: usize) -> Result<f64> {
     let a = dev.upload(&vec![0.5f32; size * size])?;
     let mut c = dev.zeros::<f32>(size * size)?;
-    let g = Gemm {
-        m: size,
-        n: size,
-        k: size,
-        a_trans: false,
-        b_trans: false,
-        lda: size,
-        ldb: size,
-        ldc: size,
-        alpha: 1.0,
-        beta: 0.0,
-    };
+    let g = Gemm::packed(size, size, size, false, false);
     let mut best = f64::MAX;
     for _ in 0..6 {
         dev.synchronize()?;
