@@ -1,10 +1,10 @@
 //! Rotary position embedding on the GPU (`kernels/rope.cu`): `crate::kernels::rope::apply`,
 //! bit for bit, with the CPU's cos/sin tables uploaded once.
 
-use super::device::{Arg, Buf, Device};
+use super::device::{Arg, Buf, Device, Ids};
 use super::per_value;
 use crate::kernels::rope::RopeTable;
-use anyhow::{ensure, Result};
+use anyhow::{bail, Result};
 
 /// A [`RopeTable`]'s cos and sin on the GPU: positions `0..len`.
 pub struct RopeTables {
@@ -15,6 +15,14 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
+    /// `positions` on the device, each checked to lie inside the tables.
+    pub fn positions(&self, dev: &Device, positions: &[u32]) -> Result<Ids> {
+        if let Some(&p) = positions.iter().find(|&&p| p as usize >= self.len) {
+            bail!("position {p} is past the GPU's rotary tables ({} positions)", self.len);
+        }
+        Ok(Ids { buf: dev.upload(positions)?, below: self.len })
+    }
+
     pub fn upload(dev: &Device, t: &RopeTable) -> Result<RopeTables> {
         Ok(RopeTables {
             cos: dev.upload(&t.cos)?,
@@ -26,7 +34,8 @@ impl RopeTables {
 }
 
 /// Rotates, in place, `n_heads` consecutive heads from column `col0` of each row of `x`
-/// (`[rows, width]`), row `r` at `positions[r]`; `inverse` applies the transpose.
+/// (`[rows, width]`), row `r` at `positions[r]` (uploaded once per pass, each checked against
+/// the tables' length); `inverse` applies the transpose.
 #[allow(clippy::too_many_arguments)]
 pub fn apply(
     dev: &Device,
@@ -34,28 +43,20 @@ pub fn apply(
     width: usize,
     col0: usize,
     n_heads: usize,
-    positions: &[usize],
+    positions: &Ids,
     t: &RopeTables,
     inverse: bool,
 ) -> Result<()> {
     let rows = positions.len();
     assert!(x.len() == rows * width && col0 + n_heads * 2 * t.half <= width);
     assert!(width <= i32::MAX as usize);
-    let beyond = positions.iter().find(|&&p| p >= t.len);
-    ensure!(
-        beyond.is_none(),
-        "position {} is past the GPU's rotary tables ({} positions)",
-        beyond.unwrap(),
-        t.len
-    );
-    let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-    let pos = dev.upload(&pos)?;
+    assert!(positions.below <= t.len, "positions checked against longer tables than these");
     let sign: f32 = if inverse { -1.0 } else { 1.0 };
     let args = [
         x.arg_mut(),
         t.cos.arg(),
         t.sin.arg(),
-        pos.arg(),
+        positions.buf.arg(),
         Arg::i64(rows),
         Arg::i32(width as i32),
         Arg::i32(col0 as i32),
@@ -82,7 +83,8 @@ mod tests {
         let table = RopeTable::new(hd, 2048, 10000.0);
         let gpu_table = RopeTables::upload(dev, &table).unwrap();
         let x = rand_vec(rows * width, 5, 2.0);
-        let positions: Vec<usize> = (0..rows).map(|r| r % seq).collect();
+        let positions: Vec<u32> = (0..rows as u32).map(|r| r % seq as u32).collect();
+        let positions = gpu_table.positions(dev, &positions).unwrap();
         for inverse in [false, true] {
             let mut want = x.clone();
             cpu::apply(&mut want, width, 0, heads + kv, Positions::Packed(seq), &table, inverse);

@@ -7,7 +7,7 @@
 // row r at position pos[r]; sign -1 applies the transpose (the backward pass). One thread per
 // pair of values.
 extern "C" __global__ void rope_apply(float* x, const float* cos, const float* sin,
-                                      const int* pos, long long rows, int width, int col0,
+                                      const unsigned int* pos, long long rows, int width, int col0,
                                       int heads, int half, float sign) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * heads * half) return;

@@ -51,6 +51,8 @@ pub struct GpuForward {
     pub batch: usize,
     pub seq: usize,
     ids: Ids,
+    /// Each row's position in its sequence, for the rotary embedding both ways.
+    positions: Ids,
     attn: Vec<AttnSaved>,
     mlp: Vec<MlpSaved>,
     h_final: Buf<f32>,
@@ -118,7 +120,8 @@ impl GpuModel {
         );
         let (d, p, lay) = (c.hidden_size, &self.params, &self.layout);
         let ids = Ids::upload(dev, ids, c.vocab_size)?;
-        let positions: Vec<usize> = (0..batch * seq).map(|r| r % seq).collect();
+        let positions: Vec<u32> = (0..(batch * seq) as u32).map(|r| r % seq as u32).collect();
+        let positions = self.rope.positions(dev, &positions)?;
         let sh = self.shape(batch, seq);
         let mut stream = embedding_forward(dev, p.slice(lay.embed.clone()), &ids, d)?;
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
@@ -135,7 +138,18 @@ impl GpuModel {
             rmsnorm::forward(dev, &stream, p.slice(lay.final_norm.clone()), d, eps)?;
         let logits =
             linear(dev, &xn_final, p.slice(lay.head.clone()), batch * seq, d, c.vocab_size)?;
-        Ok(GpuForward { batch, seq, ids, attn, mlp, h_final: stream, rstd_final, xn_final, logits })
+        Ok(GpuForward {
+            batch,
+            seq,
+            ids,
+            positions,
+            attn,
+            mlp,
+            h_final: stream,
+            rstd_final,
+            xn_final,
+            logits,
+        })
     }
 
     /// The attention sublayer on its input `h`: what it keeps, and its output.
@@ -144,7 +158,7 @@ impl GpuModel {
         dev: &Device,
         lp: &LayerParams,
         h: Buf<f32>,
-        positions: &[usize],
+        positions: &Ids,
         sh: AttnShape,
     ) -> Result<(AttnSaved, Buf<f32>)> {
         let c = &self.config;
@@ -183,6 +197,20 @@ impl GpuModel {
         let c = &self.config;
         let targets = self.targets(dev, fwd, targets)?;
         Ok(cross_entropy::loss(dev, &fwd.logits, &targets, c.vocab_size, false)?.0)
+    }
+
+    /// The mean loss of `rows` sequences of `seq` tokens against their targets, without
+    /// gradients: validation and evaluation on the device.
+    pub fn window_loss(
+        &self,
+        dev: &Device,
+        ids: &[u32],
+        targets: &[u32],
+        rows: usize,
+        seq: usize,
+    ) -> Result<f32> {
+        let fwd = self.forward(dev, ids, rows, seq)?;
+        self.loss(dev, &fwd, targets)
     }
 
     fn targets(&self, dev: &Device, fwd: &GpuForward, targets: &[u32]) -> Result<Ids> {
@@ -227,13 +255,13 @@ impl GpuModel {
             d,
         )?;
         let sh = self.shape(fwd.batch, fwd.seq);
-        let positions: Vec<usize> = (0..n).map(|r| r % fwd.seq).collect();
         for (i, lp) in lay.layers.iter().enumerate().rev() {
             // The stream's gradient is each sublayer's output gradient; the sublayer's input
             // gradient adds to it.
             let dh = self.mlp_backward(dev, lp, &fwd.mlp[i], &dstream, grads)?;
             add_into(dev, &mut dstream, &dh)?;
-            let dh = self.attn_backward(dev, lp, &fwd.attn[i], &dstream, &positions, sh, grads)?;
+            let dh =
+                self.attn_backward(dev, lp, &fwd.attn[i], &dstream, &fwd.positions, sh, grads)?;
             add_into(dev, &mut dstream, &dh)?;
         }
         embedding_backward(dev, &mut grads.slice_mut(lay.embed.clone()), &dstream, &fwd.ids, d)?;
@@ -273,7 +301,7 @@ impl GpuModel {
         lp: &LayerParams,
         s: &AttnSaved,
         dout: &Buf<f32>,
-        positions: &[usize],
+        positions: &Ids,
         sh: AttnShape,
         grads: &mut Buf<f32>,
     ) -> Result<Buf<f32>> {
