@@ -1,7 +1,7 @@
 //! `attnres eval`: a checkpoint measured on a text: mean loss per token, perplexity and bits per
 //! byte, over windows of the model's context.
 
-use crate::model::evaluate::windowed_loss_by;
+use crate::model::evaluate::{window_loss, windowed_loss_by};
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
 use anyhow::{ensure, Context, Result};
@@ -28,10 +28,7 @@ pub fn measure(
     origin: &str,
     seq: Option<usize>,
 ) -> Result<Measurement> {
-    measure_by(model, bpe, text, origin, seq, |x, y, rows, t| {
-        let f = model.forward_with(x, rows, t, true)?;
-        model.loss(&f, y)
-    })
+    measure_by(model, bpe, text, origin, seq, window_loss(model))
 }
 
 /// [`measure`] with the model's mean loss over windows given by `loss(ids, targets, rows,

@@ -125,16 +125,7 @@ pub fn sublayer_grad_norms(layout: &Layout, grads: &[f32]) -> Vec<f64> {
             .sum::<f64>()
             .sqrt()
     };
-    layout
-        .layers
-        .iter()
-        .flat_map(|lp| {
-            [
-                norm(&[&lp.input_norm, &lp.qkv, &lp.o_proj]),
-                norm(&[&lp.post_norm, &lp.gate_up, &lp.down]),
-            ]
-        })
-        .collect()
+    layout.layers.iter().flat_map(|lp| lp.sublayers().map(|tensors| norm(&tensors))).collect()
 }
 
 #[cfg(test)]

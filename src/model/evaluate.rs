@@ -14,12 +14,18 @@ pub fn windowed_loss(
     micro_batch: usize,
     max_tokens: usize,
 ) -> Result<(f64, usize)> {
-    windowed_loss_by(ids, seq, micro_batch, max_tokens, |x, y, rows, t| {
+    windowed_loss_by(ids, seq, micro_batch, max_tokens, window_loss(model))
+}
+
+/// `model`'s mean loss of `rows` windows of `seq` tokens against their targets, as
+/// [`windowed_loss_by`] takes it: `(ids, targets, rows, seq)`.
+pub fn window_loss(model: &Model) -> impl FnMut(&[u32], &[u32], usize, usize) -> Result<f32> + '_ {
+    |x, y, rows, t| {
         // No backward follows: keep of each sublayer only its input (as recomputation does),
         // not its work, so that validation takes less memory than a training step.
         let f = model.forward_with(x, rows, t, true)?;
         model.loss(&f, y)
-    })
+    }
 }
 
 /// [`windowed_loss`] with the model's mean loss given by `loss(ids, targets, rows, seq)`, for

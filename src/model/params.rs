@@ -53,6 +53,14 @@ pub struct LayerParams {
     pub mlp_depth: Option<DepthParams>,
 }
 
+impl LayerParams {
+    /// The tensors of each of the layer's two sublayers, attention then MLP: its norm's gain
+    /// and its matrices (the depth attention's parameters left out).
+    pub fn sublayers(&self) -> [[&Range<usize>; 3]; 2] {
+        [[&self.input_norm, &self.qkv, &self.o_proj], [&self.post_norm, &self.gate_up, &self.down]]
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Layout {
     pub specs: Vec<ParamSpec>,

@@ -2,7 +2,7 @@
 //! floor a useful model must beat.
 
 use super::tokens::Tokens;
-use crate::model::evaluate::{windowed_loss, windowed_loss_by};
+use crate::model::evaluate::{window_loss, windowed_loss_by};
 use crate::model::Model;
 use anyhow::Result;
 
@@ -15,10 +15,7 @@ pub fn validate(
     micro_batch: usize,
     max_tokens: usize,
 ) -> Result<(f64, f64)> {
-    let n = tokens.val_len();
-    let val: Vec<u32> = tokens.val(0..n);
-    let measured = windowed_loss(model, &val, seq.min(n - 1), micro_batch, max_tokens)?;
-    Ok(per_token_and_byte(tokens, measured))
+    validate_by(tokens, seq, micro_batch, max_tokens, window_loss(model))
 }
 
 /// [`validate`] with the model's mean loss given by `loss` ([`windowed_loss_by`]).
@@ -31,16 +28,10 @@ pub fn validate_by(
 ) -> Result<(f64, f64)> {
     let n = tokens.val_len();
     let val: Vec<u32> = tokens.val(0..n);
-    let measured = windowed_loss_by(&val, seq.min(n - 1), micro_batch, max_tokens, loss)?;
-    Ok(per_token_and_byte(tokens, measured))
-}
-
-/// Mean loss per token and bits per byte from summed nats over `count` tokens.
-fn per_token_and_byte(tokens: &Tokens, (nats, count): (f64, usize)) -> (f64, f64) {
-    let n = tokens.val_len();
+    let (nats, count) = windowed_loss_by(&val, seq.min(n - 1), micro_batch, max_tokens, loss)?;
     let loss = nats / count as f64;
     let bytes_per_token = tokens.val_bytes as f64 / n as f64;
-    (loss, loss / std::f64::consts::LN_2 / bytes_per_token)
+    Ok((loss, loss / std::f64::consts::LN_2 / bytes_per_token))
 }
 
 /// Bits per byte of the validation split under a unigram model of the training tokens (add-one

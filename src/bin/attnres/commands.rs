@@ -339,8 +339,7 @@ fn eval_cmd(a: EvalArgs) -> Result<()> {
             let dev = attnres::gpu::device::Device::open(0)?;
             let gpu = attnres::train::gpu::model::GpuModel::upload(&dev, &model)?;
             eval::measure_by(&model, &bpe, &text, &origin, a.seq, |x, y, rows, t| {
-                let f = gpu.forward(&dev, x, rows, t)?;
-                gpu.loss(&dev, &f, y)
+                gpu.window_loss(&dev, x, y, rows, t)
             })?
         }
     };

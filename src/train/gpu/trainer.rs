@@ -101,8 +101,7 @@ impl GpuTrainer {
     /// The mean loss of `rows` sequences of `seq` tokens against their targets, without
     /// gradients: validation on the device.
     pub fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32> {
-        let fwd = self.model.forward(&self.dev, ids, rows, seq)?;
-        self.model.loss(&self.dev, &fwd, targets)
+        self.model.window_loss(&self.dev, ids, targets, rows, seq)
     }
 }
 
@@ -122,16 +121,7 @@ fn sublayer_norms(layout: &Layout, squares: &[f64]) -> Vec<f64> {
             .sum();
         sum.sqrt()
     };
-    layout
-        .layers
-        .iter()
-        .flat_map(|lp| {
-            [
-                within(&[&lp.input_norm, &lp.qkv, &lp.o_proj]),
-                within(&[&lp.post_norm, &lp.gate_up, &lp.down]),
-            ]
-        })
-        .collect()
+    layout.layers.iter().flat_map(|lp| lp.sublayers().map(|tensors| within(&tensors))).collect()
 }
 
 #[cfg(test)]
