@@ -14,6 +14,7 @@
 pub mod attention;
 pub mod blas;
 pub mod cross_entropy;
+pub mod depth;
 pub mod device;
 pub mod driver;
 pub mod elementwise;
@@ -27,6 +28,10 @@ pub mod rope;
 
 pub use driver::{gpus, Gpu};
 pub use nvrtc::{compile, compile_all, kernel_names, nvrtc_present, Compiled, KERNELS};
+
+/// Threads per row of the kernels that reduce over rows of the hidden size. One number for
+/// all: `row_dot` (reduce.cuh) gives the same bits in every kernel only with the same threads.
+pub const ROW_THREADS: u32 = 256;
 
 /// A launch of one block of `threads` threads per row, for the kernels that reduce over a row
 /// (`threads` a power of two, as `reduce.cuh` needs).

@@ -11,6 +11,7 @@ pub(crate) const COMMON: &str = include_str!("kernels/reduce.cuh");
 pub const KERNELS: &[(&str, &str)] = &[
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
+    ("depth.cu", include_str!("kernels/depth.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
     ("residual.cu", include_str!("kernels/residual.cu")),

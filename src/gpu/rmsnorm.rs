@@ -2,11 +2,8 @@
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
 use super::device::{Arg, Buf, Device, Slice, SliceMut};
-use super::{per_row, per_value};
+use super::{per_row, per_value, ROW_THREADS as THREADS};
 use anyhow::Result;
-
-/// Threads per row.
-const THREADS: u32 = 256;
 
 /// Forward: `y` and the per-row `rstd`.
 pub fn forward(
@@ -26,7 +23,9 @@ pub fn forward(
     Ok((y, rstd))
 }
 
-/// Backward: returns `dx`; `dg` accumulates.
+/// Backward: returns `dx`; `dg` accumulates. With `dx_dot_x` (`[rows]`), also each row's
+/// `⟨dx, x⟩`, which the depth attention's backward takes (as the CPU kernel's option).
+#[allow(clippy::too_many_arguments)]
 pub fn backward(
     dev: &Device,
     dg: &mut SliceMut<f32>,
@@ -35,11 +34,14 @@ pub fn backward(
     g: Slice<f32>,
     rstd: &Buf<f32>,
     d: usize,
+    dx_dot_x: Option<&mut Buf<f32>>,
 ) -> Result<Buf<f32>> {
     let rows = rstd.len();
     assert!(x.len() == rows * d && dy.len() == x.len() && g.len() == d && dg.len() == d);
+    assert!(dx_dot_x.as_ref().is_none_or(|b| b.len() == rows), "one <dx, x> per row");
     let mut dx = dev.zeros(x.len())?;
-    let args = [dx.arg_mut(), dy.arg(), x.arg(), g.arg(), rstd.arg(), Arg::i32(d as i32)];
+    let dxx = dx_dot_x.map_or(Arg::null(), |b| b.arg_mut());
+    let args = [dx.arg_mut(), dxx, dy.arg(), x.arg(), g.arg(), rstd.arg(), Arg::i32(d as i32)];
     // SAFETY: as in `forward`.
     unsafe { dev.launch("rmsnorm_backward", per_row(rows, THREADS), &args) }?;
     let args =
@@ -68,8 +70,25 @@ mod tests {
                 (dev.upload(&x).unwrap(), dev.upload(&g).unwrap(), dev.upload(&dy).unwrap());
             let (y, rstd) = forward(dev, &xg, gg.all(), d, 1e-5).unwrap();
             let mut dg = dev.upload(&vec![0.25f32; d]).unwrap();
-            let dx = backward(dev, &mut dg.all_mut(), &dyg, &xg, gg.all(), &rstd, d).unwrap();
+            let mut dxx = dev.zeros(rows).unwrap();
+            let dx =
+                backward(dev, &mut dg.all_mut(), &dyg, &xg, gg.all(), &rstd, d, Some(&mut dxx))
+                    .unwrap();
             let at = format!("{rows}x{d}");
+            // <dx, x> nearly cancels (dx is almost orthogonal to x), so it is held to the sum
+            // of its terms' sizes, taken in f64 from the kernel's own dx.
+            let (dx_host, dxx) = (dev.download(&dx).unwrap(), dev.download(&dxx).unwrap());
+            for (t, got) in dxx.iter().enumerate() {
+                let terms = dx_host[t * d..(t + 1) * d].iter().zip(&x[t * d..(t + 1) * d]);
+                let (sum, size) = terms.fold((0f64, 0f64), |(s, m), (a, b)| {
+                    let p = *a as f64 * *b as f64;
+                    (s + p, m + p.abs())
+                });
+                assert!(
+                    (*got as f64 - sum).abs() <= 1e-6 * size,
+                    "{at}: <dx, x>[{t}] {got} vs {sum}"
+                );
+            }
             for (name, got, want) in [
                 ("y", dev.download(&y).unwrap(), want_y),
                 ("rstd", dev.download(&rstd).unwrap(), want_rstd),

@@ -4,4 +4,5 @@
 
 pub mod model;
 pub mod optim;
+pub mod residual;
 pub mod trainer;

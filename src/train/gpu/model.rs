@@ -2,12 +2,14 @@
 //! `crate::model::Model` (the oracle), forward keeping what backward needs and backward adding
 //! every parameter's gradient into one buffer laid out as the parameters are. fp32 throughout.
 //!
-//! So far the standard residual; Full and Block AttnRes are refused with an error that says so.
+//! The standard residual, Full and Block AttnRes (the residual connection is [`super::residual`]);
+//! the ablation options of the depth attention are refused with an error that says so.
 
+use super::residual::{ResidualBackward, ResidualForward};
 use crate::gpu::attention;
 use crate::gpu::cross_entropy;
-use crate::gpu::device::{Buf, Device, Ids};
-use crate::gpu::elementwise::{add, add_into, embedding_backward, embedding_forward};
+use crate::gpu::device::{Buf, Device, Ids, Slice, SliceMut};
+use crate::gpu::elementwise::{embedding_backward, embedding_forward};
 use crate::gpu::elementwise::{swiglu_backward, swiglu_forward};
 use crate::gpu::gemm::{linear, linear_backward};
 use crate::gpu::rmsnorm;
@@ -55,6 +57,7 @@ pub struct GpuForward {
     positions: Ids,
     attn: Vec<AttnSaved>,
     mlp: Vec<MlpSaved>,
+    residual: ResidualForward,
     h_final: Buf<f32>,
     rstd_final: Buf<f32>,
     xn_final: Buf<f32>,
@@ -65,11 +68,11 @@ pub struct GpuForward {
 impl GpuModel {
     /// An error for a model the GPU does not run yet.
     pub fn check_config(c: &Config) -> Result<()> {
-        if c.block_size().is_some() {
+        if c.block_size().is_some() && !c.depth_is_default() {
             bail!(
-                "{:?} AttnRes does not run on the GPU yet: only the standard residual does \
-                 (docs/gpu.md)",
-                c.residual
+                "the depth attention's ablation options (attn_res_key_norm, attn_res_query, \
+                 attn_res_gate, attn_res_heads, attn_res_window) do not run on the GPU yet: \
+                 Full and Block AttnRes run there as the method defines them (docs/gpu.md)"
             );
         }
         Ok(())
@@ -123,19 +126,23 @@ impl GpuModel {
         let positions: Vec<u32> = (0..(batch * seq) as u32).map(|r| r % seq as u32).collect();
         let positions = self.rope.positions(dev, &positions)?;
         let sh = self.shape(batch, seq);
-        let mut stream = embedding_forward(dev, p.slice(lay.embed.clone()), &ids, d)?;
+        let e = embedding_forward(dev, p.slice(lay.embed.clone()), &ids, d)?;
+        let mut res = ResidualForward::new(dev, c, lay, p, e)?;
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
-        for lp in &lay.layers {
-            let (saved, out) = self.attn_forward(dev, lp, stream, &positions, sh)?;
-            stream = add(dev, &saved.h, &out)?;
+        for (i, lp) in lay.layers.iter().enumerate() {
+            let (l, h) = (2 * i, res.input(dev, 2 * i)?);
+            let (saved, out) = self.attn_forward(dev, lp, h, &positions, sh)?;
+            res.push_output(dev, l, &saved.h, out)?;
             attn.push(saved);
-            let (saved, out) = self.mlp_forward(dev, lp, stream)?;
-            stream = add(dev, &saved.h, &out)?;
+            let (l, h) = (2 * i + 1, res.input(dev, 2 * i + 1)?);
+            let (saved, out) = self.mlp_forward(dev, lp, h)?;
+            res.push_output(dev, l, &saved.h, out)?;
             mlp.push(saved);
         }
+        let h_final = res.output(dev)?;
         let eps = c.rms_norm_eps as f32;
         let (xn_final, rstd_final) =
-            rmsnorm::forward(dev, &stream, p.slice(lay.final_norm.clone()), d, eps)?;
+            rmsnorm::forward(dev, &h_final, p.slice(lay.final_norm.clone()), d, eps)?;
         let logits =
             linear(dev, &xn_final, p.slice(lay.head.clone()), batch * seq, d, c.vocab_size)?;
         Ok(GpuForward {
@@ -145,7 +152,8 @@ impl GpuModel {
             positions,
             attn,
             mlp,
-            h_final: stream,
+            residual: res,
+            h_final,
             rstd_final,
             xn_final,
             logits,
@@ -245,30 +253,29 @@ impl GpuModel {
         linear_backward(dev, &mut dxn, dw, &dlogits, &fwd.xn_final, w, n, d, v, false)?;
         drop(dlogits);
         let norm = lay.final_norm.clone();
-        let mut dstream = rmsnorm::backward(
-            dev,
-            &mut grads.slice_mut(norm.clone()),
-            &dxn,
-            &fwd.h_final,
-            p.slice(norm),
-            &fwd.rstd_final,
-            d,
-        )?;
+        let res = &fwd.residual;
+        let dot = res.needs_dh_dot_h();
+        let (dg, g) = (&mut grads.slice_mut(norm.clone()), p.slice(norm));
+        let (dh, dhh) = norm_backward(dev, dg, &dxn, &fwd.h_final, g, &fwd.rstd_final, d, dot)?;
+        let mut back = ResidualBackward::new(dev, res, dh, dhh)?;
         let sh = self.shape(fwd.batch, fwd.seq);
         for (i, lp) in lay.layers.iter().enumerate().rev() {
-            // The stream's gradient is each sublayer's output gradient; the sublayer's input
-            // gradient adds to it.
-            let dh = self.mlp_backward(dev, lp, &fwd.mlp[i], &dstream, grads)?;
-            add_into(dev, &mut dstream, &dh)?;
-            let dh =
-                self.attn_backward(dev, lp, &fwd.attn[i], &dstream, &fwd.positions, sh, grads)?;
-            add_into(dev, &mut dstream, &dh)?;
+            let l = 2 * i + 1;
+            let dout = back.output_grad(dev, l, res)?;
+            let (dh, dhh) = self.mlp_backward(dev, lp, &fwd.mlp[i], dout, grads, dot)?;
+            back.input_grad(dev, l, dh, dhh, res)?;
+            let (l, pos) = (2 * i, &fwd.positions);
+            let dout = back.output_grad(dev, l, res)?;
+            let (dh, dhh) = self.attn_backward(dev, lp, &fwd.attn[i], dout, pos, sh, grads, dot)?;
+            back.input_grad(dev, l, dh, dhh, res)?;
         }
-        embedding_backward(dev, &mut grads.slice_mut(lay.embed.clone()), &dstream, &fwd.ids, d)?;
+        let de = back.embedding_grad(dev, res, p, grads, lay)?;
+        embedding_backward(dev, &mut grads.slice_mut(lay.embed.clone()), &de, &fwd.ids, d)?;
         Ok(loss)
     }
 
-    /// The MLP's backward from its output gradient `dout`: its input gradient.
+    /// The MLP's backward from its output gradient `dout`: its input gradient, and with `dot`
+    /// its `⟨dh, h⟩` per token.
     fn mlp_backward(
         &self,
         dev: &Device,
@@ -276,7 +283,8 @@ impl GpuModel {
         s: &MlpSaved,
         dout: &Buf<f32>,
         grads: &mut Buf<f32>,
-    ) -> Result<Buf<f32>> {
+        dot: bool,
+    ) -> Result<(Buf<f32>, Option<Buf<f32>>)> {
         let c = &self.config;
         let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
         let n = s.h.len() / d;
@@ -290,10 +298,11 @@ impl GpuModel {
         linear_backward(dev, &mut dxn, dw, &dgu, &s.xn, w, n, d, 2 * f, false)?;
         let norm = lp.post_norm.clone();
         let dg = &mut grads.slice_mut(norm.clone());
-        rmsnorm::backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d)
+        norm_backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d, dot)
     }
 
-    /// The attention sublayer's backward from its output gradient `dout`: its input gradient.
+    /// The attention sublayer's backward from its output gradient `dout`, as
+    /// [`Self::mlp_backward`].
     #[allow(clippy::too_many_arguments)]
     fn attn_backward(
         &self,
@@ -304,7 +313,8 @@ impl GpuModel {
         positions: &Ids,
         sh: AttnShape,
         grads: &mut Buf<f32>,
-    ) -> Result<Buf<f32>> {
+        dot: bool,
+    ) -> Result<(Buf<f32>, Option<Buf<f32>>)> {
         let (d, p, n) = (self.config.hidden_size, &self.params, positions.len());
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
         let mut do_ = dev.zeros(n * ow)?;
@@ -319,39 +329,77 @@ impl GpuModel {
         linear_backward(dev, &mut dxn, dw, &dqkv, &s.xn, w, n, d, qw, false)?;
         let norm = lp.input_norm.clone();
         let dg = &mut grads.slice_mut(norm.clone());
-        rmsnorm::backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d)
+        norm_backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d, dot)
     }
+}
+
+/// An RMSNorm's backward into its input `h` (gain gradient into `dg`), with `dot` also each
+/// row's `⟨dh, h⟩`, which the depth attention's backward takes.
+#[allow(clippy::too_many_arguments)]
+fn norm_backward(
+    dev: &Device,
+    dg: &mut SliceMut<f32>,
+    dxn: &Buf<f32>,
+    h: &Buf<f32>,
+    g: Slice<f32>,
+    rstd: &Buf<f32>,
+    d: usize,
+    dot: bool,
+) -> Result<(Buf<f32>, Option<Buf<f32>>)> {
+    let mut dhh = if dot { Some(dev.zeros(rstd.len())?) } else { None };
+    let dh = rmsnorm::backward(dev, dg, dxn, h, g, rstd, d, dhh.as_mut())?;
+    Ok((dh, dhh))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::ResidualKind;
-    use crate::testutil::assert_close_to_largest;
+    use crate::testutil::{assert_close_to_largest, rand_vec};
 
-    /// A small standard model whose shapes cross the kernels' tiles (grouped heads, a sequence
-    /// longer than one attention block, untied head).
-    fn small(tied: bool) -> Model {
+    /// A small model whose shapes cross the kernels' tiles (grouped heads, a sequence longer
+    /// than one attention block, untied head), with residual `residual`.
+    fn small(tied: bool, residual: ResidualKind, layers: usize, blocks: usize) -> Model {
         let c = Config {
             vocab_size: 97,
             hidden_size: 64,
             intermediate_size: 96,
-            num_hidden_layers: 2,
+            num_hidden_layers: layers,
             num_attention_heads: 4,
             num_key_value_heads: 2,
             head_dim: 16,
             max_position_embeddings: 128,
             tie_word_embeddings: tied,
-            residual: ResidualKind::Standard,
+            residual,
+            num_blocks: blocks,
             ..Config::default()
         };
         Model::init(c, 5).unwrap()
     }
 
-    /// The loss and every tensor's gradient of one batch, against the CPU engine.
+    /// The loss and every tensor's gradient of one batch, against the CPU engine: the standard
+    /// residual tied and untied; Block AttnRes with blocks of 2 sublayers and with blocks of 4
+    /// over 6 sublayers (the last one shorter: `attn_res_block_size`); Full AttnRes. The depth
+    /// queries start at zero, so they are set to random values, as training makes them.
     fn a_training_pass_matches_the_cpu_engine(dev: &Device) {
-        for tied in [true, false] {
-            let model = small(tied);
+        let mut models = vec![
+            ("standard, tied", small(true, ResidualKind::Standard, 2, 1)),
+            ("standard, untied", small(false, ResidualKind::Standard, 2, 1)),
+            ("block of 2", small(false, ResidualKind::Block, 2, 2)),
+            ("full", small(true, ResidualKind::Full, 2, 1)),
+        ];
+        let mut shorter = small(false, ResidualKind::Block, 3, 2);
+        shorter.config.attn_res_block_size = Some(2);
+        models.push(("blocks of 4 over 6", Model::init(shorter.config, 5).unwrap()));
+        for (name, mut model) in models {
+            let depth = (0..=model.config.sublayers()).filter_map(|l| model.layout.depth_params(l));
+            for p in depth.cloned().collect::<Vec<_>>() {
+                let q = rand_vec(p.query.len(), p.query.start as u64, 1.0);
+                model.params[p.query].copy_from_slice(&q);
+                let g = p.gain.expect("key-norm gains");
+                let noise = rand_vec(g.len(), g.start as u64, 0.3);
+                model.params[g].iter_mut().zip(noise).for_each(|(x, n)| *x += n);
+            }
             let (batch, seq) = (2, 70);
             let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 31 % 97) as u32).collect();
             let targets: Vec<u32> = (0..batch * seq).map(|i| ((i * 17 + 5) % 97) as u32).collect();
@@ -361,15 +409,18 @@ mod tests {
             let gm = GpuModel::upload(dev, &model).unwrap();
             let gf = gm.forward(dev, &ids, batch, seq).unwrap();
             let logits = dev.download(&gf.logits).unwrap();
-            assert_close_to_largest(&logits, &fwd.logits, 1e-5, "logits");
+            assert_close_to_largest(&logits, &fwd.logits, 1e-5, &format!("{name}: logits"));
             let mut grads = dev.zeros(model.params.len()).unwrap();
             let loss = gm.backward(dev, &gf, &targets, &mut grads).unwrap();
-            assert!((loss - want_loss).abs() <= 1e-5 * want_loss, "loss {loss} vs {want_loss}");
+            assert!(
+                (loss - want_loss).abs() <= 1e-5 * want_loss,
+                "{name}: loss {loss} vs {want_loss}"
+            );
             assert_eq!(gm.loss(dev, &gf, &targets).unwrap(), loss);
             let got = dev.download(&grads).unwrap();
             for spec in &model.layout.specs {
                 let r = spec.range.clone();
-                let what = format!("tied {tied}: {}", spec.name);
+                let what = format!("{name}: {}", spec.name);
                 assert_close_to_largest(&got[r.clone()], &want[r], 1e-4, &what);
             }
         }
@@ -377,15 +428,13 @@ mod tests {
     crate::gpu::on_cpu_and_gpu!(a_training_pass_matches_the_cpu_engine);
 
     #[test]
-    fn attnres_models_are_refused_with_a_reason() {
-        let Some(dev) = Device::emulated("attnres_models_are_refused_with_a_reason") else {
+    fn ablation_options_are_refused_with_a_reason() {
+        let Some(dev) = Device::emulated("ablation_options_are_refused_with_a_reason") else {
             return;
         };
-        for (residual, name) in [(ResidualKind::Block, "Block"), (ResidualKind::Full, "Full")] {
-            let c = Config { num_hidden_layers: 2, num_blocks: 2, residual, ..small(true).config };
-            let err = GpuModel::upload(&dev, &Model::init(c, 1).unwrap()).err().unwrap();
-            let want = format!("{name} AttnRes does not run on the GPU yet");
-            assert!(err.to_string().contains(&want), "{err}");
-        }
+        let mut c = small(true, ResidualKind::Block, 2, 2).config;
+        c.attn_res_heads = 2;
+        let err = GpuModel::upload(&dev, &Model::init(c, 1).unwrap()).err().unwrap();
+        assert!(err.to_string().contains("ablation options"), "{err}");
     }
 }

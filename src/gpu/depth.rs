@@ -1,0 +1,451 @@
+//! The depth attention of Attention Residuals on the GPU (`kernels/depth.cu`): what
+//! `crate::kernels::depth` computes on the CPU, with the same buffers. The two-phase forward
+//! ([`phase1`], [`phase2`]), the sums that make its sources ([`sum_rstd`]), and the backward
+//! taken per source ([`source_grad`], [`query_grads`]).
+
+use super::blas::Gemm;
+use super::device::{Arg, Buf, Device, Slice, SliceMut};
+use super::gemm::gemm;
+use super::{per_row, per_value, ROW_THREADS};
+use anyhow::Result;
+use cudarc::driver::LaunchConfig;
+
+/// Consumers one launch of phase 1 scores (`PHASE1_CONSUMERS` in the kernel).
+const PHASE1_CONSUMERS: usize = 8;
+
+/// `out = a + b` (`b` absent: `a` alone; `a` absent: `out`'s own values, added to in place)
+/// and the per-row 1/rms of the result into `rstd`: a completed block or a running partial sum.
+pub fn sum_rstd(
+    dev: &Device,
+    out: &mut SliceMut<f32>,
+    rstd: &mut SliceMut<f32>,
+    a: Option<Slice<f32>>,
+    b: Option<Slice<f32>>,
+    d: usize,
+    eps: f32,
+) -> Result<()> {
+    let rows = rstd.len();
+    assert!(out.len() == rows * d && d <= i32::MAX as usize);
+    assert!([a, b].iter().flatten().all(|x| x.len() == out.len()), "operands of one shape");
+    let arg = |x: Option<Slice<f32>>| x.map_or(Arg::null(), |x| x.arg());
+    let args = [out.arg_mut(), rstd.arg_mut(), arg(a), arg(b), Arg::i32(d as i32), Arg::f32(eps)];
+    // SAFETY: the kernel's arguments in its order; every buffer holds `rows` rows of `d`
+    // (checked above), `rstd` one value per row.
+    unsafe { dev.launch("depth_sum_rstd", per_row(rows, ROW_THREADS), &args) }
+}
+
+/// What phase 1 produced for the consumers of one block, per consumer and token (as the CPU's
+/// `depth::Phase1`): the logits over the completed sources, their maximum, the sum of their
+/// exponentials, and the normalised mix.
+pub struct Phase1 {
+    pub rows: usize,
+    pub completed: usize,
+    /// `[S, rows, C]`.
+    logits: Buf<f32>,
+    /// `[S, rows]`.
+    m1: Buf<f32>,
+    l1: Buf<f32>,
+    /// `[S, rows, d]`.
+    o1: Buf<f32>,
+}
+
+/// Phase 1: the `S` consumers of a block (effective queries `ws = [S, d]`) score the `C`
+/// completed sources (`sources = [C, rows, d]`, their 1/rms `rstds = [C, rows]`) in one pass.
+pub fn phase1(
+    dev: &Device,
+    sources: Slice<f32>,
+    rstds: Slice<f32>,
+    ws: Slice<f32>,
+    rows: usize,
+    d: usize,
+) -> Result<Phase1> {
+    let (c, s) = (rstds.len() / rows, ws.len() / d);
+    assert!(c * rows == rstds.len() && sources.len() == c * rows * d && s * d == ws.len());
+    assert!(c > 0 && s > 0 && sources.len() <= i32::MAX as usize * d);
+    let mut p = Phase1 {
+        rows,
+        completed: c,
+        logits: dev.zeros(s * rows * c)?,
+        m1: dev.zeros(s * rows)?,
+        l1: dev.zeros(s * rows)?,
+        o1: dev.zeros(s * rows * d)?,
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (rows as u32, s.div_ceil(PHASE1_CONSUMERS) as u32, 1),
+        shared_mem_bytes: (PHASE1_CONSUMERS * c * size_of::<f32>()) as u32,
+        ..per_row(rows, ROW_THREADS)
+    };
+    let args = [
+        p.logits.arg_mut(),
+        p.m1.arg_mut(),
+        p.l1.arg_mut(),
+        p.o1.arg_mut(),
+        sources.arg(),
+        rstds.arg(),
+        ws.arg(),
+        Arg::i32(rows as i32),
+        Arg::i32(d as i32),
+        Arg::i32(c as i32),
+        Arg::i32(s as i32),
+    ];
+    // SAFETY: the kernel's arguments in its order; the outputs are sized for S consumers of
+    // `rows` tokens over C sources, the inputs checked above; shared memory holds the weights
+    // of one launch's consumers.
+    unsafe { dev.launch("depth_phase1", cfg, &args) }?;
+    Ok(p)
+}
+
+/// A consumer's input and, when asked for, its weights and logits over its sources.
+pub struct Phase2 {
+    pub h: Buf<f32>,
+    /// `[rows, K]` each, the completed sources first, the partial sum last.
+    pub weights: Option<(Buf<f32>, Buf<f32>)>,
+}
+
+/// Phase 2 of consumer `j` of the block `p1` scored: merges its partial sum (values and
+/// per-token 1/rms) by online softmax. `keep`: also its weights and logits, which backward
+/// needs.
+pub fn phase2(
+    dev: &Device,
+    p1: &Phase1,
+    j: usize,
+    partial: Option<(Slice<f32>, Slice<f32>)>,
+    w: Slice<f32>,
+    d: usize,
+    keep: bool,
+) -> Result<Phase2> {
+    let (rows, c) = (p1.rows, p1.completed);
+    let k = c + partial.is_some() as usize;
+    assert!(p1.m1.len() >= (j + 1) * rows && w.len() == d);
+    assert!(partial.is_none_or(|(v, r)| v.len() == rows * d && r.len() == rows));
+    let mut h = dev.zeros(rows * d)?;
+    let mut weights = match keep {
+        true => Some((dev.zeros(rows * k)?, dev.zeros(rows * k)?)),
+        false => None,
+    };
+    let (alpha, logits) = match &mut weights {
+        Some((a, l)) => (a.arg_mut(), l.arg_mut()),
+        None => (Arg::null(), Arg::null()),
+    };
+    let (p, pr) = partial.map_or((Arg::null(), Arg::null()), |(v, r)| (v.arg(), r.arg()));
+    let args = [
+        h.arg_mut(),
+        alpha,
+        logits,
+        p1.o1.arg_at(j * rows * d),
+        p1.logits.arg_at(j * rows * c),
+        p1.m1.arg_at(j * rows),
+        p1.l1.arg_at(j * rows),
+        p,
+        pr,
+        w.arg(),
+        Arg::i32(d as i32),
+        Arg::i32(c as i32),
+    ];
+    // SAFETY: the kernel's arguments in its order; consumer j's rows of phase 1 lie in its
+    // buffers (checked above), the outputs hold `rows` rows of `d` and of K.
+    unsafe { dev.launch("depth_phase2", per_row(rows, ROW_THREADS), &args) }?;
+    Ok(Phase2 { h, weights })
+}
+
+/// One consumer's share of the backward pass, as the per-source backward reads it (as the
+/// CPU's `depth::ConsumerGrad`).
+pub struct ConsumerGrad<'a> {
+    /// Gradient of the consumer's input `h`, `[rows, d]`.
+    pub dh: &'a Buf<f32>,
+    /// Per token `⟨dh, h⟩`.
+    pub dh_dot_h: &'a Buf<f32>,
+    /// `[rows, K]` each.
+    pub alpha: &'a Buf<f32>,
+    pub logits: &'a Buf<f32>,
+    /// Sources the consumer read (`K`).
+    pub n_sources: usize,
+    /// Effective query `q ⊙ γ`.
+    pub w: Slice<'a, f32>,
+}
+
+/// A source as the backward reads it: values `[rows, d]` and per-token 1/rms.
+#[derive(Clone, Copy)]
+pub struct Source<'a> {
+    pub v: Slice<'a, f32>,
+    pub rstd: Slice<'a, f32>,
+}
+
+/// Consumer `g`'s share of the gradient of source `src` (column `col` of its weights), added
+/// into `acc` (`[rows, d]`) with its key-norm coefficient into `coef` (`[rows]`, zero before a
+/// source's first consumer); `b` receives per token the coefficient of the consumer's query
+/// gradient, which [`query_grads`] turns into it. `finish`: `g` is the source's last consumer,
+/// and `acc` becomes the source's gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn source_grad(
+    dev: &Device,
+    acc: &mut SliceMut<f32>,
+    coef: &mut Buf<f32>,
+    b: &mut SliceMut<f32>,
+    g: &ConsumerGrad,
+    col: usize,
+    src: Source,
+    d: usize,
+    finish: bool,
+) -> Result<()> {
+    let rows = src.rstd.len();
+    let k = g.n_sources;
+    assert!(col < k && g.alpha.len() == rows * k && g.logits.len() == rows * k);
+    assert!([acc.len(), g.dh.len(), src.v.len()] == [rows * d; 3] && g.w.len() == d);
+    assert!([coef.len(), b.len(), g.dh_dot_h.len()] == [rows; 3]);
+    let args = [
+        acc.arg_mut(),
+        coef.arg_mut(),
+        b.arg_mut(),
+        g.dh.arg(),
+        g.dh_dot_h.arg(),
+        g.alpha.arg(),
+        g.logits.arg(),
+        g.w.arg(),
+        src.v.arg(),
+        src.rstd.arg(),
+        Arg::i32(k as i32),
+        Arg::i32(col as i32),
+        Arg::i32(d as i32),
+        Arg::i32(finish as i32),
+    ];
+    // SAFETY: the kernel's arguments in its order; every buffer holds what it reads or writes
+    // for `rows` tokens (checked above).
+    unsafe { dev.launch("depth_source_grad", per_row(rows, ROW_THREADS), &args) }
+}
+
+/// The effective-query gradients of consumers that read source `v` (`[rows, d]`), added into
+/// `dws` (`[consumers, d]`): `dw_c += Σ_t b[c, t]·v_t` for the coefficients `b`
+/// (`[consumers, rows]`) that [`source_grad`] left, one product for all of them.
+pub fn query_grads(
+    dev: &Device,
+    dws: &mut SliceMut<f32>,
+    b: Slice<f32>,
+    v: Slice<f32>,
+    rows: usize,
+    d: usize,
+) -> Result<()> {
+    let consumers = b.len() / rows;
+    assert!(consumers * rows == b.len() && v.len() == rows * d && dws.len() == consumers * d);
+    let g = Gemm { beta: 1.0, ..Gemm::packed(consumers, d, rows, false, false) };
+    // SAFETY: the operands hold the packed matrices `g` spans (checked above); `dws` is a
+    // `&mut` of its own, so overlaps neither input.
+    unsafe { gemm(dev, &g, b.arg(), v.arg(), dws.arg_mut()) }
+}
+
+/// `y = a ⊙ b` (`y += a ⊙ b` with `accumulate`): a consumer's effective query `q ⊙ γ`, or the
+/// gradients of `q` and `γ` from the effective query's.
+pub fn product(
+    dev: &Device,
+    y: &mut SliceMut<f32>,
+    a: Slice<f32>,
+    b: Slice<f32>,
+    accumulate: bool,
+) -> Result<()> {
+    let n = y.len();
+    assert!(a.len() == n && b.len() == n && n <= i32::MAX as usize);
+    let name = if accumulate { "depth_query_grad" } else { "depth_query" };
+    let args = [y.arg_mut(), a.arg(), b.arg(), Arg::i32(n as i32)];
+    // SAFETY: the kernel's arguments in its order; three vectors of `n` values.
+    unsafe { dev.launch(name, per_value(n), &args) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::depth as cpu;
+    use crate::kernels::rmsnorm;
+    use crate::testutil::{assert_close_to_largest, rand_vec};
+
+    const EPS: f32 = 1e-6;
+
+    /// Rows of 1/rms, as the CPU takes them.
+    fn rstd_of(v: &[f32], d: usize) -> Vec<f32> {
+        let mut r = vec![0.0f32; v.len() / d];
+        rmsnorm::rstd(&mut r, v, d, EPS);
+        r
+    }
+
+    /// A block's sums and both phases against the CPU's: `s` consumers over `c` completed
+    /// sources, consumer j > 0 also reading its own partial sum. Ten consumers take two
+    /// launches of phase 1; d = 200 is no multiple of the threads.
+    fn the_forward_matches_the_cpu(dev: &Device) {
+        for (rows, d, c, s) in [(1, 64, 1, 1), (37, 200, 4, 3), (9, 96, 3, 10)] {
+            let at = format!("rows {rows} d {d} C {c} S {s}");
+            let srcs = rand_vec(c * rows * d, 1, 2.0);
+            let extra = rand_vec(rows * d, 2, 1.0);
+            let partials: Vec<Vec<f32>> =
+                (0..s).map(|j| rand_vec(rows * d, 10 + j as u64, 1.5)).collect();
+            let ws = rand_vec(s * d, 3, 1.0);
+            // The sums: a source made as out + partial, a partial added to in place.
+            let mut want_sum = extra.clone();
+            let mut want_r = vec![0.0f32; rows];
+            rmsnorm::add_assign_rstd(&mut want_sum, Some(&partials[0]), &mut want_r, d, EPS);
+            let (xg, pg) = (dev.upload(&extra).unwrap(), dev.upload(&partials[0]).unwrap());
+            let (mut out, mut r) = (dev.zeros(2 * rows * d).unwrap(), dev.zeros(rows).unwrap());
+            let (a, b) = (Some(xg.all()), Some(pg.all()));
+            let o = &mut out.slice_mut(rows * d..2 * rows * d);
+            sum_rstd(dev, o, &mut r.all_mut(), a, b, d, EPS).unwrap();
+            let got = dev.download(&out).unwrap();
+            assert_close_to_largest(&got[rows * d..], &want_sum, 1e-6, &format!("{at}: sum"));
+            assert_close_to_largest(&dev.download(&r).unwrap(), &want_r, 1e-6, &at);
+            let mut inplace = dev.upload(&extra).unwrap();
+            sum_rstd(dev, &mut inplace.all_mut(), &mut r.all_mut(), None, b, d, EPS).unwrap();
+            assert_eq!(dev.download(&inplace).unwrap(), got[rows * d..], "{at}: in place");
+
+            let rs = rstd_of(&srcs, d);
+            let mut p1 = cpu::Phase1::default();
+            cpu::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
+            let (sg, rg, wg) =
+                (dev.upload(&srcs).unwrap(), dev.upload(&rs).unwrap(), dev.upload(&ws).unwrap());
+            let g1 = phase1(dev, sg.all(), rg.all(), wg.all(), rows, d).unwrap();
+            for j in 0..s {
+                let at = format!("{at}, consumer {j}");
+                let w = &ws[j * d..(j + 1) * d];
+                let pr = rstd_of(&partials[j], d);
+                let partial = (j > 0).then(|| (partials[j].as_slice(), pr.as_slice()));
+                let k = c + partial.is_some() as usize;
+                let (mut alpha, mut logits) = (vec![0.0; rows * k], vec![0.0; rows * k]);
+                let want = cpu::phase2(Some((&mut alpha, &mut logits)), &mut p1, j, partial, w, d);
+                let (pv, prg) = (dev.upload(&partials[j]).unwrap(), dev.upload(&pr).unwrap());
+                let gp = (j > 0).then(|| (pv.all(), prg.all()));
+                let wj = wg.slice(j * d..(j + 1) * d);
+                for keep in [true, false] {
+                    let got = phase2(dev, &g1, j, gp, wj, d, keep).unwrap();
+                    let h = dev.download(&got.h).unwrap();
+                    assert_close_to_largest(&h, &want, 1e-5, &format!("{at}: h"));
+                    assert_eq!(got.weights.is_some(), keep);
+                    if let Some((a, l)) = got.weights {
+                        let (a, l) = (dev.download(&a).unwrap(), dev.download(&l).unwrap());
+                        assert_close_to_largest(&a, &alpha, 1e-5, &format!("{at}: alpha"));
+                        assert_close_to_largest(&l, &logits, 1e-5, &format!("{at}: logits"));
+                    }
+                }
+            }
+        }
+    }
+    crate::gpu::on_cpu_and_gpu!(the_forward_matches_the_cpu);
+
+    /// The per-source backward against the CPU's: each partial sum at once for its consumer,
+    /// each completed source for all of its consumers, and the query gradients.
+    fn the_backward_matches_the_cpu(dev: &Device) {
+        let (rows, d, c, s) = (29, 80, 3, 4);
+        let srcs: Vec<Vec<f32>> = (0..c).map(|i| rand_vec(rows * d, 20 + i as u64, 2.0)).collect();
+        let partials: Vec<Vec<f32>> =
+            (0..s).map(|j| rand_vec(rows * d, 30 + j as u64, 1.5)).collect();
+        let ws = rand_vec(s * d, 4, 1.0);
+        let (rs, prs): (Vec<_>, Vec<_>) = (
+            srcs.iter().map(|v| rstd_of(v, d)).collect(),
+            partials.iter().map(|v| rstd_of(v, d)).collect(),
+        );
+        // The forward on the CPU gives every consumer's h, weights and logits.
+        let mut p1 = cpu::Phase1::default();
+        cpu::phase1(&mut p1, &srcs.concat(), &rs.concat(), &ws, rows, d);
+        let mut saved = Vec::new();
+        for j in 0..s {
+            let partial = (j > 0).then(|| (partials[j].as_slice(), prs[j].as_slice()));
+            let k = c + partial.is_some() as usize;
+            let (mut a, mut l) = (vec![0.0; rows * k], vec![0.0; rows * k]);
+            let w = &ws[j * d..(j + 1) * d];
+            let h = cpu::phase2(Some((&mut a, &mut l)), &mut p1, j, partial, w, d);
+            saved.push((h, a, l, k));
+        }
+        let dhs: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 40 + j as u64, 1.0)).collect();
+        let dhh: Vec<Vec<f32>> = (0..s)
+            .map(|j| {
+                (0..rows)
+                    .map(|t| {
+                        crate::kernels::dot(
+                            &dhs[j][t * d..(t + 1) * d],
+                            &saved[j].0[t * d..(t + 1) * d],
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
+        let grads: Vec<cpu::ConsumerGrad> = (0..s)
+            .map(|j| cpu::ConsumerGrad {
+                dh: &dhs[j],
+                dh_dot_h: &dhh[j],
+                alpha: &saved[j].1,
+                logits: &saved[j].2,
+                n_sources: saved[j].3,
+                w: &ws[j * d..(j + 1) * d],
+            })
+            .collect();
+        let mut want_dw = vec![vec![0.0f32; d]; s];
+        let mut want_part = vec![vec![0.0f32; rows * d]; s];
+        for j in 1..s {
+            let (p, r) = (&partials[j], &prs[j]);
+            cpu::backward_partial(&mut want_part[j], &mut want_dw[j], &grads[j], c, p, r, d);
+        }
+        let want_src: Vec<Vec<f32>> = (0..c)
+            .map(|i| {
+                let mut dw: Vec<&mut [f32]> =
+                    want_dw.iter_mut().map(|x| x.as_mut_slice()).collect();
+                cpu::backward_source(&mut dw, &grads, i, &srcs[i], &rs[i], d, s, None, true).acc
+            })
+            .collect();
+
+        let up = |x: &[f32]| dev.upload(x).unwrap();
+        let wg = up(&ws);
+        let gdev: Vec<_> =
+            (0..s).map(|j| (up(&dhs[j]), up(&dhh[j]), up(&saved[j].1), up(&saved[j].2))).collect();
+        let grads: Vec<ConsumerGrad> = gdev
+            .iter()
+            .enumerate()
+            .map(|(j, (dh, dhh, a, l))| ConsumerGrad {
+                dh,
+                dh_dot_h: dhh,
+                alpha: a,
+                logits: l,
+                n_sources: saved[j].3,
+                w: wg.slice(j * d..(j + 1) * d),
+            })
+            .collect();
+        let mut dws = dev.zeros(s * d).unwrap();
+        let mut b = dev.zeros(s * rows).unwrap();
+        for j in 1..s {
+            let (pv, pr) = (up(&partials[j]), up(&prs[j]));
+            let src = Source { v: pv.all(), rstd: pr.all() };
+            // Added to what is there, as the sublayer output's gradient is.
+            let mut acc = up(&vec![0.5f32; rows * d]);
+            let mut coef = dev.zeros(rows).unwrap();
+            let bj = &mut b.slice_mut(j * rows..(j + 1) * rows);
+            source_grad(dev, &mut acc.all_mut(), &mut coef, bj, &grads[j], c, src, d, true)
+                .unwrap();
+            let dw = &mut dws.slice_mut(j * d..(j + 1) * d);
+            query_grads(dev, dw, b.slice(j * rows..(j + 1) * rows), pv.all(), rows, d).unwrap();
+            let want: Vec<f32> = want_part[j].iter().map(|x| x + 0.5).collect();
+            let got = dev.download(&acc).unwrap();
+            assert_close_to_largest(&got, &want, 1e-5, &format!("partial of consumer {j}"));
+        }
+        for i in 0..c {
+            let (v, r) = (up(&srcs[i]), up(&rs[i]));
+            let src = Source { v: v.all(), rstd: r.all() };
+            let (mut acc, mut coef) = (dev.zeros(rows * d).unwrap(), dev.zeros(rows).unwrap());
+            for (j, g) in grads.iter().enumerate() {
+                let bj = &mut b.slice_mut(j * rows..(j + 1) * rows);
+                source_grad(dev, &mut acc.all_mut(), &mut coef, bj, g, i, src, d, j + 1 == s)
+                    .unwrap();
+            }
+            query_grads(dev, &mut dws.all_mut(), b.all(), v.all(), rows, d).unwrap();
+            let got = dev.download(&acc).unwrap();
+            assert_close_to_largest(&got, &want_src[i], 1e-5, &format!("source {i}"));
+        }
+        let got = dev.download(&dws).unwrap();
+        assert_close_to_largest(&got, &want_dw.concat(), 1e-5, "query gradients");
+
+        // The products that turn the effective query's gradient into q's and γ's.
+        let (q, gamma) = (rand_vec(d, 5, 1.0), rand_vec(d, 6, 1.0));
+        let (qg, gg) = (up(&q), up(&gamma));
+        let mut y = up(&vec![1.0f32; d]);
+        product(dev, &mut y.all_mut(), qg.all(), gg.all(), true).unwrap();
+        let want: Vec<f32> = q.iter().zip(&gamma).map(|(a, b)| 1.0 + a * b).collect();
+        assert_close_to_largest(&dev.download(&y).unwrap(), &want, 1e-6, "accumulated product");
+        product(dev, &mut y.all_mut(), qg.all(), gg.all(), false).unwrap();
+        let want: Vec<f32> = q.iter().zip(&gamma).map(|(a, b)| a * b).collect();
+        assert_eq!(dev.download(&y).unwrap(), want, "product");
+    }
+    crate::gpu::on_cpu_and_gpu!(the_backward_matches_the_cpu);
+}

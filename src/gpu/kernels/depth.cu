@@ -1,0 +1,144 @@
+// The depth attention of Attention Residuals, fp32, as src/kernels/depth computes it on the
+// CPU: per token, a softmax over sources with a static query w = q * gamma and RMS-normalised
+// keys, over raw values:
+//   logit_i = r_i <w, v_i>,  alpha = softmax(logit),  h = sum_i alpha_i v_i.
+// The forward is the two-phase form (phase 1 scores a block's completed sources for all of its
+// consumers at once, phase 2 merges each consumer's partial sum); the backward is taken per
+// source. One block per token, a power of two of threads (row_dot, row_rstd: reduce.cuh).
+
+// Consumers one launch of phase 1 scores; more run in further launches along the grid's y.
+#define PHASE1_CONSUMERS 8
+
+// out = a + b (b null: a alone; a null: out's own values), and the per-row 1/rms of the result
+// into rstd: a completed block or a running partial sum, with the statistic its keys need.
+extern "C" __global__ void depth_sum_rstd(float* out, float* rstd, const float* a, const float* b,
+                                          int d, float eps) {
+    size_t at = (size_t)blockIdx.x * d;
+    const float* x = (a ? a : out) + at;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) out[at + j] = b ? x[j] + b[at + j] : x[j];
+    // Each thread reads back the values it wrote.
+    float r = row_rstd(out + at, d, eps);
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+}
+
+// Phase 1 for consumers PHASE1_CONSUMERS * blockIdx.y onward (of `s`) of one block, over the
+// `c` completed sources (sources [c, rows, d], rstds [c, rows]; queries ws [s, d]): per
+// consumer and token the logits [s, rows, c], their maximum m1 and sum of exponentials l1
+// ([s, rows]), and the normalised mix o1 [s, rows, d]. Shared memory: PHASE1_CONSUMERS * c.
+extern "C" __global__ void depth_phase1(float* logits, float* m1, float* l1, float* o1,
+                                        const float* sources, const float* rstds, const float* ws,
+                                        int rows, int d, int c, int s) {
+    DYNAMIC_SHARED(float, weights);
+    int t = blockIdx.x, j0 = blockIdx.y * PHASE1_CONSUMERS;
+    int n = s - j0 < PHASE1_CONSUMERS ? s - j0 : PHASE1_CONSUMERS;
+    size_t plane = (size_t)rows * d, at = (size_t)t * d;
+    for (int i = 0; i < c; i++) {
+        float r = rstds[(size_t)i * rows + t];
+        for (int g = 0; g < n; g++) {
+            float logit = r * row_dot(ws + (size_t)(j0 + g) * d, sources + i * plane + at, d);
+            if (threadIdx.x == 0) weights[g * c + i] = logit;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < n) {
+        // The softmax of one consumer: logits out, weights divided by their sum in place.
+        int g = threadIdx.x;
+        size_t row = (size_t)(j0 + g) * rows + t;
+        float* e = weights + g * c;
+        float m = NEG_INF, z = 0.0f;
+        for (int i = 0; i < c; i++) {
+            logits[row * c + i] = e[i];
+            m = fmaxf(m, e[i]);
+        }
+        for (int i = 0; i < c; i++) {
+            e[i] = expf(e[i] - m);
+            z += e[i];
+        }
+        float inv = 1.0f / z;
+        for (int i = 0; i < c; i++) e[i] *= inv;
+        m1[row] = m;
+        l1[row] = z;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float acc[PHASE1_CONSUMERS];
+        for (int g = 0; g < PHASE1_CONSUMERS; g++) acc[g] = 0.0f;
+        for (int i = 0; i < c; i++) {
+            float x = sources[i * plane + at + j];
+            for (int g = 0; g < n; g++) acc[g] += weights[g * c + i] * x;
+        }
+        for (int g = 0; g < n; g++) o1[((size_t)(j0 + g) * rows + t) * d + j] = acc[g];
+    }
+}
+
+// Phase 2 of one consumer (its rows of phase 1: o1 [rows, d], logits1 [rows, c], m1, l1):
+// merges its partial sum p (1/rms pr; null: none) by online softmax into its input h. With
+// `alpha` (else null): the weights and logits over its k = c (+1) sources, completed first.
+extern "C" __global__ void depth_phase2(float* h, float* alpha, float* logits, const float* o1,
+                                        const float* logits1, const float* m1, const float* l1,
+                                        const float* p, const float* pr, const float* w, int d,
+                                        int c) {
+    int t = blockIdx.x, k = c + (p != 0);
+    size_t at = (size_t)t * d;
+    float m = m1[t], z = l1[t];
+    if (p) {
+        float lp = pr[t] * row_dot(w, p + at, d);
+        float mm = fmaxf(m, lp);
+        float s1 = expf(m - mm) * z, sp = expf(lp - mm);
+        z = s1 + sp;
+        m = mm;
+        float a1 = s1 / z, ap = sp / z;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) h[at + j] = a1 * o1[at + j] + ap * p[at + j];
+        if (alpha && threadIdx.x == 0) {
+            alpha[(size_t)t * k + c] = ap;
+            logits[(size_t)t * k + c] = lp;
+        }
+    } else {
+        for (int j = threadIdx.x; j < d; j += blockDim.x) h[at + j] = o1[at + j];
+    }
+    if (!alpha) return;
+    for (int i = threadIdx.x; i < c; i += blockDim.x) {
+        float l = logits1[(size_t)t * c + i];
+        logits[(size_t)t * k + i] = l;
+        alpha[(size_t)t * k + i] = expf(l - m) / z;
+    }
+}
+
+// One consumer's share of the gradient of one of its sources v (1/rms rstd), at column `col`
+// of its k weights; dh is the gradient of its input h and dhh = <dh, h> per token:
+//   dl = alpha (<dh, v> - dhh),  b = dl r,  acc += alpha dh + b w,  coef += dl logit,
+// and b into bs[t] for the query's gradient (sum over tokens of b v: a product, taken after).
+// `finish`: the consumer is the source's last, and acc becomes its gradient,
+// acc - (r^2 / d) coef v (the key norm's term). One block per token.
+extern "C" __global__ void depth_source_grad(float* acc, float* coef, float* bs, const float* dh,
+                                             const float* dhh, const float* alpha,
+                                             const float* logits, const float* w, const float* v,
+                                             const float* rstd, int k, int col, int d,
+                                             int finish) {
+    int t = blockIdx.x;
+    size_t at = (size_t)t * d;
+    // Read before row_dot's barriers, so before thread 0 writes it below.
+    float c0 = coef[t];
+    float a = alpha[(size_t)t * k + col], r = rstd[t];
+    float dl = a * (row_dot(dh + at, v + at, d) - dhh[t]);
+    float b = dl * r, cf = c0 + dl * logits[(size_t)t * k + col];
+    float cv = finish ? cf * r * r / (float)d : 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x)
+        acc[at + j] += a * dh[at + j] + b * w[j] - cv * v[at + j];
+    if (threadIdx.x == 0) {
+        coef[t] = cf;
+        bs[t] = b;
+    }
+}
+
+// y = a * b, n values: a consumer's effective query q * gamma.
+extern "C" __global__ void depth_query(float* y, const float* a, const float* b, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a[i] * b[i];
+}
+
+// y += a * b, n values: the gradient of q (a = dw, b = gamma) or of gamma (b = q).
+extern "C" __global__ void depth_query_grad(float* y, const float* a, const float* b, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] += a[i] * b[i];
+}

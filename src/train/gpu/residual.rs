@@ -1,0 +1,418 @@
+//! The residual connection on the GPU, as `crate::model::residual` runs it on the CPU: the
+//! standard stream, or the sources of Full and Block AttnRes with the two-phase forward of
+//! their depth attention and its backward taken per source.
+//!
+//! Full AttnRes is Block AttnRes with blocks of one sublayer, so both run through the same code
+//! with blocks of S sublayers: sublayer `l` reads the completed sources `b_0 .. b_{l/S}` (the
+//! embedding, then block sums) and, inside a block, the running partial sum; the output
+//! aggregation reads every completed source. When a block starts, phase 1 scores its completed
+//! sources for all of the block's consumers at once; phase 2 merges each consumer's partial sum.
+//! Backward takes each consumer's partial-sum gradient at once and a completed source's
+//! gradient from all of its consumers together, when the backward pass reaches it.
+
+use crate::gpu::depth::{self, ConsumerGrad, Phase1, Source};
+use crate::gpu::device::{Buf, Device};
+use crate::gpu::elementwise::{add, add_into};
+use crate::model::params::Layout;
+use crate::model::Config;
+use anyhow::Result;
+
+/// The residual state of a forward pass.
+pub enum ResidualForward {
+    /// The residual stream `h_l`, lent to each sublayer as its input while it runs.
+    Standard {
+        stream: Option<Buf<f32>>,
+    },
+    Depth(DepthForward),
+}
+
+/// What one consumer of the depth attention saved for backward.
+struct ConsumerSaved {
+    /// `[rows, K]` each: weights and logits over the sources read (completed first).
+    alpha: Buf<f32>,
+    logits: Buf<f32>,
+    n_sources: usize,
+    /// The partial sum it read, values and per-token 1/rms.
+    partial: Option<(Buf<f32>, Buf<f32>)>,
+}
+
+/// The sources of Full or Block AttnRes as the forward pass makes them, and what each consumer
+/// saved.
+pub struct DepthForward {
+    block_size: usize,
+    sublayers: usize,
+    rows: usize,
+    d: usize,
+    eps: f32,
+    /// Effective query `q ⊙ γ` of every consumer (sublayers, then the output), `[L + 1, d]`.
+    queries: Buf<f32>,
+    /// The completed sources `b_0 ..` (`[capacity, rows, d]`) and their 1/rms.
+    values: Buf<f32>,
+    rstd: Buf<f32>,
+    completed: usize,
+    /// The running sum of the current block's outputs, and its 1/rms.
+    partial: Option<(Buf<f32>, Buf<f32>)>,
+    /// Phase 1 of the current block.
+    phase1: Option<Phase1>,
+    saved: Vec<ConsumerSaved>,
+}
+
+impl ResidualForward {
+    /// Starts from the embedding output `e` (`[rows, d]`).
+    pub fn new(
+        dev: &Device,
+        c: &Config,
+        layout: &Layout,
+        params: &Buf<f32>,
+        e: Buf<f32>,
+    ) -> Result<Self> {
+        let Some(s) = c.block_size() else {
+            return Ok(ResidualForward::Standard { stream: Some(e) });
+        };
+        let (d, sublayers, eps) = (c.hidden_size, c.sublayers(), c.rms_norm_eps as f32);
+        let rows = e.len() / d;
+        let mut queries = dev.zeros((sublayers + 1) * d)?;
+        for l in 0..=sublayers {
+            let p = layout.depth_params(l).expect("AttnRes layout has depth parameters");
+            let gain = p.gain.clone().expect("the method's depth attention has key-norm gains");
+            let (q, g) = (params.slice(p.query.clone()), params.slice(gain));
+            depth::product(dev, &mut queries.slice_mut(l * d..(l + 1) * d), q, g, false)?;
+        }
+        // The embedding and every block: what the output aggregation reads.
+        let capacity = sublayers.div_ceil(s) + 1;
+        let mut f = DepthForward {
+            block_size: s,
+            sublayers,
+            rows,
+            d,
+            eps,
+            queries,
+            values: dev.zeros(capacity * rows * d)?,
+            rstd: dev.zeros(capacity * rows)?,
+            completed: 0,
+            partial: None,
+            phase1: None,
+            saved: Vec::new(),
+        };
+        f.complete(dev, &e, None)?;
+        Ok(ResidualForward::Depth(f))
+    }
+
+    /// The input `h_l` of sublayer `l` (sublayers in order).
+    pub fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<f32>> {
+        match self {
+            ResidualForward::Standard { stream } => Ok(stream.take().expect("one input at a time")),
+            ResidualForward::Depth(f) => f.input(dev, l),
+        }
+    }
+
+    /// Records the raw output of sublayer `l`, whose input was `h`.
+    pub fn push_output(
+        &mut self,
+        dev: &Device,
+        l: usize,
+        h: &Buf<f32>,
+        out: Buf<f32>,
+    ) -> Result<()> {
+        match self {
+            ResidualForward::Standard { stream } => *stream = Some(add(dev, h, &out)?),
+            ResidualForward::Depth(f) => f.push_output(dev, l, out)?,
+        }
+        Ok(())
+    }
+
+    /// The vector fed to the final norm: the stream, or the output aggregation.
+    pub fn output(&mut self, dev: &Device) -> Result<Buf<f32>> {
+        match self {
+            ResidualForward::Standard { stream } => Ok(stream.take().expect("the stream")),
+            ResidualForward::Depth(f) => f.output(dev),
+        }
+    }
+
+    /// Whether backward needs each consumer's `⟨dh, h⟩` (the depth attention's does).
+    pub fn needs_dh_dot_h(&self) -> bool {
+        matches!(self, ResidualForward::Depth(_))
+    }
+}
+
+impl DepthForward {
+    /// Source `n` (`[rows, d]`) and its 1/rms.
+    fn source(&self, n: usize) -> Source<'_> {
+        let (rows, d) = (self.rows, self.d);
+        Source {
+            v: self.values.slice(n * rows * d..(n + 1) * rows * d),
+            rstd: self.rstd.slice(n * rows..(n + 1) * rows),
+        }
+    }
+
+    /// Appends the completed source `a + b` (or `a`).
+    fn complete(&mut self, dev: &Device, a: &Buf<f32>, b: Option<&Buf<f32>>) -> Result<()> {
+        let (n, rows, d) = (self.completed, self.rows, self.d);
+        let out = &mut self.values.slice_mut(n * rows * d..(n + 1) * rows * d);
+        let rstd = &mut self.rstd.slice_mut(n * rows..(n + 1) * rows);
+        depth::sum_rstd(dev, out, rstd, Some(a.all()), b.map(|b| b.all()), d, self.eps)?;
+        self.completed += 1;
+        Ok(())
+    }
+
+    /// The input of consumer `l` (a sublayer, or the output at `L`), its weights saved.
+    fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<f32>> {
+        let (s, rows, d) = (self.block_size, self.rows, self.d);
+        debug_assert_eq!(self.saved.len(), l, "consumers in order");
+        let is_output = l == self.sublayers;
+        if is_output || l.is_multiple_of(s) {
+            // Phase 1 for every consumer of the block that starts here (the last block may be
+            // shorter; the output aggregation is a block of its own).
+            let last = if is_output { l + 1 } else { (l + s).min(self.sublayers) };
+            let c = self.completed;
+            let ws = self.queries.slice(l * d..last * d);
+            let (v, r) = (self.values.slice(0..c * rows * d), self.rstd.slice(0..c * rows));
+            self.phase1 = Some(depth::phase1(dev, v, r, ws, rows, d)?);
+        }
+        let p1 = self.phase1.as_ref().expect("phase 1 ran at the block's start");
+        let partial = self.partial.as_ref().map(|(v, r)| (v.all(), r.all()));
+        let w = self.queries.slice(l * d..(l + 1) * d);
+        let j = if is_output { 0 } else { l % s };
+        let out = depth::phase2(dev, p1, j, partial, w, d, true)?;
+        let (alpha, logits) = out.weights.expect("asked for");
+        let n_sources = self.completed + partial.is_some() as usize;
+        self.saved.push(ConsumerSaved { alpha, logits, n_sources, partial: None });
+        Ok(out.h)
+    }
+
+    /// Adds the raw output of sublayer `l` to the partial sum, or, at the end of its block, to
+    /// the block sum that becomes the next completed source. The partial sum it read goes to
+    /// its saved state.
+    fn push_output(&mut self, dev: &Device, l: usize, mut out: Buf<f32>) -> Result<()> {
+        let last = (l + 1).is_multiple_of(self.block_size) || l + 1 == self.sublayers;
+        let read = self.partial.take();
+        if last {
+            self.complete(dev, &out, read.as_ref().map(|(v, _)| v))?;
+        } else {
+            // The new partial sum is `out` plus the old one, made in place.
+            let mut rstd = dev.zeros(self.rows)?;
+            let b = read.as_ref().map(|(v, _)| v.all());
+            depth::sum_rstd(
+                dev,
+                &mut out.all_mut(),
+                &mut rstd.all_mut(),
+                None,
+                b,
+                self.d,
+                self.eps,
+            )?;
+            self.partial = Some((out, rstd));
+        }
+        self.saved[l].partial = read;
+        Ok(())
+    }
+
+    /// The output aggregation over every completed source.
+    fn output(&mut self, dev: &Device) -> Result<Buf<f32>> {
+        self.input(dev, self.sublayers)
+    }
+}
+
+/// Gradients flowing back through the residual connection.
+pub enum ResidualBackward {
+    /// The gradient of the stream.
+    Standard {
+        acc: Buf<f32>,
+    },
+    Depth(DepthBackward),
+}
+
+/// A consumer backpropagated, whose gradients into completed sources are still owed.
+struct Owed {
+    l: usize,
+    dh: Buf<f32>,
+    dh_dot_h: Buf<f32>,
+}
+
+/// The depth attention's backward.
+pub struct DepthBackward {
+    /// The gradient of the output of the sublayer being processed: its block's gradient plus
+    /// those of the partial sums it fed.
+    acc: Option<Buf<f32>>,
+    /// Every consumer backpropagated so far, last first.
+    owed: Vec<Owed>,
+    /// The effective queries' gradients (`[L + 1, d]`).
+    dws: Buf<f32>,
+    /// Per consumer and token, the coefficients of its query gradient from the source at hand
+    /// (`[L + 1, rows]`).
+    b: Buf<f32>,
+    /// Per token, the key-norm coefficient of the source at hand.
+    coef: Buf<f32>,
+}
+
+impl ResidualBackward {
+    /// Starts from `dh`, the gradient of the final norm's input, with `dh_dot_h` per token
+    /// (`⟨dh, h⟩`, for the depth attention): backpropagates the output aggregation.
+    pub fn new(
+        dev: &Device,
+        fwd: &ResidualForward,
+        dh: Buf<f32>,
+        dh_dot_h: Option<Buf<f32>>,
+    ) -> Result<Self> {
+        let ResidualForward::Depth(f) = fwd else {
+            return Ok(ResidualBackward::Standard { acc: dh });
+        };
+        let (consumers, rows) = (f.sublayers + 1, f.rows);
+        let mut b = DepthBackward {
+            acc: None,
+            owed: Vec::new(),
+            dws: dev.zeros(consumers * f.d)?,
+            b: dev.zeros(consumers * rows)?,
+            coef: dev.zeros(rows)?,
+        };
+        b.owe(dev, f, f.sublayers, dh, dh_dot_h.expect("the depth attention's ⟨dh, h⟩"))?;
+        Ok(ResidualBackward::Depth(b))
+    }
+
+    /// The gradient of the raw output of sublayer `l` (sublayers from last to first).
+    pub fn output_grad(
+        &mut self,
+        dev: &Device,
+        l: usize,
+        fwd: &ResidualForward,
+    ) -> Result<&Buf<f32>> {
+        match (self, fwd) {
+            (ResidualBackward::Standard { acc }, _) => Ok(acc),
+            (ResidualBackward::Depth(b), ResidualForward::Depth(f)) => {
+                let s = f.block_size;
+                if (l + 1).is_multiple_of(s) || l + 1 == f.sublayers {
+                    // The last sublayer of its block: start from the gradient of its block sum.
+                    b.acc = Some(b.source_grad(dev, f, l / s + 1)?);
+                }
+                Ok(b.acc.as_ref().expect("a block's last sublayer comes first"))
+            }
+            _ => unreachable!("backward state of another residual"),
+        }
+    }
+
+    /// Backpropagates `dh`, the gradient of sublayer `l`'s input (with its `⟨dh, h⟩`).
+    pub fn input_grad(
+        &mut self,
+        dev: &Device,
+        l: usize,
+        dh: Buf<f32>,
+        dh_dot_h: Option<Buf<f32>>,
+        fwd: &ResidualForward,
+    ) -> Result<()> {
+        match (self, fwd) {
+            (ResidualBackward::Standard { acc }, _) => add_into(dev, acc, &dh),
+            (ResidualBackward::Depth(b), ResidualForward::Depth(f)) => {
+                b.owe(dev, f, l, dh, dh_dot_h.expect("the depth attention's ⟨dh, h⟩"))
+            }
+            _ => unreachable!("backward state of another residual"),
+        }
+    }
+
+    /// The gradient of the embedding output; the depth queries' and gains' gradients go into
+    /// `grads`.
+    pub fn embedding_grad(
+        self,
+        dev: &Device,
+        fwd: &ResidualForward,
+        params: &Buf<f32>,
+        grads: &mut Buf<f32>,
+        layout: &Layout,
+    ) -> Result<Buf<f32>> {
+        match (self, fwd) {
+            (ResidualBackward::Standard { acc }, _) => Ok(acc),
+            (ResidualBackward::Depth(mut b), ResidualForward::Depth(f)) => {
+                let de = b.source_grad(dev, f, 0)?;
+                let d = f.d;
+                for l in 0..=f.sublayers {
+                    let p = layout.depth_params(l).expect("AttnRes layout has depth parameters");
+                    let gain = p.gain.clone().expect("key-norm gains");
+                    let dw = b.dws.slice(l * d..(l + 1) * d);
+                    let (q, g) = (params.slice(p.query.clone()), params.slice(gain.clone()));
+                    depth::product(dev, &mut grads.slice_mut(p.query.clone()), dw, g, true)?;
+                    depth::product(dev, &mut grads.slice_mut(gain), dw, q, true)?;
+                }
+                Ok(de)
+            }
+            _ => unreachable!("backward state of another residual"),
+        }
+    }
+}
+
+/// Owed consumer `o`'s share of the backward, as the per-source kernels read it.
+fn consumer_grad<'a>(f: &'a DepthForward, o: &'a Owed) -> ConsumerGrad<'a> {
+    let saved = &f.saved[o.l];
+    ConsumerGrad {
+        dh: &o.dh,
+        dh_dot_h: &o.dh_dot_h,
+        alpha: &saved.alpha,
+        logits: &saved.logits,
+        n_sources: saved.n_sources,
+        w: f.queries.slice(o.l * f.d..(o.l + 1) * f.d),
+    }
+}
+
+impl DepthBackward {
+    /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
+    /// block's earlier outputs) and owes the rest.
+    fn owe(
+        &mut self,
+        dev: &Device,
+        f: &DepthForward,
+        l: usize,
+        dh: Buf<f32>,
+        dh_dot_h: Buf<f32>,
+    ) -> Result<()> {
+        let (rows, d) = (f.rows, f.d);
+        let owed = Owed { l, dh, dh_dot_h };
+        if let Some((pv, pr)) = &f.saved[l].partial {
+            let src = Source { v: pv.all(), rstd: pr.all() };
+            let g = consumer_grad(f, &owed);
+            let col = g.n_sources - 1;
+            let mut acc = self.acc.take().expect("a partial sum's reader follows a block's end");
+            dev.fill_zeros(&mut self.coef)?;
+            let b = &mut self.b.slice_mut(l * rows..(l + 1) * rows);
+            depth::source_grad(dev, &mut acc.all_mut(), &mut self.coef, b, &g, col, src, d, true)?;
+            let (b, dw) = (
+                self.b.slice(l * rows..(l + 1) * rows),
+                &mut self.dws.slice_mut(l * d..(l + 1) * d),
+            );
+            depth::query_grads(dev, dw, b, src.v, rows, d)?;
+            self.acc = Some(acc);
+        }
+        self.owed.push(owed);
+        Ok(())
+    }
+
+    /// The gradient of completed source `n` from every consumer owed so far, which are exactly
+    /// its readers (consumers `n·S ..= L`, or the output alone after a shorter last block), and
+    /// their query gradients from it.
+    fn source_grad(&mut self, dev: &Device, f: &DepthForward, n: usize) -> Result<Buf<f32>> {
+        let (rows, d) = (f.rows, f.d);
+        let first = self.owed.last().expect("the output aggregation is owed first").l;
+        debug_assert_eq!(first, (n * f.block_size).min(f.sublayers), "the readers of source {n}");
+        let src = f.source(n);
+        let mut acc = dev.zeros(rows * d)?;
+        dev.fill_zeros(&mut self.coef)?;
+        let last = self.owed.len() - 1;
+        for (i, o) in self.owed.iter().enumerate() {
+            let g = consumer_grad(f, o);
+            let b = &mut self.b.slice_mut(o.l * rows..(o.l + 1) * rows);
+            depth::source_grad(
+                dev,
+                &mut acc.all_mut(),
+                &mut self.coef,
+                b,
+                &g,
+                n,
+                src,
+                d,
+                i == last,
+            )?;
+        }
+        let consumers = first..f.sublayers + 1;
+        let b = self.b.slice(consumers.start * rows..consumers.end * rows);
+        let dws = &mut self.dws.slice_mut(consumers.start * d..consumers.end * d);
+        depth::query_grads(dev, dws, b, src.v, rows, d)?;
+        Ok(acc)
+    }
+}
