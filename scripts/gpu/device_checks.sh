@@ -27,16 +27,18 @@ step "GPU tests"
 # The run test trains the tiny preset, whose tokenizer is trained once and cached under HOME.
 (cd "$out" && "$bin/lib-tests" --ignored --test-threads 1 gpu:: > gpu-tests.txt 2>&1) || status=1
 step bench
-# The anchor's shape: hidden 1024, 24 layers, 16 heads, FFN 2816, vocabulary 49152.
+# The anchor's shape: hidden 1024, 24 layers, 16 heads, FFN 2816, vocabulary 49152, Block
+# AttnRes with 8 blocks.
 shape="--preset small --set hidden_size=1024 --set num_hidden_layers=24 \
 --set num_attention_heads=16 --set num_key_value_heads=16 --set head_dim=64 \
---set intermediate_size=2816 --set vocab_size=49152 --set max_position_embeddings=2048"
-timeout 300 "$bin/attnres" bench --device cuda $shape ${BENCH:---batch 4 --seq 2048 --steps 3} \
-    --modes standard > "$out/bench.txt" 2>&1 || status=1
+--set intermediate_size=2816 --set vocab_size=49152 --set max_position_embeddings=2048 \
+--set num_blocks=8"
+timeout 400 "$bin/attnres" bench --device cuda $shape ${BENCH:---batch 4 --seq 2048 --steps 3} \
+    --modes standard,block,full > "$out/bench.txt" 2>&1 || status=1
 if [ -f "$bin/torch_anchor.py" ]; then
     step "PyTorch anchor"
     SHAPE=1024,24,16,16,2816,49152,2048 BATCH=16 timeout 400 python3 "$bin/torch_anchor.py" \
-        standard:c > "$out/anchor.txt" 2>&1 || status=1
+        standard:c block2:c > "$out/anchor.txt" 2>&1 || status=1
 fi
 cat "$out/device.txt" "$out/compile.txt"
 tail -25 "$out/gpu-tests.txt"

@@ -357,8 +357,8 @@ pub(crate) struct TrainArgs {
     /// Plain log lines instead of a progress bar.
     #[arg(long)]
     pub no_progress: bool,
-    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (standard residual and
-    /// AdamW so far, fp32; docs/gpu.md). Checkpoints are the same either way.
+    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (fp32, AdamW or Muon;
+    /// docs/gpu.md). Checkpoints are the same either way.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
     /// Under mpirun: how the ranks add their gradients. exact: in the order one process adds
@@ -396,8 +396,7 @@ pub(crate) struct EvalArgs {
     /// Print one JSON object with loss, perplexity and bits_per_byte.
     #[arg(long)]
     pub json: bool,
-    /// Where the model runs: cpu, or cuda for the first NVIDIA GPU (f32 models with the
-    /// standard residual so far; docs/gpu.md).
+    /// Where the model runs: cpu, or cuda for the first NVIDIA GPU (f32 models; docs/gpu.md).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
 }
@@ -462,8 +461,8 @@ pub(crate) struct BenchArgs {
     /// Untimed warm-up steps per mode.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
-    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (whole training steps, fp32,
-    /// the standard residual so far; docs/gpu.md).
+    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (whole training steps, fp32;
+    /// docs/gpu.md).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
     /// Residual modes to compare: standard, full, block (block uses the preset's num_blocks).

@@ -163,14 +163,16 @@ mod tests {
             return;
         };
         let c = report_config();
+        let block = Config { residual: ResidualKind::Block, num_blocks: 1, ..c.clone() };
         let plan = Plan { batch: 2, seq: 16, warmup: 1, steps: 2, peak_size: 64 };
-        let report = run(&dev, "emulated", &[c.clone(), c], plan, |_| {}).unwrap();
+        let report = run(&dev, "emulated", &[c, block], plan, |_| {}).unwrap();
         assert_eq!(report.modes.len(), 2);
         let m = &report.modes[0];
         assert!(m.step_seconds > 0.0 && m.tokens_per_second == 32.0 / m.step_seconds);
         // Parameters, gradients and two moments at the least.
         assert!(m.peak_bytes >= 4 * 4 * Layout::new(&report_config()).total);
-        assert!(report.table().contains("| standard |"), "{}", report.table());
+        let table = report.table();
+        assert!(table.contains("| standard |") && table.contains("| block"), "{table}");
     }
 
     fn report_config() -> Config {

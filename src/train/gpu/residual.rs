@@ -18,6 +18,8 @@ use crate::model::Config;
 use anyhow::Result;
 
 /// The residual state of a forward pass.
+// One per pass: the size of the larger variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum ResidualForward {
     /// The residual stream `h_l`, lent to each sublayer as its input while it runs.
     Standard {
@@ -214,6 +216,7 @@ impl DepthForward {
 }
 
 /// Gradients flowing back through the residual connection.
+#[allow(clippy::large_enum_variant)]
 pub enum ResidualBackward {
     /// The gradient of the stream.
     Standard {
