@@ -7,6 +7,8 @@
 #   transformers (docs/import.md), then scripts/reference/check_upcycle.py on the imported model;
 # - scripts/reference/check_transformers.py: Block, Full and ablation checkpoints of short runs
 #   loaded by transformers through the module they carry (docs/interop.md);
+# - scripts/bench/gpu_torch.py --check: the GPU benchmark's PyTorch baseline against the
+#   reference model (docs/gpu.md);
 # - scripts/reference/check_export.py: GGUF exports run by llama.cpp (llama-cpp-python), of the
 #   imported SmolLM2 at f32 and of a short standard run at f32, f16, q8_0, q4_0, q4_1, q5_0 and
 #   q5_1 (docs/interop.md);
@@ -54,6 +56,8 @@ trap 'rm -rf "$work"' EXIT
 "$venv/bin/python" scripts/reference/check_import.py --cache "$cache/model" --keep "$work"
 "$venv/bin/python" scripts/reference/check_upcycle.py --model "$work/smollm2" --work "$work/upcycle"
 "$venv/bin/python" scripts/reference/check_transformers.py --attnres target/release/attnres
+# The GPU benchmark's PyTorch baseline computes the reference's model (docs/gpu.md).
+"$venv/bin/python" scripts/bench/gpu_torch.py --check
 "$venv/bin/python" scripts/reference/check_export.py --attnres target/release/attnres \
     --model "$work/smollm2" --types f32
 target/release/attnres train --preset tiny --set residual=standard --no-progress --out "$work/standard"
