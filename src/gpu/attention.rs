@@ -2,7 +2,7 @@
 //! computes on the CPU, with the same buffers (the packed `qkv`, the `[B, H, T, 2]` softmax
 //! statistics), in memory that grows with T.
 
-use super::device::{Arg, Buf, Device};
+use super::device::{kernel, Act, Arg, Buf, Device};
 use super::per_value;
 use crate::kernels::attention::AttnShape;
 use anyhow::{ensure, Result};
@@ -14,7 +14,7 @@ const TILE: usize = 32;
 /// The longest head the kernels hold (MAX_HD).
 const MAX_HEAD_DIM: usize = 128;
 
-fn check(s: AttnShape, qkv: &Buf<f32>) -> Result<()> {
+fn check<A: Act>(s: AttnShape, qkv: &Buf<A>) -> Result<()> {
     ensure!(
         s.head_dim <= MAX_HEAD_DIM,
         "the GPU's attention takes heads of up to {MAX_HEAD_DIM} values, not {}",
@@ -47,7 +47,7 @@ fn shape_args(s: AttnShape) -> [Arg; 5] {
 }
 
 /// Forward: `out[B·T, H·hd]` and the statistics `[B, H, T, 2]`.
-pub fn forward(dev: &Device, qkv: &Buf<f32>, s: AttnShape) -> Result<(Buf<f32>, Buf<f32>)> {
+pub fn forward<A: Act>(dev: &Device, qkv: &Buf<A>, s: AttnShape) -> Result<(Buf<A>, Buf<f32>)> {
     check(s, qkv)?;
     let (mut out, mut stats) =
         (dev.zeros(s.batch * s.seq * s.out_width())?, dev.zeros(s.stats_len())?);
@@ -56,19 +56,19 @@ pub fn forward(dev: &Device, qkv: &Buf<f32>, s: AttnShape) -> Result<(Buf<f32>, 
     let cfg = blocks(s, s.batch * s.heads, 2 * TILE * s.head_dim);
     // SAFETY: the kernel's arguments in its order; `out`, `stats` and `qkv` hold the shape's
     // values (checked), and the shared memory two tiles of keys and values.
-    unsafe { dev.launch("attention_forward", cfg, &args) }?;
+    unsafe { dev.launch(&kernel::<A>("attention_forward"), cfg, &args) }?;
     Ok((out, stats))
 }
 
 /// Backward: `dqkv` (every column written) from `dout`, with what forward returned.
-pub fn backward(
+pub fn backward<A: Act>(
     dev: &Device,
-    dout: &Buf<f32>,
-    qkv: &Buf<f32>,
-    out: &Buf<f32>,
+    dout: &Buf<A>,
+    qkv: &Buf<A>,
+    out: &Buf<A>,
     stats: &Buf<f32>,
     s: AttnShape,
-) -> Result<Buf<f32>> {
+) -> Result<Buf<A>> {
     check(s, qkv)?;
     let rows = s.batch * s.seq;
     assert!(dout.len() == rows * s.out_width() && out.len() == dout.len());
@@ -84,16 +84,22 @@ pub fn backward(
         Arg::i32(s.head_dim as i32),
     ];
     // SAFETY: the kernel's arguments in its order; one thread per row and head.
-    unsafe { dev.launch("attention_backward_delta", per_value(rows * s.heads), &args) }?;
+    unsafe {
+        dev.launch(&kernel::<A>("attention_backward_delta"), per_value(rows * s.heads), &args)
+    }?;
     let mut dqkv = dev.zeros(qkv.len())?;
     let mut args = vec![dqkv.arg_mut(), dout.arg(), qkv.arg(), stats.arg(), delta.arg()];
     args.extend(shape_args(s));
     let hd = s.head_dim;
     // SAFETY: as in `forward`; each kernel writes its own columns of `dqkv`.
     unsafe {
-        dev.launch("attention_backward_dq", blocks(s, s.batch * s.heads, 2 * TILE * hd), &args)?;
+        dev.launch(
+            &kernel::<A>("attention_backward_dq"),
+            blocks(s, s.batch * s.heads, 2 * TILE * hd),
+            &args,
+        )?;
         let cfg = blocks(s, s.batch * s.kv_heads, 2 * TILE * hd + 3 * TILE);
-        dev.launch("attention_backward_dkv", cfg, &args)?;
+        dev.launch(&kernel::<A>("attention_backward_dkv"), cfg, &args)?;
     }
     Ok(dqkv)
 }

@@ -11,8 +11,26 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use std::ffi::c_void;
 use std::sync::Arc;
 
+/// The type of a product's operands or result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    /// bfloat16 (`Bf16`): the products sum in f32 all the same.
+    Bf16,
+}
+
+impl DType {
+    fn cuda(self) -> sys::cudaDataType_t {
+        match self {
+            DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+            DType::Bf16 => sys::cudaDataType_t::CUDA_R_16BF,
+        }
+    }
+}
+
 /// `C[m, n] = alpha·op(A)·op(B) + beta·C`, row-major: `op(A)` is `[m, k]`, stored as `A[m, k]`
-/// (`lda` its row length, ≥ k) or, with `a_trans`, as `A[k, m]` (`lda` ≥ m); alike for B.
+/// (`lda` its row length, ≥ k) or, with `a_trans`, as `A[k, m]` (`lda` ≥ m); alike for B. A and
+/// B are of type `ab`, C of type `c`; the sums are f32's.
 #[derive(Clone, Copy, Debug)]
 pub struct Gemm {
     pub m: usize,
@@ -25,6 +43,8 @@ pub struct Gemm {
     pub ldc: usize,
     pub alpha: f32,
     pub beta: f32,
+    pub ab: DType,
+    pub c: DType,
 }
 
 impl Gemm {
@@ -42,7 +62,14 @@ impl Gemm {
             ldc: n,
             alpha: 1.0,
             beta: 0.0,
+            ab: DType::F32,
+            c: DType::F32,
         }
+    }
+
+    /// The same product with operands of type `ab` and result of type `c`.
+    pub fn typed(self, ab: DType, c: DType) -> Gemm {
+        Gemm { ab, c, ..self }
     }
 
     /// Values each operand spans from its first: A, B, C.
@@ -110,17 +137,17 @@ impl Blas {
         b: u64,
         c: u64,
     ) -> Result<(), result::CublasError> {
-        let f32_ = sys::cudaDataType_t::CUDA_R_32F;
+        let (f32_, ab, c_type) = (sys::cudaDataType_t::CUDA_R_32F, g.ab.cuda(), g.c.cuda());
         // Column-major: D[n, m] = op(B)ᵀ[n, k] · op(A)ᵀ[k, m].
         let (m, n, k) = (g.n as u64, g.m as u64, g.k as u64);
         let stored =
             |trans: bool, rows: u64, cols: u64| if trans { (cols, rows) } else { (rows, cols) };
         let (a_rows, a_cols) = stored(g.b_trans, m, k);
         let (b_rows, b_cols) = stored(g.a_trans, k, n);
-        let la = Layout(result::create_matrix_layout(f32_, a_rows, a_cols, g.ldb as i64)?);
-        let lb = Layout(result::create_matrix_layout(f32_, b_rows, b_cols, g.lda as i64)?);
-        let lc = Layout(result::create_matrix_layout(f32_, m, n, g.ldc as i64)?);
-        // fp32 products with fp32 accumulation: TF32 off.
+        let la = Layout(result::create_matrix_layout(ab, a_rows, a_cols, g.ldb as i64)?);
+        let lb = Layout(result::create_matrix_layout(ab, b_rows, b_cols, g.lda as i64)?);
+        let lc = Layout(result::create_matrix_layout(c_type, m, n, g.ldc as i64)?);
+        // f32 accumulation (bf16 operands run on the tensor cores); fp32 operands keep TF32 off.
         let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let desc = Desc(result::create_matmul_desc(compute, f32_)?);
         let set = |attr, v: i32| {

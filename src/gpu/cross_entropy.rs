@@ -1,19 +1,19 @@
 //! Softmax cross-entropy fused with its gradient on the GPU (`kernels/cross_entropy.cu`): what
 //! `crate::kernels::cross_entropy` computes on the CPU.
 
-use super::device::{Arg, Buf, Device, Ids};
+use super::device::{kernel, Act, Arg, Buf, Device, Ids};
 use super::per_row;
 use anyhow::Result;
 
 /// The mean loss of `logits[rows, V]` against `targets`, and with `grad` the gradient
 /// `(softmax − onehot) / rows`.
-pub fn loss(
+pub fn loss<A: Act>(
     dev: &Device,
-    logits: &Buf<f32>,
+    logits: &Buf<A>,
     targets: &Ids,
     v: usize,
     grad: bool,
-) -> Result<(f32, Option<Buf<f32>>)> {
+) -> Result<(f32, Option<Buf<A>>)> {
     let rows = targets.len();
     assert!(logits.len() == rows * v && v <= i32::MAX as usize && rows > 0);
     assert!(targets.below <= v, "targets checked against a larger vocabulary");
@@ -32,7 +32,7 @@ pub fn loss(
     let threads = (v / 4).next_power_of_two().clamp(32, 1024) as u32;
     // SAFETY: the kernel's arguments in its order (a null pointer where no gradient is asked
     // for, which the kernel checks); one block per row, every target inside its row.
-    unsafe { dev.launch("cross_entropy", per_row(rows, threads), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("cross_entropy"), per_row(rows, threads), &args) }?;
     let total: f32 = dev.download(&row_loss)?.iter().sum();
     Ok((total * inv, dlogits))
 }

@@ -3,8 +3,8 @@
 //! ([`phase1`], [`phase2`]), the sums that make its sources ([`sum_rstd`]), and the backward
 //! taken per source ([`source_grad`], [`query_grads`]).
 
-use super::blas::Gemm;
-use super::device::{Arg, Buf, Device, Slice, SliceMut};
+use super::blas::{DType, Gemm};
+use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
 use super::gemm::gemm;
 use super::{per_row, per_value, ROW_THREADS};
 use anyhow::Result;
@@ -15,29 +15,29 @@ const PHASE1_CONSUMERS: usize = 8;
 
 /// `out = a + b` (`b` absent: `a` alone; `a` absent: `out`'s own values, added to in place)
 /// and the per-row 1/rms of the result into `rstd`: a completed block or a running partial sum.
-pub fn sum_rstd(
+pub fn sum_rstd<A: Act>(
     dev: &Device,
-    out: &mut SliceMut<f32>,
+    out: &mut SliceMut<A>,
     rstd: &mut SliceMut<f32>,
-    a: Option<Slice<f32>>,
-    b: Option<Slice<f32>>,
+    a: Option<Slice<A>>,
+    b: Option<Slice<A>>,
     d: usize,
     eps: f32,
 ) -> Result<()> {
     let rows = rstd.len();
     assert!(out.len() == rows * d && d <= i32::MAX as usize);
     assert!([a, b].iter().flatten().all(|x| x.len() == out.len()), "operands of one shape");
-    let arg = |x: Option<Slice<f32>>| x.map_or(Arg::null(), |x| x.arg());
+    let arg = |x: Option<Slice<A>>| x.map_or(Arg::null(), |x| x.arg());
     let args = [out.arg_mut(), rstd.arg_mut(), arg(a), arg(b), Arg::i32(d as i32), Arg::f32(eps)];
     // SAFETY: the kernel's arguments in its order; every buffer holds `rows` rows of `d`
     // (checked above), `rstd` one value per row.
-    unsafe { dev.launch("depth_sum_rstd", per_row(rows, ROW_THREADS), &args) }
+    unsafe { dev.launch(&kernel::<A>("depth_sum_rstd"), per_row(rows, ROW_THREADS), &args) }
 }
 
 /// What phase 1 produced for the consumers of one block, per consumer and token (as the CPU's
 /// `depth::Phase1`): the logits over the completed sources, their maximum, the sum of their
 /// exponentials, and the normalised mix.
-pub struct Phase1 {
+pub struct Phase1<A: Act> {
     pub rows: usize,
     pub completed: usize,
     /// `[S, rows, C]`.
@@ -46,19 +46,19 @@ pub struct Phase1 {
     m1: Buf<f32>,
     l1: Buf<f32>,
     /// `[S, rows, d]`.
-    o1: Buf<f32>,
+    o1: Buf<A>,
 }
 
 /// Phase 1: the `S` consumers of a block (effective queries `ws = [S, d]`) score the `C`
 /// completed sources (`sources = [C, rows, d]`, their 1/rms `rstds = [C, rows]`) in one pass.
-pub fn phase1(
+pub fn phase1<A: Act>(
     dev: &Device,
-    sources: Slice<f32>,
+    sources: Slice<A>,
     rstds: Slice<f32>,
     ws: Slice<f32>,
     rows: usize,
     d: usize,
-) -> Result<Phase1> {
+) -> Result<Phase1<A>> {
     let (c, s) = (rstds.len() / rows, ws.len() / d);
     assert!(c * rows == rstds.len() && sources.len() == c * rows * d && s * d == ws.len());
     assert!(c > 0 && s > 0 && sources.len() <= i32::MAX as usize * d);
@@ -91,13 +91,13 @@ pub fn phase1(
     // SAFETY: the kernel's arguments in its order; the outputs are sized for S consumers of
     // `rows` tokens over C sources, the inputs checked above; shared memory holds the weights
     // of one launch's consumers.
-    unsafe { dev.launch("depth_phase1", cfg, &args) }?;
+    unsafe { dev.launch(&kernel::<A>("depth_phase1"), cfg, &args) }?;
     Ok(p)
 }
 
 /// A consumer's input and, when asked for, its weights and logits over its sources.
-pub struct Phase2 {
-    pub h: Buf<f32>,
+pub struct Phase2<A: Act> {
+    pub h: Buf<A>,
     /// `[rows, K]` each, the completed sources first, the partial sum last.
     pub weights: Option<(Buf<f32>, Buf<f32>)>,
 }
@@ -105,15 +105,15 @@ pub struct Phase2 {
 /// Phase 2 of consumer `j` of the block `p1` scored: merges its partial sum (values and
 /// per-token 1/rms) by online softmax. `keep`: also its weights and logits, which backward
 /// needs.
-pub fn phase2(
+pub fn phase2<A: Act>(
     dev: &Device,
-    p1: &Phase1,
+    p1: &Phase1<A>,
     j: usize,
-    partial: Option<(Slice<f32>, Slice<f32>)>,
+    partial: Option<(Slice<A>, Slice<f32>)>,
     w: Slice<f32>,
     d: usize,
     keep: bool,
-) -> Result<Phase2> {
+) -> Result<Phase2<A>> {
     let (rows, c) = (p1.rows, p1.completed);
     let k = c + partial.is_some() as usize;
     assert!(p1.m1.len() >= (j + 1) * rows && w.len() == d);
@@ -144,15 +144,15 @@ pub fn phase2(
     ];
     // SAFETY: the kernel's arguments in its order; consumer j's rows of phase 1 lie in its
     // buffers (checked above), the outputs hold `rows` rows of `d` and of K.
-    unsafe { dev.launch("depth_phase2", per_row(rows, ROW_THREADS), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("depth_phase2"), per_row(rows, ROW_THREADS), &args) }?;
     Ok(Phase2 { h, weights })
 }
 
 /// One consumer's share of the backward pass, as the per-source backward reads it (as the
 /// CPU's `depth::ConsumerGrad`).
-pub struct ConsumerGrad<'a> {
+pub struct ConsumerGrad<'a, A: Act> {
     /// Gradient of the consumer's input `h`, `[rows, d]`.
-    pub dh: &'a Buf<f32>,
+    pub dh: &'a Buf<A>,
     /// Per token `⟨dh, h⟩`.
     pub dh_dot_h: &'a Buf<f32>,
     /// `[rows, K]` each.
@@ -166,35 +166,73 @@ pub struct ConsumerGrad<'a> {
 
 /// A source as the backward reads it: values `[rows, d]` and per-token 1/rms.
 #[derive(Clone, Copy)]
-pub struct Source<'a> {
-    pub v: Slice<'a, f32>,
+pub struct Source<'a, A: Act> {
+    pub v: Slice<'a, A>,
     pub rstd: Slice<'a, f32>,
 }
 
 /// Consumer `g`'s share of the gradient of source `src` (column `col` of its weights), added
-/// into `acc` (`[rows, d]`) with its key-norm coefficient into `coef` (`[rows]`, zero before a
-/// source's first consumer); `b` receives per token the coefficient of the consumer's query
-/// gradient, which [`query_grads`] turns into it. `finish`: `g` is the source's last consumer,
-/// and `acc` becomes the source's gradient.
+/// into `acc` (`[rows, d]`, of the values' type: a sublayer's output gradient, into which a
+/// partial sum's gradient goes) with its key-norm coefficient into `coef` (`[rows]`, zero
+/// before a source's first consumer); `b` receives per token the coefficient of the consumer's
+/// query gradient, which [`query_grads`] turns into it. `finish`: `g` is the source's last
+/// consumer, and `acc` becomes the source's gradient.
 #[allow(clippy::too_many_arguments)]
-pub fn source_grad(
+pub fn source_grad<A: Act>(
     dev: &Device,
-    acc: &mut SliceMut<f32>,
+    acc: &mut SliceMut<A>,
     coef: &mut Buf<f32>,
-    b: &mut SliceMut<f32>,
-    g: &ConsumerGrad,
+    b: &mut SliceMut<A>,
+    g: &ConsumerGrad<A>,
     col: usize,
-    src: Source,
+    src: Source<A>,
+    d: usize,
+    finish: bool,
+) -> Result<()> {
+    assert_eq!(acc.len(), src.v.len());
+    let name = kernel::<A>("depth_source_grad");
+    source_grad_into(dev, &name, acc.arg_mut(), coef, b, g, col, src, d, finish)
+}
+
+/// [`source_grad`] with the sum in f32: a completed source's gradient, which sums many
+/// consumers.
+#[allow(clippy::too_many_arguments)]
+pub fn source_grad_wide<A: Act>(
+    dev: &Device,
+    acc: &mut Buf<f32>,
+    coef: &mut Buf<f32>,
+    b: &mut SliceMut<A>,
+    g: &ConsumerGrad<A>,
+    col: usize,
+    src: Source<A>,
+    d: usize,
+    finish: bool,
+) -> Result<()> {
+    assert_eq!(acc.len(), src.v.len());
+    let name = kernel::<A>("depth_source_grad_wide");
+    source_grad_into(dev, &name, acc.arg_mut(), coef, b, g, col, src, d, finish)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn source_grad_into<A: Act>(
+    dev: &Device,
+    name: &str,
+    acc: Arg,
+    coef: &mut Buf<f32>,
+    b: &mut SliceMut<A>,
+    g: &ConsumerGrad<A>,
+    col: usize,
+    src: Source<A>,
     d: usize,
     finish: bool,
 ) -> Result<()> {
     let rows = src.rstd.len();
     let k = g.n_sources;
     assert!(col < k && g.alpha.len() == rows * k && g.logits.len() == rows * k);
-    assert!([acc.len(), g.dh.len(), src.v.len()] == [rows * d; 3] && g.w.len() == d);
+    assert!([g.dh.len(), src.v.len()] == [rows * d; 2] && g.w.len() == d);
     assert!([coef.len(), b.len(), g.dh_dot_h.len()] == [rows; 3]);
     let args = [
-        acc.arg_mut(),
+        acc,
         coef.arg_mut(),
         b.arg_mut(),
         g.dh.arg(),
@@ -210,24 +248,25 @@ pub fn source_grad(
         Arg::i32(finish as i32),
     ];
     // SAFETY: the kernel's arguments in its order; every buffer holds what it reads or writes
-    // for `rows` tokens (checked above).
-    unsafe { dev.launch("depth_source_grad", per_row(rows, ROW_THREADS), &args) }
+    // for `rows` tokens (checked above; `acc` by the callers).
+    unsafe { dev.launch(name, per_row(rows, ROW_THREADS), &args) }
 }
 
 /// The effective-query gradients of consumers that read source `v` (`[rows, d]`), added into
 /// `dws` (`[consumers, d]`): `dw_c += Σ_t b[c, t]·v_t` for the coefficients `b`
 /// (`[consumers, rows]`) that [`source_grad`] left, one product for all of them.
-pub fn query_grads(
+pub fn query_grads<A: Act>(
     dev: &Device,
     dws: &mut SliceMut<f32>,
-    b: Slice<f32>,
-    v: Slice<f32>,
+    b: Slice<A>,
+    v: Slice<A>,
     rows: usize,
     d: usize,
 ) -> Result<()> {
     let consumers = b.len() / rows;
     assert!(consumers * rows == b.len() && v.len() == rows * d && dws.len() == consumers * d);
     let g = Gemm { beta: 1.0, ..Gemm::packed(consumers, d, rows, false, false) };
+    let g = g.typed(A::TYPE, DType::F32);
     // SAFETY: the operands hold the packed matrices `g` spans (checked above); `dws` is a
     // `&mut` of its own, so overlaps neither input.
     unsafe { gemm(dev, &g, b.arg(), v.arg(), dws.arg_mut()) }
@@ -391,7 +430,7 @@ mod tests {
         let wg = up(&ws);
         let gdev: Vec<_> =
             (0..s).map(|j| (up(&dhs[j]), up(&dhh[j]), up(&saved[j].1), up(&saved[j].2))).collect();
-        let grads: Vec<ConsumerGrad> = gdev
+        let grads: Vec<ConsumerGrad<f32>> = gdev
             .iter()
             .enumerate()
             .map(|(j, (dh, dhh, a, l))| ConsumerGrad {

@@ -45,6 +45,108 @@ impl Elem for u32 {}
 impl Elem for i32 {}
 impl Elem for i64 {}
 impl Elem for f64 {}
+impl Elem for Bf16 {}
+
+/// A bfloat16 value as the kernels store it (`bf16` in `reduce.cuh`): the upper half of an
+/// f32's bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+// SAFETY: a plain 16-bit value, passed and stored as the kernels' `bf16` is.
+unsafe impl DeviceRepr for Bf16 {}
+// SAFETY: all zero bits are bfloat16's +0.
+unsafe impl ValidAsZeroBits for Bf16 {}
+
+impl Bf16 {
+    /// The nearest bfloat16 (ties to even), as the kernels round.
+    pub fn from_f32(x: f32) -> Bf16 {
+        Bf16(half::bf16::from_f32(x).to_bits())
+    }
+
+    pub fn to_f32(self) -> f32 {
+        half::bf16::from_bits(self.0).to_f32()
+    }
+}
+
+/// The type of the activations: f32 (the exact mode) or bfloat16 (mixed precision). Kernels
+/// that take either are named `NAME` for f32 and `NAME_bf16` for bfloat16.
+pub trait Act: Elem {
+    /// The kernels' name suffix.
+    const SUFFIX: &'static str;
+    /// The type cuBLASLt is told.
+    const TYPE: super::blas::DType;
+    fn from_f32(x: f32) -> Self;
+    fn to_f32(self) -> f32;
+    /// `x` as values of this type: `x` itself for f32, a copy rounded to bfloat16.
+    fn narrow(dev: &Device, x: Buf<f32>) -> Result<Buf<Self>>;
+    /// Keeps `copy` the values of `master` in this type, where they differ: for bfloat16 the
+    /// weights the matrix products take (made on first use, then overwritten); nothing for f32,
+    /// whose products take the master weights themselves ([`Act::weights`]).
+    fn refresh(dev: &Device, copy: &mut Option<Buf<Self>>, master: &Buf<f32>) -> Result<()>;
+    /// The values of `master` in this type: `master` for f32, `copy` (kept by
+    /// [`Act::refresh`]) for bfloat16.
+    fn weights<'a>(master: &'a Buf<f32>, copy: &'a Option<Buf<Self>>) -> &'a Buf<Self>;
+}
+
+impl Act for f32 {
+    const SUFFIX: &'static str = "";
+    const TYPE: super::blas::DType = super::blas::DType::F32;
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn narrow(_: &Device, x: Buf<f32>) -> Result<Buf<f32>> {
+        Ok(x)
+    }
+    fn refresh(_: &Device, _: &mut Option<Buf<f32>>, _: &Buf<f32>) -> Result<()> {
+        Ok(())
+    }
+    fn weights<'a>(master: &'a Buf<f32>, _: &'a Option<Buf<f32>>) -> &'a Buf<f32> {
+        master
+    }
+}
+
+impl Act for Bf16 {
+    const SUFFIX: &'static str = "_bf16";
+    const TYPE: super::blas::DType = super::blas::DType::Bf16;
+    fn from_f32(x: f32) -> Bf16 {
+        Bf16::from_f32(x)
+    }
+    fn to_f32(self) -> f32 {
+        Bf16::to_f32(self)
+    }
+    fn narrow(dev: &Device, x: Buf<f32>) -> Result<Buf<Bf16>> {
+        let mut y = dev.zeros(x.len())?;
+        to_bf16(dev, &mut y, &x)?;
+        Ok(y)
+    }
+    fn refresh(dev: &Device, copy: &mut Option<Buf<Bf16>>, master: &Buf<f32>) -> Result<()> {
+        if copy.is_none() {
+            *copy = Some(dev.zeros(master.len())?);
+        }
+        to_bf16(dev, copy.as_mut().expect("made above"), master)
+    }
+    fn weights<'a>(_: &'a Buf<f32>, copy: &'a Option<Buf<Bf16>>) -> &'a Buf<Bf16> {
+        copy.as_ref().expect("the bf16 weights are kept by Act::refresh before use")
+    }
+}
+
+/// `y = x` rounded to bfloat16 (`to_bf16` in `kernels/residual.cu`).
+fn to_bf16(dev: &Device, y: &mut Buf<Bf16>, x: &Buf<f32>) -> Result<()> {
+    let n = x.len();
+    assert_eq!(y.len(), n);
+    let args = [y.arg_mut(), x.arg(), Arg::i64(n)];
+    // SAFETY: the kernel's arguments in its order; two buffers of `n` values.
+    unsafe { dev.launch("to_bf16", super::per_value(n), &args) }
+}
+
+/// The name of kernel `name` for activations of type `A`.
+pub fn kernel<A: Act>(name: &str) -> String {
+    format!("{name}{}", A::SUFFIX)
+}
 
 /// Values in the device's memory (in host memory where the kernels are emulated).
 pub struct Buf<T: Elem> {

@@ -2,48 +2,58 @@
 //! `kernels/residual.cu`): what `crate::kernels::swiglu` and `crate::kernels::embedding`
 //! compute on the CPU, with the same buffers, and the standard residual's sums.
 
-use super::device::{Arg, Buf, Device, Ids, Slice, SliceMut};
+use super::device::{kernel, Act, Arg, Buf, Device, Ids, Slice, SliceMut};
 use super::per_value;
 use anyhow::Result;
 
 /// SwiGLU forward: `act[rows, F]` from the fused `gu[rows, 2F]`.
-pub fn swiglu_forward(dev: &Device, gu: &Buf<f32>, f: usize) -> Result<Buf<f32>> {
+pub fn swiglu_forward<A: Act>(dev: &Device, gu: &Buf<A>, f: usize) -> Result<Buf<A>> {
     let rows = gu.len() / (2 * f);
     assert!(rows * 2 * f == gu.len() && f <= i32::MAX as usize);
     let mut act = dev.zeros(rows * f)?;
     let args = [act.arg_mut(), gu.arg(), Arg::i64(rows), Arg::i32(f as i32)];
     // SAFETY: the kernel's arguments in its order; `act` holds rows·F values, `gu` rows·2F.
-    unsafe { dev.launch("swiglu_forward", per_value(rows * f), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("swiglu_forward"), per_value(rows * f), &args) }?;
     Ok(act)
 }
 
 /// SwiGLU backward: `dgu[rows, 2F]` from `dact[rows, F]`.
-pub fn swiglu_backward(dev: &Device, dact: &Buf<f32>, gu: &Buf<f32>, f: usize) -> Result<Buf<f32>> {
+pub fn swiglu_backward<A: Act>(
+    dev: &Device,
+    dact: &Buf<A>,
+    gu: &Buf<A>,
+    f: usize,
+) -> Result<Buf<A>> {
     let rows = gu.len() / (2 * f);
     assert!(rows * 2 * f == gu.len() && dact.len() == rows * f && f <= i32::MAX as usize);
     let mut dgu = dev.zeros(gu.len())?;
     let args = [dgu.arg_mut(), dact.arg(), gu.arg(), Arg::i64(rows), Arg::i32(f as i32)];
     // SAFETY: as in `swiglu_forward`.
-    unsafe { dev.launch("swiglu_backward", per_value(rows * f), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("swiglu_backward"), per_value(rows * f), &args) }?;
     Ok(dgu)
 }
 
 /// Embedding forward: `out[tokens, d]`, row `t` the table's row `ids[t]`.
-pub fn embedding_forward(dev: &Device, table: Slice<f32>, ids: &Ids, d: usize) -> Result<Buf<f32>> {
+pub fn embedding_forward<A: Act>(
+    dev: &Device,
+    table: Slice<f32>,
+    ids: &Ids,
+    d: usize,
+) -> Result<Buf<A>> {
     assert!(ids.below * d <= table.len() && d <= i32::MAX as usize);
     let mut out = dev.zeros(ids.len() * d)?;
     let args = [out.arg_mut(), table.arg(), ids.buf.arg(), Arg::i64(ids.len()), Arg::i32(d as i32)];
     // SAFETY: the kernel's arguments in its order; every id indexes a row of `table` (checked
     // when the ids were uploaded, against a vocabulary the table holds).
-    unsafe { dev.launch("embedding_forward", per_value(ids.len() * d), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("embedding_forward"), per_value(ids.len() * d), &args) }?;
     Ok(out)
 }
 
 /// Embedding backward: `dtable[ids[t]] += dout[t]`.
-pub fn embedding_backward(
+pub fn embedding_backward<A: Act>(
     dev: &Device,
     dtable: &mut SliceMut<f32>,
-    dout: &Buf<f32>,
+    dout: &Buf<A>,
     ids: &Ids,
     d: usize,
 ) -> Result<()> {
@@ -51,27 +61,27 @@ pub fn embedding_backward(
     let args =
         [dtable.arg_mut(), dout.arg(), ids.buf.arg(), Arg::i64(ids.len()), Arg::i32(d as i32)];
     // SAFETY: as in `embedding_forward`.
-    unsafe { dev.launch("embedding_backward", per_value(ids.len() * d), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("embedding_backward"), per_value(ids.len() * d), &args) }?;
     Ok(())
 }
 
 /// `a + b`, a new buffer.
-pub fn add(dev: &Device, a: &Buf<f32>, b: &Buf<f32>) -> Result<Buf<f32>> {
+pub fn add<A: Act>(dev: &Device, a: &Buf<A>, b: &Buf<A>) -> Result<Buf<A>> {
     assert_eq!(a.len(), b.len());
     let mut y = dev.zeros(a.len())?;
     let args = [y.arg_mut(), a.arg(), b.arg(), Arg::i64(a.len())];
     // SAFETY: the kernel's arguments in its order; three buffers of `n` values.
-    unsafe { dev.launch("add", per_value(a.len()), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("add"), per_value(a.len()), &args) }?;
     Ok(y)
 }
 
 /// `y += x`.
-pub fn add_into(dev: &Device, y: &mut Buf<f32>, x: &Buf<f32>) -> Result<()> {
+pub fn add_into<A: Act>(dev: &Device, y: &mut Buf<A>, x: &Buf<A>) -> Result<()> {
     assert_eq!(y.len(), x.len());
     let n = y.len();
     let args = [y.arg_mut(), x.arg(), Arg::i64(n)];
     // SAFETY: as in `add`.
-    unsafe { dev.launch("add_into", per_value(n), &args) }
+    unsafe { dev.launch(&kernel::<A>("add_into"), per_value(n), &args) }
 }
 
 #[cfg(test)]
@@ -108,7 +118,9 @@ mod tests {
         embedding::backward(&mut want_dtable, &dout, &ids, d);
         let (table_d, dout_d) = (dev.upload(&table).unwrap(), dev.upload(&dout).unwrap());
         let ids_d = Ids::upload(dev, &ids, vocab).unwrap();
-        let out = dev.download(&embedding_forward(dev, table_d.all(), &ids_d, d).unwrap()).unwrap();
+        let out = dev
+            .download(&embedding_forward::<f32>(dev, table_d.all(), &ids_d, d).unwrap())
+            .unwrap();
         assert_eq!(out, want_out, "a gather is exact");
         let mut dtable = dev.upload(&vec![0.5f32; vocab * d]).unwrap();
         embedding_backward(dev, &mut dtable.all_mut(), &dout_d, &ids_d, d).unwrap();

@@ -170,24 +170,50 @@ fn compile(dir: &Path, library: &Path) -> Result<()> {
 /// # Safety
 /// As `Device::matmul`, with host addresses.
 pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
+    use super::blas::DType;
+    use super::device::Bf16;
     use rayon::prelude::*;
     let (sa, sb, sc) = g.spans();
-    // SAFETY: the caller's promise: the spans lie inside the buffers, `c` overlaps neither.
-    let (a, b, c) = unsafe {
-        (
-            std::slice::from_raw_parts(a as *const f32, sa),
-            std::slice::from_raw_parts(b as *const f32, sb),
-            std::slice::from_raw_parts_mut(c as *mut f32, sc),
-        )
+    // Operands of either type read as f32, which holds every bfloat16 exactly.
+    let read = |at: u64, n: usize| -> Vec<f32> {
+        // SAFETY: the caller's promise: the spans lie inside the buffers.
+        unsafe {
+            match g.ab {
+                DType::F32 => std::slice::from_raw_parts(at as *const f32, n).to_vec(),
+                DType::Bf16 => std::slice::from_raw_parts(at as *const Bf16, n)
+                    .iter()
+                    .map(|x| x.to_f32())
+                    .collect(),
+            }
+        }
     };
+    let (a, b) = (read(a, sa), read(b, sb));
     let at_a = |i: usize, p: usize| if g.a_trans { a[p * g.lda + i] } else { a[i * g.lda + p] };
     let at_b = |p: usize, j: usize| if g.b_trans { b[j * g.ldb + p] } else { b[p * g.ldb + j] };
-    c.par_chunks_mut(g.ldc).enumerate().for_each(|(i, row)| {
-        for (j, out) in row.iter_mut().take(g.n).enumerate() {
-            let s: f64 = (0..g.k).map(|p| at_a(i, p) as f64 * at_b(p, j) as f64).sum();
-            let before = if g.beta == 0.0 { 0.0 } else { g.beta * *out };
-            *out = g.alpha * s as f32 + before;
+    let value = |i: usize, j: usize, before: f32| {
+        let s: f64 = (0..g.k).map(|p| at_a(i, p) as f64 * at_b(p, j) as f64).sum();
+        let before = if g.beta == 0.0 { 0.0 } else { g.beta * before };
+        g.alpha * s as f32 + before
+    };
+    // SAFETY: the caller's promise: `c` spans `sc` values of its type and overlaps neither
+    // operand.
+    match g.c {
+        DType::F32 => {
+            let c = unsafe { std::slice::from_raw_parts_mut(c as *mut f32, sc) };
+            c.par_chunks_mut(g.ldc).enumerate().for_each(|(i, row)| {
+                for (j, out) in row.iter_mut().take(g.n).enumerate() {
+                    *out = value(i, j, *out);
+                }
+            });
         }
-    });
+        DType::Bf16 => {
+            let c = unsafe { std::slice::from_raw_parts_mut(c as *mut Bf16, sc) };
+            c.par_chunks_mut(g.ldc).enumerate().for_each(|(i, row)| {
+                for (j, out) in row.iter_mut().take(g.n).enumerate() {
+                    *out = Bf16::from_f32(value(i, j, out.to_f32()));
+                }
+            });
+        }
+    }
     Ok(())
 }

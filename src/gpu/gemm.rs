@@ -1,8 +1,9 @@
 //! The Linear layers' matrix products on the GPU (cuBLASLt, [`super::blas`]): forward and
 //! both backward products, as `crate::kernels::matmul` computes them on the CPU.
 
+use super::blas::DType;
 use super::blas::Gemm;
-use super::device::{Arg, Buf, Device, Slice, SliceMut};
+use super::device::{Act, Arg, Buf, Device, Slice, SliceMut};
 use anyhow::Result;
 
 /// The product `g` of the matrices at `a`, `b` into `c`.
@@ -24,17 +25,17 @@ fn holds(len: usize, span: usize, what: &str) {
 }
 
 /// `y[rows, d_out] = x[rows, d_in] · wᵀ`, the weight `w[d_out, d_in]` (a tensor of the
-/// model's parameters).
-pub fn linear(
+/// model's parameters, or of their bf16 copy).
+pub fn linear<A: Act>(
     dev: &Device,
-    x: &Buf<f32>,
-    w: Slice<f32>,
+    x: &Buf<A>,
+    w: Slice<A>,
     rows: usize,
     d_in: usize,
     d_out: usize,
-) -> Result<Buf<f32>> {
+) -> Result<Buf<A>> {
     let mut y = dev.zeros(rows * d_out)?;
-    let g = Gemm::packed(rows, d_out, d_in, false, true);
+    let g = Gemm::packed(rows, d_out, d_in, false, true).typed(A::TYPE, A::TYPE);
     let (sa, sb, sc) = g.spans();
     holds(x.len(), sa, "linear input");
     holds(w.len(), sb, "linear weight");
@@ -45,15 +46,15 @@ pub fn linear(
 }
 
 /// Both backward products of [`linear`]: `dx = dy · w` (added into `dx` with `accumulate_dx`,
-/// else written) and `dw += dyᵀ · x`.
+/// else written) and `dw += dyᵀ · x`, into the f32 gradients whatever the activations' type.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_backward(
+pub fn linear_backward<A: Act>(
     dev: &Device,
-    dx: &mut Buf<f32>,
+    dx: &mut Buf<A>,
     dw: &mut SliceMut<f32>,
-    dy: &Buf<f32>,
-    x: &Buf<f32>,
-    w: Slice<f32>,
+    dy: &Buf<A>,
+    x: &Buf<A>,
+    w: Slice<A>,
     rows: usize,
     d_in: usize,
     d_out: usize,
@@ -62,6 +63,7 @@ pub fn linear_backward(
     let beta = if accumulate_dx { 1.0 } else { 0.0 };
     let input = Gemm { beta, ..Gemm::packed(rows, d_in, d_out, false, false) };
     let weight = Gemm { beta: 1.0, ..Gemm::packed(d_out, d_in, rows, true, false) };
+    let (input, weight) = (input.typed(A::TYPE, A::TYPE), weight.typed(A::TYPE, DType::F32));
     let (sa, sb, sc) = input.spans();
     holds(dy.len(), sa, "linear output gradient");
     holds(w.len(), sb, "linear weight");

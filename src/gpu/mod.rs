@@ -29,6 +29,27 @@ pub mod rope;
 pub use driver::{gpus, Gpu};
 pub use nvrtc::{compile, compile_all, kernel_names, nvrtc_present, Compiled, KERNELS};
 
+/// The activations' type on the GPU. The weights, their gradients, the optimiser's state and
+/// every statistic and sum are f32 either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// bf16 activations and matrix products (f32 sums), over f32 master weights: mixed
+    /// precision as llm.c runs it.
+    #[default]
+    Bf16,
+    /// f32 throughout, TF32 off: the exact mode, which the tests hold to the CPU engine.
+    Fp32,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::Bf16 => "bf16",
+            Precision::Fp32 => "fp32",
+        })
+    }
+}
+
 /// Threads per row of the kernels that reduce over rows of the hidden size. One number for
 /// all: `row_dot` (reduce.cuh) gives the same bits in every kernel only with the same threads.
 pub const ROW_THREADS: u32 = 256;

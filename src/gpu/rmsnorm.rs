@@ -1,41 +1,41 @@
 //! RMSNorm on the GPU (`kernels/rmsnorm.cu`): what `crate::kernels::rmsnorm` computes on the
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
-use super::device::{Arg, Buf, Device, Slice, SliceMut};
+use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
 use super::{per_row, per_value, ROW_THREADS as THREADS};
 use anyhow::Result;
 
 /// Forward: `y` and the per-row `rstd`.
-pub fn forward(
+pub fn forward<A: Act>(
     dev: &Device,
-    x: &Buf<f32>,
+    x: &Buf<A>,
     g: Slice<f32>,
     d: usize,
     eps: f32,
-) -> Result<(Buf<f32>, Buf<f32>)> {
+) -> Result<(Buf<A>, Buf<f32>)> {
     let rows = x.len() / d;
     assert!(rows * d == x.len() && g.len() == d && d <= i32::MAX as usize);
     let (mut y, mut rstd) = (dev.zeros(x.len())?, dev.zeros(rows)?);
     let args = [y.arg_mut(), rstd.arg_mut(), x.arg(), g.arg(), Arg::i32(d as i32), Arg::f32(eps)];
     // SAFETY: the arguments are the kernel's, in its order, and every buffer holds what the
     // kernel reads or writes for `rows` rows of `d` (checked above).
-    unsafe { dev.launch("rmsnorm_forward", per_row(rows, THREADS), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("rmsnorm_forward"), per_row(rows, THREADS), &args) }?;
     Ok((y, rstd))
 }
 
 /// Backward: returns `dx`; `dg` accumulates. With `dx_dot_x` (`[rows]`), also each row's
 /// `⟨dx, x⟩`, which the depth attention's backward takes (as the CPU kernel's option).
 #[allow(clippy::too_many_arguments)]
-pub fn backward(
+pub fn backward<A: Act>(
     dev: &Device,
     dg: &mut SliceMut<f32>,
-    dy: &Buf<f32>,
-    x: &Buf<f32>,
+    dy: &Buf<A>,
+    x: &Buf<A>,
     g: Slice<f32>,
     rstd: &Buf<f32>,
     d: usize,
     dx_dot_x: Option<&mut Buf<f32>>,
-) -> Result<Buf<f32>> {
+) -> Result<Buf<A>> {
     let rows = rstd.len();
     assert!(x.len() == rows * d && dy.len() == x.len() && g.len() == d && dg.len() == d);
     assert!(dx_dot_x.as_ref().is_none_or(|b| b.len() == rows), "one <dx, x> per row");
@@ -43,11 +43,11 @@ pub fn backward(
     let dxx = dx_dot_x.map_or(Arg::null(), |b| b.arg_mut());
     let args = [dx.arg_mut(), dxx, dy.arg(), x.arg(), g.arg(), rstd.arg(), Arg::i32(d as i32)];
     // SAFETY: as in `forward`.
-    unsafe { dev.launch("rmsnorm_backward", per_row(rows, THREADS), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward"), per_row(rows, THREADS), &args) }?;
     let args =
         [dg.arg_mut(), dy.arg(), x.arg(), rstd.arg(), Arg::i32(rows as i32), Arg::i32(d as i32)];
     // SAFETY: as in `forward`; one thread per column of `dg`.
-    unsafe { dev.launch("rmsnorm_backward_gain", per_value(d), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward_gain"), per_value(d), &args) }?;
     Ok(dx)
 }
 

@@ -1,7 +1,7 @@
 //! Rotary position embedding on the GPU (`kernels/rope.cu`): `crate::kernels::rope::apply`,
 //! bit for bit, with the CPU's cos/sin tables uploaded once.
 
-use super::device::{Arg, Buf, Device, Ids};
+use super::device::{kernel, Act, Arg, Buf, Device, Ids};
 use super::per_value;
 use crate::kernels::rope::RopeTable;
 use anyhow::{bail, Result};
@@ -37,9 +37,9 @@ impl RopeTables {
 /// (`[rows, width]`), row `r` at `positions[r]` (uploaded once per pass, each checked against
 /// the tables' length); `inverse` applies the transpose.
 #[allow(clippy::too_many_arguments)]
-pub fn apply(
+pub fn apply<A: Act>(
     dev: &Device,
-    x: &mut Buf<f32>,
+    x: &mut Buf<A>,
     width: usize,
     col0: usize,
     n_heads: usize,
@@ -66,7 +66,7 @@ pub fn apply(
     ];
     // SAFETY: the kernel's arguments in its order; every row's position is inside the tables
     // (checked) and every head inside the row.
-    unsafe { dev.launch("rope_apply", per_value(rows * n_heads * t.half), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("rope_apply"), per_value(rows * n_heads * t.half), &args) }?;
     Ok(())
 }
 

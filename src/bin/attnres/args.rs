@@ -361,6 +361,10 @@ pub(crate) struct TrainArgs {
     /// docs/gpu.md). Checkpoints are the same either way.
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// With --device cuda: bf16 (mixed precision: bf16 activations and matrix products over
+    /// f32 weights) or fp32 (f32 throughout, TF32 off: the exact mode).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
+    pub precision: PrecisionArg,
     /// Under mpirun: how the ranks add their gradients. exact: in the order one process adds
     /// them (bit-identical to training alone); mpi: MPI's all-reduce (docs/distributed.md).
     #[arg(long, value_enum, default_value_t = ReduceArg::Exact)]
@@ -399,6 +403,10 @@ pub(crate) struct EvalArgs {
     /// Where the model runs: cpu, or cuda for the first NVIDIA GPU (f32 models; docs/gpu.md).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// With --device cuda: bf16 (mixed precision: bf16 activations and matrix products over
+    /// f32 weights) or fp32 (f32 throughout, TF32 off: the exact mode).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
+    pub precision: PrecisionArg,
 }
 
 #[derive(Args)]
@@ -465,6 +473,10 @@ pub(crate) struct BenchArgs {
     /// docs/gpu.md).
     #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
     pub device: DeviceArg,
+    /// With --device cuda: bf16 (mixed precision: bf16 activations and matrix products over
+    /// f32 weights) or fp32 (f32 throughout, TF32 off: the exact mode).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
+    pub precision: PrecisionArg,
     /// Residual modes to compare: standard, full, block (block uses the preset's num_blocks).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "standard,block,full")]
     pub modes: Vec<Mode>,
@@ -554,12 +566,29 @@ pub(crate) enum DeviceArg {
     Cuda,
 }
 
-impl From<DeviceArg> for attnres::train::run::Hardware {
-    fn from(d: DeviceArg) -> Self {
-        match d {
-            DeviceArg::Cpu => attnres::train::run::Hardware::Cpu,
-            DeviceArg::Cuda => attnres::train::run::Hardware::Cuda,
+/// The activations' type on a GPU (`--precision`).
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum PrecisionArg {
+    /// bf16 activations and matrix products over f32 weights (mixed precision).
+    Bf16,
+    /// f32 throughout, TF32 off (the exact mode).
+    Fp32,
+}
+
+impl From<PrecisionArg> for attnres::gpu::Precision {
+    fn from(p: PrecisionArg) -> Self {
+        match p {
+            PrecisionArg::Bf16 => attnres::gpu::Precision::Bf16,
+            PrecisionArg::Fp32 => attnres::gpu::Precision::Fp32,
         }
+    }
+}
+
+/// Where a run's steps run: `--device` at `--precision`.
+pub(crate) fn hardware(d: DeviceArg, p: PrecisionArg) -> attnres::train::run::Hardware {
+    match d {
+        DeviceArg::Cpu => attnres::train::run::Hardware::Cpu,
+        DeviceArg::Cuda => attnres::train::run::Hardware::Cuda(p.into()),
     }
 }
 

@@ -7,6 +7,8 @@ use crate::ranks::Ranks;
 use anyhow::{bail, ensure, Result};
 use attnres::base::progress::log;
 use attnres::experiments::{bench, compare, suite};
+use attnres::gpu::device::{Act, Bf16, Device};
+use attnres::gpu::Precision;
 use attnres::infer::generate::{self, GenerateOptions, Overflow, Sampling, TextStream};
 use attnres::infer::{eval, forward};
 use attnres::model::checkpoint::load_with_tokenizer;
@@ -205,7 +207,7 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
         overwrite: a.overwrite,
         progress: !a.no_progress,
         shared_bar: None,
-        device: a.device.into(),
+        device: hardware(a.device, a.precision),
     };
     let reduce = a.reduce.get();
     let layout = Layout {
@@ -329,6 +331,22 @@ fn generate_cmd(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// `eval --device cuda`: the model's loss on `text`, its windows on the GPU with activations
+/// of type `A`.
+fn eval_on_gpu<A: Act>(
+    dev: &Device,
+    model: &Model,
+    bpe: &attnres::text::tokenizer::Bpe,
+    text: &str,
+    origin: &str,
+    seq: Option<usize>,
+) -> Result<eval::Measurement> {
+    let gpu = attnres::train::gpu::model::GpuModel::<A>::upload(dev, model)?;
+    eval::measure_by(model, bpe, text, origin, seq, |x, y, rows, t| {
+        gpu.window_loss(dev, x, y, rows, t)
+    })
+}
+
 fn eval_cmd(a: EvalArgs) -> Result<()> {
     let (model, bpe) = load_with_tokenizer(&a.model)?;
     let text = attnres::base::fs::read_utf8(&a.text)?;
@@ -337,10 +355,10 @@ fn eval_cmd(a: EvalArgs) -> Result<()> {
         DeviceArg::Cpu => eval::measure(&model, &bpe, &text, &origin, a.seq)?,
         DeviceArg::Cuda => {
             let dev = attnres::gpu::device::Device::open(0)?;
-            let gpu = attnres::train::gpu::model::GpuModel::upload(&dev, &model)?;
-            eval::measure_by(&model, &bpe, &text, &origin, a.seq, |x, y, rows, t| {
-                gpu.window_loss(&dev, x, y, rows, t)
-            })?
+            match a.precision.into() {
+                Precision::Bf16 => eval_on_gpu::<Bf16>(&dev, &model, &bpe, &text, &origin, a.seq)?,
+                Precision::Fp32 => eval_on_gpu::<f32>(&dev, &model, &bpe, &text, &origin, a.seq)?,
+            }
         }
     };
     if a.json {
@@ -451,7 +469,7 @@ fn bench_gpu(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         "--recompute and --profile are the CPU's (not with --device cuda)"
     );
     for c in configs {
-        attnres::train::gpu::model::GpuModel::check_config(c)?;
+        attnres::train::gpu::model::check_config(c)?;
     }
     let dev = attnres::gpu::device::Device::open(0)?;
     let name = attnres::gpu::gpus()?.swap_remove(0).name;
@@ -461,6 +479,7 @@ fn bench_gpu(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         base.num_hidden_layers, base.hidden_size, base.num_attention_heads, a.batch, a.seq
     ));
     let plan = bench::gpu::Plan {
+        precision: a.precision.into(),
         batch: a.batch,
         seq: a.seq,
         warmup: a.warmup,

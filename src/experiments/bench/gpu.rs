@@ -5,10 +5,11 @@
 
 use super::{pseudo_tokens, step_flops};
 use crate::gpu::blas::Gemm;
-use crate::gpu::device::Device;
+use crate::gpu::device::{Act, Bf16, Device};
 use crate::gpu::gemm::gemm;
+use crate::gpu::Precision;
 use crate::model::{Config, Model};
-use crate::train::gpu::trainer::GpuTrainer;
+use crate::train::gpu::trainer;
 use crate::train::optim::{OptimConfig, Optimizer};
 use anyhow::Result;
 use serde::Serialize;
@@ -31,19 +32,21 @@ pub struct GpuModeResult {
 #[derive(Serialize)]
 pub struct GpuBenchReport {
     pub device: String,
+    pub precision: String,
     pub batch: usize,
     pub seq: usize,
-    /// cuBLASLt's fp32 rate on this GPU (best of five products of `peak_size`³), in TFLOP/s.
+    /// cuBLASLt's rate on this GPU at the activations' precision (best of five products of
+    /// `peak_size`³), in TFLOP/s.
     pub blas_tflops: f64,
     pub peak_size: usize,
     pub modes: Vec<GpuModeResult>,
 }
 
-/// cuBLASLt's best rate over five `size³` fp32 products, in TFLOP/s.
-pub fn blas_peak(dev: &Device, size: usize) -> Result<f64> {
-    let a = dev.upload(&vec![0.5f32; size * size])?;
-    let mut c = dev.zeros::<f32>(size * size)?;
-    let g = Gemm::packed(size, size, size, false, false);
+/// cuBLASLt's best rate over five `size³` products of `A` values, in TFLOP/s.
+pub fn blas_peak<A: Act>(dev: &Device, size: usize) -> Result<f64> {
+    let a = dev.upload(&vec![A::from_f32(0.5); size * size])?;
+    let mut c = dev.zeros::<A>(size * size)?;
+    let g = Gemm::packed(size, size, size, false, false).typed(A::TYPE, A::TYPE);
     let mut best = f64::MAX;
     for _ in 0..6 {
         dev.synchronize()?;
@@ -65,6 +68,7 @@ pub struct Plan {
     pub warmup: usize,
     pub steps: usize,
     pub peak_size: usize,
+    pub precision: Precision,
 }
 
 /// Times the steps of `plan` of a fresh model of each config on `dev` (named `name`), one mode
@@ -76,8 +80,11 @@ pub fn run(
     plan: Plan,
     mut progress: impl FnMut(&str),
 ) -> Result<GpuBenchReport> {
-    let Plan { batch, seq, warmup, steps, peak_size } = plan;
-    let blas_tflops = blas_peak(dev, peak_size)?;
+    let Plan { batch, seq, warmup, steps, peak_size, precision } = plan;
+    let blas_tflops = match precision {
+        Precision::Fp32 => blas_peak::<f32>(dev, peak_size)?,
+        Precision::Bf16 => blas_peak::<Bf16>(dev, peak_size)?,
+    };
     let mut modes: Vec<GpuModeResult> = Vec::new();
     for c in configs {
         let vocab = c.vocab_size;
@@ -85,7 +92,7 @@ pub fn run(
             [(pseudo_tokens(batch * seq, vocab, 1), pseudo_tokens(batch * seq, vocab, 2))];
         let model = Model::init(c.clone(), 0)?;
         let opt = Optimizer::new(OptimConfig::default(), &model.layout);
-        let mut trainer = GpuTrainer::new(dev.clone(), &model, &opt)?;
+        let mut trainer = trainer::start(dev.clone(), &model, &opt, precision)?;
         drop((model, opt));
         dev.reset_peak();
         let mut times = Vec::new();
@@ -118,15 +125,22 @@ pub fn run(
             vs_first: median / first,
         });
     }
-    Ok(GpuBenchReport { device: name.to_string(), batch, seq, blas_tflops, peak_size, modes })
+    let (device, precision) = (name.to_string(), precision.to_string());
+    Ok(GpuBenchReport { device, precision, batch, seq, blas_tflops, peak_size, modes })
 }
 
 impl GpuBenchReport {
     /// A Markdown table, one row per mode.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "{}, batch {} x {} tokens, fp32; cuBLASLt fp32 at {}^3: {:.1} TFLOP/s\n\n",
-            self.device, self.batch, self.seq, self.peak_size, self.blas_tflops
+            "{}, batch {} x {} tokens, {}; cuBLASLt {} at {}^3: {:.1} TFLOP/s\n\n",
+            self.device,
+            self.batch,
+            self.seq,
+            self.precision,
+            self.precision,
+            self.peak_size,
+            self.blas_tflops
         );
         out.push_str(
             "| mode | step ms | tokens/s | model TFLOP/s | of cuBLASLt | peak GB | / first |\n",
@@ -164,7 +178,14 @@ mod tests {
         };
         let c = report_config();
         let block = Config { residual: ResidualKind::Block, num_blocks: 1, ..c.clone() };
-        let plan = Plan { batch: 2, seq: 16, warmup: 1, steps: 2, peak_size: 64 };
+        let plan = Plan {
+            batch: 2,
+            seq: 16,
+            warmup: 1,
+            steps: 2,
+            peak_size: 64,
+            precision: Precision::Bf16,
+        };
         let report = run(&dev, "emulated", &[c, block], plan, |_| {}).unwrap();
         assert_eq!(report.modes.len(), 2);
         let m = &report.modes[0];

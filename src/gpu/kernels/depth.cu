@@ -1,5 +1,6 @@
-// The depth attention of Attention Residuals, fp32, as src/kernels/depth computes it on the
-// CPU: per token, a softmax over sources with a static query w = q * gamma and RMS-normalised
+// The depth attention of Attention Residuals, as src/kernels/depth computes it on the CPU
+// (sources, inputs and their gradients f32 or bf16, T; queries, weights, statistics and sums
+// f32): per token, a softmax over sources with a static query w = q * gamma and RMS-normalised
 // keys, over raw values:
 //   logit_i = r_i <w, v_i>,  alpha = softmax(logit),  h = sum_i alpha_i v_i.
 // The forward is the two-phase form (phase 1 scores a block's completed sources for all of its
@@ -11,23 +12,32 @@
 
 // out = a + b (b null: a alone; a null: out's own values), and the per-row 1/rms of the result
 // into rstd: a completed block or a running partial sum, with the statistic its keys need.
-extern "C" __global__ void depth_sum_rstd(float* out, float* rstd, const float* a, const float* b,
-                                          int d, float eps) {
+template <typename T>
+__device__ void depth_sum_rstd_t(T* out, float* rstd, const T* a, const T* b, int d, float eps) {
     size_t at = (size_t)blockIdx.x * d;
-    const float* x = (a ? a : out) + at;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) out[at + j] = b ? x[j] + b[at + j] : x[j];
+    const T* x = (a ? a : out) + at;
+    for (int j = threadIdx.x; j < d; j += blockDim.x)
+        out[at + j] = b ? from_f32<T>(to_f32(x[j]) + to_f32(b[at + j])) : x[j];
     // Each thread reads back the values it wrote.
     float r = row_rstd(out + at, d, eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+}
+extern "C" __global__ void depth_sum_rstd(float* out, float* rstd, const float* a, const float* b,
+                                          int d, float eps) {
+    depth_sum_rstd_t(out, rstd, a, b, d, eps);
+}
+extern "C" __global__ void depth_sum_rstd_bf16(bf16* out, float* rstd, const bf16* a,
+                                               const bf16* b, int d, float eps) {
+    depth_sum_rstd_t(out, rstd, a, b, d, eps);
 }
 
 // Phase 1 for consumers PHASE1_CONSUMERS * blockIdx.y onward (of `s`) of one block, over the
 // `c` completed sources (sources [c, rows, d], rstds [c, rows]; queries ws [s, d]): per
 // consumer and token the logits [s, rows, c], their maximum m1 and sum of exponentials l1
 // ([s, rows]), and the normalised mix o1 [s, rows, d]. Shared memory: PHASE1_CONSUMERS * c.
-extern "C" __global__ void depth_phase1(float* logits, float* m1, float* l1, float* o1,
-                                        const float* sources, const float* rstds, const float* ws,
-                                        int rows, int d, int c, int s) {
+template <typename T>
+__device__ void depth_phase1_t(float* logits, float* m1, float* l1, T* o1, const T* sources,
+                               const float* rstds, const float* ws, int rows, int d, int c, int s) {
     DYNAMIC_SHARED(float, weights);
     int t = blockIdx.x, j0 = blockIdx.y * PHASE1_CONSUMERS;
     int n = s - j0 < PHASE1_CONSUMERS ? s - j0 : PHASE1_CONSUMERS;
@@ -64,20 +74,30 @@ extern "C" __global__ void depth_phase1(float* logits, float* m1, float* l1, flo
         float acc[PHASE1_CONSUMERS];
         for (int g = 0; g < PHASE1_CONSUMERS; g++) acc[g] = 0.0f;
         for (int i = 0; i < c; i++) {
-            float x = sources[i * plane + at + j];
+            float x = to_f32(sources[i * plane + at + j]);
             for (int g = 0; g < n; g++) acc[g] += weights[g * c + i] * x;
         }
-        for (int g = 0; g < n; g++) o1[((size_t)(j0 + g) * rows + t) * d + j] = acc[g];
+        for (int g = 0; g < n; g++) o1[((size_t)(j0 + g) * rows + t) * d + j] = from_f32<T>(acc[g]);
     }
+}
+extern "C" __global__ void depth_phase1(float* logits, float* m1, float* l1, float* o1,
+                                        const float* sources, const float* rstds, const float* ws,
+                                        int rows, int d, int c, int s) {
+    depth_phase1_t(logits, m1, l1, o1, sources, rstds, ws, rows, d, c, s);
+}
+extern "C" __global__ void depth_phase1_bf16(float* logits, float* m1, float* l1, bf16* o1,
+                                             const bf16* sources, const float* rstds,
+                                             const float* ws, int rows, int d, int c, int s) {
+    depth_phase1_t(logits, m1, l1, o1, sources, rstds, ws, rows, d, c, s);
 }
 
 // Phase 2 of one consumer (its rows of phase 1: o1 [rows, d], logits1 [rows, c], m1, l1):
 // merges its partial sum p (1/rms pr; null: none) by online softmax into its input h. With
 // `alpha` (else null): the weights and logits over its k = c (+1) sources, completed first.
-extern "C" __global__ void depth_phase2(float* h, float* alpha, float* logits, const float* o1,
-                                        const float* logits1, const float* m1, const float* l1,
-                                        const float* p, const float* pr, const float* w, int d,
-                                        int c) {
+template <typename T>
+__device__ void depth_phase2_t(T* h, float* alpha, float* logits, const T* o1,
+                               const float* logits1, const float* m1, const float* l1, const T* p,
+                               const float* pr, const float* w, int d, int c) {
     int t = blockIdx.x, k = c + (p != 0);
     size_t at = (size_t)t * d;
     float m = m1[t], z = l1[t];
@@ -88,7 +108,8 @@ extern "C" __global__ void depth_phase2(float* h, float* alpha, float* logits, c
         z = s1 + sp;
         m = mm;
         float a1 = s1 / z, ap = sp / z;
-        for (int j = threadIdx.x; j < d; j += blockDim.x) h[at + j] = a1 * o1[at + j] + ap * p[at + j];
+        for (int j = threadIdx.x; j < d; j += blockDim.x)
+            h[at + j] = from_f32<T>(a1 * to_f32(o1[at + j]) + ap * to_f32(p[at + j]));
         if (alpha && threadIdx.x == 0) {
             alpha[(size_t)t * k + c] = ap;
             logits[(size_t)t * k + c] = lp;
@@ -103,18 +124,32 @@ extern "C" __global__ void depth_phase2(float* h, float* alpha, float* logits, c
         alpha[(size_t)t * k + i] = expf(l - m) / z;
     }
 }
+extern "C" __global__ void depth_phase2(float* h, float* alpha, float* logits, const float* o1,
+                                        const float* logits1, const float* m1, const float* l1,
+                                        const float* p, const float* pr, const float* w, int d,
+                                        int c) {
+    depth_phase2_t(h, alpha, logits, o1, logits1, m1, l1, p, pr, w, d, c);
+}
+extern "C" __global__ void depth_phase2_bf16(bf16* h, float* alpha, float* logits, const bf16* o1,
+                                             const float* logits1, const float* m1,
+                                             const float* l1, const bf16* p, const float* pr,
+                                             const float* w, int d, int c) {
+    depth_phase2_t(h, alpha, logits, o1, logits1, m1, l1, p, pr, w, d, c);
+}
 
 // One consumer's share of the gradient of one of its sources v (1/rms rstd), at column `col`
 // of its k weights; dh is the gradient of its input h and dhh = <dh, h> per token:
 //   dl = alpha (<dh, v> - dhh),  b = dl r,  acc += alpha dh + b w,  coef += dl logit,
 // and b into bs[t] for the query's gradient (sum over tokens of b v: a product, taken after).
 // `finish`: the consumer is the source's last, and acc becomes its gradient,
-// acc - (r^2 / d) coef v (the key norm's term). One block per token.
-extern "C" __global__ void depth_source_grad(float* acc, float* coef, float* bs, const float* dh,
-                                             const float* dhh, const float* alpha,
-                                             const float* logits, const float* w, const float* v,
-                                             const float* rstd, int k, int col, int d,
-                                             int finish) {
+// acc - (r^2 / d) coef v (the key norm's term). One block per token. The sums in acc are of
+// type A: f32 for a completed source, whose gradient sums many consumers (`_wide`), or the
+// values' own type for the partial sum's, which adds into a sublayer's output gradient.
+template <typename A, typename T>
+__device__ void depth_source_grad_t(A* acc, float* coef, T* bs, const T* dh, const float* dhh,
+                                    const float* alpha, const float* logits, const float* w,
+                                    const T* v, const float* rstd, int k, int col, int d,
+                                    int finish) {
     int t = blockIdx.x;
     size_t at = (size_t)t * d;
     // Read before row_dot's barriers, so before thread 0 writes it below.
@@ -123,12 +158,34 @@ extern "C" __global__ void depth_source_grad(float* acc, float* coef, float* bs,
     float dl = a * (row_dot(dh + at, v + at, d) - dhh[t]);
     float b = dl * r, cf = c0 + dl * logits[(size_t)t * k + col];
     float cv = finish ? cf * r * r / (float)d : 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x)
-        acc[at + j] += a * dh[at + j] + b * w[j] - cv * v[at + j];
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float x = to_f32(acc[at + j]) + a * to_f32(dh[at + j]) + b * w[j] - cv * to_f32(v[at + j]);
+        acc[at + j] = from_f32<A>(x);
+    }
     if (threadIdx.x == 0) {
         coef[t] = cf;
-        bs[t] = b;
+        bs[t] = from_f32<T>(b);
     }
+}
+extern "C" __global__ void depth_source_grad(float* acc, float* coef, float* bs, const float* dh,
+        const float* dhh, const float* alpha, const float* logits, const float* w, const float* v,
+        const float* rstd, int k, int col, int d, int finish) {
+    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
+}
+extern "C" __global__ void depth_source_grad_bf16(bf16* acc, float* coef, bf16* bs, const bf16* dh,
+        const float* dhh, const float* alpha, const float* logits, const float* w, const bf16* v,
+        const float* rstd, int k, int col, int d, int finish) {
+    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
+}
+extern "C" __global__ void depth_source_grad_wide(float* acc, float* coef, float* bs, const float* dh,
+        const float* dhh, const float* alpha, const float* logits, const float* w, const float* v,
+        const float* rstd, int k, int col, int d, int finish) {
+    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
+}
+extern "C" __global__ void depth_source_grad_wide_bf16(float* acc, float* coef, bf16* bs, const bf16* dh,
+        const float* dhh, const float* alpha, const float* logits, const float* w, const bf16* v,
+        const float* rstd, int k, int col, int d, int finish) {
+    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
 }
 
 // y = a * b, n values: a consumer's effective query q * gamma.

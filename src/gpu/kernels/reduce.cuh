@@ -1,5 +1,6 @@
-// Block-wide reductions, put before every kernel file when it is compiled (src/gpu/mod.rs).
-// The kernels that use them run with a power of two of threads per block, 32 to 1024.
+// What every kernel file shares, put before it when it is compiled (src/gpu/nvrtc.rs): the
+// bfloat16 type and block-wide reductions. The kernels that reduce run with a power of two of
+// threads per block, 32 to 1024.
 
 // NVRTC has no math.h: minus infinity by its bits.
 #define NEG_INF __int_as_float(0xff800000)
@@ -11,6 +12,24 @@
     extern __shared__ __align__(16) unsigned char dynamic_shared_raw[]; \
     type* name = reinterpret_cast<type*>(dynamic_shared_raw)
 #endif
+
+// bfloat16 as the kernels store it: the upper half of an f32's bits (the host's `Bf16`).
+// Kernels that take f32 or bf16 activations are templates instantiated twice, `NAME` and
+// `NAME_bf16`; they load values to f32 (exactly) with to_f32, compute in f32, and store with
+// from_f32<T>, which rounds to the nearest bf16, ties to even.
+struct bf16 {
+    unsigned short bits;
+};
+__device__ inline float to_f32(float x) { return x; }
+__device__ inline float to_f32(bf16 x) { return __uint_as_float((unsigned int)x.bits << 16); }
+template <typename T> __device__ inline T from_f32(float x);
+template <> __device__ inline float from_f32<float>(float x) { return x; }
+template <> __device__ inline bf16 from_f32<bf16>(float x) {
+    unsigned int u = __float_as_uint(x);
+    // A NaN stays a NaN (its quiet bit set, so that rounding cannot make it infinite).
+    if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{(unsigned short)((u >> 16) | 0x40u)};
+    return bf16{(unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
 
 // The sum of `v` over the block's threads, in every thread.
 __device__ float block_sum(float v) {
@@ -41,24 +60,25 @@ __device__ float block_max(float v) {
 // <a, b> over a row of `d` values, in every thread. The kernels that must agree on a dot
 // product to the bit take it here with the same threads per block: rmsnorm's <dx, x> and the
 // depth attention's <dh, v>, which must cancel exactly where a consumer reads one source.
-__device__ float row_dot(const float* a, const float* b, int d) {
+template <typename A, typename B> __device__ float row_dot(const A* a, const B* b, int d) {
     float s = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) s += a[j] * b[j];
+    for (int j = threadIdx.x; j < d; j += blockDim.x) s += to_f32(a[j]) * to_f32(b[j]);
     return block_sum(s);
 }
 
 // The reciprocal RMS of row `x` (`d` values). Where the squares overflow f32 although every
 // value is finite, the statistic is taken again in f64, as the CPU kernel does.
-__device__ float row_rstd(const float* x, int d, float eps) {
+template <typename T> __device__ float row_rstd(const T* x, int d, float eps) {
     float s = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) s += x[j] * x[j];
+    for (int j = threadIdx.x; j < d; j += blockDim.x) s += to_f32(x[j]) * to_f32(x[j]);
     float rstd = 1.0f / sqrtf(block_sum(s) / (float)d + eps);
     if (rstd != 0.0f) return rstd;
     double s64 = 0.0;
     int finite = 1;
     for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        s64 += (double)x[j] * (double)x[j];
-        finite &= isfinite(x[j]);
+        double v = to_f32(x[j]);
+        s64 += v * v;
+        finite &= isfinite(v);
     }
     // The f64 partials summed in shared memory.
     __shared__ double parts[1024];

@@ -1,14 +1,32 @@
-// The standard residual stream's sums, fp32: forward adds each sublayer's output to the
-// stream, backward adds each sublayer's input gradient to the stream's. One thread per value.
+// The standard residual stream's sums: forward adds each sublayer's output to the stream,
+// backward adds each sublayer's input gradient to the stream's. Values f32 or bf16 (T),
+// sums f32. One thread per value. Also the conversion of f32 values to bf16 (the weights'
+// bf16 copy, f32 sums handed on as bf16 activations).
 
 // y = a + b.
-extern "C" __global__ void add(float* y, const float* a, const float* b, long long n) {
+template <typename T> __device__ void add_t(T* y, const T* a, const T* b, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a[i] + b[i];
+    if (i < n) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+}
+extern "C" __global__ void add(float* y, const float* a, const float* b, long long n) {
+    add_t(y, a, b, n);
+}
+extern "C" __global__ void add_bf16(bf16* y, const bf16* a, const bf16* b, long long n) {
+    add_t(y, a, b, n);
 }
 
 // y += x.
-extern "C" __global__ void add_into(float* y, const float* x, long long n) {
+template <typename T> __device__ void add_into_t(T* y, const T* x, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] += x[i];
+    if (i < n) y[i] = from_f32<T>(to_f32(y[i]) + to_f32(x[i]));
+}
+extern "C" __global__ void add_into(float* y, const float* x, long long n) { add_into_t(y, x, n); }
+extern "C" __global__ void add_into_bf16(bf16* y, const bf16* x, long long n) {
+    add_into_t(y, x, n);
+}
+
+// y = bf16(x).
+extern "C" __global__ void to_bf16(bf16* y, const float* x, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = from_f32<bf16>(x[i]);
 }

@@ -8,7 +8,7 @@
 use super::residual::{ResidualBackward, ResidualForward};
 use crate::gpu::attention;
 use crate::gpu::cross_entropy;
-use crate::gpu::device::{Buf, Device, Ids, Slice, SliceMut};
+use crate::gpu::device::{Act, Buf, Device, Ids, Slice, SliceMut};
 use crate::gpu::elementwise::{embedding_backward, embedding_forward};
 use crate::gpu::elementwise::{swiglu_backward, swiglu_forward};
 use crate::gpu::gemm::{linear, linear_backward};
@@ -20,79 +20,95 @@ use crate::model::{Config, Model};
 use anyhow::{bail, ensure, Result};
 
 /// A model's parameters on the GPU, with what its forward pass needs beside them.
-pub struct GpuModel {
+pub struct GpuModel<A: Act = f32> {
     pub config: Config,
     pub layout: Layout,
     /// Every tensor, laid out as `Model::params`.
     pub params: Buf<f32>,
+    /// The weights the matrix products take, where they are not `params` themselves: their
+    /// bf16 copy ([`Act::refresh`]), made again after every update ([`Self::refresh_weights`]).
+    weights: Option<Buf<A>>,
     rope: RopeTables,
 }
 
 /// What the attention sublayer keeps for backward: its input, the norm's 1/rms and output,
 /// the rotated q/k with v, the attention's output and softmax statistics.
-struct AttnSaved {
-    h: Buf<f32>,
+struct AttnSaved<A: Act> {
+    h: Buf<A>,
     rstd: Buf<f32>,
-    xn: Buf<f32>,
-    qkv: Buf<f32>,
-    o: Buf<f32>,
+    xn: Buf<A>,
+    qkv: Buf<A>,
+    o: Buf<A>,
     stats: Buf<f32>,
 }
 
 /// What the MLP keeps: its input, the norm's 1/rms and output, gate/up and the activation.
-struct MlpSaved {
-    h: Buf<f32>,
+struct MlpSaved<A: Act> {
+    h: Buf<A>,
     rstd: Buf<f32>,
-    xn: Buf<f32>,
-    gu: Buf<f32>,
-    act: Buf<f32>,
+    xn: Buf<A>,
+    gu: Buf<A>,
+    act: Buf<A>,
 }
 
 /// A forward pass over `batch` sequences of `seq` tokens.
-pub struct GpuForward {
+pub struct GpuForward<A: Act = f32> {
     pub batch: usize,
     pub seq: usize,
     ids: Ids,
     /// Each row's position in its sequence, for the rotary embedding both ways.
     positions: Ids,
-    attn: Vec<AttnSaved>,
-    mlp: Vec<MlpSaved>,
-    residual: ResidualForward,
-    h_final: Buf<f32>,
+    attn: Vec<AttnSaved<A>>,
+    mlp: Vec<MlpSaved<A>>,
+    residual: ResidualForward<A>,
+    h_final: Buf<A>,
     rstd_final: Buf<f32>,
-    xn_final: Buf<f32>,
+    xn_final: Buf<A>,
     /// `[batch·seq, vocab]`.
-    pub logits: Buf<f32>,
+    pub logits: Buf<A>,
 }
 
-impl GpuModel {
-    /// An error for a model the GPU does not run yet.
-    pub fn check_config(c: &Config) -> Result<()> {
-        if c.block_size().is_some() && !c.depth_is_default() {
-            bail!(
-                "the depth attention's ablation options (attn_res_key_norm, attn_res_query, \
-                 attn_res_gate, attn_res_heads, attn_res_window) do not run on the GPU yet: \
-                 Full and Block AttnRes run there as the method defines them (docs/gpu.md)"
-            );
-        }
-        Ok(())
+/// An error for a model the GPU does not run yet.
+pub fn check_config(c: &Config) -> Result<()> {
+    if c.block_size().is_some() && !c.depth_is_default() {
+        bail!(
+            "the depth attention's ablation options (attn_res_key_norm, attn_res_query, \
+             attn_res_gate, attn_res_heads, attn_res_window) do not run on the GPU yet: Full \
+             and Block AttnRes run there as the method defines them (docs/gpu.md)"
+        );
     }
+    Ok(())
+}
 
+impl<A: Act> GpuModel<A> {
     /// `model`'s parameters on `dev`; an error for what the GPU does not run yet.
-    pub fn upload(dev: &Device, model: &Model) -> Result<GpuModel> {
+    pub fn upload(dev: &Device, model: &Model) -> Result<GpuModel<A>> {
         let c = &model.config;
         ensure!(
             !model.is_quantized(),
             "the model is quantised: the GPU trains and evaluates f32 models"
         );
-        GpuModel::check_config(c)?;
+        check_config(c)?;
         ensure!(model.layout.total == model.params.len(), "a pipeline stage's part of a model");
-        Ok(GpuModel {
+        let mut gm = GpuModel {
             config: c.clone(),
             layout: model.layout.clone(),
             params: dev.upload(&model.params)?,
+            weights: None,
             rope: RopeTables::upload(dev, &model.rope)?,
-        })
+        };
+        gm.refresh_weights(dev)?;
+        Ok(gm)
+    }
+
+    /// Makes the weights the matrix products take agree with `params` again, after an update.
+    pub fn refresh_weights(&mut self, dev: &Device) -> Result<()> {
+        A::refresh(dev, &mut self.weights, &self.params)
+    }
+
+    /// The weights the matrix products take.
+    fn weights(&self) -> &Buf<A> {
+        A::weights(&self.params, &self.weights)
     }
 
     /// The parameters back on the host, laid out as `Model::params`.
@@ -112,7 +128,7 @@ impl GpuModel {
         ids: &[u32],
         batch: usize,
         seq: usize,
-    ) -> Result<GpuForward> {
+    ) -> Result<GpuForward<A>> {
         let c = &self.config;
         ensure!(batch > 0 && seq > 0, "empty batch");
         ensure!(ids.len() == batch * seq, "batch has {} ids, expected {batch} x {seq}", ids.len());
@@ -121,7 +137,7 @@ impl GpuModel {
             "sequence length {seq} exceeds max_position_embeddings = {}",
             c.max_position_embeddings
         );
-        let (d, p, lay) = (c.hidden_size, &self.params, &self.layout);
+        let (d, p, w, lay) = (c.hidden_size, &self.params, self.weights(), &self.layout);
         let ids = Ids::upload(dev, ids, c.vocab_size)?;
         let positions: Vec<u32> = (0..(batch * seq) as u32).map(|r| r % seq as u32).collect();
         let positions = self.rope.positions(dev, &positions)?;
@@ -144,7 +160,7 @@ impl GpuModel {
         let (xn_final, rstd_final) =
             rmsnorm::forward(dev, &h_final, p.slice(lay.final_norm.clone()), d, eps)?;
         let logits =
-            linear(dev, &xn_final, p.slice(lay.head.clone()), batch * seq, d, c.vocab_size)?;
+            linear(dev, &xn_final, w.slice(lay.head.clone()), batch * seq, d, c.vocab_size)?;
         Ok(GpuForward {
             batch,
             seq,
@@ -165,20 +181,20 @@ impl GpuModel {
         &self,
         dev: &Device,
         lp: &LayerParams,
-        h: Buf<f32>,
+        h: Buf<A>,
         positions: &Ids,
         sh: AttnShape,
-    ) -> Result<(AttnSaved, Buf<f32>)> {
+    ) -> Result<(AttnSaved<A>, Buf<A>)> {
         let c = &self.config;
-        let (d, p, n) = (c.hidden_size, &self.params, positions.len());
+        let (d, p, w, n) = (c.hidden_size, &self.params, self.weights(), positions.len());
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
         let eps = c.rms_norm_eps as f32;
         let (xn, rstd) = rmsnorm::forward(dev, &h, p.slice(lp.input_norm.clone()), d, eps)?;
-        let mut qkv = linear(dev, &xn, p.slice(lp.qkv.clone()), n, d, qw)?;
+        let mut qkv = linear(dev, &xn, w.slice(lp.qkv.clone()), n, d, qw)?;
         let heads = sh.heads + sh.kv_heads;
         rope::apply(dev, &mut qkv, qw, 0, heads, positions, &self.rope, false)?;
         let (o, stats) = attention::forward(dev, &qkv, sh)?;
-        let out = linear(dev, &o, p.slice(lp.o_proj.clone()), n, ow, d)?;
+        let out = linear(dev, &o, w.slice(lp.o_proj.clone()), n, ow, d)?;
         Ok((AttnSaved { h, rstd, xn, qkv, o, stats }, out))
     }
 
@@ -187,21 +203,21 @@ impl GpuModel {
         &self,
         dev: &Device,
         lp: &LayerParams,
-        h: Buf<f32>,
-    ) -> Result<(MlpSaved, Buf<f32>)> {
+        h: Buf<A>,
+    ) -> Result<(MlpSaved<A>, Buf<A>)> {
         let c = &self.config;
-        let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
+        let (d, f, p, w) = (c.hidden_size, c.intermediate_size, &self.params, self.weights());
         let n = h.len() / d;
         let eps = c.rms_norm_eps as f32;
         let (xn, rstd) = rmsnorm::forward(dev, &h, p.slice(lp.post_norm.clone()), d, eps)?;
-        let gu = linear(dev, &xn, p.slice(lp.gate_up.clone()), n, d, 2 * f)?;
+        let gu = linear(dev, &xn, w.slice(lp.gate_up.clone()), n, d, 2 * f)?;
         let act = swiglu_forward(dev, &gu, f)?;
-        let out = linear(dev, &act, p.slice(lp.down.clone()), n, f, d)?;
+        let out = linear(dev, &act, w.slice(lp.down.clone()), n, f, d)?;
         Ok((MlpSaved { h, rstd, xn, gu, act }, out))
     }
 
     /// The mean loss of `fwd` against `targets`, without gradients.
-    pub fn loss(&self, dev: &Device, fwd: &GpuForward, targets: &[u32]) -> Result<f32> {
+    pub fn loss(&self, dev: &Device, fwd: &GpuForward<A>, targets: &[u32]) -> Result<f32> {
         let c = &self.config;
         let targets = self.targets(dev, fwd, targets)?;
         Ok(cross_entropy::loss(dev, &fwd.logits, &targets, c.vocab_size, false)?.0)
@@ -221,7 +237,7 @@ impl GpuModel {
         self.loss(dev, &fwd, targets)
     }
 
-    fn targets(&self, dev: &Device, fwd: &GpuForward, targets: &[u32]) -> Result<Ids> {
+    fn targets(&self, dev: &Device, fwd: &GpuForward<A>, targets: &[u32]) -> Result<Ids> {
         ensure!(
             targets.len() == fwd.ids.len(),
             "targets have {} ids, inputs have {}",
@@ -236,12 +252,13 @@ impl GpuModel {
     pub fn backward(
         &self,
         dev: &Device,
-        fwd: &GpuForward,
+        fwd: &GpuForward<A>,
         targets: &[u32],
         grads: &mut Buf<f32>,
     ) -> Result<f32> {
         let c = &self.config;
         let (d, v, p, lay) = (c.hidden_size, c.vocab_size, &self.params, &self.layout);
+        let weights = self.weights();
         assert_eq!(grads.len(), p.len());
         let n = fwd.batch * fwd.seq;
         let targets = self.targets(dev, fwd, targets)?;
@@ -249,7 +266,7 @@ impl GpuModel {
         let dlogits = dlogits.expect("asked for");
         let mut dxn = dev.zeros(n * d)?;
         let head = lay.head.clone();
-        let (dw, w) = (&mut grads.slice_mut(head.clone()), p.slice(head));
+        let (dw, w) = (&mut grads.slice_mut(head.clone()), weights.slice(head));
         linear_backward(dev, &mut dxn, dw, &dlogits, &fwd.xn_final, w, n, d, v, false)?;
         drop(dlogits);
         let norm = lay.final_norm.clone();
@@ -280,21 +297,22 @@ impl GpuModel {
         &self,
         dev: &Device,
         lp: &LayerParams,
-        s: &MlpSaved,
-        dout: &Buf<f32>,
+        s: &MlpSaved<A>,
+        dout: &Buf<A>,
         grads: &mut Buf<f32>,
         dot: bool,
-    ) -> Result<(Buf<f32>, Option<Buf<f32>>)> {
+    ) -> Result<(Buf<A>, Option<Buf<f32>>)> {
         let c = &self.config;
         let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
+        let weights = self.weights();
         let n = s.h.len() / d;
         let mut dact = dev.zeros(n * f)?;
-        let (dw, w) = (&mut grads.slice_mut(lp.down.clone()), p.slice(lp.down.clone()));
+        let (dw, w) = (&mut grads.slice_mut(lp.down.clone()), weights.slice(lp.down.clone()));
         linear_backward(dev, &mut dact, dw, dout, &s.act, w, n, f, d, false)?;
         let dgu = swiglu_backward(dev, &dact, &s.gu, f)?;
         drop(dact);
         let mut dxn = dev.zeros(n * d)?;
-        let (dw, w) = (&mut grads.slice_mut(lp.gate_up.clone()), p.slice(lp.gate_up.clone()));
+        let (dw, w) = (&mut grads.slice_mut(lp.gate_up.clone()), weights.slice(lp.gate_up.clone()));
         linear_backward(dev, &mut dxn, dw, &dgu, &s.xn, w, n, d, 2 * f, false)?;
         let norm = lp.post_norm.clone();
         let dg = &mut grads.slice_mut(norm.clone());
@@ -308,24 +326,25 @@ impl GpuModel {
         &self,
         dev: &Device,
         lp: &LayerParams,
-        s: &AttnSaved,
-        dout: &Buf<f32>,
+        s: &AttnSaved<A>,
+        dout: &Buf<A>,
         positions: &Ids,
         sh: AttnShape,
         grads: &mut Buf<f32>,
         dot: bool,
-    ) -> Result<(Buf<f32>, Option<Buf<f32>>)> {
+    ) -> Result<(Buf<A>, Option<Buf<f32>>)> {
         let (d, p, n) = (self.config.hidden_size, &self.params, positions.len());
+        let weights = self.weights();
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
         let mut do_ = dev.zeros(n * ow)?;
-        let (dw, w) = (&mut grads.slice_mut(lp.o_proj.clone()), p.slice(lp.o_proj.clone()));
+        let (dw, w) = (&mut grads.slice_mut(lp.o_proj.clone()), weights.slice(lp.o_proj.clone()));
         linear_backward(dev, &mut do_, dw, dout, &s.o, w, n, ow, d, false)?;
         let mut dqkv = attention::backward(dev, &do_, &s.qkv, &s.o, &s.stats, sh)?;
         drop(do_);
         let heads = sh.heads + sh.kv_heads;
         rope::apply(dev, &mut dqkv, qw, 0, heads, positions, &self.rope, true)?;
         let mut dxn = dev.zeros(n * d)?;
-        let (dw, w) = (&mut grads.slice_mut(lp.qkv.clone()), p.slice(lp.qkv.clone()));
+        let (dw, w) = (&mut grads.slice_mut(lp.qkv.clone()), weights.slice(lp.qkv.clone()));
         linear_backward(dev, &mut dxn, dw, &dqkv, &s.xn, w, n, d, qw, false)?;
         let norm = lp.input_norm.clone();
         let dg = &mut grads.slice_mut(norm.clone());
@@ -336,16 +355,16 @@ impl GpuModel {
 /// An RMSNorm's backward into its input `h` (gain gradient into `dg`), with `dot` also each
 /// row's `⟨dh, h⟩`, which the depth attention's backward takes.
 #[allow(clippy::too_many_arguments)]
-fn norm_backward(
+fn norm_backward<A: Act>(
     dev: &Device,
     dg: &mut SliceMut<f32>,
-    dxn: &Buf<f32>,
-    h: &Buf<f32>,
+    dxn: &Buf<A>,
+    h: &Buf<A>,
     g: Slice<f32>,
     rstd: &Buf<f32>,
     d: usize,
     dot: bool,
-) -> Result<(Buf<f32>, Option<Buf<f32>>)> {
+) -> Result<(Buf<A>, Option<Buf<f32>>)> {
     let mut dhh = if dot { Some(dev.zeros(rstd.len())?) } else { None };
     let dh = rmsnorm::backward(dev, dg, dxn, h, g, rstd, d, dhh.as_mut())?;
     Ok((dh, dhh))
@@ -434,7 +453,7 @@ mod tests {
         };
         let mut c = small(true, ResidualKind::Block, 2, 2).config;
         c.attn_res_heads = 2;
-        let err = GpuModel::upload(&dev, &Model::init(c, 1).unwrap()).err().unwrap();
+        let err = GpuModel::<f32>::upload(&dev, &Model::init(c, 1).unwrap()).err().unwrap();
         assert!(err.to_string().contains("ablation options"), "{err}");
     }
 }

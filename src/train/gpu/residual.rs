@@ -11,7 +11,7 @@
 //! gradient from all of its consumers together, when the backward pass reaches it.
 
 use crate::gpu::depth::{self, ConsumerGrad, Phase1, Source};
-use crate::gpu::device::{Buf, Device};
+use crate::gpu::device::{Act, Buf, Device};
 use crate::gpu::elementwise::{add, add_into};
 use crate::model::params::Layout;
 use crate::model::Config;
@@ -20,27 +20,27 @@ use anyhow::Result;
 /// The residual state of a forward pass.
 // One per pass: the size of the larger variant does not matter.
 #[allow(clippy::large_enum_variant)]
-pub enum ResidualForward {
+pub enum ResidualForward<A: Act> {
     /// The residual stream `h_l`, lent to each sublayer as its input while it runs.
     Standard {
-        stream: Option<Buf<f32>>,
+        stream: Option<Buf<A>>,
     },
-    Depth(DepthForward),
+    Depth(DepthForward<A>),
 }
 
 /// What one consumer of the depth attention saved for backward.
-struct ConsumerSaved {
+struct ConsumerSaved<A: Act> {
     /// `[rows, K]` each: weights and logits over the sources read (completed first).
     alpha: Buf<f32>,
     logits: Buf<f32>,
     n_sources: usize,
     /// The partial sum it read, values and per-token 1/rms.
-    partial: Option<(Buf<f32>, Buf<f32>)>,
+    partial: Option<(Buf<A>, Buf<f32>)>,
 }
 
 /// The sources of Full or Block AttnRes as the forward pass makes them, and what each consumer
 /// saved.
-pub struct DepthForward {
+pub struct DepthForward<A: Act> {
     block_size: usize,
     sublayers: usize,
     rows: usize,
@@ -49,24 +49,24 @@ pub struct DepthForward {
     /// Effective query `q ⊙ γ` of every consumer (sublayers, then the output), `[L + 1, d]`.
     queries: Buf<f32>,
     /// The completed sources `b_0 ..` (`[capacity, rows, d]`) and their 1/rms.
-    values: Buf<f32>,
+    values: Buf<A>,
     rstd: Buf<f32>,
     completed: usize,
     /// The running sum of the current block's outputs, and its 1/rms.
-    partial: Option<(Buf<f32>, Buf<f32>)>,
+    partial: Option<(Buf<A>, Buf<f32>)>,
     /// Phase 1 of the current block.
-    phase1: Option<Phase1>,
-    saved: Vec<ConsumerSaved>,
+    phase1: Option<Phase1<A>>,
+    saved: Vec<ConsumerSaved<A>>,
 }
 
-impl ResidualForward {
+impl<A: Act> ResidualForward<A> {
     /// Starts from the embedding output `e` (`[rows, d]`).
     pub fn new(
         dev: &Device,
         c: &Config,
         layout: &Layout,
         params: &Buf<f32>,
-        e: Buf<f32>,
+        e: Buf<A>,
     ) -> Result<Self> {
         let Some(s) = c.block_size() else {
             return Ok(ResidualForward::Standard { stream: Some(e) });
@@ -101,7 +101,7 @@ impl ResidualForward {
     }
 
     /// The input `h_l` of sublayer `l` (sublayers in order).
-    pub fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<f32>> {
+    pub fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<A>> {
         match self {
             ResidualForward::Standard { stream } => Ok(stream.take().expect("one input at a time")),
             ResidualForward::Depth(f) => f.input(dev, l),
@@ -109,13 +109,7 @@ impl ResidualForward {
     }
 
     /// Records the raw output of sublayer `l`, whose input was `h`.
-    pub fn push_output(
-        &mut self,
-        dev: &Device,
-        l: usize,
-        h: &Buf<f32>,
-        out: Buf<f32>,
-    ) -> Result<()> {
+    pub fn push_output(&mut self, dev: &Device, l: usize, h: &Buf<A>, out: Buf<A>) -> Result<()> {
         match self {
             ResidualForward::Standard { stream } => *stream = Some(add(dev, h, &out)?),
             ResidualForward::Depth(f) => f.push_output(dev, l, out)?,
@@ -124,7 +118,7 @@ impl ResidualForward {
     }
 
     /// The vector fed to the final norm: the stream, or the output aggregation.
-    pub fn output(&mut self, dev: &Device) -> Result<Buf<f32>> {
+    pub fn output(&mut self, dev: &Device) -> Result<Buf<A>> {
         match self {
             ResidualForward::Standard { stream } => Ok(stream.take().expect("the stream")),
             ResidualForward::Depth(f) => f.output(dev),
@@ -137,9 +131,9 @@ impl ResidualForward {
     }
 }
 
-impl DepthForward {
+impl<A: Act> DepthForward<A> {
     /// Source `n` (`[rows, d]`) and its 1/rms.
-    fn source(&self, n: usize) -> Source<'_> {
+    fn source(&self, n: usize) -> Source<'_, A> {
         let (rows, d) = (self.rows, self.d);
         Source {
             v: self.values.slice(n * rows * d..(n + 1) * rows * d),
@@ -148,7 +142,7 @@ impl DepthForward {
     }
 
     /// Appends the completed source `a + b` (or `a`).
-    fn complete(&mut self, dev: &Device, a: &Buf<f32>, b: Option<&Buf<f32>>) -> Result<()> {
+    fn complete(&mut self, dev: &Device, a: &Buf<A>, b: Option<&Buf<A>>) -> Result<()> {
         let (n, rows, d) = (self.completed, self.rows, self.d);
         let out = &mut self.values.slice_mut(n * rows * d..(n + 1) * rows * d);
         let rstd = &mut self.rstd.slice_mut(n * rows..(n + 1) * rows);
@@ -158,7 +152,7 @@ impl DepthForward {
     }
 
     /// The input of consumer `l` (a sublayer, or the output at `L`), its weights saved.
-    fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<f32>> {
+    fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<A>> {
         let (s, rows, d) = (self.block_size, self.rows, self.d);
         debug_assert_eq!(self.saved.len(), l, "consumers in order");
         let is_output = l == self.sublayers;
@@ -185,7 +179,7 @@ impl DepthForward {
     /// Adds the raw output of sublayer `l` to the partial sum, or, at the end of its block, to
     /// the block sum that becomes the next completed source. The partial sum it read goes to
     /// its saved state.
-    fn push_output(&mut self, dev: &Device, l: usize, mut out: Buf<f32>) -> Result<()> {
+    fn push_output(&mut self, dev: &Device, l: usize, mut out: Buf<A>) -> Result<()> {
         let last = (l + 1).is_multiple_of(self.block_size) || l + 1 == self.sublayers;
         let read = self.partial.take();
         if last {
@@ -210,51 +204,51 @@ impl DepthForward {
     }
 
     /// The output aggregation over every completed source.
-    fn output(&mut self, dev: &Device) -> Result<Buf<f32>> {
+    fn output(&mut self, dev: &Device) -> Result<Buf<A>> {
         self.input(dev, self.sublayers)
     }
 }
 
 /// Gradients flowing back through the residual connection.
 #[allow(clippy::large_enum_variant)]
-pub enum ResidualBackward {
+pub enum ResidualBackward<A: Act> {
     /// The gradient of the stream.
     Standard {
-        acc: Buf<f32>,
+        acc: Buf<A>,
     },
-    Depth(DepthBackward),
+    Depth(DepthBackward<A>),
 }
 
 /// A consumer backpropagated, whose gradients into completed sources are still owed.
-struct Owed {
+struct Owed<A: Act> {
     l: usize,
-    dh: Buf<f32>,
+    dh: Buf<A>,
     dh_dot_h: Buf<f32>,
 }
 
 /// The depth attention's backward.
-pub struct DepthBackward {
+pub struct DepthBackward<A: Act> {
     /// The gradient of the output of the sublayer being processed: its block's gradient plus
     /// those of the partial sums it fed.
-    acc: Option<Buf<f32>>,
+    acc: Option<Buf<A>>,
     /// Every consumer backpropagated so far, last first.
-    owed: Vec<Owed>,
+    owed: Vec<Owed<A>>,
     /// The effective queries' gradients (`[L + 1, d]`).
     dws: Buf<f32>,
     /// Per consumer and token, the coefficients of its query gradient from the source at hand
     /// (`[L + 1, rows]`).
-    b: Buf<f32>,
+    b: Buf<A>,
     /// Per token, the key-norm coefficient of the source at hand.
     coef: Buf<f32>,
 }
 
-impl ResidualBackward {
+impl<A: Act> ResidualBackward<A> {
     /// Starts from `dh`, the gradient of the final norm's input, with `dh_dot_h` per token
     /// (`⟨dh, h⟩`, for the depth attention): backpropagates the output aggregation.
     pub fn new(
         dev: &Device,
-        fwd: &ResidualForward,
-        dh: Buf<f32>,
+        fwd: &ResidualForward<A>,
+        dh: Buf<A>,
         dh_dot_h: Option<Buf<f32>>,
     ) -> Result<Self> {
         let ResidualForward::Depth(f) = fwd else {
@@ -277,8 +271,8 @@ impl ResidualBackward {
         &mut self,
         dev: &Device,
         l: usize,
-        fwd: &ResidualForward,
-    ) -> Result<&Buf<f32>> {
+        fwd: &ResidualForward<A>,
+    ) -> Result<&Buf<A>> {
         match (self, fwd) {
             (ResidualBackward::Standard { acc }, _) => Ok(acc),
             (ResidualBackward::Depth(b), ResidualForward::Depth(f)) => {
@@ -298,9 +292,9 @@ impl ResidualBackward {
         &mut self,
         dev: &Device,
         l: usize,
-        dh: Buf<f32>,
+        dh: Buf<A>,
         dh_dot_h: Option<Buf<f32>>,
-        fwd: &ResidualForward,
+        fwd: &ResidualForward<A>,
     ) -> Result<()> {
         match (self, fwd) {
             (ResidualBackward::Standard { acc }, _) => add_into(dev, acc, &dh),
@@ -316,11 +310,11 @@ impl ResidualBackward {
     pub fn embedding_grad(
         self,
         dev: &Device,
-        fwd: &ResidualForward,
+        fwd: &ResidualForward<A>,
         params: &Buf<f32>,
         grads: &mut Buf<f32>,
         layout: &Layout,
-    ) -> Result<Buf<f32>> {
+    ) -> Result<Buf<A>> {
         match (self, fwd) {
             (ResidualBackward::Standard { acc }, _) => Ok(acc),
             (ResidualBackward::Depth(mut b), ResidualForward::Depth(f)) => {
@@ -342,7 +336,7 @@ impl ResidualBackward {
 }
 
 /// Owed consumer `o`'s share of the backward, as the per-source kernels read it.
-fn consumer_grad<'a>(f: &'a DepthForward, o: &'a Owed) -> ConsumerGrad<'a> {
+fn consumer_grad<'a, A: Act>(f: &'a DepthForward<A>, o: &'a Owed<A>) -> ConsumerGrad<'a, A> {
     let saved = &f.saved[o.l];
     ConsumerGrad {
         dh: &o.dh,
@@ -354,15 +348,15 @@ fn consumer_grad<'a>(f: &'a DepthForward, o: &'a Owed) -> ConsumerGrad<'a> {
     }
 }
 
-impl DepthBackward {
+impl<A: Act> DepthBackward<A> {
     /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
     /// block's earlier outputs) and owes the rest.
     fn owe(
         &mut self,
         dev: &Device,
-        f: &DepthForward,
+        f: &DepthForward<A>,
         l: usize,
-        dh: Buf<f32>,
+        dh: Buf<A>,
         dh_dot_h: Buf<f32>,
     ) -> Result<()> {
         let (rows, d) = (f.rows, f.d);
@@ -389,7 +383,7 @@ impl DepthBackward {
     /// The gradient of completed source `n` from every consumer owed so far, which are exactly
     /// its readers (consumers `n·S ..= L`, or the output alone after a shorter last block), and
     /// their query gradients from it.
-    fn source_grad(&mut self, dev: &Device, f: &DepthForward, n: usize) -> Result<Buf<f32>> {
+    fn source_grad(&mut self, dev: &Device, f: &DepthForward<A>, n: usize) -> Result<Buf<A>> {
         let (rows, d) = (f.rows, f.d);
         let first = self.owed.last().expect("the output aggregation is owed first").l;
         debug_assert_eq!(first, (n * f.block_size).min(f.sublayers), "the readers of source {n}");
@@ -400,22 +394,12 @@ impl DepthBackward {
         for (i, o) in self.owed.iter().enumerate() {
             let g = consumer_grad(f, o);
             let b = &mut self.b.slice_mut(o.l * rows..(o.l + 1) * rows);
-            depth::source_grad(
-                dev,
-                &mut acc.all_mut(),
-                &mut self.coef,
-                b,
-                &g,
-                n,
-                src,
-                d,
-                i == last,
-            )?;
+            depth::source_grad_wide(dev, &mut acc, &mut self.coef, b, &g, n, src, d, i == last)?;
         }
         let consumers = first..f.sublayers + 1;
         let b = self.b.slice(consumers.start * rows..consumers.end * rows);
         let dws = &mut self.dws.slice_mut(consumers.start * d..consumers.end * d);
         depth::query_grads(dev, dws, b, src.v, rows, d)?;
-        Ok(acc)
+        A::narrow(dev, acc)
     }
 }

@@ -4,12 +4,14 @@
 //! so that checkpoints are the CPU's, in the same format, and resume on either.
 //!
 //! One step is `crate::train::step::optimizer_step` on the device: forward and backward over
-//! each micro-batch, the mean gradient, clipping by the global norm, the AdamW update.
+//! each micro-batch, the mean gradient, clipping by the global norm, the optimiser's update,
+//! then the weights' bf16 copy made again (mixed precision).
 
 use super::model::GpuModel;
 use super::optim::GpuOptimizer;
-use crate::gpu::device::{Buf, Device};
+use crate::gpu::device::{Act, Bf16, Buf, Device};
 use crate::gpu::optim::{scale, tensor_squares};
+use crate::gpu::Precision;
 use crate::model::params::Layout;
 use crate::model::Model;
 use crate::train::config::TrainConfig;
@@ -17,25 +19,73 @@ use crate::train::optim::{global_norm, Optimizer};
 use crate::train::step::{check_loss, non_finite_advice, StepOutcome};
 use anyhow::{bail, Result};
 
-pub struct GpuTrainer {
+pub struct GpuTrainer<A: Act = f32> {
     pub dev: Device,
-    pub model: GpuModel,
+    pub model: GpuModel<A>,
     opt: GpuOptimizer,
     grads: Buf<f32>,
 }
 
-impl GpuTrainer {
-    /// An error for training settings the GPU does not run yet.
-    pub fn check_settings(t: &TrainConfig) -> Result<()> {
-        anyhow::ensure!(
-            !t.recompute,
-            "recompute = true does not run on the GPU yet: set recompute=false"
-        );
-        Ok(())
-    }
+/// Training steps on the GPU whatever the activations' type: what the training loop and the
+/// benchmark hold ([`start`]).
+pub trait DeviceSteps {
+    /// One optimiser step ([`GpuTrainer::step`]).
+    fn step(
+        &mut self,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+        lr: f64,
+        step: usize,
+    ) -> Result<StepOutcome>;
+    /// The device's weights and optimiser state back on the host ([`GpuTrainer::sync`]).
+    fn sync(&self, model: &mut Model, opt: Option<&mut Optimizer>) -> Result<()>;
+    /// A validation loss ([`GpuTrainer::loss`]).
+    fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32>;
+}
 
+/// `model` and `opt` on `dev`, trained at `precision`.
+pub fn start(
+    dev: Device,
+    model: &Model,
+    opt: &Optimizer,
+    precision: Precision,
+) -> Result<Box<dyn DeviceSteps>> {
+    Ok(match precision {
+        Precision::Fp32 => Box::new(GpuTrainer::<f32>::new(dev, model, opt)?),
+        Precision::Bf16 => Box::new(GpuTrainer::<Bf16>::new(dev, model, opt)?),
+    })
+}
+
+impl<A: Act> DeviceSteps for GpuTrainer<A> {
+    fn step(
+        &mut self,
+        micro_batches: &[(Vec<u32>, Vec<u32>)],
+        rows: usize,
+        lr: f64,
+        step: usize,
+    ) -> Result<StepOutcome> {
+        GpuTrainer::step(self, micro_batches, rows, lr, step)
+    }
+    fn sync(&self, model: &mut Model, opt: Option<&mut Optimizer>) -> Result<()> {
+        GpuTrainer::sync(self, model, opt)
+    }
+    fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32> {
+        GpuTrainer::loss(self, ids, targets, rows, seq)
+    }
+}
+
+/// An error for training settings the GPU does not run yet.
+pub fn check_settings(t: &TrainConfig) -> Result<()> {
+    anyhow::ensure!(
+        !t.recompute,
+        "recompute = true does not run on the GPU yet: set recompute=false"
+    );
+    Ok(())
+}
+
+impl<A: Act> GpuTrainer<A> {
     /// `model` and `opt` on `dev`.
-    pub fn new(dev: Device, model: &Model, opt: &Optimizer) -> Result<GpuTrainer> {
+    pub fn new(dev: Device, model: &Model, opt: &Optimizer) -> Result<GpuTrainer<A>> {
         let gm = GpuModel::upload(&dev, model)?;
         let gopt = GpuOptimizer::upload(&dev, opt)?;
         let grads = dev.zeros(model.params.len())?;
@@ -79,12 +129,14 @@ impl GpuTrainer {
             );
         }
         self.opt.clip(dev, &mut self.grads, grad_norm)?;
+        let sublayer_grad_norms = sublayer_norms(layout, &squares);
         self.opt.update(dev, &mut self.model.params, &self.grads, lr)?;
+        self.model.refresh_weights(dev)?;
         Ok(StepOutcome {
             lr,
             train_loss: loss_sum / accum as f64,
             grad_norm,
-            sublayer_grad_norms: sublayer_norms(layout, &squares),
+            sublayer_grad_norms,
             pipeline_bytes: None,
         })
     }
@@ -127,6 +179,7 @@ fn sublayer_norms(layout: &Layout, squares: &[f64]) -> Vec<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::Precision;
     use crate::model::{Config, ResidualKind};
     use crate::train::optim::{OptimConfig, OptimizerKind};
     use crate::train::run::setup::Settings;
@@ -170,7 +223,7 @@ mod tests {
         };
         let mut cpu_opt = Optimizer::new(oc, &cpu.layout);
         let dev = dev.clone();
-        let mut gpu = GpuTrainer::new(dev, &cpu, &cpu_opt).unwrap();
+        let mut gpu = GpuTrainer::<f32>::new(dev, &cpu, &cpu_opt).unwrap();
         let (rows, seq) = (2, 20);
         let batch = |step: usize, k: usize| -> (Vec<u32>, Vec<u32>) {
             let at = |i: usize| ((i * 7 + step * 13 + k * 5) % 61) as u32;
@@ -273,7 +326,10 @@ mod tests {
         ];
         for residual in ["residual=standard", "residual=block"] {
             let sets: Vec<&str> = sets.iter().copied().chain([residual, "num_blocks=2"]).collect();
-            a_run_agrees_with_the_cpu_and_moves_between_them(Hardware::Emulated, &sets);
+            a_run_agrees_with_the_cpu_and_moves_between_them(
+                Hardware::Emulated(Precision::Fp32),
+                &sets,
+            );
         }
     }
 
@@ -282,7 +338,10 @@ mod tests {
     #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
     fn a_tiny_run_on_the_gpu_agrees_with_the_cpu() {
         for residual in ["residual=standard", "residual=block", "residual=full"] {
-            a_run_agrees_with_the_cpu_and_moves_between_them(Hardware::Cuda, &[residual]);
+            a_run_agrees_with_the_cpu_and_moves_between_them(
+                Hardware::Cuda(Precision::Fp32),
+                &[residual],
+            );
         }
     }
 }

@@ -17,10 +17,10 @@ use super::validation::{unigram_bits_per_byte, validate, validate_by};
 use crate::base::fs::write_atomic;
 use crate::base::progress::SharedBar;
 use crate::base::version::CodeVersion;
+use crate::gpu::Precision;
 use crate::model::Model;
 use crate::text::tokenizer::Bpe;
-use crate::train::gpu::model::GpuModel;
-use crate::train::gpu::trainer::GpuTrainer;
+use crate::train::gpu::trainer::{self as gpu_trainer, DeviceSteps};
 use crate::train::parallel::{self, Group};
 use anyhow::{Context, Result};
 use progress::Progress;
@@ -56,12 +56,13 @@ pub struct TrainOptions {
 pub enum Hardware {
     #[default]
     Cpu,
-    /// The first NVIDIA GPU (docs/gpu.md): the model, its gradients and the optimiser's state
-    /// live there; validation runs there; checkpoints are the CPU's.
-    Cuda,
+    /// The first NVIDIA GPU (docs/gpu.md), with activations of this precision: the model, its
+    /// gradients and the optimiser's state live there; validation runs there; checkpoints are
+    /// the CPU's.
+    Cuda(Precision),
     /// The GPU's code with its kernels run on the CPU (tests only: `crate::gpu::device::Device::emulated`).
     #[cfg(test)]
-    Emulated,
+    Emulated(Precision),
 }
 
 /// The longest a run trains without writing a checkpoint, in seconds (besides the step under
@@ -87,28 +88,29 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
     let dev = match opts.device {
         Hardware::Cpu => None,
         #[cfg(test)]
-        Hardware::Emulated => {
-            Some(crate::gpu::device::Device::emulated("train").context("no emulated GPU here")?)
-        }
-        Hardware::Cuda => {
+        Hardware::Emulated(p) => Some((
+            crate::gpu::device::Device::emulated("train").context("no emulated GPU here")?,
+            p,
+        )),
+        Hardware::Cuda(p) => {
             anyhow::ensure!(
                 group.is_none(),
                 "--device cuda trains on one GPU in one process, not under mpirun"
             );
             if let Some(r) = &run {
-                GpuModel::check_config(&r.model)?;
-                GpuTrainer::check_settings(&r.train)?;
+                crate::train::gpu::model::check_config(&r.model)?;
+                gpu_trainer::check_settings(&r.train)?;
             }
-            Some(crate::gpu::device::Device::open(0)?)
+            Some((crate::gpu::device::Device::open(0)?, p))
         }
     };
     let mut trainer = match group {
         None => Trainer::start(run, opts, 1, true)?,
         Some(g) => Trainer::start_group(run, opts, g)?,
     };
-    if let Some(dev) = dev {
-        GpuTrainer::check_settings(&trainer.run.train)?;
-        trainer.gpu = Some(GpuTrainer::new(dev, &trainer.model, &trainer.opt)?);
+    if let Some((dev, precision)) = dev {
+        gpu_trainer::check_settings(&trainer.run.train)?;
+        trainer.gpu = Some(gpu_trainer::start(dev, &trainer.model, &trainer.opt, precision)?);
     }
     if trainer.at.step == 0 {
         // A run is resumable from its first moment: a kill before the first regular checkpoint
@@ -234,7 +236,7 @@ struct Trainer<'g> {
     throughput: Throughput,
     last_val: f64,
     /// Where the steps run when they run on a GPU.
-    gpu: Option<GpuTrainer>,
+    gpu: Option<Box<dyn DeviceSteps>>,
 }
 
 /// What every rank sets up for itself: the rest of a [`Trainer`] starts the same on every
