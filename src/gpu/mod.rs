@@ -12,6 +12,8 @@
 //! that names it.
 
 pub mod attention;
+#[cfg(test)]
+mod bf16_tests;
 pub mod blas;
 pub mod cross_entropy;
 pub mod depth;

@@ -373,6 +373,7 @@ fn norm_backward<A: Act>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::device::Bf16;
     use crate::model::ResidualKind;
     use crate::testutil::{assert_close_to_largest, rand_vec};
 
@@ -396,11 +397,12 @@ mod tests {
         Model::init(c, 5).unwrap()
     }
 
-    /// The loss and every tensor's gradient of one batch, against the CPU engine: the standard
-    /// residual tied and untied; Block AttnRes with blocks of 2 sublayers and with blocks of 4
-    /// over 6 sublayers (the last one shorter: `attn_res_block_size`); Full AttnRes. The depth
-    /// queries start at zero, so they are set to random values, as training makes them.
-    fn a_training_pass_matches_the_cpu_engine(dev: &Device) {
+    /// The models the training-pass tests run: the standard residual tied and untied; Block
+    /// AttnRes with blocks of 2 sublayers and with blocks of 4 over 6 sublayers (the last one
+    /// shorter: `attn_res_block_size`); Full AttnRes. The depth queries start at zero, so they
+    /// and the key-norm gains are set to random values, as training makes them (queries of
+    /// 0.2 per value: logits of order one).
+    fn models() -> Vec<(&'static str, Model)> {
         let mut models = vec![
             ("standard, tied", small(true, ResidualKind::Standard, 2, 1)),
             ("standard, untied", small(false, ResidualKind::Standard, 2, 1)),
@@ -410,41 +412,89 @@ mod tests {
         let mut shorter = small(false, ResidualKind::Block, 3, 2);
         shorter.config.attn_res_block_size = Some(2);
         models.push(("blocks of 4 over 6", Model::init(shorter.config, 5).unwrap()));
-        for (name, mut model) in models {
+        for (_, model) in &mut models {
             let depth = (0..=model.config.sublayers()).filter_map(|l| model.layout.depth_params(l));
             for p in depth.cloned().collect::<Vec<_>>() {
-                let q = rand_vec(p.query.len(), p.query.start as u64, 1.0);
+                let q = rand_vec(p.query.len(), p.query.start as u64, 0.2);
                 model.params[p.query].copy_from_slice(&q);
                 let g = p.gain.expect("key-norm gains");
                 let noise = rand_vec(g.len(), g.start as u64, 0.3);
                 model.params[g].iter_mut().zip(noise).for_each(|(x, n)| *x += n);
             }
-            let (batch, seq) = (2, 70);
-            let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 31 % 97) as u32).collect();
-            let targets: Vec<u32> = (0..batch * seq).map(|i| ((i * 17 + 5) % 97) as u32).collect();
-            let fwd = model.forward(&ids, batch, seq).unwrap();
-            let (want_loss, want) = model.backward(&fwd, &targets).unwrap();
+        }
+        models
+    }
 
-            let gm = GpuModel::upload(dev, &model).unwrap();
-            let gf = gm.forward(dev, &ids, batch, seq).unwrap();
-            let logits = dev.download(&gf.logits).unwrap();
-            assert_close_to_largest(&logits, &fwd.logits, 1e-5, &format!("{name}: logits"));
-            let mut grads = dev.zeros(model.params.len()).unwrap();
-            let loss = gm.backward(dev, &gf, &targets, &mut grads).unwrap();
-            assert!(
-                (loss - want_loss).abs() <= 1e-5 * want_loss,
-                "{name}: loss {loss} vs {want_loss}"
-            );
-            assert_eq!(gm.loss(dev, &gf, &targets).unwrap(), loss);
-            let got = dev.download(&grads).unwrap();
+    /// A batch of `model`: the CPU's logits, loss and gradients, and the GPU's at type `A`.
+    struct Pass {
+        want_logits: Vec<f32>,
+        want_loss: f32,
+        want: Vec<f32>,
+        logits: Vec<f32>,
+        loss: f32,
+        grads: Vec<f32>,
+    }
+
+    fn pass<A: Act>(dev: &Device, model: &Model) -> Pass {
+        let (batch, seq) = (2, 70);
+        let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 31 % 97) as u32).collect();
+        let targets: Vec<u32> = (0..batch * seq).map(|i| ((i * 17 + 5) % 97) as u32).collect();
+        let fwd = model.forward(&ids, batch, seq).unwrap();
+        let (want_loss, want) = model.backward(&fwd, &targets).unwrap();
+        let gm = GpuModel::<A>::upload(dev, model).unwrap();
+        let gf = gm.forward(dev, &ids, batch, seq).unwrap();
+        let logits: Vec<f32> =
+            dev.download(&gf.logits).unwrap().iter().map(|x| x.to_f32()).collect();
+        let mut grads = dev.zeros(model.params.len()).unwrap();
+        let loss = gm.backward(dev, &gf, &targets, &mut grads).unwrap();
+        assert_eq!(gm.loss(dev, &gf, &targets).unwrap(), loss, "the loss without gradients");
+        let grads = dev.download(&grads).unwrap();
+        Pass { want_logits: fwd.logits, want_loss, want, logits, loss, grads }
+    }
+
+    /// The loss and every tensor's gradient of one batch in fp32, against the CPU engine.
+    fn a_training_pass_matches_the_cpu_engine(dev: &Device) {
+        for (name, model) in models() {
+            let p = pass::<f32>(dev, &model);
+            assert_close_to_largest(&p.logits, &p.want_logits, 1e-5, &format!("{name}: logits"));
+            let (loss, want) = (p.loss, p.want_loss);
+            assert!((loss - want).abs() <= 1e-5 * want, "{name}: loss {loss} vs {want}");
             for spec in &model.layout.specs {
                 let r = spec.range.clone();
                 let what = format!("{name}: {}", spec.name);
-                assert_close_to_largest(&got[r.clone()], &want[r], 1e-4, &what);
+                assert_close_to_largest(&p.grads[r.clone()], &p.want[r], 1e-4, &what);
             }
         }
     }
     crate::gpu::on_cpu_and_gpu!(a_training_pass_matches_the_cpu_engine);
+
+    /// The same batch in bf16 against the CPU's f32: the loss within 1e-2 of its value, and
+    /// every tensor's gradient at a cosine of at least 0.999 with the CPU's.
+    fn a_bf16_training_pass_follows_the_cpu_engine(dev: &Device) {
+        for (name, model) in models() {
+            let p = pass::<Bf16>(dev, &model);
+            let (loss, want) = (p.loss, p.want_loss);
+            assert!((loss - want).abs() <= 1e-2 * want, "{name}: loss {loss} vs {want}");
+            for spec in &model.layout.specs {
+                let r = spec.range.clone();
+                let cos = cosine(&p.grads[r.clone()], &p.want[r]);
+                assert!(cos >= 0.999, "{name}: {}: gradient cosine {cos}", spec.name);
+            }
+        }
+    }
+    crate::gpu::on_cpu_and_gpu!(a_bf16_training_pass_follows_the_cpu_engine);
+
+    /// The cosine of two vectors; 1 where both are zero (a consumer that reads one source
+    /// has a query gradient of exactly zero on both sides).
+    fn cosine(a: &[f32], b: &[f32]) -> f64 {
+        let dot =
+            |x: &[f32], y: &[f32]| x.iter().zip(y).map(|(p, q)| *p as f64 * *q as f64).sum::<f64>();
+        let (aa, bb) = (dot(a, a), dot(b, b));
+        if aa == 0.0 && bb == 0.0 {
+            return 1.0;
+        }
+        dot(a, b) / (aa * bb).sqrt()
+    }
 
     #[test]
     fn ablation_options_are_refused_with_a_reason() {

@@ -270,7 +270,8 @@ mod tests {
 
     /// A run on `device` beside the same run on the CPU: the validation loss within 0.02 nats
     /// at every evaluation; then each run's last checkpoint, resumed on the other, validates
-    /// to the loss its own device measured.
+    /// to the loss its own device measured: within 1e-4 of it in fp32, 1e-2 in bf16 (whose
+    /// activations round to 8 bits).
     fn a_run_agrees_with_the_cpu_and_moves_between_them(device: Hardware, sets: &[&str]) {
         let tmp = tempfile::tempdir().unwrap();
         let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
@@ -301,9 +302,12 @@ mod tests {
         }
         // A finished run resumed validates its last checkpoint and stops.
         let gpu_on_cpu = train(None, &opts("gpu", Hardware::Cpu, true)).unwrap();
-        assert!((gpu_on_cpu - gpu_val).abs() <= 1e-4 * gpu_val, "{gpu_on_cpu} vs {gpu_val}");
+        let exact = matches!(device, Hardware::Cuda(Precision::Fp32))
+            || matches!(device, Hardware::Emulated(Precision::Fp32));
+        let tol = if exact { 1e-4 } else { 1e-2 };
+        assert!((gpu_on_cpu - gpu_val).abs() <= tol * gpu_val, "{gpu_on_cpu} vs {gpu_val}");
         let cpu_on_gpu = train(None, &opts("cpu", device, true)).unwrap();
-        assert!((cpu_on_gpu - cpu_val).abs() <= 1e-4 * cpu_val, "{cpu_on_gpu} vs {cpu_val}");
+        assert!((cpu_on_gpu - cpu_val).abs() <= tol * cpu_val, "{cpu_on_gpu} vs {cpu_val}");
     }
 
     #[test]
@@ -324,24 +328,27 @@ mod tests {
             "eval_every=5",
             "eval_tokens=1024",
         ];
-        for residual in ["residual=standard", "residual=block"] {
+        for (residual, precision) in [
+            ("residual=standard", Precision::Fp32),
+            ("residual=block", Precision::Fp32),
+            ("residual=block", Precision::Bf16),
+        ] {
             let sets: Vec<&str> = sets.iter().copied().chain([residual, "num_blocks=2"]).collect();
-            a_run_agrees_with_the_cpu_and_moves_between_them(
-                Hardware::Emulated(Precision::Fp32),
-                &sets,
-            );
+            a_run_agrees_with_the_cpu_and_moves_between_them(Hardware::Emulated(precision), &sets);
         }
     }
 
-    /// The tiny preset's 300 steps with each residual.
+    /// The tiny preset's 300 steps with each residual, in fp32 and in bf16.
     #[test]
     #[ignore = "needs an NVIDIA GPU: run with --ignored on one (docs/gpu.md)"]
     fn a_tiny_run_on_the_gpu_agrees_with_the_cpu() {
         for residual in ["residual=standard", "residual=block", "residual=full"] {
-            a_run_agrees_with_the_cpu_and_moves_between_them(
-                Hardware::Cuda(Precision::Fp32),
-                &[residual],
-            );
+            for precision in [Precision::Fp32, Precision::Bf16] {
+                a_run_agrees_with_the_cpu_and_moves_between_them(
+                    Hardware::Cuda(precision),
+                    &[residual],
+                );
+            }
         }
     }
 }

@@ -1,0 +1,174 @@
+//! The bf16 kernels against the CPU's f32 kernels.
+//!
+//! The inputs are bf16 values, which f32 holds exactly, so both sides compute on the same
+//! numbers. A bf16 kernel computes in f32 and rounds each output once to bf16, to the nearest:
+//! bf16 keeps 8 significant bits, so the rounding moves a value by at most half a unit in its
+//! last place, 2^-8 of its size. The bound is that plus the f32 kernels' own error, which the
+//! fp32 tests hold to 1e-5 of the largest value: |got − want| ≤ 2^-8·|want| + 1e-5·max|want|.
+//! Outputs in f32 (statistics, the loss, gain gradients) keep the fp32 bound. Phase 2 of the
+//! depth attention mixes phase 1's rounded mix `o1` (at most its whole weight) into its input,
+//! which then rounds: 2^-8·(|want| + |o1|) there. What a
+//! kernel computes from another's rounded output (attention's backward reads its forward's)
+//! is checked in the training pass against the CPU engine (`crate::train::gpu::model`).
+
+use super::attention;
+use super::cross_entropy;
+use super::depth;
+use super::device::{Act, Bf16, Buf, Device, Ids};
+use super::elementwise::{embedding_forward, swiglu_backward, swiglu_forward};
+use super::rmsnorm;
+use super::rope::{self, RopeTables};
+use crate::kernels::attention::AttnShape;
+use crate::kernels::rope::{Positions, RopeTable};
+use crate::testutil::{assert_close_to_largest, rand_vec};
+
+/// `n` random bf16 values (scaled by `scale`), as f32.
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    rand_vec(n, seed, scale).into_iter().map(|x| Bf16::from_f32(x).to_f32()).collect()
+}
+
+fn up(dev: &Device, x: &[f32]) -> Buf<Bf16> {
+    dev.upload(&x.iter().map(|&v| Bf16::from_f32(v)).collect::<Vec<_>>()).unwrap()
+}
+
+fn down(dev: &Device, x: &Buf<Bf16>) -> Vec<f32> {
+    dev.download(x).unwrap().into_iter().map(|v| v.to_f32()).collect()
+}
+
+/// Every value within `rounding` of its own size plus 1e-5 of the largest.
+fn within(got: &[f32], want: &[f32], rounding: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let largest = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let bound = rounding * w.abs() + 1e-5 * largest;
+        assert!((g - w).abs() <= bound, "{what}[{i}]: got {g}, want {w} (bound {bound})");
+    }
+}
+
+const ONCE: f32 = 1.0 / 256.0;
+
+fn bf16_kernels_match_the_cpu(dev: &Device) {
+    // RMSNorm forward and backward.
+    let (rows, d) = (37, 200);
+    let (x, dy) = (values(rows * d, 1, 3.0), values(rows * d, 2, 1.0));
+    let g: Vec<f32> = rand_vec(d, 3, 0.5).iter().map(|v| 1.0 + v).collect();
+    let (want_y, want_rstd) = crate::kernels::rmsnorm::forward(&x, &g, d, 1e-5);
+    let mut want_dg = vec![0.0f32; d];
+    let want_dx = crate::kernels::rmsnorm::backward(&mut want_dg, &dy, &x, &g, &want_rstd, d, None);
+    let (xd, dyd, gd) = (up(dev, &x), up(dev, &dy), dev.upload(&g).unwrap());
+    let (y, rstd) = rmsnorm::forward(dev, &xd, gd.all(), d, 1e-5).unwrap();
+    let mut dg = dev.zeros(d).unwrap();
+    let dx =
+        rmsnorm::backward(dev, &mut dg.all_mut(), &dyd, &xd, gd.all(), &rstd, d, None).unwrap();
+    within(&down(dev, &y), &want_y, ONCE, "rmsnorm y");
+    assert_close_to_largest(&dev.download(&rstd).unwrap(), &want_rstd, 1e-5, "rmsnorm rstd");
+    within(&down(dev, &dx), &want_dx, ONCE, "rmsnorm dx");
+    assert_close_to_largest(&dev.download(&dg).unwrap(), &want_dg, 1e-5, "rmsnorm dg");
+
+    // SwiGLU both ways.
+    let f = 96;
+    let (gu, dact) = (values(rows * 2 * f, 4, 2.0), values(rows * f, 5, 1.0));
+    let want_act = crate::kernels::swiglu::forward(&gu, f);
+    let mut want_dgu = vec![0.0f32; gu.len()];
+    crate::kernels::swiglu::backward(&mut want_dgu, &dact, &gu, f);
+    let (gud, dactd) = (up(dev, &gu), up(dev, &dact));
+    within(&down(dev, &swiglu_forward(dev, &gud, f).unwrap()), &want_act, ONCE, "swiglu act");
+    let dgu = swiglu_backward(dev, &dactd, &gud, f).unwrap();
+    within(&down(dev, &dgu), &want_dgu, ONCE, "swiglu dgu");
+
+    // The embedding's rows, rounded.
+    let (vocab, table) = (11, rand_vec(11 * d, 6, 1.0));
+    let ids: Vec<u32> = (0..rows as u32).map(|t| t * 7 % vocab as u32).collect();
+    let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * d..][..d].to_vec()).collect();
+    let (table_d, ids_d) = (dev.upload(&table).unwrap(), Ids::upload(dev, &ids, vocab).unwrap());
+    let out = embedding_forward::<Bf16>(dev, table_d.all(), &ids_d, d).unwrap();
+    within(&down(dev, &out), &want, ONCE, "embedding");
+
+    // RoPE both ways.
+    let (hd, heads, seq) = (64, 3, 25);
+    let width = heads * hd;
+    let table = RopeTable::new(hd, 64, 10000.0);
+    let gpu_table = RopeTables::upload(dev, &table).unwrap();
+    let x = values(2 * seq * width, 7, 2.0);
+    let positions: Vec<u32> = (0..2 * seq as u32).map(|r| r % seq as u32).collect();
+    let positions = gpu_table.positions(dev, &positions).unwrap();
+    for inverse in [false, true] {
+        let mut want = x.clone();
+        let packed = Positions::Packed(seq);
+        crate::kernels::rope::apply(&mut want, width, 0, heads, packed, &table, inverse);
+        let mut got = up(dev, &x);
+        rope::apply(dev, &mut got, width, 0, heads, &positions, &gpu_table, inverse).unwrap();
+        within(&down(dev, &got), &want, ONCE, &format!("rope, inverse {inverse}"));
+    }
+
+    // Cross-entropy: the loss (f32) and the logits' gradient.
+    let v = 300;
+    let logits = values(rows * v, 8, 4.0);
+    let targets: Vec<u32> = (0..rows as u32).map(|t| t * 13 % v as u32).collect();
+    let (want_loss, want_dlogits) =
+        crate::kernels::cross_entropy::loss_and_grad(&logits, &targets, v);
+    let targets_d = Ids::upload(dev, &targets, v).unwrap();
+    let (loss, dlogits) = cross_entropy::loss(dev, &up(dev, &logits), &targets_d, v, true).unwrap();
+    assert!((loss - want_loss).abs() <= 1e-5 * want_loss, "loss {loss} vs {want_loss}");
+    within(&down(dev, &dlogits.unwrap()), &want_dlogits, ONCE, "dlogits");
+
+    // Attention forward: the output and its statistics.
+    let s = AttnShape { batch: 2, seq: 37, heads: 4, kv_heads: 2, head_dim: 16 };
+    let qkv = values(s.batch * s.seq * s.qkv_width(), 9, 2.0);
+    let (want_out, want_stats) = crate::kernels::attention::forward(&qkv, s);
+    let (out, stats) = attention::forward(dev, &up(dev, &qkv), s).unwrap();
+    within(&down(dev, &out), &want_out, ONCE, "attention out");
+    let stats = dev.download(&stats).unwrap();
+    assert_close_to_largest(&stats, &want_stats, 1e-5, "attention stats");
+
+    // The depth attention's two phases: a block of 3 consumers over 4 sources, the later two
+    // reading a partial sum.
+    let (c, consumers) = (4, 3);
+    let srcs = values(c * rows * d, 10, 2.0);
+    let ws = rand_vec(consumers * d, 11, 0.2);
+    let mut rs = vec![0.0f32; c * rows];
+    crate::kernels::rmsnorm::rstd(&mut rs, &srcs, d, 1e-6);
+    let mut p1 = crate::kernels::depth::Phase1::default();
+    crate::kernels::depth::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
+    let (sd, rd, wd) = (up(dev, &srcs), dev.upload(&rs).unwrap(), dev.upload(&ws).unwrap());
+    let g1 = depth::phase1(dev, sd.all(), rd.all(), wd.all(), rows, d).unwrap();
+    let partial = values(rows * d, 12, 1.5);
+    let mut pr = vec![0.0f32; rows];
+    crate::kernels::rmsnorm::rstd(&mut pr, &partial, d, 1e-6);
+    let (pd, prd) = (up(dev, &partial), dev.upload(&pr).unwrap());
+    for j in 0..consumers {
+        let w = &ws[j * d..(j + 1) * d];
+        // Phase 1's mix alone (the input of a consumer without a partial sum), then merged.
+        let o1 = crate::kernels::depth::phase2(None, &mut p1, j, None, w, d);
+        crate::kernels::depth::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
+        let read = (j > 0).then_some((partial.as_slice(), pr.as_slice()));
+        let want = crate::kernels::depth::phase2(None, &mut p1, j, read, w, d);
+        crate::kernels::depth::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
+        let read = (j > 0).then(|| (pd.all(), prd.all()));
+        let got = depth::phase2(dev, &g1, j, read, wd.slice(j * d..(j + 1) * d), d, false);
+        let got = down(dev, &got.unwrap().h);
+        let largest = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let bound = ONCE * (w.abs() + o1[i].abs()) + 1e-5 * largest;
+            assert!((g - w).abs() <= bound, "depth h of {j}[{i}]: got {g}, want {w}");
+        }
+    }
+}
+crate::gpu::on_cpu_and_gpu!(bf16_kernels_match_the_cpu);
+
+/// The bf16 rounding the kernels do (`from_f32<bf16>` in reduce.cuh) is the host's, ties to
+/// even, on values that are halfway between two bf16 values and on the edges.
+fn bf16_rounds_as_the_host(dev: &Device) {
+    let mut x: Vec<f32> = vec![0.0, -0.0, 1.0, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY];
+    // Halfway cases: the 16 dropped bits 0x8000, with an even and an odd kept bit.
+    x.extend(
+        [0x3f80_8000u32, 0x3f81_8000, 0xbf80_8000, 0x3f80_7fff, 0x3f80_8001].map(f32::from_bits),
+    );
+    x.extend(rand_vec(1000, 13, 100.0));
+    let want: Vec<u16> = x.iter().map(|&v| Bf16::from_f32(v).0).collect();
+    let xd = dev.upload(&x).unwrap();
+    let got: Vec<u16> =
+        dev.download(&Bf16::narrow(dev, xd).unwrap()).unwrap().iter().map(|b| b.0).collect();
+    assert_eq!(got, want);
+}
+crate::gpu::on_cpu_and_gpu!(bf16_rounds_as_the_host);
