@@ -11,9 +11,9 @@
 # BIN_DIR holds `attnres` and `lib-tests`, the library's test binary (`cargo test --release --lib
 # --no-run` prints its path), and optionally scripts/bench/gpu_torch.py and torch_anchor.py; the
 # logs go to OUT_DIR. NVRTC and cuBLASLt come from PyTorch's CUDA wheels
-# (site-packages/nvidia/cu13/lib). PARTS chooses what runs (default: all of "device tests bench
-# baseline anchor"); BENCH="--batch 16 --seq 2048 ..." overrides the benchmark's shape. Exits
-# non-zero when a check fails, after running all.
+# (site-packages/nvidia/cu13/lib). PARTS chooses what runs (default "device tests bench baseline
+# anchor"; "fp32" adds the exact mode's benchmark); BENCH="--batch 8 --seq 2048 ..." overrides
+# the benchmark's shape. Exits non-zero when a check fails, after running all.
 set -uo pipefail
 bin="$(cd "$1" && pwd)"; out="$2"
 mkdir -p "$out"
@@ -37,24 +37,33 @@ if want tests; then
     tail -25 "$out/gpu-tests.txt"
 fi
 # The anchor's shape: hidden 1024, 24 layers, 16 heads, FFN 2816, vocabulary 49152, Block
-# AttnRes with 8 blocks; fp32 at batch 4.
-if want bench; then
-    step bench
-    shape="--preset small --set hidden_size=1024 --set num_hidden_layers=24 \
+# AttnRes with 8 blocks, batch 16 x 2048 in bf16 (fp32, the exact mode, at batch 4 with "fp32"
+# in PARTS).
+shape="--preset small --set hidden_size=1024 --set num_hidden_layers=24 \
 --set num_attention_heads=16 --set num_key_value_heads=16 --set head_dim=64 \
 --set intermediate_size=2816 --set vocab_size=49152 --set max_position_embeddings=2048 \
 --set num_blocks=8"
-    timeout 400 "$bin/attnres" bench --device cuda $shape ${BENCH:---batch 4 --seq 2048 --steps 3} \
+if want bench; then
+    step bench
+    timeout 400 "$bin/attnres" bench --device cuda $shape ${BENCH:---batch 16 --seq 2048 --steps 3} \
         --modes standard,block,full > "$out/bench.txt" 2>&1 || status=1
     cat "$out/bench.txt"
 fi
+if want fp32; then
+    step "bench fp32"
+    timeout 400 "$bin/attnres" bench --device cuda --precision fp32 $shape --batch 4 --seq 2048 \
+        --steps 3 --modes standard,block,full > "$out/bench-fp32.txt" 2>&1 || status=1
+    cat "$out/bench-fp32.txt"
+fi
 if want baseline && [ -f "$bin/gpu_torch.py" ]; then
     step "PyTorch baseline"
-    # The same fp32 steps as the bench above, then bf16 under torch.compile at the anchor's batch.
-    timeout 300 python3 "$bin/gpu_torch.py" --precision fp32 --batch 4 --steps 3 --warmup 1 \
-        > "$out/baseline.txt" 2>&1 || status=1
+    # The bench's bf16 steps under torch.compile, at the same batch.
     timeout 400 python3 "$bin/gpu_torch.py" --precision bf16 --compile --batch 16 \
-        --modes standard,block --steps 5 --warmup 3 >> "$out/baseline.txt" 2>&1 || status=1
+        --modes standard,block --steps 5 --warmup 3 > "$out/baseline.txt" 2>&1 || status=1
+    if want fp32; then
+        timeout 300 python3 "$bin/gpu_torch.py" --precision fp32 --batch 4 --steps 3 --warmup 1 \
+            >> "$out/baseline.txt" 2>&1 || status=1
+    fi
     cat "$out/baseline.txt"
 fi
 if want anchor && [ -f "$bin/torch_anchor.py" ]; then
