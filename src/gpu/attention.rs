@@ -2,6 +2,7 @@
 //! computes on the CPU, with the same buffers (the packed `qkv`, the `[B, H, T, 2]` softmax
 //! statistics), in memory that grows with T.
 
+use super::blas::DType;
 use super::device::{kernel, Act, Arg, Buf, Device};
 use super::per_value;
 use crate::kernels::attention::AttnShape;
@@ -46,11 +47,29 @@ fn shape_args(s: AttnShape) -> [Arg; 5] {
     ]
 }
 
-/// Forward: `out[B·T, H·hd]` and the statistics `[B, H, T, 2]`.
+/// Query rows per block of the tensor-core forward (`FLASH_ROWS` in `kernels/flash.cu`).
+const FLASH_ROWS: usize = 64;
+
+/// Forward: `out[B·T, H·hd]` and the statistics `[B, H, T, 2]`. In bf16 with heads of a
+/// multiple of 16 values, on the tensor cores (`kernels/flash.cu`).
 pub fn forward<A: Act>(dev: &Device, qkv: &Buf<A>, s: AttnShape) -> Result<(Buf<A>, Buf<f32>)> {
     check(s, qkv)?;
     let (mut out, mut stats) =
         (dev.zeros(s.batch * s.seq * s.out_width())?, dev.zeros(s.stats_len())?);
+    if A::TYPE == DType::Bf16 && s.head_dim.is_multiple_of(16) {
+        let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
+        args.extend(shape_args(s));
+        let cfg = LaunchConfig {
+            grid_dim: (s.seq.div_ceil(FLASH_ROWS) as u32, (s.batch * s.heads) as u32, 1),
+            // A warp per 16 rows.
+            block_dim: (2 * FLASH_ROWS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the kernel's arguments in its order; `out`, `stats` and `qkv` hold the
+        // shape's values (checked), the head a multiple of 16 values up to MAX_HEAD_DIM.
+        unsafe { dev.launch("flash_forward_bf16", cfg, &args) }?;
+        return Ok((out, stats));
+    }
     let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
     args.extend(shape_args(s));
     let cfg = blocks(s, s.batch * s.heads, 2 * TILE * s.head_dim);

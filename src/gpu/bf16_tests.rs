@@ -7,7 +7,8 @@
 //! fp32 tests hold to 1e-5 of the largest value: |got − want| ≤ 2^-8·|want| + 1e-5·max|want|.
 //! Outputs in f32 (statistics, the loss, gain gradients) keep the fp32 bound. Phase 2 of the
 //! depth attention mixes phase 1's rounded mix `o1` (at most its whole weight) into its input,
-//! which then rounds: 2^-8·(|want| + |o1|) there. What a
+//! which then rounds: 2^-8·(|want| + |o1|) there; attention's forward mixes the values with
+//! probabilities rounded to bf16: 2^-8·(|want| + the largest value) there. What a
 //! kernel computes from another's rounded output (attention's backward reads its forward's)
 //! is checked in the training pass against the CPU engine (`crate::train::gpu::model`).
 
@@ -112,14 +113,27 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
     assert!((loss - want_loss).abs() <= 1e-5 * want_loss, "loss {loss} vs {want_loss}");
     within(&down(dev, &dlogits.unwrap()), &want_dlogits, ONCE, "dlogits");
 
-    // Attention forward: the output and its statistics.
-    let s = AttnShape { batch: 2, seq: 37, heads: 4, kv_heads: 2, head_dim: 16 };
-    let qkv = values(s.batch * s.seq * s.qkv_width(), 9, 2.0);
-    let (want_out, want_stats) = crate::kernels::attention::forward(&qkv, s);
-    let (out, stats) = attention::forward(dev, &up(dev, &qkv), s).unwrap();
-    within(&down(dev, &out), &want_out, ONCE, "attention out");
-    let stats = dev.download(&stats).unwrap();
-    assert_close_to_largest(&stats, &want_stats, 1e-5, "attention stats");
+    // Attention forward on the tensor cores: the output and its statistics, over grouped and
+    // plain heads, sequences that end inside a tile and span several blocks. Its product with
+    // the values takes the probabilities rounded to bf16 (2^-8 of each): 2^-8 of the largest
+    // value more.
+    let shapes = [
+        AttnShape { batch: 2, seq: 37, heads: 4, kv_heads: 2, head_dim: 16 },
+        AttnShape { batch: 1, seq: 150, heads: 2, kv_heads: 1, head_dim: 64 },
+        AttnShape { batch: 1, seq: 70, heads: 1, kv_heads: 1, head_dim: 128 },
+    ];
+    for s in shapes {
+        let qkv = values(s.batch * s.seq * s.qkv_width(), 9, 2.0);
+        let (want_out, want_stats) = crate::kernels::attention::forward(&qkv, s);
+        let (out, stats) = attention::forward(dev, &up(dev, &qkv), s).unwrap();
+        let largest = qkv.iter().fold(0f32, |m, x| m.max(x.abs()));
+        for (i, (g, w)) in down(dev, &out).iter().zip(&want_out).enumerate() {
+            let bound = ONCE * (w.abs() + largest) + 1e-5 * largest;
+            assert!((g - w).abs() <= bound, "{s:?}: attention out[{i}]: got {g}, want {w}");
+        }
+        let stats = dev.download(&stats).unwrap();
+        assert_close_to_largest(&stats, &want_stats, 1e-5, &format!("{s:?}: attention stats"));
+    }
 
     // The depth attention's two phases: a block of 3 consumers over 4 sources, the later two
     // reading a partial sum.
@@ -172,3 +186,30 @@ fn bf16_rounds_as_the_host(dev: &Device) {
     assert_eq!(got, want);
 }
 crate::gpu::on_cpu_and_gpu!(bf16_rounds_as_the_host);
+
+/// The tensor cores' product against the same product through warp shuffles (the emulator's)
+/// and against the CPU: the fragments' layout as the kernels read and write them.
+fn the_tensor_cores_multiply_as_emulated(dev: &Device) {
+    let (a, b) = (values(16 * 16, 14, 1.0), values(16 * 8, 15, 1.0));
+    let mut want = vec![0.0f32; 16 * 8];
+    for i in 0..16 {
+        for j in 0..8 {
+            want[i * 8 + j] = (0..16).map(|k| a[i * 16 + k] * b[k * 8 + j]).sum();
+        }
+    }
+    let (mut tensor, mut shuffled) = (dev.zeros(16 * 8).unwrap(), dev.zeros(16 * 8).unwrap());
+    let (ad, bd) = (up(dev, &a), up(dev, &b));
+    let args = [tensor.arg_mut(), shuffled.arg_mut(), ad.arg(), bd.arg()];
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the kernel's arguments in its order; one warp reads 16 x 16 and 16 x 8 values and
+    // writes 16 x 8 twice.
+    unsafe { dev.launch("mma_check", cfg, &args) }.unwrap();
+    let tensor = dev.download(&tensor).unwrap();
+    assert_close_to_largest(&tensor, &want, 1e-5, "tensor cores");
+    assert_close_to_largest(&dev.download(&shuffled).unwrap(), &tensor, 1e-5, "shuffled");
+}
+crate::gpu::on_cpu_and_gpu!(the_tensor_cores_multiply_as_emulated);

@@ -13,6 +13,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("depth.cu", include_str!("kernels/depth.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
+    ("flash.cu", include_str!("kernels/flash.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
     ("residual.cu", include_str!("kernels/residual.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),

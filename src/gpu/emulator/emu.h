@@ -5,6 +5,8 @@
 // checks what a kernel computes, not how fast: a GPU still has the last word (its memory
 // model, fused multiply-adds, warps running in lockstep).
 #pragma once
+// Kernels that use what only a GPU has (the tensor cores' mma) take their emulation here.
+#define ATTNRES_EMULATOR 1
 #include <atomic>
 #include <bit>
 #include <cmath>
