@@ -47,24 +47,34 @@ fn shape_args(s: AttnShape) -> [Arg; 5] {
     ]
 }
 
-/// Query rows per block of the tensor-core forward (`FLASH_ROWS` in `kernels/flash.cu`).
+/// Rows per block of the tensor-core kernels (`FLASH_ROWS` in `kernels/flash.cu`).
 const FLASH_ROWS: usize = 64;
 
-/// Forward: `out[B·T, H·hd]` and the statistics `[B, H, T, 2]`. In bf16 with heads of a
-/// multiple of 16 values, on the tensor cores (`kernels/flash.cu`).
+/// Whether attention runs on the tensor cores: in bf16, with heads of a multiple of 16 values.
+fn on_tensor_cores<A: Act>(s: AttnShape) -> bool {
+    A::TYPE == DType::Bf16 && s.head_dim.is_multiple_of(16)
+}
+
+/// The tensor-core kernels' launch: blocks of FLASH_ROWS rows over `y` sequences-by-heads, a
+/// warp per 16 rows.
+fn flash_blocks(s: AttnShape, y: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (s.seq.div_ceil(FLASH_ROWS) as u32, y as u32, 1),
+        block_dim: (2 * FLASH_ROWS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Forward: `out[B·T, H·hd]` and the statistics `[B, H, T, 2]`; on the tensor cores
+/// (`kernels/flash.cu`) where [`on_tensor_cores`].
 pub fn forward<A: Act>(dev: &Device, qkv: &Buf<A>, s: AttnShape) -> Result<(Buf<A>, Buf<f32>)> {
     check(s, qkv)?;
     let (mut out, mut stats) =
         (dev.zeros(s.batch * s.seq * s.out_width())?, dev.zeros(s.stats_len())?);
-    if A::TYPE == DType::Bf16 && s.head_dim.is_multiple_of(16) {
+    if on_tensor_cores::<A>(s) {
         let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
         args.extend(shape_args(s));
-        let cfg = LaunchConfig {
-            grid_dim: (s.seq.div_ceil(FLASH_ROWS) as u32, (s.batch * s.heads) as u32, 1),
-            // A warp per 16 rows.
-            block_dim: (2 * FLASH_ROWS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = flash_blocks(s, s.batch * s.heads);
         // SAFETY: the kernel's arguments in its order; `out`, `stats` and `qkv` hold the
         // shape's values (checked), the head a multiple of 16 values up to MAX_HEAD_DIM.
         unsafe { dev.launch("flash_forward_bf16", cfg, &args) }?;
@@ -110,6 +120,14 @@ pub fn backward<A: Act>(
     let mut args = vec![dqkv.arg_mut(), dout.arg(), qkv.arg(), stats.arg(), delta.arg()];
     args.extend(shape_args(s));
     let hd = s.head_dim;
+    if on_tensor_cores::<A>(s) {
+        // SAFETY: as in `forward`; each kernel writes its own columns of `dqkv`.
+        unsafe {
+            dev.launch("flash_backward_dq_bf16", flash_blocks(s, s.batch * s.heads), &args)?;
+            dev.launch("flash_backward_dkv_bf16", flash_blocks(s, s.batch * s.kv_heads), &args)?;
+        }
+        return Ok(dqkv);
+    }
     // SAFETY: as in `forward`; each kernel writes its own columns of `dqkv`.
     unsafe {
         dev.launch(

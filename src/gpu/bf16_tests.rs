@@ -8,9 +8,10 @@
 //! Outputs in f32 (statistics, the loss, gain gradients) keep the fp32 bound. Phase 2 of the
 //! depth attention mixes phase 1's rounded mix `o1` (at most its whole weight) into its input,
 //! which then rounds: 2^-8·(|want| + |o1|) there; attention's forward mixes the values with
-//! probabilities rounded to bf16: 2^-8·(|want| + the largest value) there. What a
-//! kernel computes from another's rounded output (attention's backward reads its forward's)
-//! is checked in the training pass against the CPU engine (`crate::train::gpu::model`).
+//! probabilities rounded to bf16: 2^-8·(|want| + the largest value) there. Attention's
+//! backward reads the forward's rounded output and rounds the probabilities and their
+//! gradients for its products: 2^-6 of the largest value; the training pass against the CPU
+//! engine (`crate::train::gpu::model`) holds it closer, through every gradient's cosine.
 
 use super::attention;
 use super::cross_entropy;
@@ -131,8 +132,17 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
             let bound = ONCE * (w.abs() + largest) + 1e-5 * largest;
             assert!((g - w).abs() <= bound, "{s:?}: attention out[{i}]: got {g}, want {w}");
         }
-        let stats = dev.download(&stats).unwrap();
-        assert_close_to_largest(&stats, &want_stats, 1e-5, &format!("{s:?}: attention stats"));
+        let stats_h = dev.download(&stats).unwrap();
+        assert_close_to_largest(&stats_h, &want_stats, 1e-5, &format!("{s:?}: attention stats"));
+        // Backward, from the forward's own output and statistics: its products take the
+        // probabilities and their gradients rounded to bf16, and it reads the forward's rounded
+        // output, so each value is held to 2^-6 of the largest.
+        let dout = values(s.batch * s.seq * s.out_width(), 16, 1.0);
+        let mut want_dqkv = vec![0.0f32; qkv.len()];
+        crate::kernels::attention::backward(&mut want_dqkv, &dout, &qkv, &want_stats, s);
+        let dqkv = attention::backward(dev, &up(dev, &dout), &up(dev, &qkv), &out, &stats, s);
+        let got = down(dev, &dqkv.unwrap());
+        assert_close_to_largest(&got, &want_dqkv, 1.0 / 64.0, &format!("{s:?}: attention dqkv"));
     }
 
     // The depth attention's two phases: a block of 3 consumers over 4 sources, the later two
