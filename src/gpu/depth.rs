@@ -171,16 +171,23 @@ pub struct Source<'a, A: Act> {
     pub rstd: Slice<'a, f32>,
 }
 
+/// Where [`source_grad`] adds a source's gradient: a sublayer's output gradient, of the values'
+/// type, into which a partial sum's gradient goes; or an f32 sum, for a completed source's
+/// gradient, which sums many consumers.
+pub enum Acc<'a, 'b, A: Act> {
+    Values(&'a mut SliceMut<'b, A>),
+    Wide(&'a mut Buf<f32>),
+}
+
 /// Consumer `g`'s share of the gradient of source `src` (column `col` of its weights), added
-/// into `acc` (`[rows, d]`, of the values' type: a sublayer's output gradient, into which a
-/// partial sum's gradient goes) with its key-norm coefficient into `coef` (`[rows]`, zero
-/// before a source's first consumer); `b` receives per token the coefficient of the consumer's
-/// query gradient, which [`query_grads`] turns into it. `finish`: `g` is the source's last
-/// consumer, and `acc` becomes the source's gradient.
+/// into `acc` (`[rows, d]`) with its key-norm coefficient into `coef` (`[rows]`, zero before a
+/// source's first consumer); `b` receives per token the coefficient of the consumer's query
+/// gradient, which [`query_grads`] turns into it. `finish`: `g` is the source's last consumer,
+/// and `acc` becomes the source's gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn source_grad<A: Act>(
     dev: &Device,
-    acc: &mut SliceMut<A>,
+    acc: Acc<A>,
     coef: &mut Buf<f32>,
     b: &mut SliceMut<A>,
     g: &ConsumerGrad<A>,
@@ -189,43 +196,16 @@ pub fn source_grad<A: Act>(
     d: usize,
     finish: bool,
 ) -> Result<()> {
-    assert_eq!(acc.len(), src.v.len());
-    let name = kernel::<A>("depth_source_grad");
-    source_grad_into(dev, &name, acc.arg_mut(), coef, b, g, col, src, d, finish)
-}
-
-/// [`source_grad`] with the sum in f32: a completed source's gradient, which sums many
-/// consumers.
-#[allow(clippy::too_many_arguments)]
-pub fn source_grad_wide<A: Act>(
-    dev: &Device,
-    acc: &mut Buf<f32>,
-    coef: &mut Buf<f32>,
-    b: &mut SliceMut<A>,
-    g: &ConsumerGrad<A>,
-    col: usize,
-    src: Source<A>,
-    d: usize,
-    finish: bool,
-) -> Result<()> {
-    assert_eq!(acc.len(), src.v.len());
-    let name = kernel::<A>("depth_source_grad_wide");
-    source_grad_into(dev, &name, acc.arg_mut(), coef, b, g, col, src, d, finish)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn source_grad_into<A: Act>(
-    dev: &Device,
-    name: &str,
-    acc: Arg,
-    coef: &mut Buf<f32>,
-    b: &mut SliceMut<A>,
-    g: &ConsumerGrad<A>,
-    col: usize,
-    src: Source<A>,
-    d: usize,
-    finish: bool,
-) -> Result<()> {
+    let (name, acc) = match acc {
+        Acc::Values(x) => {
+            assert_eq!(x.len(), src.v.len());
+            (kernel::<A>("depth_source_grad"), x.arg_mut())
+        }
+        Acc::Wide(x) => {
+            assert_eq!(x.len(), src.v.len());
+            (kernel::<A>("depth_source_grad_wide"), x.arg_mut())
+        }
+    };
     let rows = src.rstd.len();
     let k = g.n_sources;
     assert!(col < k && g.alpha.len() == rows * k && g.logits.len() == rows * k);
@@ -248,8 +228,8 @@ fn source_grad_into<A: Act>(
         Arg::i32(finish as i32),
     ];
     // SAFETY: the kernel's arguments in its order; every buffer holds what it reads or writes
-    // for `rows` tokens (checked above; `acc` by the callers).
-    unsafe { dev.launch(name, per_row(rows, ROW_THREADS), &args) }
+    // for `rows` tokens (checked above).
+    unsafe { dev.launch(&name, per_row(rows, ROW_THREADS), &args) }
 }
 
 /// The effective-query gradients of consumers that read source `v` (`[rows, d]`), added into
@@ -451,8 +431,18 @@ mod tests {
             let mut acc = up(&vec![0.5f32; rows * d]);
             let mut coef = dev.zeros(rows).unwrap();
             let bj = &mut b.slice_mut(j * rows..(j + 1) * rows);
-            source_grad(dev, &mut acc.all_mut(), &mut coef, bj, &grads[j], c, src, d, true)
-                .unwrap();
+            source_grad(
+                dev,
+                Acc::Values(&mut acc.all_mut()),
+                &mut coef,
+                bj,
+                &grads[j],
+                c,
+                src,
+                d,
+                true,
+            )
+            .unwrap();
             let dw = &mut dws.slice_mut(j * d..(j + 1) * d);
             query_grads(dev, dw, b.slice(j * rows..(j + 1) * rows), pv.all(), rows, d).unwrap();
             let want: Vec<f32> = want_part[j].iter().map(|x| x + 0.5).collect();
@@ -465,7 +455,7 @@ mod tests {
             let (mut acc, mut coef) = (dev.zeros(rows * d).unwrap(), dev.zeros(rows).unwrap());
             for (j, g) in grads.iter().enumerate() {
                 let bj = &mut b.slice_mut(j * rows..(j + 1) * rows);
-                source_grad(dev, &mut acc.all_mut(), &mut coef, bj, g, i, src, d, j + 1 == s)
+                source_grad(dev, Acc::Wide(&mut acc), &mut coef, bj, g, i, src, d, j + 1 == s)
                     .unwrap();
             }
             query_grads(dev, &mut dws.all_mut(), b.all(), v.all(), rows, d).unwrap();

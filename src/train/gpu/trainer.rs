@@ -29,7 +29,8 @@ pub struct GpuTrainer<A: Act = f32> {
 /// Training steps on the GPU whatever the activations' type: what the training loop and the
 /// benchmark hold ([`start`]).
 pub trait DeviceSteps {
-    /// One optimiser step ([`GpuTrainer::step`]).
+    /// One optimiser step over `micro_batches` of `rows` sequences each, at learning rate
+    /// `lr`; `step` (from 0) names the step in errors.
     fn step(
         &mut self,
         micro_batches: &[(Vec<u32>, Vec<u32>)],
@@ -37,9 +38,10 @@ pub trait DeviceSteps {
         lr: f64,
         step: usize,
     ) -> Result<StepOutcome>;
-    /// The device's weights and optimiser state back on the host ([`GpuTrainer::sync`]).
+    /// The device's weights into `model` and, with `opt`, its optimiser state into `opt`.
     fn sync(&self, model: &mut Model, opt: Option<&mut Optimizer>) -> Result<()>;
-    /// A validation loss ([`GpuTrainer::loss`]).
+    /// The mean loss of `rows` sequences of `seq` tokens against their targets, without
+    /// gradients: validation on the device.
     fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32>;
 }
 
@@ -54,24 +56,6 @@ pub fn start(
         Precision::Fp32 => Box::new(GpuTrainer::<f32>::new(dev, model, opt)?),
         Precision::Bf16 => Box::new(GpuTrainer::<Bf16>::new(dev, model, opt)?),
     })
-}
-
-impl<A: Act> DeviceSteps for GpuTrainer<A> {
-    fn step(
-        &mut self,
-        micro_batches: &[(Vec<u32>, Vec<u32>)],
-        rows: usize,
-        lr: f64,
-        step: usize,
-    ) -> Result<StepOutcome> {
-        GpuTrainer::step(self, micro_batches, rows, lr, step)
-    }
-    fn sync(&self, model: &mut Model, opt: Option<&mut Optimizer>) -> Result<()> {
-        GpuTrainer::sync(self, model, opt)
-    }
-    fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32> {
-        GpuTrainer::loss(self, ids, targets, rows, seq)
-    }
 }
 
 /// An error for training settings the GPU does not run yet.
@@ -91,10 +75,12 @@ impl<A: Act> GpuTrainer<A> {
         let grads = dev.zeros(model.params.len())?;
         Ok(GpuTrainer { dev, model: gm, opt: gopt, grads })
     }
+}
 
+impl<A: Act> DeviceSteps for GpuTrainer<A> {
     /// One optimiser step over `micro_batches` of `rows` sequences each, at learning rate `lr`;
     /// `step` (from 0) names the step in errors.
-    pub fn step(
+    fn step(
         &mut self,
         micro_batches: &[(Vec<u32>, Vec<u32>)],
         rows: usize,
@@ -142,7 +128,7 @@ impl<A: Act> GpuTrainer<A> {
     }
 
     /// The device's weights into `model` and, with `opt`, its optimiser state into `opt`.
-    pub fn sync(&self, model: &mut Model, opt: Option<&mut Optimizer>) -> Result<()> {
+    fn sync(&self, model: &mut Model, opt: Option<&mut Optimizer>) -> Result<()> {
         model.params = self.model.download_params(&self.dev)?;
         if let Some(opt) = opt {
             self.opt.download_into(&self.dev, opt)?;
@@ -152,7 +138,7 @@ impl<A: Act> GpuTrainer<A> {
 
     /// The mean loss of `rows` sequences of `seq` tokens against their targets, without
     /// gradients: validation on the device.
-    pub fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32> {
+    fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32> {
         self.model.window_loss(&self.dev, ids, targets, rows, seq)
     }
 }
