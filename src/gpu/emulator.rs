@@ -171,7 +171,8 @@ fn compile(dir: &Path, library: &Path) -> Result<()> {
 /// As `Device::matmul`, with host addresses.
 pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
     use super::blas::DType;
-    use super::device::Bf16;
+    // bfloat16 as the kernels store it (the device's `Bf16`: half's bits).
+    use half::bf16;
     use rayon::prelude::*;
     let (sa, sb, sc) = g.spans();
     // Operands of either type read as f32, which holds every bfloat16 exactly.
@@ -180,7 +181,7 @@ pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
         unsafe {
             match g.ab {
                 DType::F32 => std::slice::from_raw_parts(at as *const f32, n).to_vec(),
-                DType::Bf16 => std::slice::from_raw_parts(at as *const Bf16, n)
+                DType::Bf16 => std::slice::from_raw_parts(at as *const bf16, n)
                     .iter()
                     .map(|x| x.to_f32())
                     .collect(),
@@ -207,10 +208,10 @@ pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
             });
         }
         DType::Bf16 => {
-            let c = unsafe { std::slice::from_raw_parts_mut(c as *mut Bf16, sc) };
+            let c = unsafe { std::slice::from_raw_parts_mut(c as *mut bf16, sc) };
             c.par_chunks_mut(g.ldc).enumerate().for_each(|(i, row)| {
                 for (j, out) in row.iter_mut().take(g.n).enumerate() {
-                    *out = Bf16::from_f32(value(i, j, out.to_f32()));
+                    *out = bf16::from_f32(value(i, j, out.to_f32()));
                 }
             });
         }
