@@ -110,6 +110,7 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
     };
     if let Some((dev, precision)) = dev {
         gpu_trainer::check_settings(&trainer.run.train)?;
+        trainer.progress.say(format!("steps on GPU 0 ({}), {precision}", dev.arch));
         trainer.gpu = Some(gpu_trainer::start(dev, &trainer.model, &trainer.opt, precision)?);
     }
     if trainer.at.step == 0 {
