@@ -43,9 +43,17 @@ __device__ void depth_phase1_t(float* logits, float* m1, float* l1, T* o1, const
     int n = s - j0 < PHASE1_CONSUMERS ? s - j0 : PHASE1_CONSUMERS;
     size_t plane = (size_t)rows * d, at = (size_t)t * d;
     for (int i = 0; i < c; i++) {
+        // Each value of the source is read once for all of the launch's consumers.
+        const T* v = sources + i * plane + at;
+        float part[PHASE1_CONSUMERS];
+        for (int g = 0; g < PHASE1_CONSUMERS; g++) part[g] = 0.0f;
+        for (int j = threadIdx.x; j < d; j += blockDim.x) {
+            float x = to_f32(v[j]);
+            for (int g = 0; g < n; g++) part[g] += ws[(size_t)(j0 + g) * d + j] * x;
+        }
         float r = rstds[(size_t)i * rows + t];
         for (int g = 0; g < n; g++) {
-            float logit = r * row_dot(ws + (size_t)(j0 + g) * d, sources + i * plane + at, d);
+            float logit = r * block_sum(part[g]);
             if (threadIdx.x == 0) weights[g * c + i] = logit;
         }
     }
