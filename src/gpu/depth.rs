@@ -150,6 +150,7 @@ pub fn phase2<A: Act>(
 
 /// One consumer's share of the backward pass, as the per-source backward reads it (as the
 /// CPU's `depth::ConsumerGrad`).
+#[derive(Clone, Copy)]
 pub struct ConsumerGrad<'a, A: Act> {
     /// Gradient of the consumer's input `h`, `[rows, d]`.
     pub dh: &'a Buf<A>,
@@ -171,23 +172,16 @@ pub struct Source<'a, A: Act> {
     pub rstd: Slice<'a, f32>,
 }
 
-/// Where [`source_grad`] adds a source's gradient: a sublayer's output gradient, of the values'
-/// type, into which a partial sum's gradient goes; or an f32 sum, for a completed source's
-/// gradient, which sums many consumers.
-pub enum Acc<'a, 'b, A: Act> {
-    Values(&'a mut SliceMut<'b, A>),
-    Wide(&'a mut Buf<f32>),
-}
-
 /// Consumer `g`'s share of the gradient of source `src` (column `col` of its weights), added
-/// into `acc` (`[rows, d]`) with its key-norm coefficient into `coef` (`[rows]`, zero before a
+/// into `acc` (`[rows, d]`: a sublayer's output gradient, into which a partial sum's gradient
+/// goes) with its key-norm coefficient into `coef` (`[rows]`, zero before a
 /// source's first consumer); `b` receives per token the coefficient of the consumer's query
 /// gradient, which [`query_grads`] turns into it. `finish`: `g` is the source's last consumer,
 /// and `acc` becomes the source's gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn source_grad<A: Act>(
     dev: &Device,
-    acc: Acc<A>,
+    acc: &mut SliceMut<A>,
     coef: &mut Buf<f32>,
     b: &mut SliceMut<A>,
     g: &ConsumerGrad<A>,
@@ -196,16 +190,8 @@ pub fn source_grad<A: Act>(
     d: usize,
     finish: bool,
 ) -> Result<()> {
-    let (name, acc) = match acc {
-        Acc::Values(x) => {
-            assert_eq!(x.len(), src.v.len());
-            (kernel::<A>("depth_source_grad"), x.arg_mut())
-        }
-        Acc::Wide(x) => {
-            assert_eq!(x.len(), src.v.len());
-            (kernel::<A>("depth_source_grad_wide"), x.arg_mut())
-        }
-    };
+    assert_eq!(acc.len(), src.v.len());
+    let acc = acc.arg_mut();
     let rows = src.rstd.len();
     let k = g.n_sources;
     assert!(col < k && g.alpha.len() == rows * k && g.logits.len() == rows * k);
@@ -229,7 +215,62 @@ pub fn source_grad<A: Act>(
     ];
     // SAFETY: the kernel's arguments in its order; every buffer holds what it reads or writes
     // for `rows` tokens (checked above).
+    let name = kernel::<A>("depth_source_grad");
     unsafe { dev.launch(&name, per_row(rows, ROW_THREADS), &args) }
+}
+
+/// The gradient of completed source `src` from all of its readers at once (reader `l` of
+/// `readers` at column `col` of its weights), into `out` (`[rows, d]`): each reader's
+/// coefficients go to row `l` of `b` (`[consumers, rows]`), which [`query_grads`] then takes.
+pub fn source_grads<A: Act>(
+    dev: &Device,
+    out: &mut Buf<A>,
+    b: &mut Buf<A>,
+    readers: &[(usize, ConsumerGrad<A>)],
+    col: usize,
+    src: Source<A>,
+    d: usize,
+) -> Result<()> {
+    let rows = src.rstd.len();
+    assert!(out.len() == rows * d && src.v.len() == rows * d && !readers.is_empty());
+    // Per reader the addresses of dh, dh_dot_h, alpha, logits and w, each table after the last.
+    let mut tables = Vec::with_capacity(5 * readers.len());
+    for field in 0..5 {
+        tables.extend(readers.iter().map(|(_, g)| {
+            let a = [g.dh.arg(), g.dh_dot_h.arg(), g.alpha.arg(), g.logits.arg(), g.w.arg()];
+            a[field].bits() as i64
+        }));
+    }
+    for (l, g) in readers {
+        let k = g.n_sources;
+        assert!(col < k && g.alpha.len() == rows * k && g.logits.len() == rows * k);
+        assert!(g.dh.len() == rows * d && g.dh_dot_h.len() == rows && g.w.len() == d);
+        assert!((l + 1) * rows <= b.len(), "reader {l}'s row of b");
+    }
+    let ks: Vec<i32> = readers.iter().map(|(_, g)| g.n_sources as i32).collect();
+    let rows_of: Vec<i32> = readers.iter().map(|(l, _)| *l as i32).collect();
+    let (tables, ks, rows_of) = (dev.upload(&tables)?, dev.upload(&ks)?, dev.upload(&rows_of)?);
+    let args = [
+        out.arg_mut(),
+        b.arg_mut(),
+        tables.arg(),
+        ks.arg(),
+        rows_of.arg(),
+        Arg::i32(readers.len() as i32),
+        src.v.arg(),
+        src.rstd.arg(),
+        Arg::i32(col as i32),
+        Arg::i32(rows as i32),
+        Arg::i32(d as i32),
+    ];
+    let cfg = LaunchConfig {
+        shared_mem_bytes: (d * size_of::<f32>()) as u32,
+        ..per_row(rows, ROW_THREADS)
+    };
+    // SAFETY: the kernel's arguments in its order; the tables hold the addresses of buffers
+    // that `readers` borrows (so they outlive the launch, which the stream orders before any
+    // later free), each of the size checked above; shared memory holds one row of sums.
+    unsafe { dev.launch(&kernel::<A>("depth_source_grads"), cfg, &args) }
 }
 
 /// The effective-query gradients of consumers that read source `v` (`[rows, d]`), added into
@@ -431,18 +472,8 @@ mod tests {
             let mut acc = up(&vec![0.5f32; rows * d]);
             let mut coef = dev.zeros(rows).unwrap();
             let bj = &mut b.slice_mut(j * rows..(j + 1) * rows);
-            source_grad(
-                dev,
-                Acc::Values(&mut acc.all_mut()),
-                &mut coef,
-                bj,
-                &grads[j],
-                c,
-                src,
-                d,
-                true,
-            )
-            .unwrap();
+            source_grad(dev, &mut acc.all_mut(), &mut coef, bj, &grads[j], c, src, d, true)
+                .unwrap();
             let dw = &mut dws.slice_mut(j * d..(j + 1) * d);
             query_grads(dev, dw, b.slice(j * rows..(j + 1) * rows), pv.all(), rows, d).unwrap();
             let want: Vec<f32> = want_part[j].iter().map(|x| x + 0.5).collect();
@@ -452,12 +483,11 @@ mod tests {
         for i in 0..c {
             let (v, r) = (up(&srcs[i]), up(&rs[i]));
             let src = Source { v: v.all(), rstd: r.all() };
-            let (mut acc, mut coef) = (dev.zeros(rows * d).unwrap(), dev.zeros(rows).unwrap());
-            for (j, g) in grads.iter().enumerate() {
-                let bj = &mut b.slice_mut(j * rows..(j + 1) * rows);
-                source_grad(dev, Acc::Wide(&mut acc), &mut coef, bj, g, i, src, d, j + 1 == s)
-                    .unwrap();
-            }
+            let mut acc = dev.zeros(rows * d).unwrap();
+            // The readers in the backward pass's order, last first.
+            let readers: Vec<(usize, ConsumerGrad<f32>)> =
+                grads.iter().enumerate().rev().map(|(j, g)| (j, *g)).collect();
+            source_grads(dev, &mut acc, &mut b, &readers, i, src, d).unwrap();
             query_grads(dev, &mut dws.all_mut(), b.all(), v.all(), rows, d).unwrap();
             let got = dev.download(&acc).unwrap();
             assert_close_to_largest(&got, &want_src[i], 1e-5, &format!("source {i}"));

@@ -150,9 +150,9 @@ extern "C" __global__ void depth_phase2_bf16(bf16* h, float* alpha, float* logit
 //   dl = alpha (<dh, v> - dhh),  b = dl r,  acc += alpha dh + b w,  coef += dl logit,
 // and b into bs[t] for the query's gradient (sum over tokens of b v: a product, taken after).
 // `finish`: the consumer is the source's last, and acc becomes its gradient,
-// acc - (r^2 / d) coef v (the key norm's term). One block per token. The sums in acc are of
-// type A: f32 for a completed source, whose gradient sums many consumers (`_wide`), or the
-// values' own type for the partial sum's, which adds into a sublayer's output gradient.
+// acc - (r^2 / d) coef v (the key norm's term). One block per token. It takes a partial sum's
+// gradient, which adds into a sublayer's output gradient (acc, of the values' type A);
+// depth_source_grads below takes a completed source's from all of its readers.
 template <typename A, typename T>
 __device__ void depth_source_grad_t(A* acc, float* coef, T* bs, const T* dh, const float* dhh,
                                     const float* alpha, const float* logits, const float* w,
@@ -185,16 +185,6 @@ extern "C" __global__ void depth_source_grad_bf16(bf16* acc, float* coef, bf16* 
         const float* rstd, int k, int col, int d, int finish) {
     depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
 }
-extern "C" __global__ void depth_source_grad_wide(float* acc, float* coef, float* bs, const float* dh,
-        const float* dhh, const float* alpha, const float* logits, const float* w, const float* v,
-        const float* rstd, int k, int col, int d, int finish) {
-    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
-}
-extern "C" __global__ void depth_source_grad_wide_bf16(float* acc, float* coef, bf16* bs, const bf16* dh,
-        const float* dhh, const float* alpha, const float* logits, const float* w, const bf16* v,
-        const float* rstd, int k, int col, int d, int finish) {
-    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
-}
 
 // y = a * b, n values: a consumer's effective query q * gamma.
 extern "C" __global__ void depth_query(float* y, const float* a, const float* b, int n) {
@@ -206,4 +196,51 @@ extern "C" __global__ void depth_query(float* y, const float* a, const float* b,
 extern "C" __global__ void depth_query_grad(float* y, const float* a, const float* b, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) y[i] += a[i] * b[i];
+}
+
+// The gradient of one completed source v (1/rms rstd, at column `col` of every reader's
+// weights) from all of its readers at once, each as depth_source_grad takes one, into out[rows,
+// d]: the source is read once and its gradient written once, the sums in f32 in shared memory
+// (d floats). Reader i's buffers come from tables of addresses (dh, dhh, alpha, logits, w, each
+// `readers` long, one after another in `tables`); its coefficients b go to row rows_of[i] of
+// bs ([consumers, rows]) and its weights are ks[i] wide. One block per token.
+template <typename T>
+__device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, const int* ks,
+                                     const int* rows_of, int readers, const T* v,
+                                     const float* rstd, int col, int rows, int d) {
+    DYNAMIC_SHARED(float, acc);
+    int t = blockIdx.x;
+    size_t at = (size_t)t * d;
+    const T* vr = v + at;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.0f;
+    float r = rstd[t], coef = 0.0f;
+    for (int i = 0; i < readers; i++) {
+        const T* dh = (const T*)tables[i] + at;
+        const float* dhh = (const float*)tables[readers + i];
+        const float* alpha = (const float*)tables[2 * readers + i];
+        const float* logits = (const float*)tables[3 * readers + i];
+        const float* w = (const float*)tables[4 * readers + i];
+        size_t k = (size_t)ks[i];
+        float a = alpha[t * k + col];
+        float dl = a * (row_dot(dh, vr, d) - dhh[t]);
+        float b = dl * r;
+        coef += dl * logits[t * k + col];
+        for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] += a * to_f32(dh[j]) + b * w[j];
+        if (threadIdx.x == 0) bs[(size_t)rows_of[i] * rows + t] = from_f32<T>(b);
+    }
+    float cv = coef * r * r / (float)d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x)
+        out[at + j] = from_f32<T>(acc[j] - cv * to_f32(vr[j]));
+}
+extern "C" __global__ void depth_source_grads(float* out, float* bs, const long long* tables,
+                                              const int* ks, const int* rows_of, int readers,
+                                              const float* v, const float* rstd, int col,
+                                              int rows, int d) {
+    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
+}
+extern "C" __global__ void depth_source_grads_bf16(bf16* out, bf16* bs, const long long* tables,
+                                                   const int* ks, const int* rows_of, int readers,
+                                                   const bf16* v, const float* rstd, int col,
+                                                   int rows, int d) {
+    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
 }

@@ -10,7 +10,7 @@
 //! Backward takes each consumer's partial-sum gradient at once and a completed source's
 //! gradient from all of its consumers together, when the backward pass reaches it.
 
-use crate::gpu::depth::{self, Acc, ConsumerGrad, Phase1, Source};
+use crate::gpu::depth::{self, ConsumerGrad, Phase1, Source};
 use crate::gpu::device::{Act, Buf, Device};
 use crate::gpu::elementwise::{add, add_into};
 use crate::model::params::Layout;
@@ -368,17 +368,7 @@ impl<A: Act> DepthBackward<A> {
             let mut acc = self.acc.take().expect("a partial sum's reader follows a block's end");
             dev.fill_zeros(&mut self.coef)?;
             let b = &mut self.b.slice_mut(l * rows..(l + 1) * rows);
-            depth::source_grad(
-                dev,
-                Acc::Values(&mut acc.all_mut()),
-                &mut self.coef,
-                b,
-                &g,
-                col,
-                src,
-                d,
-                true,
-            )?;
+            depth::source_grad(dev, &mut acc.all_mut(), &mut self.coef, b, &g, col, src, d, true)?;
             let (b, dw) = (
                 self.b.slice(l * rows..(l + 1) * rows),
                 &mut self.dws.slice_mut(l * d..(l + 1) * d),
@@ -398,28 +388,13 @@ impl<A: Act> DepthBackward<A> {
         let first = self.owed.last().expect("the output aggregation is owed first").l;
         debug_assert_eq!(first, (n * f.block_size).min(f.sublayers), "the readers of source {n}");
         let src = f.source(n);
-        let mut acc = dev.zeros(rows * d)?;
-        dev.fill_zeros(&mut self.coef)?;
-        let last = self.owed.len() - 1;
-        for (i, o) in self.owed.iter().enumerate() {
-            let g = consumer_grad(f, o);
-            let b = &mut self.b.slice_mut(o.l * rows..(o.l + 1) * rows);
-            depth::source_grad(
-                dev,
-                Acc::Wide(&mut acc),
-                &mut self.coef,
-                b,
-                &g,
-                n,
-                src,
-                d,
-                i == last,
-            )?;
-        }
+        let mut out = dev.zeros(rows * d)?;
+        let readers: Vec<_> = self.owed.iter().map(|o| (o.l, consumer_grad(f, o))).collect();
+        depth::source_grads(dev, &mut out, &mut self.b, &readers, n, src, d)?;
         let consumers = first..f.sublayers + 1;
         let b = self.b.slice(consumers.start * rows..consumers.end * rows);
         let dws = &mut self.dws.slice_mut(consumers.start * d..consumers.end * d);
         depth::query_grads(dev, dws, b, src.v, rows, d)?;
-        A::narrow(dev, acc)
+        Ok(out)
     }
 }
