@@ -238,7 +238,7 @@ pub struct DepthBackward<A: Act> {
     /// Per consumer and token, the coefficients of its query gradient from the source at hand
     /// (`[L + 1, rows]`).
     b: Buf<A>,
-    /// Per token, the key-norm coefficient of the source at hand.
+    /// Per token, the key-norm coefficient of the partial sum at hand.
     coef: Buf<f32>,
 }
 
