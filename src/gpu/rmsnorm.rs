@@ -4,6 +4,10 @@
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
 use super::{per_row, per_value, ROW_THREADS as THREADS};
 use anyhow::Result;
+use cudarc::driver::LaunchConfig;
+
+/// Rows per chunk of the gain's gradient.
+const GAIN_ROWS: usize = 256;
 
 /// Forward: `y` and the per-row `rstd`.
 pub fn forward<A: Act>(
@@ -44,10 +48,27 @@ pub fn backward<A: Act>(
     let args = [dx.arg_mut(), dxx, dy.arg(), x.arg(), g.arg(), rstd.arg(), Arg::i32(d as i32)];
     // SAFETY: as in `forward`.
     unsafe { dev.launch(&kernel::<A>("rmsnorm_backward"), per_row(rows, THREADS), &args) }?;
-    let args =
-        [dg.arg_mut(), dy.arg(), x.arg(), rstd.arg(), Arg::i32(rows as i32), Arg::i32(d as i32)];
-    // SAFETY: as in `forward`; one thread per column of `dg`.
-    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward_gain"), per_value(d), &args) }?;
+    // The gain's gradient: sums over chunks of GAIN_ROWS rows (more where the rows would need
+    // more chunks than a grid holds), then the chunks' sums.
+    let chunk_rows = GAIN_ROWS.max(rows.div_ceil(65_535));
+    let chunks = rows.div_ceil(chunk_rows).max(1);
+    let mut part = dev.zeros::<f32>(chunks * d)?;
+    let args = [
+        part.arg_mut(),
+        dy.arg(),
+        x.arg(),
+        rstd.arg(),
+        Arg::i32(rows as i32),
+        Arg::i32(d as i32),
+        Arg::i32(chunk_rows as i32),
+    ];
+    let cfg =
+        LaunchConfig { grid_dim: (per_value(d).grid_dim.0, chunks as u32, 1), ..per_value(d) };
+    // SAFETY: as in `forward`; a thread per column and chunk, inside `part`.
+    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward_gain"), cfg, &args) }?;
+    let args = [dg.arg_mut(), part.arg(), Arg::i32(chunks as i32), Arg::i32(d as i32)];
+    // SAFETY: the kernel's arguments in its order; one thread per column of `dg`.
+    unsafe { dev.launch("rmsnorm_gain_sum", per_value(d), &args) }?;
     Ok(dx)
 }
 
@@ -58,7 +79,8 @@ mod tests {
     use crate::testutil::{assert_close_to_largest, rand_vec};
 
     fn rmsnorm_matches_the_cpu_kernel(dev: &Device) {
-        for (rows, d) in [(3, 64), (37, 1000), (5, 4096)] {
+        // The last spans several chunks of the gain's gradient.
+        for (rows, d) in [(3, 64), (37, 1000), (5, 4096), (600, 96)] {
             let x = rand_vec(rows * d, 1, 3.0);
             let g: Vec<f32> = rand_vec(d, 2, 0.5).iter().map(|v| 1.0 + v).collect();
             let dy = rand_vec(rows * d, 3, 1.0);

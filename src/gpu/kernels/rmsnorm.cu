@@ -50,23 +50,37 @@ extern "C" __global__ void rmsnorm_backward_bf16(bf16* dx, float* dxx, const bf1
     rmsnorm_backward_t(dx, dxx, dy, x, g, rstd, d);
 }
 
-// Backward to the gain, added into dg[d]: dg[j] += sum over rows of dy * x * rstd; one thread
-// per column.
+// Backward to the gain, in two steps that keep the GPU busy however few columns there are:
+// each block sums dy * x * rstd over `chunk_rows` rows for its columns into part[chunk, d] (grid
+// (ceil(d / threads), chunks)); rmsnorm_gain_sum then adds the chunks' sums into dg[d], in
+// order, so the result does not vary from run to run.
 template <typename T>
-__device__ void rmsnorm_backward_gain_t(float* dg, const T* dy, const T* x, const float* rstd,
-                                        int rows, int d) {
+__device__ void rmsnorm_backward_gain_t(float* part, const T* dy, const T* x, const float* rstd,
+                                        int rows, int d, int chunk_rows) {
+    int j = blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    int r0 = blockIdx.y * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+    float s = 0.0f;
+    for (int t = r0; t < r1; t++)
+        s += to_f32(dy[(size_t)t * d + j]) * to_f32(x[(size_t)t * d + j]) * rstd[t];
+    part[(size_t)blockIdx.y * d + j] = s;
+}
+extern "C" __global__ void rmsnorm_backward_gain(float* part, const float* dy, const float* x,
+                                                 const float* rstd, int rows, int d,
+                                                 int chunk_rows) {
+    rmsnorm_backward_gain_t(part, dy, x, rstd, rows, d, chunk_rows);
+}
+extern "C" __global__ void rmsnorm_backward_gain_bf16(float* part, const bf16* dy, const bf16* x,
+                                                      const float* rstd, int rows, int d,
+                                                      int chunk_rows) {
+    rmsnorm_backward_gain_t(part, dy, x, rstd, rows, d, chunk_rows);
+}
+
+// dg[j] += the sum over chunks of part[chunk, j]; one thread per column.
+extern "C" __global__ void rmsnorm_gain_sum(float* dg, const float* part, int chunks, int d) {
     int j = blockIdx.x * blockDim.x + threadIdx.x;
     if (j >= d) return;
     float s = 0.0f;
-    for (int t = 0; t < rows; t++)
-        s += to_f32(dy[(size_t)t * d + j]) * to_f32(x[(size_t)t * d + j]) * rstd[t];
+    for (int c = 0; c < chunks; c++) s += part[(size_t)c * d + j];
     dg[j] += s;
-}
-extern "C" __global__ void rmsnorm_backward_gain(float* dg, const float* dy, const float* x,
-                                                 const float* rstd, int rows, int d) {
-    rmsnorm_backward_gain_t(dg, dy, x, rstd, rows, d);
-}
-extern "C" __global__ void rmsnorm_backward_gain_bf16(float* dg, const bf16* dy, const bf16* x,
-                                                      const float* rstd, int rows, int d) {
-    rmsnorm_backward_gain_t(dg, dy, x, rstd, rows, d);
 }
