@@ -1,5 +1,5 @@
-//! cuBLASLt, the GPU's matrix products, in fp32 with TF32 off (the exact mode), for the
-//! row-major matrices the engine keeps.
+//! cuBLASLt, the GPU's matrix products, for the row-major matrices the engine keeps: fp32 with
+//! TF32 off (the exact mode), or bf16 operands with f32 sums.
 //!
 //! cuBLASLt is column-major. A row-major `C[m, n]` is the column-major `Cᵀ[n, m]` at the same
 //! address, so `C = op(A)·op(B)` is asked for as `Cᵀ = op(B)ᵀ·op(A)ᵀ`: the operands swap places

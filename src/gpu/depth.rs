@@ -1,7 +1,7 @@
 //! The depth attention of Attention Residuals on the GPU (`kernels/depth.cu`): what
 //! `crate::kernels::depth` computes on the CPU, with the same buffers. The two-phase forward
 //! ([`phase1`], [`phase2`]), the sums that make its sources ([`sum_rstd`]), and the backward
-//! taken per source ([`source_grad`], [`query_grads`]).
+//! taken per source ([`source_grads`], [`query_grads`]).
 
 use super::blas::{DType, Gemm};
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
@@ -172,59 +172,16 @@ pub struct Source<'a, A: Act> {
     pub rstd: Slice<'a, f32>,
 }
 
-/// Consumer `g`'s share of the gradient of source `src` (column `col` of its weights), added
-/// into `acc` (`[rows, d]`: a sublayer's output gradient, into which a partial sum's gradient
-/// goes) with its key-norm coefficient into `coef` (`[rows]`, zero before a
-/// source's first consumer); `b` receives per token the coefficient of the consumer's query
-/// gradient, which [`query_grads`] turns into it. `finish`: `g` is the source's last consumer,
-/// and `acc` becomes the source's gradient.
+/// The gradient of source `src` from all of its readers at once (reader `l` of `readers` at
+/// column `col` of its weights), into `out` (`[rows, d]`; added to what it holds with
+/// `accumulate`: a partial sum's gradient goes into a sublayer's output gradient): each
+/// reader's coefficients go to row `l` of `b` (`[consumers, rows]`), which [`query_grads`]
+/// then takes.
 #[allow(clippy::too_many_arguments)]
-pub fn source_grad<A: Act>(
-    dev: &Device,
-    acc: &mut SliceMut<A>,
-    coef: &mut Buf<f32>,
-    b: &mut SliceMut<A>,
-    g: &ConsumerGrad<A>,
-    col: usize,
-    src: Source<A>,
-    d: usize,
-    finish: bool,
-) -> Result<()> {
-    assert_eq!(acc.len(), src.v.len());
-    let acc = acc.arg_mut();
-    let rows = src.rstd.len();
-    let k = g.n_sources;
-    assert!(col < k && g.alpha.len() == rows * k && g.logits.len() == rows * k);
-    assert!([g.dh.len(), src.v.len()] == [rows * d; 2] && g.w.len() == d);
-    assert!([coef.len(), b.len(), g.dh_dot_h.len()] == [rows; 3]);
-    let args = [
-        acc,
-        coef.arg_mut(),
-        b.arg_mut(),
-        g.dh.arg(),
-        g.dh_dot_h.arg(),
-        g.alpha.arg(),
-        g.logits.arg(),
-        g.w.arg(),
-        src.v.arg(),
-        src.rstd.arg(),
-        Arg::i32(k as i32),
-        Arg::i32(col as i32),
-        Arg::i32(d as i32),
-        Arg::i32(finish as i32),
-    ];
-    // SAFETY: the kernel's arguments in its order; every buffer holds what it reads or writes
-    // for `rows` tokens (checked above).
-    let name = kernel::<A>("depth_source_grad");
-    unsafe { dev.launch(&name, per_row(rows, ROW_THREADS), &args) }
-}
-
-/// The gradient of completed source `src` from all of its readers at once (reader `l` of
-/// `readers` at column `col` of its weights), into `out` (`[rows, d]`): each reader's
-/// coefficients go to row `l` of `b` (`[consumers, rows]`), which [`query_grads`] then takes.
 pub fn source_grads<A: Act>(
     dev: &Device,
     out: &mut Buf<A>,
+    accumulate: bool,
     b: &mut Buf<A>,
     readers: &[(usize, ConsumerGrad<A>)],
     col: usize,
@@ -262,6 +219,7 @@ pub fn source_grads<A: Act>(
         Arg::i32(col as i32),
         Arg::i32(rows as i32),
         Arg::i32(d as i32),
+        Arg::i32(accumulate as i32),
     ];
     let cfg = LaunchConfig {
         shared_mem_bytes: (d * size_of::<f32>()) as u32,
@@ -275,7 +233,7 @@ pub fn source_grads<A: Act>(
 
 /// The effective-query gradients of consumers that read source `v` (`[rows, d]`), added into
 /// `dws` (`[consumers, d]`): `dw_c += Σ_t b[c, t]·v_t` for the coefficients `b`
-/// (`[consumers, rows]`) that [`source_grad`] left, one product for all of them.
+/// (`[consumers, rows]`) that [`source_grads`] left, one product for all of them.
 pub fn query_grads<A: Act>(
     dev: &Device,
     dws: &mut SliceMut<f32>,
@@ -470,10 +428,7 @@ mod tests {
             let src = Source { v: pv.all(), rstd: pr.all() };
             // Added to what is there, as the sublayer output's gradient is.
             let mut acc = up(&vec![0.5f32; rows * d]);
-            let mut coef = dev.zeros(rows).unwrap();
-            let bj = &mut b.slice_mut(j * rows..(j + 1) * rows);
-            source_grad(dev, &mut acc.all_mut(), &mut coef, bj, &grads[j], c, src, d, true)
-                .unwrap();
+            source_grads(dev, &mut acc, true, &mut b, &[(j, grads[j])], c, src, d).unwrap();
             let dw = &mut dws.slice_mut(j * d..(j + 1) * d);
             query_grads(dev, dw, b.slice(j * rows..(j + 1) * rows), pv.all(), rows, d).unwrap();
             let want: Vec<f32> = want_part[j].iter().map(|x| x + 0.5).collect();
@@ -487,7 +442,7 @@ mod tests {
             // The readers in the backward pass's order, last first.
             let readers: Vec<(usize, ConsumerGrad<f32>)> =
                 grads.iter().enumerate().rev().map(|(j, g)| (j, *g)).collect();
-            source_grads(dev, &mut acc, &mut b, &readers, i, src, d).unwrap();
+            source_grads(dev, &mut acc, false, &mut b, &readers, i, src, d).unwrap();
             query_grads(dev, &mut dws.all_mut(), b.all(), v.all(), rows, d).unwrap();
             let got = dev.download(&acc).unwrap();
             assert_close_to_largest(&got, &want_src[i], 1e-5, &format!("source {i}"));

@@ -58,17 +58,6 @@ unsafe impl DeviceRepr for Bf16 {}
 // SAFETY: all zero bits are bfloat16's +0.
 unsafe impl ValidAsZeroBits for Bf16 {}
 
-impl Bf16 {
-    /// The nearest bfloat16 (ties to even), as the kernels round.
-    pub fn from_f32(x: f32) -> Bf16 {
-        Bf16(half::bf16::from_f32(x).to_bits())
-    }
-
-    pub fn to_f32(self) -> f32 {
-        half::bf16::from_bits(self.0).to_f32()
-    }
-}
-
 /// The type of the activations: f32 (the exact mode) or bfloat16 (mixed precision). Kernels
 /// that take either are named `NAME` for f32 and `NAME_bf16` for bfloat16.
 pub trait Act: Elem {
@@ -76,6 +65,7 @@ pub trait Act: Elem {
     const SUFFIX: &'static str;
     /// The type cuBLASLt is told.
     const TYPE: super::blas::DType;
+    /// The nearest value of this type (for bfloat16: ties to even, as the kernels round).
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;
     /// `x` as values of this type: `x` itself for f32, a copy rounded to bfloat16.
@@ -113,10 +103,10 @@ impl Act for Bf16 {
     const SUFFIX: &'static str = "_bf16";
     const TYPE: super::blas::DType = super::blas::DType::Bf16;
     fn from_f32(x: f32) -> Bf16 {
-        Bf16::from_f32(x)
+        Bf16(half::bf16::from_f32(x).to_bits())
     }
     fn to_f32(self) -> f32 {
-        Bf16::to_f32(self)
+        half::bf16::from_bits(self.0).to_f32()
     }
     fn narrow(dev: &Device, x: Buf<f32>) -> Result<Buf<Bf16>> {
         let mut y = dev.zeros(x.len())?;

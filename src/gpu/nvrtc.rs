@@ -4,7 +4,8 @@
 use anyhow::{bail, Result};
 use std::time::Instant;
 
-/// What every kernel file starts with when compiled: the block-wide reductions.
+/// What every kernel file starts with when compiled: the bf16 type and the block-wide
+/// reductions.
 pub(crate) const COMMON: &str = include_str!("kernels/reduce.cuh");
 
 /// The engine's CUDA kernels: (file name, source).

@@ -145,47 +145,6 @@ extern "C" __global__ void depth_phase2_bf16(bf16* h, float* alpha, float* logit
     depth_phase2_t(h, alpha, logits, o1, logits1, m1, l1, p, pr, w, d, c);
 }
 
-// One consumer's share of the gradient of one of its sources v (1/rms rstd), at column `col`
-// of its k weights; dh is the gradient of its input h and dhh = <dh, h> per token:
-//   dl = alpha (<dh, v> - dhh),  b = dl r,  acc += alpha dh + b w,  coef += dl logit,
-// and b into bs[t] for the query's gradient (sum over tokens of b v: a product, taken after).
-// `finish`: the consumer is the source's last, and acc becomes its gradient,
-// acc - (r^2 / d) coef v (the key norm's term). One block per token. It takes a partial sum's
-// gradient, which adds into a sublayer's output gradient (acc, of the values' type A);
-// depth_source_grads below takes a completed source's from all of its readers.
-template <typename A, typename T>
-__device__ void depth_source_grad_t(A* acc, float* coef, T* bs, const T* dh, const float* dhh,
-                                    const float* alpha, const float* logits, const float* w,
-                                    const T* v, const float* rstd, int k, int col, int d,
-                                    int finish) {
-    int t = blockIdx.x;
-    size_t at = (size_t)t * d;
-    // Read before row_dot's barriers, so before thread 0 writes it below.
-    float c0 = coef[t];
-    float a = alpha[(size_t)t * k + col], r = rstd[t];
-    float dl = a * (row_dot(dh + at, v + at, d) - dhh[t]);
-    float b = dl * r, cf = c0 + dl * logits[(size_t)t * k + col];
-    float cv = finish ? cf * r * r / (float)d : 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        float x = to_f32(acc[at + j]) + a * to_f32(dh[at + j]) + b * w[j] - cv * to_f32(v[at + j]);
-        acc[at + j] = from_f32<A>(x);
-    }
-    if (threadIdx.x == 0) {
-        coef[t] = cf;
-        bs[t] = from_f32<T>(b);
-    }
-}
-extern "C" __global__ void depth_source_grad(float* acc, float* coef, float* bs, const float* dh,
-        const float* dhh, const float* alpha, const float* logits, const float* w, const float* v,
-        const float* rstd, int k, int col, int d, int finish) {
-    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
-}
-extern "C" __global__ void depth_source_grad_bf16(bf16* acc, float* coef, bf16* bs, const bf16* dh,
-        const float* dhh, const float* alpha, const float* logits, const float* w, const bf16* v,
-        const float* rstd, int k, int col, int d, int finish) {
-    depth_source_grad_t(acc, coef, bs, dh, dhh, alpha, logits, w, v, rstd, k, col, d, finish);
-}
-
 // y = a * b, n values: a consumer's effective query q * gamma.
 extern "C" __global__ void depth_query(float* y, const float* a, const float* b, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -198,21 +157,26 @@ extern "C" __global__ void depth_query_grad(float* y, const float* a, const floa
     if (i < n) y[i] += a[i] * b[i];
 }
 
-// The gradient of one completed source v (1/rms rstd, at column `col` of every reader's
-// weights) from all of its readers at once, each as depth_source_grad takes one, into out[rows,
-// d]: the source is read once and its gradient written once, the sums in f32 in shared memory
-// (d floats). Reader i's buffers come from tables of addresses (dh, dhh, alpha, logits, w, each
-// `readers` long, one after another in `tables`); its coefficients b go to row rows_of[i] of
-// bs ([consumers, rows]) and its weights are ks[i] wide. One block per token.
+// The gradient of one source v (1/rms rstd, at column `col` of every reader's k weights) from
+// all of its readers at once, into out[rows, d] (added to what out holds with `accumulate`: a
+// partial sum's gradient goes into the gradient of its block's earlier outputs). Per token and
+// reader, with dh the gradient of the reader's input h and dhh = <dh, h>:
+//   dl = alpha (<dh, v> - dhh),  b = dl r,  out += alpha dh + b w,  coef += dl logit,
+// then out -= (r^2 / d) coef v (the key norm's term); b goes to bs for the query's gradient (the
+// sum over tokens of b v: a product, taken after). The source is read once and its gradient
+// written once, the sums in f32 in shared memory (d floats). Reader i's buffers come from
+// tables of addresses (dh, dhh, alpha, logits, w, each `readers` long, one after another in
+// `tables`); its b goes to row rows_of[i] of bs ([consumers, rows]) and its weights are ks[i]
+// wide. One block per token.
 template <typename T>
 __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, const int* ks,
                                      const int* rows_of, int readers, const T* v,
-                                     const float* rstd, int col, int rows, int d) {
+                                     const float* rstd, int col, int rows, int d, int accumulate) {
     DYNAMIC_SHARED(float, acc);
     int t = blockIdx.x;
     size_t at = (size_t)t * d;
     const T* vr = v + at;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = 0.0f;
+    for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = accumulate ? to_f32(out[at + j]) : 0.0f;
     float r = rstd[t], coef = 0.0f;
     for (int i = 0; i < readers; i++) {
         const T* dh = (const T*)tables[i] + at;
@@ -235,12 +199,12 @@ __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, con
 extern "C" __global__ void depth_source_grads(float* out, float* bs, const long long* tables,
                                               const int* ks, const int* rows_of, int readers,
                                               const float* v, const float* rstd, int col,
-                                              int rows, int d) {
-    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
+                                              int rows, int d, int accumulate) {
+    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d, accumulate);
 }
 extern "C" __global__ void depth_source_grads_bf16(bf16* out, bf16* bs, const long long* tables,
                                                    const int* ks, const int* rows_of, int readers,
                                                    const bf16* v, const float* rstd, int col,
-                                                   int rows, int d) {
-    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
+                                                   int rows, int d, int accumulate) {
+    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d, accumulate);
 }

@@ -17,6 +17,13 @@ use crate::model::params::Layout;
 use crate::model::Config;
 use anyhow::Result;
 
+/// Where consumer `l`'s pseudo-query and key-norm gain lie among the parameters: the effective
+/// query is their product.
+fn query_and_gain(layout: &Layout, l: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    let p = layout.depth_params(l).expect("AttnRes layout has depth parameters");
+    (p.query.clone(), p.gain.clone().expect("the method's depth attention has key-norm gains"))
+}
+
 /// The residual state of a forward pass.
 // One per pass: the size of the larger variant does not matter.
 #[allow(clippy::large_enum_variant)]
@@ -75,9 +82,8 @@ impl<A: Act> ResidualForward<A> {
         let rows = e.len() / d;
         let mut queries = dev.zeros((sublayers + 1) * d)?;
         for l in 0..=sublayers {
-            let p = layout.depth_params(l).expect("AttnRes layout has depth parameters");
-            let gain = p.gain.clone().expect("the method's depth attention has key-norm gains");
-            let (q, g) = (params.slice(p.query.clone()), params.slice(gain));
+            let (q, g) = query_and_gain(layout, l);
+            let (q, g) = (params.slice(q), params.slice(g));
             depth::product(dev, &mut queries.slice_mut(l * d..(l + 1) * d), q, g, false)?;
         }
         // The embedding and every block: what the output aggregation reads.
@@ -132,6 +138,11 @@ impl<A: Act> ResidualForward<A> {
 }
 
 impl<A: Act> DepthForward<A> {
+    /// Whether sublayer `l` is the last of its block (the last block may be shorter).
+    fn ends_block(&self, l: usize) -> bool {
+        (l + 1).is_multiple_of(self.block_size) || l + 1 == self.sublayers
+    }
+
     /// Source `n` (`[rows, d]`) and its 1/rms.
     fn source(&self, n: usize) -> Source<'_, A> {
         let (rows, d) = (self.rows, self.d);
@@ -180,9 +191,8 @@ impl<A: Act> DepthForward<A> {
     /// the block sum that becomes the next completed source. The partial sum it read goes to
     /// its saved state.
     fn push_output(&mut self, dev: &Device, l: usize, mut out: Buf<A>) -> Result<()> {
-        let last = (l + 1).is_multiple_of(self.block_size) || l + 1 == self.sublayers;
         let read = self.partial.take();
-        if last {
+        if self.ends_block(l) {
             self.complete(dev, &out, read.as_ref().map(|(v, _)| v))?;
         } else {
             // The new partial sum is `out` plus the old one, made in place.
@@ -238,8 +248,6 @@ pub struct DepthBackward<A: Act> {
     /// Per consumer and token, the coefficients of its query gradient from the source at hand
     /// (`[L + 1, rows]`).
     b: Buf<A>,
-    /// Per token, the key-norm coefficient of the partial sum at hand.
-    coef: Buf<f32>,
 }
 
 impl<A: Act> ResidualBackward<A> {
@@ -260,7 +268,6 @@ impl<A: Act> ResidualBackward<A> {
             owed: Vec::new(),
             dws: dev.zeros(consumers * f.d)?,
             b: dev.zeros(consumers * rows)?,
-            coef: dev.zeros(rows)?,
         };
         b.owe(dev, f, f.sublayers, dh, dh_dot_h.expect("the depth attention's ⟨dh, h⟩"))?;
         Ok(ResidualBackward::Depth(b))
@@ -276,10 +283,9 @@ impl<A: Act> ResidualBackward<A> {
         match (self, fwd) {
             (ResidualBackward::Standard { acc }, _) => Ok(acc),
             (ResidualBackward::Depth(b), ResidualForward::Depth(f)) => {
-                let s = f.block_size;
-                if (l + 1).is_multiple_of(s) || l + 1 == f.sublayers {
+                if f.ends_block(l) {
                     // The last sublayer of its block: start from the gradient of its block sum.
-                    b.acc = Some(b.source_grad(dev, f, l / s + 1)?);
+                    b.acc = Some(b.source_grad(dev, f, l / f.block_size + 1)?);
                 }
                 Ok(b.acc.as_ref().expect("a block's last sublayer comes first"))
             }
@@ -321,11 +327,10 @@ impl<A: Act> ResidualBackward<A> {
                 let de = b.source_grad(dev, f, 0)?;
                 let d = f.d;
                 for l in 0..=f.sublayers {
-                    let p = layout.depth_params(l).expect("AttnRes layout has depth parameters");
-                    let gain = p.gain.clone().expect("key-norm gains");
+                    let (query, gain) = query_and_gain(layout, l);
                     let dw = b.dws.slice(l * d..(l + 1) * d);
-                    let (q, g) = (params.slice(p.query.clone()), params.slice(gain.clone()));
-                    depth::product(dev, &mut grads.slice_mut(p.query.clone()), dw, g, true)?;
+                    let (q, g) = (params.slice(query.clone()), params.slice(gain.clone()));
+                    depth::product(dev, &mut grads.slice_mut(query), dw, g, true)?;
                     depth::product(dev, &mut grads.slice_mut(gain), dw, q, true)?;
                 }
                 Ok(de)
@@ -365,16 +370,13 @@ impl<A: Act> DepthBackward<A> {
             let src = Source { v: pv.all(), rstd: pr.all() };
             let g = consumer_grad(f, &owed);
             let col = g.n_sources - 1;
-            let mut acc = self.acc.take().expect("a partial sum's reader follows a block's end");
-            dev.fill_zeros(&mut self.coef)?;
-            let b = &mut self.b.slice_mut(l * rows..(l + 1) * rows);
-            depth::source_grad(dev, &mut acc.all_mut(), &mut self.coef, b, &g, col, src, d, true)?;
+            let acc = self.acc.as_mut().expect("a partial sum's reader follows a block's end");
+            depth::source_grads(dev, acc, true, &mut self.b, &[(l, g)], col, src, d)?;
             let (b, dw) = (
                 self.b.slice(l * rows..(l + 1) * rows),
                 &mut self.dws.slice_mut(l * d..(l + 1) * d),
             );
             depth::query_grads(dev, dw, b, src.v, rows, d)?;
-            self.acc = Some(acc);
         }
         self.owed.push(owed);
         Ok(())
@@ -390,7 +392,7 @@ impl<A: Act> DepthBackward<A> {
         let src = f.source(n);
         let mut out = dev.zeros(rows * d)?;
         let readers: Vec<_> = self.owed.iter().map(|o| (o.l, consumer_grad(f, o))).collect();
-        depth::source_grads(dev, &mut out, &mut self.b, &readers, n, src, d)?;
+        depth::source_grads(dev, &mut out, false, &mut self.b, &readers, n, src, d)?;
         let consumers = first..f.sublayers + 1;
         let b = self.b.slice(consumers.start * rows..consumers.end * rows);
         let dws = &mut self.dws.slice_mut(consumers.start * d..consumers.end * d);
