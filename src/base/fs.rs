@@ -1,7 +1,7 @@
 //! Files written whole or not at all, and text files read with a useful error.
 
 use anyhow::{Context, Result};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// What marks the name of [`write_atomic`]'s temporary files: `.NAME.tmp-PID`.
 const TEMPORARY: &str = ".tmp-";
@@ -155,6 +155,33 @@ pub fn map_file(path: &Path) -> Result<memmap2::Mmap> {
     anyhow::ensure!(meta.is_file(), "{} is not a regular file", path.display());
     // SAFETY: the map is only read; see above for files changed under it.
     unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot map {}", path.display()))
+}
+
+/// 128-bit FNV-1a over several byte strings, as a hex key.
+pub fn content_key(parts: &[&[u8]]) -> String {
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for p in parts {
+        for &b in p.iter().chain((p.len() as u64).to_le_bytes().iter()) {
+            h ^= b as u128;
+            h = h.wrapping_mul(0x0000000001000000000000000000013B);
+        }
+    }
+    format!("{h:032x}")
+}
+
+/// Where cached files live: `$ATTNRES_CACHE`, else `$XDG_CACHE_HOME/attnres`, else
+/// `~/.cache/attnres`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("ATTNRES_CACHE") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("attnres");
+    }
+    match std::env::var_os("HOME") {
+        Some(h) => PathBuf::from(h).join(".cache/attnres"),
+        None => std::env::temp_dir().join("attnres-cache"),
+    }
 }
 
 #[cfg(test)]

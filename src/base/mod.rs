@@ -1,6 +1,6 @@
 //! What every other layer stands on: nothing here knows of models.
 //!
-//! - [`fs`]: files written atomically, and reads that name the file in their errors.
+//! - [`fs`]: files written atomically, reads that name the file in their errors, the cache folder.
 //! - [`alloc`]: the binary's allocator, which recycles large buffers between steps.
 //! - [`profile`]: per-phase timers.
 //! - [`version`]: the code version a run records.

@@ -50,9 +50,19 @@ fn shape_args(s: AttnShape) -> [Arg; 5] {
 /// Rows per block of the tensor-core kernels (`FLASH_ROWS` in `kernels/flash.cu`).
 const FLASH_ROWS: usize = 64;
 
-/// Whether attention runs on the tensor cores: in bf16, with heads of a multiple of 16 values.
-fn on_tensor_cores<A: Act>(s: AttnShape) -> bool {
-    A::TYPE == DType::Bf16 && s.head_dim.is_multiple_of(16)
+/// The head sizes the tensor-core kernels are instantiated for (`NAME_hdN` in
+/// `kernels/flash.cu`): each is compiled with its loops unrolled, so that the fragments stay in
+/// registers.
+const FLASH_HEADS: [usize; 5] = [16, 32, 64, 96, 128];
+
+/// Whether attention runs on the tensor cores: in bf16, with heads of a size in [`FLASH_HEADS`].
+pub(crate) fn on_tensor_cores<A: Act>(s: AttnShape) -> bool {
+    A::TYPE == DType::Bf16 && FLASH_HEADS.contains(&s.head_dim)
+}
+
+/// The tensor-core kernel `name` for the shape's head size.
+fn flash(name: &str, s: AttnShape) -> String {
+    format!("{name}_hd{}", s.head_dim)
 }
 
 /// The tensor-core kernels' launch: blocks of FLASH_ROWS rows over `y` sequences-by-heads, a
@@ -76,8 +86,8 @@ pub fn forward<A: Act>(dev: &Device, qkv: &Buf<A>, s: AttnShape) -> Result<(Buf<
         args.extend(shape_args(s));
         let cfg = flash_blocks(s, s.batch * s.heads);
         // SAFETY: the kernel's arguments in its order; `out`, `stats` and `qkv` hold the
-        // shape's values (checked), the head a multiple of 16 values up to MAX_HEAD_DIM.
-        unsafe { dev.launch("flash_forward_bf16", cfg, &args) }?;
+        // shape's values (checked), and the kernel is the one for its head size.
+        unsafe { dev.launch(&flash("flash_forward_bf16", s), cfg, &args) }?;
         return Ok((out, stats));
     }
     let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
@@ -123,8 +133,10 @@ pub fn backward<A: Act>(
     if on_tensor_cores::<A>(s) {
         // SAFETY: as in `forward`; each kernel writes its own columns of `dqkv`.
         unsafe {
-            dev.launch("flash_backward_dq_bf16", flash_blocks(s, s.batch * s.heads), &args)?;
-            dev.launch("flash_backward_dkv_bf16", flash_blocks(s, s.batch * s.kv_heads), &args)?;
+            let (dq, dkv) =
+                (flash("flash_backward_dq_bf16", s), flash("flash_backward_dkv_bf16", s));
+            dev.launch(&dq, flash_blocks(s, s.batch * s.heads), &args)?;
+            dev.launch(&dkv, flash_blocks(s, s.batch * s.kv_heads), &args)?;
         }
         return Ok(dqkv);
     }

@@ -115,15 +115,18 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
     within(&down(dev, &dlogits.unwrap()), &want_dlogits, ONCE, "dlogits");
 
     // Attention forward on the tensor cores: the output and its statistics, over grouped and
-    // plain heads, sequences that end inside a tile and span several blocks. Its product with
-    // the values takes the probabilities rounded to bf16 (2^-8 of each): 2^-8 of the largest
-    // value more.
+    // plain heads, sequences that end inside a tile and span several blocks, every head size
+    // the kernels are built for. Its product with the values takes the probabilities rounded
+    // to bf16 (2^-8 of each): 2^-8 of the largest value more.
     let shapes = [
         AttnShape { batch: 2, seq: 37, heads: 4, kv_heads: 2, head_dim: 16 },
+        AttnShape { batch: 1, seq: 90, heads: 2, kv_heads: 2, head_dim: 32 },
         AttnShape { batch: 1, seq: 150, heads: 2, kv_heads: 1, head_dim: 64 },
+        AttnShape { batch: 1, seq: 100, heads: 3, kv_heads: 1, head_dim: 96 },
         AttnShape { batch: 1, seq: 70, heads: 1, kv_heads: 1, head_dim: 128 },
     ];
     for s in shapes {
+        assert!(attention::on_tensor_cores::<Bf16>(s), "{s:?} is not on the tensor cores");
         let qkv = values(s.batch * s.seq * s.qkv_width(), 9, 2.0);
         let (want_out, want_stats) = crate::kernels::attention::forward(&qkv, s);
         let (out, stats) = attention::forward(dev, &up(dev, &qkv), s).unwrap();

@@ -5,7 +5,7 @@
 
 use super::blas::{Blas, Gemm};
 use super::driver::gpus;
-use super::nvrtc::{compile, kernel_names, KERNELS};
+use super::nvrtc::{kernel_images, kernel_names, KERNELS};
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -348,10 +348,9 @@ impl Device {
         unsafe { ctx.disable_event_tracking() };
         let arch = found[ordinal].arch();
         let mut functions = HashMap::new();
-        for &(file, src) in KERNELS {
-            let compiled = compile(file, src, &arch)?;
-            let ptx = cudarc::nvrtc::Ptx::from_src(compiled.ptx);
-            let module = ctx.load_module(ptx).with_context(|| format!("loading {file}"))?;
+        for ((file, cubin), &(_, src)) in kernel_images(&arch)?.into_iter().zip(KERNELS) {
+            let image = cudarc::nvrtc::Ptx::from_binary(cubin);
+            let module = ctx.load_module(image).with_context(|| format!("loading {file}"))?;
             for name in kernel_names(src) {
                 let f = module.load_function(name).with_context(|| format!("{file}: {name}"))?;
                 functions.insert(name, f);

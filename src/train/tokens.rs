@@ -7,6 +7,7 @@
 //! `ATRTOK01`, then `u64` train and validation token counts, then the `u32` tokens.
 
 use super::data::Split;
+use crate::base::fs::{cache_dir, content_key};
 use crate::text::tokenizer::Bpe;
 use anyhow::{bail, ensure, Context, Result};
 use memmap2::Mmap;
@@ -16,31 +17,6 @@ use std::path::{Path, PathBuf};
 
 const MAGIC: &[u8; 8] = b"ATRTOK01";
 const HEADER: usize = 24;
-
-/// 128-bit FNV-1a over several byte strings, as a hex key.
-pub fn content_key(parts: &[&[u8]]) -> String {
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    for p in parts {
-        for &b in p.iter().chain((p.len() as u64).to_le_bytes().iter()) {
-            h ^= b as u128;
-            h = h.wrapping_mul(0x0000000001000000000000000000013B);
-        }
-    }
-    format!("{h:032x}")
-}
-
-pub fn cache_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("ATTNRES_CACHE") {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("attnres");
-    }
-    match std::env::var_os("HOME") {
-        Some(h) => PathBuf::from(h).join(".cache/attnres"),
-        None => std::env::temp_dir().join("attnres-cache"),
-    }
-}
 
 /// The train and validation token streams of a corpus.
 pub struct Tokens {

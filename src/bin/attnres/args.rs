@@ -668,8 +668,9 @@ impl Mode {
 
 #[derive(Args)]
 pub(crate) struct DeviceArgs {
-    /// Compile every CUDA kernel with NVRTC for this architecture (sm_90 for Hopper); needs the
-    /// NVRTC library, not a GPU.
+    /// Compile every CUDA kernel with NVRTC for this architecture (sm_90 for Hopper) and show
+    /// each kernel's registers, shared memory and any local memory; needs the NVRTC library,
+    /// not a GPU.
     #[arg(long, value_name = "ARCH")]
     pub compile_for: Option<String>,
 }

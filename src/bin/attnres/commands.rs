@@ -141,6 +141,18 @@ fn device_cmd(a: DeviceArgs) -> Result<()> {
                 k.file, k.seconds
             );
             write_stdout(line.as_bytes())?;
+            for r in &k.resources {
+                let local = if r.in_registers() {
+                    String::new()
+                } else {
+                    format!(", LOCAL MEMORY {} B stack, {} B spilled", r.stack_bytes, r.spill_bytes)
+                };
+                let line = format!(
+                    "  {}: {} registers, {} B shared{local}\n",
+                    r.kernel, r.registers, r.shared_bytes
+                );
+                write_stdout(line.as_bytes())?;
+            }
         }
     }
     Ok(())

@@ -5,6 +5,7 @@
 use super::progress::Progress;
 use super::{Position, Setup, TrainOptions, Trainer};
 use crate::base::fs::write_atomic;
+use crate::base::fs::{cache_dir, content_key};
 use crate::base::version::CodeVersion;
 use crate::model::{checkpoint, Model};
 use crate::text::tokenizer::Bpe;
@@ -14,7 +15,7 @@ use crate::train::data::{Corpus, Split};
 use crate::train::optim::Optimizer;
 use crate::train::parallel;
 use crate::train::presets;
-use crate::train::tokens::{cache_dir, content_key, Tokens, WindowOrder};
+use crate::train::tokens::{Tokens, WindowOrder};
 use anyhow::{bail, ensure, Context, Result};
 use std::path::{Path, PathBuf};
 
