@@ -149,7 +149,7 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
     }
 
     // The depth attention's two phases: a block of 3 consumers over 4 sources, the later two
-    // reading a partial sum.
+    // reading a partial sum that phase 2 makes, and its input's norm.
     let (c, consumers) = (4, 3);
     let srcs = values(c * rows * d, 10, 2.0);
     let ws = rand_vec(consumers * d, 11, 0.2);
@@ -159,26 +159,48 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
     crate::kernels::depth::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
     let (sd, rd, wd) = (up(dev, &srcs), dev.upload(&rs).unwrap(), dev.upload(&ws).unwrap());
     let g1 = depth::phase1(dev, sd.all(), rd.all(), wd.all(), rows, d).unwrap();
-    let partial = values(rows * d, 12, 1.5);
-    let mut pr = vec![0.0f32; rows];
-    crate::kernels::rmsnorm::rstd(&mut pr, &partial, d, 1e-6);
-    let (pd, prd) = (up(dev, &partial), dev.upload(&pr).unwrap());
+    // Consumer j > 0's partial sum is the previous output, plus (j = 2) the sum before it,
+    // which the kernel stores rounded to bf16 and reads back.
+    let (out, prev) = (values(rows * d, 12, 1.5), values(rows * d, 13, 1.0));
+    let (out_d, prev_d) = (up(dev, &out), up(dev, &prev));
     for j in 0..consumers {
         let w = &ws[j * d..(j + 1) * d];
+        let sum: Vec<f32> = match j {
+            2 => out.iter().zip(&prev).map(|(a, b)| Bf16::from_f32(a + b).to_f32()).collect(),
+            _ => out.clone(),
+        };
+        let mut pr = vec![0.0f32; rows];
+        crate::kernels::rmsnorm::rstd(&mut pr, &sum, d, 1e-6);
         // Phase 1's mix alone (the input of a consumer without a partial sum), then merged.
         let o1 = crate::kernels::depth::phase2(None, &mut p1, j, None, w, d);
         crate::kernels::depth::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
-        let read = (j > 0).then_some((partial.as_slice(), pr.as_slice()));
+        let read = (j > 0).then_some((sum.as_slice(), pr.as_slice()));
         let want = crate::kernels::depth::phase2(None, &mut p1, j, read, w, d);
         crate::kernels::depth::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
-        let read = (j > 0).then(|| (pd.all(), prd.all()));
-        let got = depth::phase2(dev, &g1, j, read, wd.slice(j * d..(j + 1) * d), d, false);
-        let got = down(dev, &got.unwrap().h);
+        let (mut sum_d, mut pr_d) = (dev.copy(&out_d).unwrap(), dev.zeros(rows).unwrap());
+        let update = (j > 0).then(|| depth::PartialSum {
+            sum: &mut sum_d,
+            rstd: &mut pr_d,
+            prev: (j == 2).then(|| prev_d.all()),
+        });
+        let wj = wd.slice(j * d..(j + 1) * d);
+        let got = depth::input(dev, &g1, j, update, wj, gd.all(), d, 1e-6).unwrap();
+        let h = down(dev, &got.h);
         let largest = want.iter().fold(0f32, |m, x| m.max(x.abs()));
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        for (i, (g, w)) in h.iter().zip(&want).enumerate() {
             let bound = ONCE * (w.abs() + o1[i].abs()) + 1e-5 * largest;
             assert!((g - w).abs() <= bound, "depth h of {j}[{i}]: got {g}, want {w}");
         }
+        if j > 0 {
+            assert_eq!(down(dev, &sum_d), sum, "partial sum of {j}");
+            let pr_got = dev.download(&pr_d).unwrap();
+            assert_close_to_largest(&pr_got, &pr, 1e-5, &format!("partial rstd of {j}"));
+        }
+        // The norm the sublayer takes, of the rounded h the kernel stored.
+        let (want_xn, want_r) = crate::kernels::rmsnorm::forward(&h, &g, d, 1e-6);
+        within(&down(dev, &got.xn), &want_xn, ONCE, &format!("depth xn of {j}"));
+        let r = dev.download(&got.rstd).unwrap();
+        assert_close_to_largest(&r, &want_r, 1e-5, &format!("depth rstd of {j}"));
     }
 }
 crate::gpu::on_cpu_and_gpu!(bf16_kernels_match_the_cpu);

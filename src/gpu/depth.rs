@@ -1,7 +1,8 @@
 //! The depth attention of Attention Residuals on the GPU (`kernels/depth.cu`): what
 //! `crate::kernels::depth` computes on the CPU, with the same buffers. The two-phase forward
-//! ([`phase1`], [`phase2`]), the sums that make its sources ([`sum_rstd`]), and the backward
-//! taken per source ([`source_grads`], [`query_grads`]).
+//! ([`phase1`], then phase 2 in [`input`], which also makes the consumer's partial sum and
+//! normalises its input), the sums that make its completed sources ([`sum_rstd`]), and the
+//! backward taken per source ([`source_grads`], [`query_grads`]).
 
 use super::blas::{DType, Gemm};
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
@@ -13,22 +14,22 @@ use cudarc::driver::LaunchConfig;
 /// Consumers one launch of phase 1 scores (`PHASE1_CONSUMERS` in the kernel).
 const PHASE1_CONSUMERS: usize = 8;
 
-/// `out = a + b` (`b` absent: `a` alone; `a` absent: `out`'s own values, added to in place)
-/// and the per-row 1/rms of the result into `rstd`: a completed block or a running partial sum.
+/// `out = a + b` (`b` absent: `a` alone) and the per-row 1/rms of the result into `rstd`: a
+/// completed source, the embedding or a block's sum.
 pub fn sum_rstd<A: Act>(
     dev: &Device,
     out: &mut SliceMut<A>,
     rstd: &mut SliceMut<f32>,
-    a: Option<Slice<A>>,
+    a: Slice<A>,
     b: Option<Slice<A>>,
     d: usize,
     eps: f32,
 ) -> Result<()> {
     let rows = rstd.len();
-    assert!(out.len() == rows * d && d <= i32::MAX as usize);
-    assert!([a, b].iter().flatten().all(|x| x.len() == out.len()), "operands of one shape");
-    let arg = |x: Option<Slice<A>>| x.map_or(Arg::null(), |x| x.arg());
-    let args = [out.arg_mut(), rstd.arg_mut(), arg(a), arg(b), Arg::i32(d as i32), Arg::f32(eps)];
+    assert!(out.len() == rows * d && d <= i32::MAX as usize && a.len() == out.len());
+    assert!(b.is_none_or(|b| b.len() == out.len()), "operands of one shape");
+    let b = b.map_or(Arg::null(), |b| b.arg());
+    let args = [out.arg_mut(), rstd.arg_mut(), a.arg(), b, Arg::i32(d as i32), Arg::f32(eps)];
     // SAFETY: the kernel's arguments in its order; every buffer holds `rows` rows of `d`
     // (checked above), `rstd` one value per row.
     unsafe { dev.launch(&kernel::<A>("depth_sum_rstd"), per_row(rows, ROW_THREADS), &args) }
@@ -95,57 +96,80 @@ pub fn phase1<A: Act>(
     Ok(p)
 }
 
-/// A consumer's input and, when asked for, its weights and logits over its sources.
-pub struct Phase2<A: Act> {
-    pub h: Buf<A>,
-    /// `[rows, K]` each, the completed sources first, the partial sum last.
-    pub weights: Option<(Buf<f32>, Buf<f32>)>,
+/// The partial sum a consumer inside a block reads, which [`input`] makes in place: `sum`
+/// holds the previous sublayer's output and becomes that plus `prev`, the sum before it
+/// (absent at a block's second sublayer, which reads that output alone); its per-token 1/rms
+/// goes to `rstd`.
+pub struct PartialSum<'a, A: Act> {
+    pub sum: &'a mut Buf<A>,
+    pub rstd: &'a mut Buf<f32>,
+    pub prev: Option<Slice<'a, A>>,
 }
 
-/// Phase 2 of consumer `j` of the block `p1` scored: merges its partial sum (values and
-/// per-token 1/rms) by online softmax. `keep`: also its weights and logits, which backward
-/// needs.
-pub fn phase2<A: Act>(
+/// A consumer's input, its RMSNorm, and its weights and logits over its sources.
+pub struct Input<A: Act> {
+    pub h: Buf<A>,
+    pub xn: Buf<A>,
+    pub rstd: Buf<f32>,
+    /// `[rows, K]` each, the completed sources first, the partial sum last.
+    pub alpha: Buf<f32>,
+    pub logits: Buf<f32>,
+}
+
+/// Phase 2 of consumer `j` of the block `p1` scored, in one pass with what comes before and
+/// after it: makes its partial sum (if it reads one), merges it by online softmax into the
+/// input `h`, and normalises `h` with gain `g` (RMSNorm, `eps`) for the sublayer.
+#[allow(clippy::too_many_arguments)]
+pub fn input<A: Act>(
     dev: &Device,
     p1: &Phase1<A>,
     j: usize,
-    partial: Option<(Slice<A>, Slice<f32>)>,
+    partial: Option<PartialSum<A>>,
     w: Slice<f32>,
+    g: Slice<f32>,
     d: usize,
-    keep: bool,
-) -> Result<Phase2<A>> {
+    eps: f32,
+) -> Result<Input<A>> {
     let (rows, c) = (p1.rows, p1.completed);
     let k = c + partial.is_some() as usize;
-    assert!(p1.m1.len() >= (j + 1) * rows && w.len() == d);
-    assert!(partial.is_none_or(|(v, r)| v.len() == rows * d && r.len() == rows));
-    let mut h = dev.zeros(rows * d)?;
-    let mut weights = match keep {
-        true => Some((dev.zeros(rows * k)?, dev.zeros(rows * k)?)),
-        false => None,
+    assert!(p1.m1.len() >= (j + 1) * rows && w.len() == d && g.len() == d);
+    assert!(partial.as_ref().is_none_or(|p| p.sum.len() == rows * d && p.rstd.len() == rows));
+    assert!(partial.as_ref().and_then(|p| p.prev).is_none_or(|v| v.len() == rows * d));
+    let mut out = Input {
+        h: dev.zeros(rows * d)?,
+        xn: dev.zeros(rows * d)?,
+        rstd: dev.zeros(rows)?,
+        alpha: dev.zeros(rows * k)?,
+        logits: dev.zeros(rows * k)?,
     };
-    let (alpha, logits) = match &mut weights {
-        Some((a, l)) => (a.arg_mut(), l.arg_mut()),
-        None => (Arg::null(), Arg::null()),
+    let (p, pr, prev) = match partial {
+        Some(p) => (p.sum.arg_mut(), p.rstd.arg_mut(), p.prev.map_or(Arg::null(), |v| v.arg())),
+        None => (Arg::null(), Arg::null(), Arg::null()),
     };
-    let (p, pr) = partial.map_or((Arg::null(), Arg::null()), |(v, r)| (v.arg(), r.arg()));
     let args = [
-        h.arg_mut(),
-        alpha,
-        logits,
+        out.h.arg_mut(),
+        out.xn.arg_mut(),
+        out.rstd.arg_mut(),
+        out.alpha.arg_mut(),
+        out.logits.arg_mut(),
+        p,
+        pr,
+        prev,
         p1.o1.arg_at(j * rows * d),
         p1.logits.arg_at(j * rows * c),
         p1.m1.arg_at(j * rows),
         p1.l1.arg_at(j * rows),
-        p,
-        pr,
         w.arg(),
+        g.arg(),
         Arg::i32(d as i32),
         Arg::i32(c as i32),
+        Arg::f32(eps),
     ];
     // SAFETY: the kernel's arguments in its order; consumer j's rows of phase 1 lie in its
-    // buffers (checked above), the outputs hold `rows` rows of `d` and of K.
-    unsafe { dev.launch(&kernel::<A>("depth_phase2"), per_row(rows, ROW_THREADS), &args) }?;
-    Ok(Phase2 { h, weights })
+    // buffers, the partial sum and its predecessor hold `rows` rows of `d` (checked above), and
+    // the outputs `rows` rows of `d` and of K.
+    unsafe { dev.launch(&kernel::<A>("depth_input"), per_row(rows, ROW_THREADS), &args) }?;
+    Ok(out)
 }
 
 /// One consumer's share of the backward pass, as the per-source backward reads it (as the
@@ -285,59 +309,78 @@ mod tests {
     }
 
     /// A block's sums and both phases against the CPU's: `s` consumers over `c` completed
-    /// sources, consumer j > 0 also reading its own partial sum. Ten consumers take two
-    /// launches of phase 1; d = 200 is no multiple of the threads.
+    /// sources, consumer j > 0 also reading its partial sum, which phase 2 makes from the
+    /// previous output and (j > 1) the sum before, and every consumer's input normalised.
+    /// Ten consumers take two launches of phase 1; d = 200 is no multiple of the threads.
     fn the_forward_matches_the_cpu(dev: &Device) {
         for (rows, d, c, s) in [(1, 64, 1, 1), (37, 200, 4, 3), (9, 96, 3, 10)] {
             let at = format!("rows {rows} d {d} C {c} S {s}");
             let srcs = rand_vec(c * rows * d, 1, 2.0);
-            let extra = rand_vec(rows * d, 2, 1.0);
-            let partials: Vec<Vec<f32>> =
-                (0..s).map(|j| rand_vec(rows * d, 10 + j as u64, 1.5)).collect();
-            let ws = rand_vec(s * d, 3, 1.0);
-            // The sums: a source made as out + partial, a partial added to in place.
-            let mut want_sum = extra.clone();
-            let mut want_r = vec![0.0f32; rows];
-            rmsnorm::add_assign_rstd(&mut want_sum, Some(&partials[0]), &mut want_r, d, EPS);
-            let (xg, pg) = (dev.upload(&extra).unwrap(), dev.upload(&partials[0]).unwrap());
-            let (mut out, mut r) = (dev.zeros(2 * rows * d).unwrap(), dev.zeros(rows).unwrap());
-            let (a, b) = (Some(xg.all()), Some(pg.all()));
-            let o = &mut out.slice_mut(rows * d..2 * rows * d);
-            sum_rstd(dev, o, &mut r.all_mut(), a, b, d, EPS).unwrap();
-            let got = dev.download(&out).unwrap();
-            assert_close_to_largest(&got[rows * d..], &want_sum, 1e-6, &format!("{at}: sum"));
-            assert_close_to_largest(&dev.download(&r).unwrap(), &want_r, 1e-6, &at);
-            let mut inplace = dev.upload(&extra).unwrap();
-            sum_rstd(dev, &mut inplace.all_mut(), &mut r.all_mut(), None, b, d, EPS).unwrap();
-            assert_eq!(dev.download(&inplace).unwrap(), got[rows * d..], "{at}: in place");
+            let (x, y) = (rand_vec(rows * d, 2, 1.0), rand_vec(rows * d, 3, 1.5));
+            let ws = rand_vec(s * d, 4, 1.0);
+            let gain: Vec<f32> = rand_vec(d, 5, 0.5).iter().map(|v| 1.0 + v).collect();
+            // A completed source: x + y, or x alone.
+            for with_y in [true, false] {
+                let mut want = x.clone();
+                let mut want_r = vec![0.0f32; rows];
+                let b = with_y.then_some(y.as_slice());
+                rmsnorm::add_assign_rstd(&mut want, b, &mut want_r, d, EPS);
+                let (xg, yg) = (dev.upload(&x).unwrap(), dev.upload(&y).unwrap());
+                let (mut out, mut r) = (dev.zeros(2 * rows * d).unwrap(), dev.zeros(rows).unwrap());
+                let o = &mut out.slice_mut(rows * d..2 * rows * d);
+                let b = with_y.then(|| yg.all());
+                sum_rstd(dev, o, &mut r.all_mut(), xg.all(), b, d, EPS).unwrap();
+                let got = dev.download(&out).unwrap();
+                let at = format!("{at}, y {with_y}");
+                assert_close_to_largest(&got[rows * d..], &want, 1e-6, &format!("{at}: sum"));
+                assert_close_to_largest(&dev.download(&r).unwrap(), &want_r, 1e-6, &at);
+            }
 
             let rs = rstd_of(&srcs, d);
             let mut p1 = cpu::Phase1::default();
             cpu::phase1(&mut p1, &srcs, &rs, &ws, rows, d);
             let (sg, rg, wg) =
                 (dev.upload(&srcs).unwrap(), dev.upload(&rs).unwrap(), dev.upload(&ws).unwrap());
+            let gg = dev.upload(&gain).unwrap();
             let g1 = phase1(dev, sg.all(), rg.all(), wg.all(), rows, d).unwrap();
             for j in 0..s {
                 let at = format!("{at}, consumer {j}");
                 let w = &ws[j * d..(j + 1) * d];
-                let pr = rstd_of(&partials[j], d);
-                let partial = (j > 0).then(|| (partials[j].as_slice(), pr.as_slice()));
+                // Consumer j's partial sum: the previous output, plus the sum before it.
+                let out = rand_vec(rows * d, 10 + j as u64, 1.5);
+                let prev = (j > 1).then(|| rand_vec(rows * d, 30 + j as u64, 1.0));
+                let mut sum = out.clone();
+                let mut pr = vec![0.0f32; rows];
+                rmsnorm::add_assign_rstd(&mut sum, prev.as_deref(), &mut pr, d, EPS);
+                let partial = (j > 0).then_some((sum.as_slice(), pr.as_slice()));
                 let k = c + partial.is_some() as usize;
                 let (mut alpha, mut logits) = (vec![0.0; rows * k], vec![0.0; rows * k]);
                 let want = cpu::phase2(Some((&mut alpha, &mut logits)), &mut p1, j, partial, w, d);
-                let (pv, prg) = (dev.upload(&partials[j]).unwrap(), dev.upload(&pr).unwrap());
-                let gp = (j > 0).then(|| (pv.all(), prg.all()));
+                let (want_xn, want_rstd) = rmsnorm::forward(&want, &gain, d, EPS);
+
+                let (mut sum_g, mut pr_g) = (dev.upload(&out).unwrap(), dev.zeros(rows).unwrap());
+                let prev_g = prev.as_ref().map(|p| dev.upload(p).unwrap());
+                let update = (j > 0).then(|| PartialSum {
+                    sum: &mut sum_g,
+                    rstd: &mut pr_g,
+                    prev: prev_g.as_ref().map(|p| p.all()),
+                });
                 let wj = wg.slice(j * d..(j + 1) * d);
-                for keep in [true, false] {
-                    let got = phase2(dev, &g1, j, gp, wj, d, keep).unwrap();
-                    let h = dev.download(&got.h).unwrap();
-                    assert_close_to_largest(&h, &want, 1e-5, &format!("{at}: h"));
-                    assert_eq!(got.weights.is_some(), keep);
-                    if let Some((a, l)) = got.weights {
-                        let (a, l) = (dev.download(&a).unwrap(), dev.download(&l).unwrap());
-                        assert_close_to_largest(&a, &alpha, 1e-5, &format!("{at}: alpha"));
-                        assert_close_to_largest(&l, &logits, 1e-5, &format!("{at}: logits"));
-                    }
+                let got = input(dev, &g1, j, update, wj, gg.all(), d, EPS).unwrap();
+                for (name, got, want) in [
+                    ("h", dev.download(&got.h).unwrap(), want),
+                    ("alpha", dev.download(&got.alpha).unwrap(), alpha),
+                    ("logits", dev.download(&got.logits).unwrap(), logits),
+                    ("xn", dev.download(&got.xn).unwrap(), want_xn),
+                    ("rstd", dev.download(&got.rstd).unwrap(), want_rstd),
+                ] {
+                    assert_close_to_largest(&got, &want, 1e-5, &format!("{at}: {name}"));
+                }
+                if j > 0 {
+                    assert_close_to_largest(&dev.download(&sum_g).unwrap(), &sum, 1e-6, &at);
+                    assert_close_to_largest(&dev.download(&pr_g).unwrap(), &pr, 1e-6, &at);
+                } else {
+                    assert_eq!(dev.download(&sum_g).unwrap(), out, "{at}: no partial sum");
                 }
             }
         }

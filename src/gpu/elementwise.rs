@@ -65,22 +65,12 @@ pub fn embedding_backward<A: Act>(
     Ok(())
 }
 
-/// `a + b`, a new buffer.
-pub fn add<A: Act>(dev: &Device, a: &Buf<A>, b: &Buf<A>) -> Result<Buf<A>> {
-    assert_eq!(a.len(), b.len());
-    let mut y = dev.zeros(a.len())?;
-    let args = [y.arg_mut(), a.arg(), b.arg(), Arg::i64(a.len())];
-    // SAFETY: the kernel's arguments in its order; three buffers of `n` values.
-    unsafe { dev.launch(&kernel::<A>("add"), per_value(a.len()), &args) }?;
-    Ok(y)
-}
-
 /// `y += x`.
 pub fn add_into<A: Act>(dev: &Device, y: &mut Buf<A>, x: &Buf<A>) -> Result<()> {
     assert_eq!(y.len(), x.len());
     let n = y.len();
     let args = [y.arg_mut(), x.arg(), Arg::i64(n)];
-    // SAFETY: as in `add`.
+    // SAFETY: the kernel's arguments in its order; two buffers of `n` values.
     unsafe { dev.launch(&kernel::<A>("add_into"), per_value(n), &args) }
 }
 

@@ -27,6 +27,34 @@ pub fn forward<A: Act>(
     Ok((y, rstd))
 }
 
+/// The sum `h = a + b` and its forward in one pass: `(h, y, rstd)`, the standard residual's
+/// next sublayer input (the stream plus a sublayer's output) and what the sublayer takes.
+pub fn add_forward<A: Act>(
+    dev: &Device,
+    a: &Buf<A>,
+    b: &Buf<A>,
+    g: Slice<f32>,
+    d: usize,
+    eps: f32,
+) -> Result<(Buf<A>, Buf<A>, Buf<f32>)> {
+    let rows = a.len() / d;
+    assert!(rows * d == a.len() && b.len() == a.len() && g.len() == d && d <= i32::MAX as usize);
+    let (mut h, mut y, mut rstd) = (dev.zeros(a.len())?, dev.zeros(a.len())?, dev.zeros(rows)?);
+    let args = [
+        h.arg_mut(),
+        y.arg_mut(),
+        rstd.arg_mut(),
+        a.arg(),
+        b.arg(),
+        g.arg(),
+        Arg::i32(d as i32),
+        Arg::f32(eps),
+    ];
+    // SAFETY: as in `forward`.
+    unsafe { dev.launch(&kernel::<A>("rmsnorm_add_forward"), per_row(rows, THREADS), &args) }?;
+    Ok((h, y, rstd))
+}
+
 /// Backward: returns `dx`; `dg` accumulates. With `dx_dot_x` (`[rows]`), also each row's
 /// `⟨dx, x⟩`, which the depth attention's backward takes (as the CPU kernel's option).
 #[allow(clippy::too_many_arguments)]
@@ -116,6 +144,20 @@ mod tests {
                 ("rstd", dev.download(&rstd).unwrap(), want_rstd),
                 ("dx", dev.download(&dx).unwrap(), want_dx),
                 ("dg", dev.download(&dg).unwrap(), want_dg),
+            ] {
+                assert_close_to_largest(&got, &want, 1e-5, &format!("{at}: {name}"));
+            }
+            // The sum of two rows and its norm in one pass: x = a + b.
+            let a = rand_vec(rows * d, 4, 2.0);
+            let b: Vec<f32> = x.iter().zip(&a).map(|(x, a)| x - a).collect();
+            let want_h: Vec<f32> = a.iter().zip(&b).map(|(a, b)| a + b).collect();
+            let (want_y, want_rstd) = cpu::forward(&want_h, &g, d, 1e-5);
+            let (ag, bg) = (dev.upload(&a).unwrap(), dev.upload(&b).unwrap());
+            let (h, y, rstd) = add_forward(dev, &ag, &bg, gg.all(), d, 1e-5).unwrap();
+            assert_eq!(dev.download(&h).unwrap(), want_h, "{at}: a + b");
+            for (name, got, want) in [
+                ("y of a + b", dev.download(&y).unwrap(), want_y),
+                ("rstd of a + b", dev.download(&rstd).unwrap(), want_rstd),
             ] {
                 assert_close_to_largest(&got, &want, 1e-5, &format!("{at}: {name}"));
             }

@@ -4,20 +4,20 @@
 // keys, over raw values:
 //   logit_i = r_i <w, v_i>,  alpha = softmax(logit),  h = sum_i alpha_i v_i.
 // The forward is the two-phase form (phase 1 scores a block's completed sources for all of its
-// consumers at once, phase 2 merges each consumer's partial sum); the backward is taken per
-// source. One block per token, a power of two of threads (row_dot, row_rstd: reduce.cuh).
+// consumers at once; phase 2 merges each consumer's partial sum, made in the same pass, and
+// normalises the result for the sublayer); the backward is taken per source. One block per
+// token, a power of two of threads (row_dot, row_rstd, norm_row: reduce.cuh).
 
 // Consumers one launch of phase 1 scores; more run in further launches along the grid's y.
 #define PHASE1_CONSUMERS 8
 
-// out = a + b (b null: a alone; a null: out's own values), and the per-row 1/rms of the result
-// into rstd: a completed block or a running partial sum, with the statistic its keys need.
+// out = a + b (b null: a alone), and the per-row 1/rms of the result into rstd: a completed
+// source (the embedding, or a block's sum), with the statistic its keys need.
 template <typename T>
 __device__ void depth_sum_rstd_t(T* out, float* rstd, const T* a, const T* b, int d, float eps) {
     size_t at = (size_t)blockIdx.x * d;
-    const T* x = (a ? a : out) + at;
     for (int j = threadIdx.x; j < d; j += blockDim.x)
-        out[at + j] = b ? from_f32<T>(to_f32(x[j]) + to_f32(b[at + j])) : x[j];
+        out[at + j] = b ? from_f32<T>(to_f32(a[at + j]) + to_f32(b[at + j])) : a[at + j];
     // Each thread reads back the values it wrote.
     float r = row_rstd(out + at, d, eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
@@ -99,50 +99,66 @@ extern "C" __global__ void depth_phase1_bf16(float* logits, float* m1, float* l1
     depth_phase1_t(logits, m1, l1, o1, sources, rstds, ws, rows, d, c, s);
 }
 
-// Phase 2 of one consumer (its rows of phase 1: o1 [rows, d], logits1 [rows, c], m1, l1):
-// merges its partial sum p (1/rms pr; null: none) by online softmax into its input h. With
-// `alpha` (else null): the weights and logits over its k = c (+1) sources, completed first.
+// Phase 2 of one consumer, fused with what comes before and after it: the consumer's input h
+// from its rows of phase 1 (o1 [rows, d], logits1 [rows, c], m1, l1) and, inside a block, its
+// partial sum, then h's RMSNorm y with gain g (1/rms into rstd), as the sublayer (or the final
+// norm) takes it. The partial sum is made first, in place in `p`, which holds the output of the
+// sublayer before: p += prev, the sum before it (prev null: the block's second sublayer reads
+// that output alone), and its 1/rms goes to pr; then it is merged by online softmax. p null:
+// a block's first consumer, whose h is o1. The weights and logits over its k = c (+1)
+// sources, completed first, go to alpha and logits. Each thread reads back only the values it
+// wrote, as they were rounded, which is what backward reads.
 template <typename T>
-__device__ void depth_phase2_t(T* h, float* alpha, float* logits, const T* o1,
-                               const float* logits1, const float* m1, const float* l1, const T* p,
-                               const float* pr, const float* w, int d, int c) {
+__device__ void depth_input_t(T* h, T* y, float* rstd, float* alpha, float* logits, T* p,
+                              float* pr, const T* prev, const T* o1, const float* logits1,
+                              const float* m1, const float* l1, const float* w, const float* g,
+                              int d, int c, float eps) {
     int t = blockIdx.x, k = c + (p != 0);
     size_t at = (size_t)t * d;
     float m = m1[t], z = l1[t];
     if (p) {
-        float lp = pr[t] * row_dot(w, p + at, d);
+        T* pt = p + at;
+        if (prev)
+            for (int j = threadIdx.x; j < d; j += blockDim.x)
+                pt[j] = from_f32<T>(to_f32(pt[j]) + to_f32(prev[at + j]));
+        float r = row_rstd(pt, d, eps);
+        float lp = r * row_dot(w, pt, d);
         float mm = fmaxf(m, lp);
         float s1 = expf(m - mm) * z, sp = expf(lp - mm);
         z = s1 + sp;
         m = mm;
         float a1 = s1 / z, ap = sp / z;
         for (int j = threadIdx.x; j < d; j += blockDim.x)
-            h[at + j] = from_f32<T>(a1 * to_f32(o1[at + j]) + ap * to_f32(p[at + j]));
-        if (alpha && threadIdx.x == 0) {
+            h[at + j] = from_f32<T>(a1 * to_f32(o1[at + j]) + ap * to_f32(pt[j]));
+        if (threadIdx.x == 0) {
+            pr[t] = r;
             alpha[(size_t)t * k + c] = ap;
             logits[(size_t)t * k + c] = lp;
         }
     } else {
         for (int j = threadIdx.x; j < d; j += blockDim.x) h[at + j] = o1[at + j];
     }
-    if (!alpha) return;
     for (int i = threadIdx.x; i < c; i += blockDim.x) {
         float l = logits1[(size_t)t * c + i];
         logits[(size_t)t * k + i] = l;
         alpha[(size_t)t * k + i] = expf(l - m) / z;
     }
+    float r = norm_row(y + at, h + at, g, d, eps);
+    if (threadIdx.x == 0) rstd[t] = r;
 }
-extern "C" __global__ void depth_phase2(float* h, float* alpha, float* logits, const float* o1,
-                                        const float* logits1, const float* m1, const float* l1,
-                                        const float* p, const float* pr, const float* w, int d,
-                                        int c) {
-    depth_phase2_t(h, alpha, logits, o1, logits1, m1, l1, p, pr, w, d, c);
+extern "C" __global__ void depth_input(float* h, float* y, float* rstd, float* alpha,
+                                       float* logits, float* p, float* pr, const float* prev,
+                                       const float* o1, const float* logits1, const float* m1,
+                                       const float* l1, const float* w, const float* g, int d,
+                                       int c, float eps) {
+    depth_input_t(h, y, rstd, alpha, logits, p, pr, prev, o1, logits1, m1, l1, w, g, d, c, eps);
 }
-extern "C" __global__ void depth_phase2_bf16(bf16* h, float* alpha, float* logits, const bf16* o1,
-                                             const float* logits1, const float* m1,
-                                             const float* l1, const bf16* p, const float* pr,
-                                             const float* w, int d, int c) {
-    depth_phase2_t(h, alpha, logits, o1, logits1, m1, l1, p, pr, w, d, c);
+extern "C" __global__ void depth_input_bf16(bf16* h, bf16* y, float* rstd, float* alpha,
+                                            float* logits, bf16* p, float* pr, const bf16* prev,
+                                            const bf16* o1, const float* logits1, const float* m1,
+                                            const float* l1, const float* w, const float* g,
+                                            int d, int c, float eps) {
+    depth_input_t(h, y, rstd, alpha, logits, p, pr, prev, o1, logits1, m1, l1, w, g, d, c, eps);
 }
 
 // y = a * b, n values: a consumer's effective query q * gamma.

@@ -96,3 +96,11 @@ template <typename T> __device__ float row_rstd(const T* x, int d, float eps) {
     return (float)(1.0 / sqrt(parts[0] / (double)d + (double)eps));
 }
 
+// RMSNorm of row x into y with gain g (f32), as src/kernels/rmsnorm.rs: y = x * rstd * g with
+// rstd = 1 / sqrt(mean(x^2) + eps), which it returns in every thread. The rmsnorm kernels take
+// it, and the residual kernels that hand a sublayer its input and that input's norm at once.
+template <typename T> __device__ float norm_row(T* y, const T* x, const float* g, int d, float eps) {
+    float r = row_rstd(x, d, eps);
+    for (int j = threadIdx.x; j < d; j += blockDim.x) y[j] = from_f32<T>(to_f32(x[j]) * r * g[j]);
+    return r;
+}

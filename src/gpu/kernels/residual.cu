@@ -1,19 +1,7 @@
-// The standard residual stream's sums: forward adds each sublayer's output to the stream,
-// backward adds each sublayer's input gradient to the stream's. Values f32 or bf16 (T),
-// sums f32. One thread per value. Also the conversion of f32 values to bf16 (the weights'
+// The standard residual stream's backward: each sublayer's input gradient added to the
+// stream's (forward's sums are rmsnorm_add_forward, with the next norm). Values f32 or bf16
+// (T), sums f32. One thread per value. Also the conversion of f32 values to bf16 (the weights'
 // bf16 copy, f32 sums handed on as bf16 activations).
-
-// y = a + b.
-template <typename T> __device__ void add_t(T* y, const T* a, const T* b, long long n) {
-    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
-}
-extern "C" __global__ void add(float* y, const float* a, const float* b, long long n) {
-    add_t(y, a, b, n);
-}
-extern "C" __global__ void add_bf16(bf16* y, const bf16* a, const bf16* b, long long n) {
-    add_t(y, a, b, n);
-}
 
 // y += x.
 template <typename T> __device__ void add_into_t(T* y, const T* x, long long n) {

@@ -8,10 +8,8 @@
 // Forward: y[rows, d] and rstd[rows]; one block per row.
 template <typename T>
 __device__ void rmsnorm_forward_t(T* y, float* rstd, const T* x, const float* g, int d, float eps) {
-    const T* xr = x + (size_t)blockIdx.x * d;
-    T* yr = y + (size_t)blockIdx.x * d;
-    float r = row_rstd(xr, d, eps);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) yr[j] = from_f32<T>(to_f32(xr[j]) * r * g[j]);
+    size_t at = (size_t)blockIdx.x * d;
+    float r = norm_row(y + at, x + at, g, d, eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 }
 extern "C" __global__ void rmsnorm_forward(float* y, float* rstd, const float* x, const float* g,
@@ -21,6 +19,28 @@ extern "C" __global__ void rmsnorm_forward(float* y, float* rstd, const float* x
 extern "C" __global__ void rmsnorm_forward_bf16(bf16* y, float* rstd, const bf16* x,
                                                 const float* g, int d, float eps) {
     rmsnorm_forward_t(y, rstd, x, g, d, eps);
+}
+
+// The standard residual's next sublayer input h = a + b (the stream and a sublayer's output)
+// and its norm y, rstd, in one pass; one block per row. Each thread normalises the values it
+// wrote, as they were rounded.
+template <typename T>
+__device__ void rmsnorm_add_forward_t(T* h, T* y, float* rstd, const T* a, const T* b,
+                                      const float* g, int d, float eps) {
+    size_t at = (size_t)blockIdx.x * d;
+    for (int j = threadIdx.x; j < d; j += blockDim.x)
+        h[at + j] = from_f32<T>(to_f32(a[at + j]) + to_f32(b[at + j]));
+    float r = norm_row(y + at, h + at, g, d, eps);
+    if (threadIdx.x == 0) rstd[blockIdx.x] = r;
+}
+extern "C" __global__ void rmsnorm_add_forward(float* h, float* y, float* rstd, const float* a,
+                                               const float* b, const float* g, int d, float eps) {
+    rmsnorm_add_forward_t(h, y, rstd, a, b, g, d, eps);
+}
+extern "C" __global__ void rmsnorm_add_forward_bf16(bf16* h, bf16* y, float* rstd, const bf16* a,
+                                                    const bf16* b, const float* g, int d,
+                                                    float eps) {
+    rmsnorm_add_forward_t(h, y, rstd, a, b, g, d, eps);
 }
 
 // Backward to the input: with u = g * dy, dx = r * u - (r^3 / d) * <u, x> * x; one block per row.

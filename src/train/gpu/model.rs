@@ -5,7 +5,7 @@
 //! The standard residual, Full and Block AttnRes (the residual connection is [`super::residual`]);
 //! the ablation options of the depth attention are refused with an error that says so.
 
-use super::residual::{ResidualBackward, ResidualForward};
+use super::residual::{NormedInput, ResidualBackward, ResidualForward};
 use crate::gpu::attention;
 use crate::gpu::cross_entropy;
 use crate::gpu::device::{Act, Buf, Device, Ids, Slice, SliceMut};
@@ -31,22 +31,18 @@ pub struct GpuModel<A: Act = f32> {
     rope: RopeTables,
 }
 
-/// What the attention sublayer keeps for backward: its input, the norm's 1/rms and output,
+/// What the attention sublayer keeps for backward: its input with the norm's 1/rms and output,
 /// the rotated q/k with v, the attention's output and softmax statistics.
 struct AttnSaved<A: Act> {
-    h: Buf<A>,
-    rstd: Buf<f32>,
-    xn: Buf<A>,
+    x: NormedInput<A>,
     qkv: Buf<A>,
     o: Buf<A>,
     stats: Buf<f32>,
 }
 
-/// What the MLP keeps: its input, the norm's 1/rms and output, gate/up and the activation.
+/// What the MLP keeps: its input with the norm's 1/rms and output, gate/up and the activation.
 struct MlpSaved<A: Act> {
-    h: Buf<A>,
-    rstd: Buf<f32>,
-    xn: Buf<A>,
+    x: NormedInput<A>,
     gu: Buf<A>,
     act: Buf<A>,
 }
@@ -61,9 +57,8 @@ pub struct GpuForward<A: Act = f32> {
     attn: Vec<AttnSaved<A>>,
     mlp: Vec<MlpSaved<A>>,
     residual: ResidualForward<A>,
-    h_final: Buf<A>,
-    rstd_final: Buf<f32>,
-    xn_final: Buf<A>,
+    /// The final norm's input and output.
+    last: NormedInput<A>,
     /// `[batch·seq, vocab]`.
     pub logits: Buf<A>,
 }
@@ -143,77 +138,63 @@ impl<A: Act> GpuModel<A> {
         let positions = self.rope.positions(dev, &positions)?;
         let sh = self.shape(batch, seq);
         let e = embedding_forward(dev, p.slice(lay.embed.clone()), &ids, d)?;
-        let mut res = ResidualForward::new(dev, c, lay, p, e)?;
+        // Consumer l's norm gain: each sublayer's, then the final norm's.
+        let gain = |l: usize| {
+            let norm = match lay.layers.get(l / 2) {
+                Some(lp) if l.is_multiple_of(2) => &lp.input_norm,
+                Some(lp) => &lp.post_norm,
+                None => &lay.final_norm,
+            };
+            p.slice(norm.clone())
+        };
+        let (mut res, mut x) = ResidualForward::new(dev, c, lay, p, e, gain(0))?;
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
         for (i, lp) in lay.layers.iter().enumerate() {
-            let (l, h) = (2 * i, res.input(dev, 2 * i)?);
-            let (saved, out) = self.attn_forward(dev, lp, h, &positions, sh)?;
-            res.push_output(dev, l, &saved.h, out)?;
+            let l = 2 * i;
+            let (saved, out) = self.attn_forward(dev, lp, x, &positions, sh)?;
+            x = res.next(dev, l, &saved.x.h, out, gain(l + 1))?;
             attn.push(saved);
-            let (l, h) = (2 * i + 1, res.input(dev, 2 * i + 1)?);
-            let (saved, out) = self.mlp_forward(dev, lp, h)?;
-            res.push_output(dev, l, &saved.h, out)?;
+            let (saved, out) = self.mlp_forward(dev, lp, x)?;
+            x = res.next(dev, l + 1, &saved.x.h, out, gain(l + 2))?;
             mlp.push(saved);
         }
-        let h_final = res.output(dev)?;
-        let eps = c.rms_norm_eps as f32;
-        let (xn_final, rstd_final) =
-            rmsnorm::forward(dev, &h_final, p.slice(lay.final_norm.clone()), d, eps)?;
-        let logits =
-            linear(dev, &xn_final, w.slice(lay.head.clone()), batch * seq, d, c.vocab_size)?;
-        Ok(GpuForward {
-            batch,
-            seq,
-            ids,
-            positions,
-            attn,
-            mlp,
-            residual: res,
-            h_final,
-            rstd_final,
-            xn_final,
-            logits,
-        })
+        let logits = linear(dev, &x.xn, w.slice(lay.head.clone()), batch * seq, d, c.vocab_size)?;
+        Ok(GpuForward { batch, seq, ids, positions, attn, mlp, residual: res, last: x, logits })
     }
 
-    /// The attention sublayer on its input `h`: what it keeps, and its output.
+    /// The attention sublayer on its normalised input `x`: what it keeps, and its output.
     fn attn_forward(
         &self,
         dev: &Device,
         lp: &LayerParams,
-        h: Buf<A>,
+        x: NormedInput<A>,
         positions: &Ids,
         sh: AttnShape,
     ) -> Result<(AttnSaved<A>, Buf<A>)> {
-        let c = &self.config;
-        let (d, p, w, n) = (c.hidden_size, &self.params, self.weights(), positions.len());
+        let (d, w, n) = (self.config.hidden_size, self.weights(), positions.len());
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
-        let eps = c.rms_norm_eps as f32;
-        let (xn, rstd) = rmsnorm::forward(dev, &h, p.slice(lp.input_norm.clone()), d, eps)?;
-        let mut qkv = linear(dev, &xn, w.slice(lp.qkv.clone()), n, d, qw)?;
+        let mut qkv = linear(dev, &x.xn, w.slice(lp.qkv.clone()), n, d, qw)?;
         let heads = sh.heads + sh.kv_heads;
         rope::apply(dev, &mut qkv, qw, 0, heads, positions, &self.rope, false)?;
         let (o, stats) = attention::forward(dev, &qkv, sh)?;
         let out = linear(dev, &o, w.slice(lp.o_proj.clone()), n, ow, d)?;
-        Ok((AttnSaved { h, rstd, xn, qkv, o, stats }, out))
+        Ok((AttnSaved { x, qkv, o, stats }, out))
     }
 
-    /// The MLP sublayer on its input `h`: what it keeps, and its output.
+    /// The MLP sublayer on its normalised input `x`: what it keeps, and its output.
     fn mlp_forward(
         &self,
         dev: &Device,
         lp: &LayerParams,
-        h: Buf<A>,
+        x: NormedInput<A>,
     ) -> Result<(MlpSaved<A>, Buf<A>)> {
         let c = &self.config;
-        let (d, f, p, w) = (c.hidden_size, c.intermediate_size, &self.params, self.weights());
-        let n = h.len() / d;
-        let eps = c.rms_norm_eps as f32;
-        let (xn, rstd) = rmsnorm::forward(dev, &h, p.slice(lp.post_norm.clone()), d, eps)?;
-        let gu = linear(dev, &xn, w.slice(lp.gate_up.clone()), n, d, 2 * f)?;
+        let (d, f, w) = (c.hidden_size, c.intermediate_size, self.weights());
+        let n = x.h.len() / d;
+        let gu = linear(dev, &x.xn, w.slice(lp.gate_up.clone()), n, d, 2 * f)?;
         let act = swiglu_forward(dev, &gu, f)?;
         let out = linear(dev, &act, w.slice(lp.down.clone()), n, f, d)?;
-        Ok((MlpSaved { h, rstd, xn, gu, act }, out))
+        Ok((MlpSaved { x, gu, act }, out))
     }
 
     /// The mean loss of `fwd` against `targets`, without gradients.
@@ -267,13 +248,13 @@ impl<A: Act> GpuModel<A> {
         let mut dxn = dev.zeros(n * d)?;
         let head = lay.head.clone();
         let (dw, w) = (&mut grads.slice_mut(head.clone()), weights.slice(head));
-        linear_backward(dev, &mut dxn, dw, &dlogits, &fwd.xn_final, w, n, d, v, false)?;
+        linear_backward(dev, &mut dxn, dw, &dlogits, &fwd.last.xn, w, n, d, v, false)?;
         drop(dlogits);
         let norm = lay.final_norm.clone();
         let res = &fwd.residual;
         let dot = res.needs_dh_dot_h();
         let (dg, g) = (&mut grads.slice_mut(norm.clone()), p.slice(norm));
-        let (dh, dhh) = norm_backward(dev, dg, &dxn, &fwd.h_final, g, &fwd.rstd_final, d, dot)?;
+        let (dh, dhh) = norm_backward(dev, dg, &dxn, &fwd.last.h, g, &fwd.last.rstd, d, dot)?;
         let mut back = ResidualBackward::new(dev, res, dh, dhh)?;
         let sh = self.shape(fwd.batch, fwd.seq);
         for (i, lp) in lay.layers.iter().enumerate().rev() {
@@ -305,7 +286,7 @@ impl<A: Act> GpuModel<A> {
         let c = &self.config;
         let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
         let weights = self.weights();
-        let n = s.h.len() / d;
+        let n = s.x.h.len() / d;
         let mut dact = dev.zeros(n * f)?;
         let (dw, w) = (&mut grads.slice_mut(lp.down.clone()), weights.slice(lp.down.clone()));
         linear_backward(dev, &mut dact, dw, dout, &s.act, w, n, f, d, false)?;
@@ -313,10 +294,10 @@ impl<A: Act> GpuModel<A> {
         drop(dact);
         let mut dxn = dev.zeros(n * d)?;
         let (dw, w) = (&mut grads.slice_mut(lp.gate_up.clone()), weights.slice(lp.gate_up.clone()));
-        linear_backward(dev, &mut dxn, dw, &dgu, &s.xn, w, n, d, 2 * f, false)?;
+        linear_backward(dev, &mut dxn, dw, &dgu, &s.x.xn, w, n, d, 2 * f, false)?;
         let norm = lp.post_norm.clone();
         let dg = &mut grads.slice_mut(norm.clone());
-        norm_backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d, dot)
+        norm_backward(dev, dg, &dxn, &s.x.h, p.slice(norm), &s.x.rstd, d, dot)
     }
 
     /// The attention sublayer's backward from its output gradient `dout`, as
@@ -345,10 +326,10 @@ impl<A: Act> GpuModel<A> {
         rope::apply(dev, &mut dqkv, qw, 0, heads, positions, &self.rope, true)?;
         let mut dxn = dev.zeros(n * d)?;
         let (dw, w) = (&mut grads.slice_mut(lp.qkv.clone()), weights.slice(lp.qkv.clone()));
-        linear_backward(dev, &mut dxn, dw, &dqkv, &s.xn, w, n, d, qw, false)?;
+        linear_backward(dev, &mut dxn, dw, &dqkv, &s.x.xn, w, n, d, qw, false)?;
         let norm = lp.input_norm.clone();
         let dg = &mut grads.slice_mut(norm.clone());
-        norm_backward(dev, dg, &dxn, &s.h, p.slice(norm), &s.rstd, d, dot)
+        norm_backward(dev, dg, &dxn, &s.x.h, p.slice(norm), &s.x.rstd, d, dot)
     }
 }
 

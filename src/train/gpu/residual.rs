@@ -6,13 +6,16 @@
 //! with blocks of S sublayers: sublayer `l` reads the completed sources `b_0 .. b_{l/S}` (the
 //! embedding, then block sums) and, inside a block, the running partial sum; the output
 //! aggregation reads every completed source. When a block starts, phase 1 scores its completed
-//! sources for all of the block's consumers at once; phase 2 merges each consumer's partial sum.
+//! sources for all of the block's consumers at once; phase 2 makes each consumer's partial sum,
+//! merges it and normalises the result in one pass. Either way the residual hands each
+//! sublayer its input and that input's RMSNorm at once.
 //! Backward takes each consumer's partial-sum gradient at once and a completed source's
 //! gradient from all of its consumers together, when the backward pass reaches it.
 
-use crate::gpu::depth::{self, ConsumerGrad, Phase1, Source};
-use crate::gpu::device::{Act, Buf, Device};
-use crate::gpu::elementwise::{add, add_into};
+use crate::gpu::depth::{self, ConsumerGrad, PartialSum, Phase1, Source};
+use crate::gpu::device::{Act, Buf, Device, Slice};
+use crate::gpu::elementwise::add_into;
+use crate::gpu::rmsnorm;
 use crate::model::params::Layout;
 use crate::model::Config;
 use anyhow::Result;
@@ -24,13 +27,21 @@ fn query_and_gain(layout: &Layout, l: usize) -> (std::ops::Range<usize>, std::op
     (p.query.clone(), p.gain.clone().expect("the method's depth attention has key-norm gains"))
 }
 
+/// A consumer's input `h` with its RMSNorm (`xn`, per-token `rstd`), as the sublayer, or the
+/// final norm's product, takes it.
+pub struct NormedInput<A: Act> {
+    pub h: Buf<A>,
+    pub xn: Buf<A>,
+    pub rstd: Buf<f32>,
+}
+
 /// The residual state of a forward pass.
 // One per pass: the size of the larger variant does not matter.
 #[allow(clippy::large_enum_variant)]
 pub enum ResidualForward<A: Act> {
-    /// The residual stream `h_l`, lent to each sublayer as its input while it runs.
+    /// The residual stream: each sublayer keeps its input `h_l`, the stream there.
     Standard {
-        stream: Option<Buf<A>>,
+        eps: f32,
     },
     Depth(DepthForward<A>),
 }
@@ -67,18 +78,21 @@ pub struct DepthForward<A: Act> {
 }
 
 impl<A: Act> ResidualForward<A> {
-    /// Starts from the embedding output `e` (`[rows, d]`).
+    /// Starts from the embedding output `e` (`[rows, d]`): the state, and the first sublayer's
+    /// input normalised with gain `g`.
     pub fn new(
         dev: &Device,
         c: &Config,
         layout: &Layout,
         params: &Buf<f32>,
         e: Buf<A>,
-    ) -> Result<Self> {
-        let Some(s) = c.block_size() else {
-            return Ok(ResidualForward::Standard { stream: Some(e) });
-        };
+        g: Slice<f32>,
+    ) -> Result<(Self, NormedInput<A>)> {
         let (d, sublayers, eps) = (c.hidden_size, c.sublayers(), c.rms_norm_eps as f32);
+        let Some(s) = c.block_size() else {
+            let (xn, rstd) = rmsnorm::forward(dev, &e, g, d, eps)?;
+            return Ok((ResidualForward::Standard { eps }, NormedInput { h: e, xn, rstd }));
+        };
         let rows = e.len() / d;
         let mut queries = dev.zeros((sublayers + 1) * d)?;
         for l in 0..=sublayers {
@@ -103,31 +117,27 @@ impl<A: Act> ResidualForward<A> {
             saved: Vec::new(),
         };
         f.complete(dev, &e, None)?;
-        Ok(ResidualForward::Depth(f))
+        let first = f.input(dev, 0, None, g)?;
+        Ok((ResidualForward::Depth(f), first))
     }
 
-    /// The input `h_l` of sublayer `l` (sublayers in order).
-    pub fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<A>> {
+    /// Records the raw output `out` of sublayer `l`, whose input was `h`, and hands over the
+    /// next consumer's input normalised with gain `g`: sublayer `l + 1`'s, or after the last
+    /// sublayer the final norm's.
+    pub fn next(
+        &mut self,
+        dev: &Device,
+        l: usize,
+        h: &Buf<A>,
+        out: Buf<A>,
+        g: Slice<f32>,
+    ) -> Result<NormedInput<A>> {
         match self {
-            ResidualForward::Standard { stream } => Ok(stream.take().expect("one input at a time")),
-            ResidualForward::Depth(f) => f.input(dev, l),
-        }
-    }
-
-    /// Records the raw output of sublayer `l`, whose input was `h`.
-    pub fn push_output(&mut self, dev: &Device, l: usize, h: &Buf<A>, out: Buf<A>) -> Result<()> {
-        match self {
-            ResidualForward::Standard { stream } => *stream = Some(add(dev, h, &out)?),
-            ResidualForward::Depth(f) => f.push_output(dev, l, out)?,
-        }
-        Ok(())
-    }
-
-    /// The vector fed to the final norm: the stream, or the output aggregation.
-    pub fn output(&mut self, dev: &Device) -> Result<Buf<A>> {
-        match self {
-            ResidualForward::Standard { stream } => Ok(stream.take().expect("the stream")),
-            ResidualForward::Depth(f) => f.output(dev),
+            ResidualForward::Standard { eps } => {
+                let (h, xn, rstd) = rmsnorm::add_forward(dev, h, &out, g, g.len(), *eps)?;
+                Ok(NormedInput { h, xn, rstd })
+            }
+            ResidualForward::Depth(f) => f.next(dev, l, out, g),
         }
     }
 
@@ -157,17 +167,25 @@ impl<A: Act> DepthForward<A> {
         let (n, rows, d) = (self.completed, self.rows, self.d);
         let out = &mut self.values.slice_mut(n * rows * d..(n + 1) * rows * d);
         let rstd = &mut self.rstd.slice_mut(n * rows..(n + 1) * rows);
-        depth::sum_rstd(dev, out, rstd, Some(a.all()), b.map(|b| b.all()), d, self.eps)?;
+        depth::sum_rstd(dev, out, rstd, a.all(), b.map(|b| b.all()), d, self.eps)?;
         self.completed += 1;
         Ok(())
     }
 
-    /// The input of consumer `l` (a sublayer, or the output at `L`), its weights saved.
-    fn input(&mut self, dev: &Device, l: usize) -> Result<Buf<A>> {
+    /// The normalised input of consumer `l` (a sublayer, or the output at `L`; consumers in
+    /// order), its weights saved; `partial`: the partial sum it reads, which it makes.
+    fn input(
+        &mut self,
+        dev: &Device,
+        l: usize,
+        partial: Option<PartialSum<A>>,
+        g: Slice<f32>,
+    ) -> Result<NormedInput<A>> {
         let (s, rows, d) = (self.block_size, self.rows, self.d);
         debug_assert_eq!(self.saved.len(), l, "consumers in order");
         let is_output = l == self.sublayers;
         if is_output || l.is_multiple_of(s) {
+            debug_assert!(partial.is_none(), "a block's first consumer reads no partial sum");
             // Phase 1 for every consumer of the block that starts here (the last block may be
             // shorter; the output aggregation is a block of its own).
             let last = if is_output { l + 1 } else { (l + s).min(self.sublayers) };
@@ -177,45 +195,39 @@ impl<A: Act> DepthForward<A> {
             self.phase1 = Some(depth::phase1(dev, v, r, ws, rows, d)?);
         }
         let p1 = self.phase1.as_ref().expect("phase 1 ran at the block's start");
-        let partial = self.partial.as_ref().map(|(v, r)| (v.all(), r.all()));
+        let n_sources = self.completed + partial.is_some() as usize;
         let w = self.queries.slice(l * d..(l + 1) * d);
         let j = if is_output { 0 } else { l % s };
-        let out = depth::phase2(dev, p1, j, partial, w, d, true)?;
-        let (alpha, logits) = out.weights.expect("asked for");
-        let n_sources = self.completed + partial.is_some() as usize;
+        let x = depth::input(dev, p1, j, partial, w, g, d, self.eps)?;
+        let (alpha, logits) = (x.alpha, x.logits);
         self.saved.push(ConsumerSaved { alpha, logits, n_sources, partial: None });
-        Ok(out.h)
+        Ok(NormedInput { h: x.h, xn: x.xn, rstd: x.rstd })
     }
 
-    /// Adds the raw output of sublayer `l` to the partial sum, or, at the end of its block, to
-    /// the block sum that becomes the next completed source. The partial sum it read goes to
-    /// its saved state.
-    fn push_output(&mut self, dev: &Device, l: usize, mut out: Buf<A>) -> Result<()> {
+    /// Records the raw output of sublayer `l`: at the end of its block, the block's sum becomes
+    /// the next completed source; inside it, `out` becomes the next partial sum (in place).
+    /// Then consumer `l + 1`'s normalised input. The partial sum `l` read goes to its saved
+    /// state.
+    fn next(
+        &mut self,
+        dev: &Device,
+        l: usize,
+        mut out: Buf<A>,
+        g: Slice<f32>,
+    ) -> Result<NormedInput<A>> {
         let read = self.partial.take();
         if self.ends_block(l) {
             self.complete(dev, &out, read.as_ref().map(|(v, _)| v))?;
-        } else {
-            // The new partial sum is `out` plus the old one, made in place.
-            let mut rstd = dev.zeros(self.rows)?;
-            let b = read.as_ref().map(|(v, _)| v.all());
-            depth::sum_rstd(
-                dev,
-                &mut out.all_mut(),
-                &mut rstd.all_mut(),
-                None,
-                b,
-                self.d,
-                self.eps,
-            )?;
-            self.partial = Some((out, rstd));
+            self.saved[l].partial = read;
+            return self.input(dev, l + 1, None, g);
         }
+        let mut rstd = dev.zeros(self.rows)?;
+        let prev = read.as_ref().map(|(v, _)| v.all());
+        let update = PartialSum { sum: &mut out, rstd: &mut rstd, prev };
+        let x = self.input(dev, l + 1, Some(update), g)?;
         self.saved[l].partial = read;
-        Ok(())
-    }
-
-    /// The output aggregation over every completed source.
-    fn output(&mut self, dev: &Device) -> Result<Buf<A>> {
-        self.input(dev, self.sublayers)
+        self.partial = Some((out, rstd));
+        Ok(x)
     }
 }
 
