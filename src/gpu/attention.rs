@@ -80,7 +80,7 @@ fn flash_blocks(s: AttnShape, y: usize) -> LaunchConfig {
 pub fn forward<A: Act>(dev: &Device, qkv: &Buf<A>, s: AttnShape) -> Result<(Buf<A>, Buf<f32>)> {
     check(s, qkv)?;
     let (mut out, mut stats) =
-        (dev.zeros(s.batch * s.seq * s.out_width())?, dev.zeros(s.stats_len())?);
+        (dev.output(s.batch * s.seq * s.out_width())?, dev.output(s.stats_len())?);
     if on_tensor_cores::<A>(s) {
         let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
         args.extend(shape_args(s));
@@ -112,7 +112,7 @@ pub fn backward<A: Act>(
     let rows = s.batch * s.seq;
     assert!(dout.len() == rows * s.out_width() && out.len() == dout.len());
     assert_eq!(stats.len(), s.stats_len());
-    let mut delta = dev.zeros::<f32>(rows * s.heads)?;
+    let mut delta = dev.output::<f32>(rows * s.heads)?;
     let args = [
         delta.arg_mut(),
         dout.arg(),
@@ -126,7 +126,7 @@ pub fn backward<A: Act>(
     unsafe {
         dev.launch(&kernel::<A>("attention_backward_delta"), per_value(rows * s.heads), &args)
     }?;
-    let mut dqkv = dev.zeros(qkv.len())?;
+    let mut dqkv = dev.output(qkv.len())?;
     let mut args = vec![dqkv.arg_mut(), dout.arg(), qkv.arg(), stats.arg(), delta.arg()];
     args.extend(shape_args(s));
     let hd = s.head_dim;

@@ -17,8 +17,8 @@ pub fn loss<A: Act>(
     let rows = targets.len();
     assert!(logits.len() == rows * v && v <= i32::MAX as usize && rows > 0);
     assert!(targets.below <= v, "targets checked against a larger vocabulary");
-    let mut row_loss = dev.zeros(rows)?;
-    let mut dlogits = if grad { Some(dev.zeros(rows * v)?) } else { None };
+    let mut row_loss = dev.output(rows)?;
+    let mut dlogits = if grad { Some(dev.output(rows * v)?) } else { None };
     let inv = 1.0 / rows as f32;
     let args = [
         dlogits.as_mut().map_or(Arg::null(), |d| d.arg_mut()),

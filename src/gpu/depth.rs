@@ -66,10 +66,10 @@ pub fn phase1<A: Act>(
     let mut p = Phase1 {
         rows,
         completed: c,
-        logits: dev.zeros(s * rows * c)?,
-        m1: dev.zeros(s * rows)?,
-        l1: dev.zeros(s * rows)?,
-        o1: dev.zeros(s * rows * d)?,
+        logits: dev.output(s * rows * c)?,
+        m1: dev.output(s * rows)?,
+        l1: dev.output(s * rows)?,
+        o1: dev.output(s * rows * d)?,
     };
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, s.div_ceil(PHASE1_CONSUMERS) as u32, 1),
@@ -136,11 +136,11 @@ pub fn input<A: Act>(
     assert!(partial.as_ref().is_none_or(|p| p.sum.len() == rows * d && p.rstd.len() == rows));
     assert!(partial.as_ref().and_then(|p| p.prev).is_none_or(|v| v.len() == rows * d));
     let mut out = Input {
-        h: dev.zeros(rows * d)?,
-        xn: dev.zeros(rows * d)?,
-        rstd: dev.zeros(rows)?,
-        alpha: dev.zeros(rows * k)?,
-        logits: dev.zeros(rows * k)?,
+        h: dev.output(rows * d)?,
+        xn: dev.output(rows * d)?,
+        rstd: dev.output(rows)?,
+        alpha: dev.output(rows * k)?,
+        logits: dev.output(rows * k)?,
     };
     let (p, pr, prev) = match partial {
         Some(p) => (p.sum.arg_mut(), p.rstd.arg_mut(), p.prev.map_or(Arg::null(), |v| v.arg())),

@@ -39,13 +39,29 @@ enum Backend {
 }
 
 /// What a buffer may hold.
-pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static {}
-impl Elem for f32 {}
-impl Elem for u32 {}
-impl Elem for i32 {}
-impl Elem for i64 {}
-impl Elem for f64 {}
-impl Elem for Bf16 {}
+pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static {
+    /// What the emulator fills an [`Device::output`] buffer with, so that a kernel that reads
+    /// a value before it is written shows it: NaN, or the most negative integer.
+    const POISON: Self;
+}
+impl Elem for f32 {
+    const POISON: f32 = f32::NAN;
+}
+impl Elem for u32 {
+    const POISON: u32 = u32::MAX;
+}
+impl Elem for i32 {
+    const POISON: i32 = i32::MIN;
+}
+impl Elem for i64 {
+    const POISON: i64 = i64::MIN;
+}
+impl Elem for f64 {
+    const POISON: f64 = f64::NAN;
+}
+impl Elem for Bf16 {
+    const POISON: Bf16 = Bf16(0x7fc1);
+}
 
 /// A bfloat16 value as the kernels store it (`bf16` in `reduce.cuh`): the upper half of an
 /// f32's bits.
@@ -109,13 +125,13 @@ impl Act for Bf16 {
         half::bf16::from_bits(self.0).to_f32()
     }
     fn narrow(dev: &Device, x: Buf<f32>) -> Result<Buf<Bf16>> {
-        let mut y = dev.zeros(x.len())?;
+        let mut y = dev.output(x.len())?;
         to_bf16(dev, &mut y, &x)?;
         Ok(y)
     }
     fn refresh(dev: &Device, copy: &mut Option<Buf<Bf16>>, master: &Buf<f32>) -> Result<()> {
         if copy.is_none() {
-            *copy = Some(dev.zeros(master.len())?);
+            *copy = Some(dev.output(master.len())?);
         }
         to_bf16(dev, copy.as_mut().expect("made above"), master)
     }
@@ -333,6 +349,24 @@ impl Ids {
     }
 }
 
+/// Makes the device's memory pool keep what is freed for the next allocations. By default it
+/// hands freed memory back to the system at every synchronisation, so that each step would
+/// map its buffers again. Only speed depends on it: a driver that refuses is left as it is.
+fn keep_freed_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the pool handle is written by the driver before it is used; the attribute takes
+    // a u64.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().is_ok() {
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            let value = (&mut threshold as *mut u64).cast();
+            let _ = sys::cuMemPoolSetAttribute(pool, attr, value);
+        }
+    }
+}
+
 impl Device {
     /// GPU `ordinal` (0 for the first), with every kernel compiled and loaded; an error that
     /// says why where there is no such GPU or a kernel does not compile.
@@ -346,6 +380,7 @@ impl Device {
         // streams would only cost time.
         // SAFETY: before any buffer exists, and nothing here uses a second stream.
         unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory(&ctx);
         let arch = found[ordinal].arch();
         let mut functions = HashMap::new();
         for ((file, cubin), &(_, src)) in kernel_images(&arch)?.into_iter().zip(KERNELS) {
@@ -417,6 +452,20 @@ impl Device {
             Backend::Cuda { stream, .. } => Mem::Cuda(stream.alloc_zeros(n)?),
             #[cfg(test)]
             Backend::Emulated(_) => Mem::Host(vec![T::default(); n]),
+        };
+        Ok(self.held(mem))
+    }
+
+    /// `n` values for a kernel or product to write every one of before anything reads them:
+    /// not zeroed on a GPU (a pass over memory saved), filled with [`Elem::POISON`] in the
+    /// emulator, where a value read before it is written then spreads into the results.
+    pub fn output<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
+        let mem = match &self.backend {
+            // SAFETY: the caller writes every value before reading it (the emulator's poison
+            // checks that in the tests); until then the memory is never read.
+            Backend::Cuda { stream, .. } => Mem::Cuda(unsafe { stream.alloc(n) }?),
+            #[cfg(test)]
+            Backend::Emulated(_) => Mem::Host(vec![T::POISON; n]),
         };
         Ok(self.held(mem))
     }

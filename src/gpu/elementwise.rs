@@ -10,7 +10,7 @@ use anyhow::Result;
 pub fn swiglu_forward<A: Act>(dev: &Device, gu: &Buf<A>, f: usize) -> Result<Buf<A>> {
     let rows = gu.len() / (2 * f);
     assert!(rows * 2 * f == gu.len() && f <= i32::MAX as usize);
-    let mut act = dev.zeros(rows * f)?;
+    let mut act = dev.output(rows * f)?;
     let args = [act.arg_mut(), gu.arg(), Arg::i64(rows), Arg::i32(f as i32)];
     // SAFETY: the kernel's arguments in its order; `act` holds rows·F values, `gu` rows·2F.
     unsafe { dev.launch(&kernel::<A>("swiglu_forward"), per_value(rows * f), &args) }?;
@@ -26,7 +26,7 @@ pub fn swiglu_backward<A: Act>(
 ) -> Result<Buf<A>> {
     let rows = gu.len() / (2 * f);
     assert!(rows * 2 * f == gu.len() && dact.len() == rows * f && f <= i32::MAX as usize);
-    let mut dgu = dev.zeros(gu.len())?;
+    let mut dgu = dev.output(gu.len())?;
     let args = [dgu.arg_mut(), dact.arg(), gu.arg(), Arg::i64(rows), Arg::i32(f as i32)];
     // SAFETY: as in `swiglu_forward`.
     unsafe { dev.launch(&kernel::<A>("swiglu_backward"), per_value(rows * f), &args) }?;
@@ -41,7 +41,7 @@ pub fn embedding_forward<A: Act>(
     d: usize,
 ) -> Result<Buf<A>> {
     assert!(ids.below * d <= table.len() && d <= i32::MAX as usize);
-    let mut out = dev.zeros(ids.len() * d)?;
+    let mut out = dev.output(ids.len() * d)?;
     let args = [out.arg_mut(), table.arg(), ids.buf.arg(), Arg::i64(ids.len()), Arg::i32(d as i32)];
     // SAFETY: the kernel's arguments in its order; every id indexes a row of `table` (checked
     // when the ids were uploaded, against a vocabulary the table holds).

@@ -34,7 +34,7 @@ pub fn linear<A: Act>(
     d_in: usize,
     d_out: usize,
 ) -> Result<Buf<A>> {
-    let mut y = dev.zeros(rows * d_out)?;
+    let mut y = dev.output(rows * d_out)?;
     let g = Gemm::packed(rows, d_out, d_in, false, true).typed(A::TYPE, A::TYPE);
     let (sa, sb, sc) = g.spans();
     holds(x.len(), sa, "linear input");

@@ -19,7 +19,7 @@ pub fn forward<A: Act>(
 ) -> Result<(Buf<A>, Buf<f32>)> {
     let rows = x.len() / d;
     assert!(rows * d == x.len() && g.len() == d && d <= i32::MAX as usize);
-    let (mut y, mut rstd) = (dev.zeros(x.len())?, dev.zeros(rows)?);
+    let (mut y, mut rstd) = (dev.output(x.len())?, dev.output(rows)?);
     let args = [y.arg_mut(), rstd.arg_mut(), x.arg(), g.arg(), Arg::i32(d as i32), Arg::f32(eps)];
     // SAFETY: the arguments are the kernel's, in its order, and every buffer holds what the
     // kernel reads or writes for `rows` rows of `d` (checked above).
@@ -39,7 +39,7 @@ pub fn add_forward<A: Act>(
 ) -> Result<(Buf<A>, Buf<A>, Buf<f32>)> {
     let rows = a.len() / d;
     assert!(rows * d == a.len() && b.len() == a.len() && g.len() == d && d <= i32::MAX as usize);
-    let (mut h, mut y, mut rstd) = (dev.zeros(a.len())?, dev.zeros(a.len())?, dev.zeros(rows)?);
+    let (mut h, mut y, mut rstd) = (dev.output(a.len())?, dev.output(a.len())?, dev.output(rows)?);
     let args = [
         h.arg_mut(),
         y.arg_mut(),
@@ -71,7 +71,7 @@ pub fn backward<A: Act>(
     let rows = rstd.len();
     assert!(x.len() == rows * d && dy.len() == x.len() && g.len() == d && dg.len() == d);
     assert!(dx_dot_x.as_ref().is_none_or(|b| b.len() == rows), "one <dx, x> per row");
-    let mut dx = dev.zeros(x.len())?;
+    let mut dx = dev.output(x.len())?;
     let dxx = dx_dot_x.map_or(Arg::null(), |b| b.arg_mut());
     let args = [dx.arg_mut(), dxx, dy.arg(), x.arg(), g.arg(), rstd.arg(), Arg::i32(d as i32)];
     // SAFETY: as in `forward`.
@@ -80,7 +80,7 @@ pub fn backward<A: Act>(
     // more chunks than a grid holds), then the chunks' sums.
     let chunk_rows = GAIN_ROWS.max(rows.div_ceil(65_535));
     let chunks = rows.div_ceil(chunk_rows).max(1);
-    let mut part = dev.zeros::<f32>(chunks * d)?;
+    let mut part = dev.output::<f32>(chunks * d)?;
     let args = [
         part.arg_mut(),
         dy.arg(),

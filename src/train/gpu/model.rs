@@ -245,7 +245,7 @@ impl<A: Act> GpuModel<A> {
         let targets = self.targets(dev, fwd, targets)?;
         let (loss, dlogits) = cross_entropy::loss(dev, &fwd.logits, &targets, v, true)?;
         let dlogits = dlogits.expect("asked for");
-        let mut dxn = dev.zeros(n * d)?;
+        let mut dxn = dev.output(n * d)?;
         let head = lay.head.clone();
         let (dw, w) = (&mut grads.slice_mut(head.clone()), weights.slice(head));
         linear_backward(dev, &mut dxn, dw, &dlogits, &fwd.last.xn, w, n, d, v, false)?;
@@ -287,12 +287,12 @@ impl<A: Act> GpuModel<A> {
         let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
         let weights = self.weights();
         let n = s.x.h.len() / d;
-        let mut dact = dev.zeros(n * f)?;
+        let mut dact = dev.output(n * f)?;
         let (dw, w) = (&mut grads.slice_mut(lp.down.clone()), weights.slice(lp.down.clone()));
         linear_backward(dev, &mut dact, dw, dout, &s.act, w, n, f, d, false)?;
         let dgu = swiglu_backward(dev, &dact, &s.gu, f)?;
         drop(dact);
-        let mut dxn = dev.zeros(n * d)?;
+        let mut dxn = dev.output(n * d)?;
         let (dw, w) = (&mut grads.slice_mut(lp.gate_up.clone()), weights.slice(lp.gate_up.clone()));
         linear_backward(dev, &mut dxn, dw, &dgu, &s.x.xn, w, n, d, 2 * f, false)?;
         let norm = lp.post_norm.clone();
@@ -317,14 +317,14 @@ impl<A: Act> GpuModel<A> {
         let (d, p, n) = (self.config.hidden_size, &self.params, positions.len());
         let weights = self.weights();
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
-        let mut do_ = dev.zeros(n * ow)?;
+        let mut do_ = dev.output(n * ow)?;
         let (dw, w) = (&mut grads.slice_mut(lp.o_proj.clone()), weights.slice(lp.o_proj.clone()));
         linear_backward(dev, &mut do_, dw, dout, &s.o, w, n, ow, d, false)?;
         let mut dqkv = attention::backward(dev, &do_, &s.qkv, &s.o, &s.stats, sh)?;
         drop(do_);
         let heads = sh.heads + sh.kv_heads;
         rope::apply(dev, &mut dqkv, qw, 0, heads, positions, &self.rope, true)?;
-        let mut dxn = dev.zeros(n * d)?;
+        let mut dxn = dev.output(n * d)?;
         let (dw, w) = (&mut grads.slice_mut(lp.qkv.clone()), weights.slice(lp.qkv.clone()));
         linear_backward(dev, &mut dxn, dw, &dqkv, &s.x.xn, w, n, d, qw, false)?;
         let norm = lp.input_norm.clone();
@@ -346,7 +346,7 @@ fn norm_backward<A: Act>(
     d: usize,
     dot: bool,
 ) -> Result<(Buf<A>, Option<Buf<f32>>)> {
-    let mut dhh = if dot { Some(dev.zeros(rstd.len())?) } else { None };
+    let mut dhh = if dot { Some(dev.output(rstd.len())?) } else { None };
     let dh = rmsnorm::backward(dev, dg, dxn, h, g, rstd, d, dhh.as_mut())?;
     Ok((dh, dhh))
 }

@@ -94,7 +94,7 @@ impl<A: Act> ResidualForward<A> {
             return Ok((ResidualForward::Standard { eps }, NormedInput { h: e, xn, rstd }));
         };
         let rows = e.len() / d;
-        let mut queries = dev.zeros((sublayers + 1) * d)?;
+        let mut queries = dev.output((sublayers + 1) * d)?;
         for l in 0..=sublayers {
             let (q, g) = query_and_gain(layout, l);
             let (q, g) = (params.slice(q), params.slice(g));
@@ -109,8 +109,8 @@ impl<A: Act> ResidualForward<A> {
             d,
             eps,
             queries,
-            values: dev.zeros(capacity * rows * d)?,
-            rstd: dev.zeros(capacity * rows)?,
+            values: dev.output(capacity * rows * d)?,
+            rstd: dev.output(capacity * rows)?,
             completed: 0,
             partial: None,
             phase1: None,
@@ -221,7 +221,7 @@ impl<A: Act> DepthForward<A> {
             self.saved[l].partial = read;
             return self.input(dev, l + 1, None, g);
         }
-        let mut rstd = dev.zeros(self.rows)?;
+        let mut rstd = dev.output(self.rows)?;
         let prev = read.as_ref().map(|(v, _)| v.all());
         let update = PartialSum { sum: &mut out, rstd: &mut rstd, prev };
         let x = self.input(dev, l + 1, Some(update), g)?;
@@ -279,7 +279,7 @@ impl<A: Act> ResidualBackward<A> {
             acc: None,
             owed: Vec::new(),
             dws: dev.zeros(consumers * f.d)?,
-            b: dev.zeros(consumers * rows)?,
+            b: dev.output(consumers * rows)?,
         };
         b.owe(dev, f, f.sublayers, dh, dh_dot_h.expect("the depth attention's ⟨dh, h⟩"))?;
         Ok(ResidualBackward::Depth(b))
@@ -402,7 +402,7 @@ impl<A: Act> DepthBackward<A> {
         let first = self.owed.last().expect("the output aggregation is owed first").l;
         debug_assert_eq!(first, (n * f.block_size).min(f.sublayers), "the readers of source {n}");
         let src = f.source(n);
-        let mut out = dev.zeros(rows * d)?;
+        let mut out = dev.output(rows * d)?;
         let readers: Vec<_> = self.owed.iter().map(|o| (o.l, consumer_grad(f, o))).collect();
         depth::source_grads(dev, &mut out, false, &mut self.b, &readers, n, src, d)?;
         let consumers = first..f.sublayers + 1;
