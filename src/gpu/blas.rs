@@ -8,11 +8,12 @@
 use anyhow::{bail, Context, Result};
 use cudarc::cublaslt::{result, sys};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// The type of a product's operands or result.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
     F32,
     /// bfloat16 (`Bf16`): the products sum in f32 all the same.
@@ -97,13 +98,46 @@ impl Gemm {
     }
 }
 
-/// The cuBLASLt handle of a device and its workspace.
+/// What a product's cuBLASLt plan depends on: its shape and types, and the alignment of its
+/// operands' addresses (cuBLASLt's heuristic otherwise assumes 256 bytes, which a weight
+/// inside the parameters' buffer need not have).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct PlanKey {
+    mnk: [usize; 3],
+    trans: [bool; 2],
+    ld: [usize; 3],
+    types: [DType; 2],
+    /// Of A, B, C in the row-major product's terms.
+    align: [u32; 3],
+}
+
+/// The descriptors and the algorithm of one product, made once per [`PlanKey`].
+struct Plan {
+    desc: Desc,
+    /// cuBLASLt's A, B and C (= D): the row-major product's B, A and C.
+    layouts: [Layout; 3],
+    algo: sys::cublasLtMatmulAlgo_t,
+}
+
+/// The largest power of two, up to 256, that divides `address`.
+fn alignment(address: u64) -> u32 {
+    if address == 0 {
+        return 256;
+    }
+    (address & address.wrapping_neg()).min(256) as u32
+}
+
+/// The cuBLASLt handle of a device, its workspace, and the plans of the products it ran.
 pub struct Blas {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
+    /// A training step runs the same few shapes again and again: each one's descriptors and
+    /// heuristic query are made once.
+    plans: Mutex<HashMap<PlanKey, Plan>>,
 }
 
-// SAFETY: the handle is used from one thread at a time (the device's), as cuBLASLt allows.
+// SAFETY: the handle is used from one thread at a time (the device's), as cuBLASLt allows;
+// the plans are behind a lock.
 unsafe impl Send for Blas {}
 unsafe impl Sync for Blas {}
 
@@ -124,19 +158,28 @@ impl Blas {
         // 32 MiB, what NVIDIA advises for Hopper.
         // SAFETY: cuBLASLt only uses it as scratch space.
         let workspace = unsafe { stream.alloc::<u8>(32 << 20) }?;
-        Ok(Blas { handle, workspace })
+        Ok(Blas { handle, workspace, plans: Mutex::default() })
     }
 
-    /// # Safety
-    /// `a`, `b`, `c` are device addresses of buffers that hold what `g` spans.
-    pub unsafe fn matmul(
+    /// The plan of `g` with operands at `a`, `b`, `c`, from `plans` where it was made before.
+    fn plan<'a>(
         &self,
-        stream: &CudaStream,
+        plans: &'a mut HashMap<PlanKey, Plan>,
         g: &Gemm,
         a: u64,
         b: u64,
         c: u64,
-    ) -> Result<(), result::CublasError> {
+    ) -> Result<&'a Plan, result::CublasError> {
+        let key = PlanKey {
+            mnk: [g.m, g.n, g.k],
+            trans: [g.a_trans, g.b_trans],
+            ld: [g.lda, g.ldb, g.ldc],
+            types: [g.ab, g.c],
+            align: [alignment(a), alignment(b), alignment(c)],
+        };
+        if plans.contains_key(&key) {
+            return Ok(&plans[&key]);
+        }
         let (f32_, ab, c_type) = (sys::cudaDataType_t::CUDA_R_32F, g.ab.cuda(), g.c.cuda());
         // Column-major: D[n, m] = op(B)ᵀ[n, k] · op(A)ᵀ[k, m].
         let (m, n, k) = (g.n as u64, g.m as u64, g.k as u64);
@@ -158,31 +201,51 @@ impl Blas {
         set(A::CUBLASLT_MATMUL_DESC_TRANSA, g.b_trans as i32)?;
         set(A::CUBLASLT_MATMUL_DESC_TRANSB, g.a_trans as i32)?;
         let pref = Pref(result::create_matmul_pref()?);
+        let set_pref = |attr, value: *const c_void, size: usize| {
+            // SAFETY: `value` points at `size` bytes of the type `attr` takes.
+            unsafe { result::set_matmul_pref_attribute(pref.0, attr, value, size) }
+        };
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
         let size = self.workspace.len();
-        // SAFETY: the attribute takes a usize.
-        unsafe {
-            result::set_matmul_pref_attribute(
-                pref.0,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                (&size as *const usize).cast(),
-                size_of::<usize>(),
-            )
+        set_pref(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, (&size as *const usize).cast(), 8)?;
+        // cuBLASLt's A is the row-major B, its B the row-major A; D is C.
+        let [align_a, align_b, align_c] = key.align;
+        for (attr, align) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c),
+        ] {
+            set_pref(attr, (&align as *const u32).cast(), 4)?;
+        }
+        // SAFETY: descriptors made above.
+        let heuristic = unsafe {
+            result::get_matmul_algo_heuristic(self.handle, desc.0, la.0, lb.0, lc.0, lc.0, pref.0)
         }?;
-        // SAFETY: descriptors made above; the caller's promise for the addresses.
+        let plan = Plan { desc, layouts: [la, lb, lc], algo: heuristic.algo };
+        Ok(plans.entry(key).or_insert(plan))
+    }
+
+    /// # Safety
+    /// `a`, `b`, `c` are device addresses of buffers that hold what `g` spans.
+    pub unsafe fn matmul(
+        &self,
+        stream: &CudaStream,
+        g: &Gemm,
+        a: u64,
+        b: u64,
+        c: u64,
+    ) -> Result<(), result::CublasError> {
+        let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let plan = self.plan(&mut plans, g, a, b, c)?;
+        let [la, lb, lc] = &plan.layouts;
+        let (w, _) = self.workspace.device_ptr(stream);
+        // SAFETY: the plan's descriptors are live while it is; the caller's promise for the
+        // addresses.
         unsafe {
-            let h = result::get_matmul_algo_heuristic(
-                self.handle,
-                desc.0,
-                la.0,
-                lb.0,
-                lc.0,
-                lc.0,
-                pref.0,
-            )?;
-            let (w, _) = self.workspace.device_ptr(stream);
             result::matmul(
                 self.handle,
-                desc.0,
+                plan.desc.0,
                 (&g.alpha as *const f32).cast(),
                 (&g.beta as *const f32).cast(),
                 b as *const c_void,
@@ -193,9 +256,9 @@ impl Blas {
                 lc.0,
                 c as *mut c_void,
                 lc.0,
-                &h.algo,
+                &plan.algo,
                 w as *mut c_void,
-                size,
+                self.workspace.len(),
                 stream.cu_stream() as sys::cudaStream_t,
             )
         }
@@ -229,5 +292,17 @@ impl Drop for Pref {
     fn drop(&mut self) {
         // SAFETY: as above.
         let _ = unsafe { result::destroy_matmul_pref(self.0) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::alignment;
+
+    #[test]
+    fn an_address_s_alignment_is_its_largest_power_of_two_up_to_256() {
+        for (address, want) in [(0x1000, 256), (0x1080, 128), (0x1002, 2), (0x1004, 4), (0, 256)] {
+            assert_eq!(alignment(address), want, "{address:#x}");
+        }
     }
 }
