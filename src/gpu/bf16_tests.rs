@@ -248,3 +248,46 @@ fn the_tensor_cores_multiply_as_emulated(dev: &Device) {
     assert_close_to_largest(&dev.download(&shuffled).unwrap(), &tensor, 1e-5, "shuffled");
 }
 crate::gpu::on_cpu_and_gpu!(the_tensor_cores_multiply_as_emulated);
+
+/// The fragments the tensor-core attention loads from shared memory (through ldmatrix on a
+/// GPU, word by word in the emulator) against mma.m16n8k16's layout, written out here: lane
+/// (g, q) holds of B (k x n) column g at rows 2q, 2q + 1 and 2q + 8, 2q + 9, and of A rows g and
+/// g + 8 at columns 2q, 2q + 1 and 2q + 8, 2q + 9, the lower index in the low half.
+fn the_fragments_load_as_emulated(dev: &Device) {
+    // Distinct bits everywhere, so that any value in the wrong place shows.
+    let tile: Vec<Bf16> = (0..16 * 32).map(|i| Bf16(0x3f00 + i as u16)).collect();
+    let at = |r: usize, c: usize| tile[r * 32 + c].0 as u32;
+    let pair = |(r0, c0): (usize, usize), (r1, c1): (usize, usize)| at(r0, c0) | at(r1, c1) << 16;
+    let mut want = Vec::new();
+    for lane in 0..32 {
+        let (g, q) = (lane / 4, lane % 4);
+        // Keys as n (tile rows 0.., then 8..), head columns 16..31 as k.
+        for i in 0..4 {
+            let (row, col) = (8 * (i / 2) + g, 16 + 8 * (i % 2) + 2 * q);
+            want.push(pair((row, col), (row, col + 1)));
+        }
+        // Tile rows as k, head columns 16.. then 24.. as n.
+        for i in 0..4 {
+            let (row, col) = (8 * (i % 2) + 2 * q, 16 + 8 * (i / 2) + g);
+            want.push(pair((row, col), (row + 1, col)));
+        }
+        // Tile rows as A's rows, head columns 16..31 as its columns.
+        for i in 0..4 {
+            let (row, col) = (8 * (i % 2) + g, 16 + 8 * (i / 2) + 2 * q);
+            want.push(pair((row, col), (row, col + 1)));
+        }
+    }
+    let tile_d = dev.upload(&tile).unwrap();
+    let mut out = dev.output::<u32>(32 * 12).unwrap();
+    let args = [out.arg_mut(), tile_d.arg()];
+    let cfg = cudarc::driver::LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the kernel's arguments in its order; one warp reads 16 x 32 values and writes 12
+    // words a lane.
+    unsafe { dev.launch("fragment_check", cfg, &args) }.unwrap();
+    assert_eq!(dev.download(&out).unwrap(), want);
+}
+crate::gpu::on_cpu_and_gpu!(the_fragments_load_as_emulated);

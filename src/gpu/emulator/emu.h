@@ -28,6 +28,7 @@
 #define __forceinline__
 // Shared memory is per block: per worker thread, which runs one block at a time.
 #define __shared__ static thread_local
+#define __align__(n) __attribute__((aligned(n)))
 #define __restrict__ __restrict
 #define __launch_bounds__(...)
 

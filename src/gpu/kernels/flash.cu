@@ -126,23 +126,23 @@ __device__ inline void a_rows(unsigned int (*fa)[4], const bf16* src, int b, int
     }
 }
 
-// The product of a warp's A fragments (16 rows, HD columns) with the tile's ROWS rows (as B: k
-// over the head's values, n over 8 tile rows per fragment): 16 x ROWS scores.
-template <int HD, int ROWS = FLASH_KEYS>
-__device__ inline void scores(float (*s)[4], const unsigned int (*fa)[4], const unsigned int* tile) {
-    int lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int n = 0; n < ROWS / 8; n++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) s[n][i] = 0.0f;
-        const unsigned int* row = tile + (n * 8 + g) * Tile<HD>::STRIDE;
-#pragma unroll
-        for (int c = 0; c < HD / 16; c++) {
-            unsigned int fb[2] = {row[c * 8 + q], row[c * 8 + q + 4]};
-            mma_bf16(s[n], fa[c], fb, s[n]);
-        }
-    }
+#ifndef ATTNRES_EMULATOR
+// Four 8x8 matrices of bf16 from shared memory in one instruction (PTX ISA, "ldmatrix"): lane
+// l gives the address of row l % 8 of matrix l / 8 (16-byte aligned); each lane receives in
+// r[i] row g of matrix i at columns 2q, 2q + 1 or, with TRANS, column g at rows 2q, 2q + 1:
+// an mma fragment of the matrix or of its transpose.
+template <bool TRANS> __device__ inline void ldmatrix_x4(unsigned int* r, const unsigned int* row) {
+    unsigned int at = (unsigned int)__cvta_generic_to_shared(row);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
 }
+#endif
 
 // Value d of row `row` of a tile.
 template <int HD> __device__ inline unsigned int elem(const unsigned int* tile, int row, int d) {
@@ -150,26 +150,116 @@ template <int HD> __device__ inline unsigned int elem(const unsigned int* tile, 
     return d % 2 ? p >> 16 : p & 0xffffu;
 }
 
+// B fragments of two products against 16 tile rows from r0, the rows as n (8 a product) and
+// head columns 16c .. 16c + 15 as k: b[0], b[1] for rows r0 .. r0 + 7 (row g at columns 2q,
+// 2q + 1 and 2q + 8, 2q + 9), b[2], b[3] for rows r0 + 8 ... The emulator reads what each lane
+// receives; a GPU loads it with ldmatrix (the_fragments_load_as_emulated checks both agree).
+template <int HD>
+__device__ inline void row_fragments(unsigned int* b, const unsigned int* tile, int r0, int c) {
+    int lane = threadIdx.x % 32;
+#ifndef ATTNRES_EMULATOR
+    // Matrix i: rows r0 + 8 (i / 2) .., columns 16c + 8 (i % 2) ...
+    int i = lane / 8;
+    ldmatrix_x4<false>(b, tile + (r0 + 8 * (i / 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2));
+#else
+    int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; i++) b[i] = tile[(r0 + 8 * (i / 2) + g) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2) + q];
+#endif
+}
+
+// B fragments of two products whose k is 16 tile rows from r0 and whose n is head columns
+// n0 .. n0 + 15 (8 a product): b[0], b[1] for columns n0 .. n0 + 7 (column g at rows 2q,
+// 2q + 1 and 2q + 8, 2q + 9), b[2], b[3] for columns n0 + 8 ...
+template <int HD>
+__device__ inline void column_fragments(unsigned int* b, const unsigned int* tile, int r0, int n0) {
+    int lane = threadIdx.x % 32;
+#ifndef ATTNRES_EMULATOR
+    // Matrix i: rows r0 + 8 (i % 2) .., columns n0 + 8 (i / 2) .., transposed.
+    int i = lane / 8;
+    ldmatrix_x4<true>(b, tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + (n0 + 8 * (i / 2)) / 2);
+#else
+    int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; i++) {
+        int row = r0 + 8 * (i % 2) + 2 * q, col = n0 + 8 * (i / 2) + g;
+        b[i] = elem<HD>(tile, row, col) | (elem<HD>(tile, row + 1, col) << 16);
+    }
+#endif
+}
+
+// The A fragment of 16 tile rows from r0 at head columns 16c .. 16c + 15: rows g and g + 8 at
+// columns 2q, 2q + 1 and 2q + 8, 2q + 9, in mma's register order.
+template <int HD>
+__device__ inline void a_fragment(unsigned int* a, const unsigned int* tile, int r0, int c) {
+    int lane = threadIdx.x % 32;
+#ifndef ATTNRES_EMULATOR
+    // Matrix i: rows r0 + 8 (i % 2) .., columns 16c + 8 (i / 2) ...
+    int i = lane / 8;
+    ldmatrix_x4<false>(a, tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2));
+#else
+    int g = lane >> 2, q = lane & 3;
+    for (int i = 0; i < 4; i++) a[i] = tile[(r0 + 8 * (i % 2) + g) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2) + q];
+#endif
+}
+
+// The product of a warp's A operand (16 rows, HD columns) with the tile's ROWS rows (as B: k
+// over the head's values, n over 8 tile rows per fragment): 16 x ROWS scores. The A operand
+// is the fragments `fa` or, with `a_tile`, that tile's rows a_r0 ...
+template <int HD, int ROWS = FLASH_KEYS>
+__device__ inline void scores(float (*s)[4], const unsigned int (*fa)[4], const unsigned int* tile,
+                              const unsigned int* a_tile = nullptr, int a_r0 = 0) {
+#pragma unroll
+    for (int n = 0; n < ROWS / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[n][i] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < ROWS / 8; n += 2) {
+#pragma unroll
+        for (int c = 0; c < HD / 16; c++) {
+            unsigned int a[4], fb[4];
+            if (a_tile) {
+                a_fragment<HD>(a, a_tile, a_r0, c);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 4; i++) a[i] = fa[c][i];
+            }
+            row_fragments<HD>(fb, tile, n * 8, c);
+            mma_bf16(s[n], a, fb, s[n]);
+            mma_bf16(s[n + 1], a, fb + 2, s[n + 1]);
+        }
+    }
+}
+
 // acc[HD / 8][4] += x * tile, x (16 x ROWS, as the scores' fragments hold it) rounded to bf16,
-// the tile's rows as k: B's column g of fragment n is value n * 8 + g of tile rows 2q, 2q + 1
-// and 2q + 8, 2q + 9 of each 16.
+// the tile's rows as k.
 template <int HD, int ROWS = FLASH_KEYS>
 __device__ inline void times_tile(float (*acc)[4], float (*x)[4], const unsigned int* tile) {
-    int lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
 #pragma unroll
     for (int j = 0; j < ROWS / 16; j++) {
         unsigned int fa[4] = {pack_bf16(x[2 * j][0], x[2 * j][1]), pack_bf16(x[2 * j][2], x[2 * j][3]),
                               pack_bf16(x[2 * j + 1][0], x[2 * j + 1][1]),
                               pack_bf16(x[2 * j + 1][2], x[2 * j + 1][3])};
-        int r0 = j * 16 + 2 * q;
 #pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            int col = n * 8 + g;
-            unsigned int fb[2] = {elem<HD>(tile, r0, col) | (elem<HD>(tile, r0 + 1, col) << 16),
-                                  elem<HD>(tile, r0 + 8, col) | (elem<HD>(tile, r0 + 9, col) << 16)};
+        for (int n = 0; n < HD / 8; n += 2) {
+            unsigned int fb[4];
+            column_fragments<HD>(fb, tile, j * 16, n * 8);
             mma_bf16(acc[n], fa, fb, acc[n]);
+            mma_bf16(acc[n + 1], fa, fb + 2, acc[n + 1]);
         }
     }
+}
+
+// One warp: the fragments row_fragments, column_fragments and a_fragment give of the last 16
+// columns of a 16 x 32 bf16 tile (HD = 32), each lane's 12 words into out[lane * 12 ..]: on a
+// GPU through ldmatrix, which the test holds to mma's fragment layout.
+extern "C" __global__ void fragment_check(unsigned int* out, const bf16* tile_values) {
+    __shared__ __align__(16) unsigned int tile[16 * Tile<32>::STRIDE];
+    int lane = threadIdx.x % 32;
+    for (int e = lane; e < 16 * 16; e += 32)
+        tile[(e / 16) * Tile<32>::STRIDE + e % 16] = pair_at(tile_values + 2 * e);
+    __syncwarp();
+    row_fragments<32>(out + lane * 12, tile, 0, 1);
+    column_fragments<32>(out + lane * 12 + 4, tile, 0, 16);
+    a_fragment<32>(out + lane * 12 + 8, tile, 0, 1);
 }
 
 // Forward: out[B*T, H*HD] and stats. Grid (ceil(T / FLASH_ROWS), B*H), 32 * FLASH_WARPS
@@ -177,7 +267,7 @@ __device__ inline void times_tile(float (*acc)[4], float (*x)[4], const unsigned
 template <int HD>
 __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t, int h, int kv,
                                 float scale) {
-    __shared__ unsigned int keys[Tile<HD>::WORDS], values[Tile<HD>::WORDS];
+    __shared__ __align__(16) unsigned int keys[Tile<HD>::WORDS], values[Tile<HD>::WORDS];
     int b = blockIdx.y / h, head = blockIdx.y % h, group = head / (h / kv);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
@@ -270,7 +360,7 @@ template <int HD>
 __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                     const float* stats, const float* delta, int t, int h, int kv,
                                     float scale) {
-    __shared__ unsigned int keys[Tile<HD>::WORDS], vals[Tile<HD>::WORDS];
+    __shared__ __align__(16) unsigned int keys[Tile<HD>::WORDS], vals[Tile<HD>::WORDS];
     int b = blockIdx.y / h, head = blockIdx.y % h, group = head / (h / kv);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
@@ -329,22 +419,25 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
 
 // Backward to the keys and values: their columns of dqkv, summed over the query heads of each
 // kv head's group. Grid (ceil(T / FLASH_ROWS), B*KV), 32 * FLASH_WARPS threads; a warp owns 16
-// keys and holds their keys, values and both gradients, so queries come QUERIES at a time, as
-// many as the registers hold without spilling: 64, 32 above 64 values a head, 16 above 96.
+// keys and holds their keys and both gradients in registers (the block's values wait in shared
+// memory), so queries come QUERIES at a time, as many as the registers hold without spilling:
+// 64, 32 above 64 values a head.
 template <int HD>
 __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                      const float* stats, const float* delta, int t, int h, int kv,
                                      float scale) {
-    constexpr int QUERIES = HD > 96 ? 16 : HD > 64 ? 32 : 64;
-    __shared__ unsigned int qs[Tile<HD, QUERIES>::WORDS], dys[Tile<HD, QUERIES>::WORDS];
+    constexpr int QUERIES = HD > 64 ? 32 : 64;
+    __shared__ __align__(16) unsigned int qs[Tile<HD, QUERIES>::WORDS], dys[Tile<HD, QUERIES>::WORDS];
+    __shared__ __align__(16) unsigned int vs[Tile<HD, FLASH_ROWS>::WORDS];
     __shared__ float st_m[QUERIES], st_inv[QUERIES], st_delta[QUERIES];
     int b = blockIdx.y / kv, group = blockIdx.y % kv, heads = h / kv;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
     int j0 = blockIdx.x * FLASH_ROWS + warp * 16;
-    unsigned int ka[HD / 16][4], va[HD / 16][4];
+    unsigned int ka[HD / 16][4];
     a_rows<HD>(ka, qkv, b, j0, (h + group) * HD, width, t);
-    a_rows<HD>(va, qkv, b, j0, (h + kv + group) * HD, width, t);
+    // Read after the first barrier below.
+    load_tile<HD, FLASH_ROWS>(vs, qkv, b, blockIdx.x * FLASH_ROWS, (h + kv + group) * HD, width, t);
     float dk[HD / 8][4], dv[HD / 8][4];
 #pragma unroll
     for (int n = 0; n < HD / 8; n++)
@@ -366,7 +459,7 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
             if (i0 + QUERIES <= j0) continue;  // every query of the tile is before the keys
             float s[QUERIES / 8][4], dp[QUERIES / 8][4];
             scores<HD, QUERIES>(s, ka, qs);
-            scores<HD, QUERIES>(dp, va, dys);
+            scores<HD, QUERIES>(dp, nullptr, dys, vs, warp * 16);
 #pragma unroll
             for (int n = 0; n < QUERIES / 8; n++) {
 #pragma unroll
