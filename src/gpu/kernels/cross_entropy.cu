@@ -10,12 +10,22 @@ __device__ void cross_entropy_t(T* dlogits, float* row_loss, const T* logits,
                                 const unsigned int* targets, int v, float inv) {
     size_t at = (size_t)blockIdx.x * v;
     const T* x = logits + at;
-    float m = NEG_INF;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, to_f32(x[j]));
-    m = block_max(m);
-    float z = 0.0f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) z += expf(to_f32(x[j]) - m);
-    z = block_sum(z);
+    // The largest logit and the sum of exponentials in one pass over the row (online
+    // softmax): each thread's sum is kept relative to its own maximum, then rescaled to the
+    // row's.
+    float m = NEG_INF, z = 0.0f;
+    for (int j = threadIdx.x; j < v; j += blockDim.x) {
+        float xj = to_f32(x[j]);
+        if (xj > m) {
+            z = z * expf(m - xj) + 1.0f;
+            m = xj;
+        } else if (m != NEG_INF) {
+            z += expf(xj - m);
+        }
+    }
+    float row_max = block_max(m);
+    z = block_sum(m == NEG_INF ? 0.0f : z * expf(m - row_max));
+    m = row_max;
     unsigned int t = targets[blockIdx.x];
     if (threadIdx.x == 0) row_loss[blockIdx.x] = (float)log((double)z) + m - to_f32(x[t]);
     if (dlogits == 0) return;
