@@ -97,16 +97,34 @@ template <int HD, int ROWS = FLASH_KEYS> struct Tile {
     static constexpr int PAIRS = HD / 2, STRIDE = HD / 2 + 4, WORDS = ROWS * STRIDE;
 };
 
+// Eight bf16 values as one 16-byte load or store.
+struct __align__(16) Quad {
+    unsigned int w[4];
+};
+
+// The 16 bytes at p, which a GPU buffer aligns to 16 (rows of a multiple of 8 values, heads
+// of a multiple of 16); the emulator's host buffers need not be, so it copies them.
+__device__ inline Quad quad_at(const bf16* p) {
+#ifndef ATTNRES_EMULATOR
+    return *(const Quad*)p;
+#else
+    Quad q;
+    __builtin_memcpy(&q, p, sizeof q);
+    return q;
+#endif
+}
+
 // Rows r0.. of columns col0..col0 + HD of a [B*T, width] buffer into a tile of ROWS rows (zeros
-// past the sequence).
+// past the sequence), 16 bytes a load.
 template <int HD, int ROWS = FLASH_KEYS>
 __device__ inline void load_tile(unsigned int* tile, const bf16* src, int b, int r0, int col0,
                                  int width, int t) {
-    constexpr int PAIRS = Tile<HD>::PAIRS;
-    for (int e = threadIdx.x; e < ROWS * PAIRS; e += blockDim.x) {
-        int r = e / PAIRS, p = e % PAIRS;
-        tile[r * Tile<HD>::STRIDE + p] =
-            r0 + r < t ? pair_at(src + ((size_t)b * t + r0 + r) * width + col0 + 2 * p) : 0u;
+    constexpr int QUADS = HD / 8;
+    for (int e = threadIdx.x; e < ROWS * QUADS; e += blockDim.x) {
+        int r = e / QUADS, k = e % QUADS;
+        Quad v = {{0u, 0u, 0u, 0u}};
+        if (r0 + r < t) v = quad_at(src + ((size_t)b * t + r0 + r) * width + col0 + 8 * k);
+        *(Quad*)(tile + r * Tile<HD>::STRIDE + 4 * k) = v;
     }
 }
 
