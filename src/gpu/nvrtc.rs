@@ -4,6 +4,7 @@
 use crate::base::fs::{cache_dir, content_key, write_atomic};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::{result as nvrtc, sys};
+use rayon::prelude::*;
 use std::ffi::CString;
 use std::path::Path;
 use std::time::Instant;
@@ -200,31 +201,32 @@ pub fn kernel_images(arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
 fn kernel_images_in(dir: &Path, arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
     ready(arch)?;
     let version = nvrtc_version()?;
-    let mut images = Vec::new();
-    for &(file, src) in KERNELS {
-        let stem = file.trim_end_matches(".cu");
-        let options = options(arch).join(" ");
-        let key = content_key(&[
-            COMMON.as_bytes(),
-            src.as_bytes(),
-            version.as_bytes(),
-            options.as_bytes(),
-        ]);
-        let path = dir.join(format!("{stem}-{arch}-{key}.cubin"));
-        let cubin = match std::fs::read(&path) {
-            Ok(bytes) if !bytes.is_empty() => bytes,
-            _ => {
-                let cubin = compile(file, src, arch)?.cubin;
-                // A cache that cannot be written costs the next run time, nothing else.
-                let _ = std::fs::create_dir_all(dir)
-                    .map_err(anyhow::Error::from)
-                    .and_then(|_| write_atomic(&path, &cubin));
-                cubin
+    // The files compile side by side (NVRTC takes separate programs on separate threads).
+    KERNELS
+        .par_iter()
+        .map(|&(file, src)| {
+            let stem = file.trim_end_matches(".cu");
+            let options = options(arch).join(" ");
+            let key = content_key(&[
+                COMMON.as_bytes(),
+                src.as_bytes(),
+                version.as_bytes(),
+                options.as_bytes(),
+            ]);
+            let path = dir.join(format!("{stem}-{arch}-{key}.cubin"));
+            if let Ok(bytes) = std::fs::read(&path) {
+                if !bytes.is_empty() {
+                    return Ok((file, bytes));
+                }
             }
-        };
-        images.push((file, cubin));
-    }
-    Ok(images)
+            let cubin = compile(file, src, arch)?.cubin;
+            // A cache that cannot be written costs the next run time, nothing else.
+            let _ = std::fs::create_dir_all(dir)
+                .map_err(anyhow::Error::from)
+                .and_then(|_| write_atomic(&path, &cubin));
+            Ok((file, cubin))
+        })
+        .collect()
 }
 
 #[cfg(test)]
