@@ -140,7 +140,7 @@ impl Act for Bf16 {
     }
 }
 
-/// `y = x` rounded to bfloat16 (`to_bf16` in `kernels/residual.cu`).
+/// `y = x` rounded to bfloat16 (`to_bf16` in `kernels/convert.cu`).
 fn to_bf16(dev: &Device, y: &mut Buf<Bf16>, x: &Buf<f32>) -> Result<()> {
     let n = x.len();
     assert_eq!(y.len(), n);

@@ -1,6 +1,6 @@
-//! The GPU's elementwise operations (`kernels/swiglu.cu`, `kernels/embedding.cu`,
-//! `kernels/residual.cu`): what `crate::kernels::swiglu` and `crate::kernels::embedding`
-//! compute on the CPU, with the same buffers, and the standard residual's sums.
+//! The GPU's elementwise operations (`kernels/swiglu.cu`, `kernels/embedding.cu`): what
+//! `crate::kernels::swiglu` and `crate::kernels::embedding` compute on the CPU, with the same
+//! buffers.
 
 use super::device::{kernel, Act, Arg, Buf, Device, Ids, Slice, SliceMut};
 use super::per_value;
@@ -63,15 +63,6 @@ pub fn embedding_backward<A: Act>(
     // SAFETY: as in `embedding_forward`.
     unsafe { dev.launch(&kernel::<A>("embedding_backward"), per_value(ids.len() * d), &args) }?;
     Ok(())
-}
-
-/// `y += x`.
-pub fn add_into<A: Act>(dev: &Device, y: &mut Buf<A>, x: &Buf<A>) -> Result<()> {
-    assert_eq!(y.len(), x.len());
-    let n = y.len();
-    let args = [y.arg_mut(), x.arg(), Arg::i64(n)];
-    // SAFETY: the kernel's arguments in its order; two buffers of `n` values.
-    unsafe { dev.launch(&kernel::<A>("add_into"), per_value(n), &args) }
 }
 
 #[cfg(test)]

@@ -16,12 +16,12 @@ pub(crate) const COMMON: &str = include_str!("kernels/reduce.cuh");
 /// The engine's CUDA kernels: (file name, source).
 pub const KERNELS: &[(&str, &str)] = &[
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("convert.cu", include_str!("kernels/convert.cu")),
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("depth.cu", include_str!("kernels/depth.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
     ("flash.cu", include_str!("kernels/flash.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
-    ("residual.cu", include_str!("kernels/residual.cu")),
     ("rmsnorm.cu", include_str!("kernels/rmsnorm.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),
     ("swiglu.cu", include_str!("kernels/swiglu.cu")),

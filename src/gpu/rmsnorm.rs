@@ -68,12 +68,41 @@ pub fn backward<A: Act>(
     d: usize,
     dx_dot_x: Option<&mut Buf<f32>>,
 ) -> Result<Buf<A>> {
+    let mut dx = dev.output(x.len())?;
+    backward_into(dev, &mut dx, false, dg, dy, x, g, rstd, d, dx_dot_x)?;
+    Ok(dx)
+}
+
+/// [`backward`] into `dx`, added to what it holds with `accumulate` (the standard residual's
+/// stream gradient takes each sublayer's input gradient so).
+#[allow(clippy::too_many_arguments)]
+pub fn backward_into<A: Act>(
+    dev: &Device,
+    dx: &mut Buf<A>,
+    accumulate: bool,
+    dg: &mut SliceMut<f32>,
+    dy: &Buf<A>,
+    x: &Buf<A>,
+    g: Slice<f32>,
+    rstd: &Buf<f32>,
+    d: usize,
+    dx_dot_x: Option<&mut Buf<f32>>,
+) -> Result<()> {
     let rows = rstd.len();
     assert!(x.len() == rows * d && dy.len() == x.len() && g.len() == d && dg.len() == d);
+    assert!(dx.len() == x.len() && !(accumulate && dx_dot_x.is_some()), "<dx, x> of a new dx");
     assert!(dx_dot_x.as_ref().is_none_or(|b| b.len() == rows), "one <dx, x> per row");
-    let mut dx = dev.output(x.len())?;
     let dxx = dx_dot_x.map_or(Arg::null(), |b| b.arg_mut());
-    let args = [dx.arg_mut(), dxx, dy.arg(), x.arg(), g.arg(), rstd.arg(), Arg::i32(d as i32)];
+    let args = [
+        dx.arg_mut(),
+        dxx,
+        dy.arg(),
+        x.arg(),
+        g.arg(),
+        rstd.arg(),
+        Arg::i32(d as i32),
+        Arg::i32(accumulate as i32),
+    ];
     // SAFETY: as in `forward`.
     unsafe { dev.launch(&kernel::<A>("rmsnorm_backward"), per_row(rows, THREADS), &args) }?;
     // The gain's gradient: sums over chunks of GAIN_ROWS rows (more where the rows would need
@@ -96,8 +125,7 @@ pub fn backward<A: Act>(
     unsafe { dev.launch(&kernel::<A>("rmsnorm_backward_gain"), cfg, &args) }?;
     let args = [dg.arg_mut(), part.arg(), Arg::i32(chunks as i32), Arg::i32(d as i32)];
     // SAFETY: the kernel's arguments in its order; one thread per column of `dg`.
-    unsafe { dev.launch("rmsnorm_gain_sum", per_value(d), &args) }?;
-    Ok(dx)
+    unsafe { dev.launch("rmsnorm_gain_sum", per_value(d), &args) }
 }
 
 #[cfg(test)]
@@ -147,6 +175,15 @@ mod tests {
             ] {
                 assert_close_to_largest(&got, &want, 1e-5, &format!("{at}: {name}"));
             }
+            // Backward added into what a buffer holds.
+            let before = rand_vec(rows * d, 5, 1.0);
+            let mut into = dev.upload(&before).unwrap();
+            let mut dg2 = dev.zeros(d).unwrap();
+            let (dgs, gs) = (&mut dg2.all_mut(), gg.all());
+            backward_into(dev, &mut into, true, dgs, &dyg, &xg, gs, &rstd, d, None).unwrap();
+            let want: Vec<f32> = before.iter().zip(&dx_host).map(|(a, b)| a + b).collect();
+            let into = dev.download(&into).unwrap();
+            assert_close_to_largest(&into, &want, 1e-6, &format!("{at}: dx added"));
             // The sum of two rows and its norm in one pass: x = a + b.
             let a = rand_vec(rows * d, 4, 2.0);
             let b: Vec<f32> = x.iter().zip(&a).map(|(x, a)| x - a).collect();

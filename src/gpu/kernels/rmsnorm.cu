@@ -44,30 +44,35 @@ extern "C" __global__ void rmsnorm_add_forward_bf16(bf16* h, bf16* y, float* rst
 }
 
 // Backward to the input: with u = g * dy, dx = r * u - (r^3 / d) * <u, x> * x; one block per row.
-// `dxx` (null for none): each row's <dx, x>, which the depth attention's backward takes (of the
-// stored dx, so that it is the dot product the depth attention takes of the same rows).
+// With `accumulate`, dx is added to what dx holds (the standard residual's stream gradient,
+// rounded once). `dxx` (null for none): each row's <dx, x>, which the depth attention's
+// backward takes (of the stored dx, so that it is the dot product the depth attention takes of
+// the same rows).
 template <typename T>
 __device__ void rmsnorm_backward_t(T* dx, float* dxx, const T* dy, const T* x, const float* g,
-                                   const float* rstd, int d) {
+                                   const float* rstd, int d, int accumulate) {
     size_t at = (size_t)blockIdx.x * d;
     float r = rstd[blockIdx.x], ux = 0.0f;
     for (int j = threadIdx.x; j < d; j += blockDim.x) ux += g[j] * to_f32(dy[at + j]) * to_f32(x[at + j]);
     float c = r * r * r * block_sum(ux) / (float)d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x)
-        dx[at + j] = from_f32<T>(r * g[j] * to_f32(dy[at + j]) - c * to_f32(x[at + j]));
+    for (int j = threadIdx.x; j < d; j += blockDim.x) {
+        float v = r * g[j] * to_f32(dy[at + j]) - c * to_f32(x[at + j]);
+        dx[at + j] = from_f32<T>(accumulate ? to_f32(dx[at + j]) + v : v);
+    }
     if (dxx) {
         float s = row_dot(dx + at, x + at, d);
         if (threadIdx.x == 0) dxx[blockIdx.x] = s;
     }
 }
 extern "C" __global__ void rmsnorm_backward(float* dx, float* dxx, const float* dy, const float* x,
-                                            const float* g, const float* rstd, int d) {
-    rmsnorm_backward_t(dx, dxx, dy, x, g, rstd, d);
+                                            const float* g, const float* rstd, int d,
+                                            int accumulate) {
+    rmsnorm_backward_t(dx, dxx, dy, x, g, rstd, d, accumulate);
 }
 extern "C" __global__ void rmsnorm_backward_bf16(bf16* dx, float* dxx, const bf16* dy,
                                                  const bf16* x, const float* g, const float* rstd,
-                                                 int d) {
-    rmsnorm_backward_t(dx, dxx, dy, x, g, rstd, d);
+                                                 int d, int accumulate) {
+    rmsnorm_backward_t(dx, dxx, dy, x, g, rstd, d, accumulate);
 }
 
 // Backward to the gain, in two steps that keep the GPU busy however few columns there are:

@@ -8,11 +8,10 @@
 use super::residual::{NormedInput, ResidualBackward, ResidualForward};
 use crate::gpu::attention;
 use crate::gpu::cross_entropy;
-use crate::gpu::device::{Act, Buf, Device, Ids, Slice, SliceMut};
+use crate::gpu::device::{Act, Buf, Device, Ids};
 use crate::gpu::elementwise::{embedding_backward, embedding_forward};
 use crate::gpu::elementwise::{swiglu_backward, swiglu_forward};
 use crate::gpu::gemm::{linear, linear_backward};
-use crate::gpu::rmsnorm;
 use crate::gpu::rope::{self, RopeTables};
 use crate::kernels::attention::AttnShape;
 use crate::model::params::{LayerParams, Layout};
@@ -138,15 +137,7 @@ impl<A: Act> GpuModel<A> {
         let positions = self.rope.positions(dev, &positions)?;
         let sh = self.shape(batch, seq);
         let e = embedding_forward(dev, p.slice(lay.embed.clone()), &ids, d)?;
-        // Consumer l's norm gain: each sublayer's, then the final norm's.
-        let gain = |l: usize| {
-            let norm = match lay.layers.get(l / 2) {
-                Some(lp) if l.is_multiple_of(2) => &lp.input_norm,
-                Some(lp) => &lp.post_norm,
-                None => &lay.final_norm,
-            };
-            p.slice(norm.clone())
-        };
+        let gain = |l: usize| p.slice(norm_of(lay, l));
         let (mut res, mut x) = ResidualForward::new(dev, c, lay, p, e, gain(0))?;
         let (mut attn, mut mlp) = (Vec::new(), Vec::new());
         for (i, lp) in lay.layers.iter().enumerate() {
@@ -250,30 +241,32 @@ impl<A: Act> GpuModel<A> {
         let (dw, w) = (&mut grads.slice_mut(head.clone()), weights.slice(head));
         linear_backward(dev, &mut dxn, dw, &dlogits, &fwd.last.xn, w, n, d, v, false)?;
         drop(dlogits);
-        let norm = lay.final_norm.clone();
         let res = &fwd.residual;
-        let dot = res.needs_dh_dot_h();
-        let (dg, g) = (&mut grads.slice_mut(norm.clone()), p.slice(norm));
-        let (dh, dhh) = norm_backward(dev, dg, &dxn, &fwd.last.h, g, &fwd.last.rstd, d, dot)?;
-        let mut back = ResidualBackward::new(dev, res, dh, dhh)?;
+        let norm = norm_of(lay, lay.layers.len() * 2);
+        let (g, dg) = (p.slice(norm.clone()), &mut grads.slice_mut(norm));
+        let mut back = ResidualBackward::new(dev, res, &dxn, &fwd.last, g, dg)?;
         let sh = self.shape(fwd.batch, fwd.seq);
         for (i, lp) in lay.layers.iter().enumerate().rev() {
-            let l = 2 * i + 1;
+            let (l, s) = (2 * i + 1, &fwd.mlp[i]);
             let dout = back.output_grad(dev, l, res)?;
-            let (dh, dhh) = self.mlp_backward(dev, lp, &fwd.mlp[i], dout, grads, dot)?;
-            back.input_grad(dev, l, dh, dhh, res)?;
-            let (l, pos) = (2 * i, &fwd.positions);
+            let dxn = self.mlp_backward(dev, lp, s, dout, grads)?;
+            let (norm, x) = (norm_of(lay, l), &s.x);
+            let (g, dg) = (p.slice(norm.clone()), &mut grads.slice_mut(norm));
+            back.input_grad(dev, l, &dxn, x, g, dg, res)?;
+            let (l, s, pos) = (2 * i, &fwd.attn[i], &fwd.positions);
             let dout = back.output_grad(dev, l, res)?;
-            let (dh, dhh) = self.attn_backward(dev, lp, &fwd.attn[i], dout, pos, sh, grads, dot)?;
-            back.input_grad(dev, l, dh, dhh, res)?;
+            let dxn = self.attn_backward(dev, lp, s, dout, pos, sh, grads)?;
+            let (norm, x) = (norm_of(lay, l), &s.x);
+            let (g, dg) = (p.slice(norm.clone()), &mut grads.slice_mut(norm));
+            back.input_grad(dev, l, &dxn, x, g, dg, res)?;
         }
         let de = back.embedding_grad(dev, res, p, grads, lay)?;
         embedding_backward(dev, &mut grads.slice_mut(lay.embed.clone()), &de, &fwd.ids, d)?;
         Ok(loss)
     }
 
-    /// The MLP's backward from its output gradient `dout`: its input gradient, and with `dot`
-    /// its `⟨dh, h⟩` per token.
+    /// The MLP's backward from its output gradient `dout`: the gradient of its normalised
+    /// input.
     fn mlp_backward(
         &self,
         dev: &Device,
@@ -281,10 +274,9 @@ impl<A: Act> GpuModel<A> {
         s: &MlpSaved<A>,
         dout: &Buf<A>,
         grads: &mut Buf<f32>,
-        dot: bool,
-    ) -> Result<(Buf<A>, Option<Buf<f32>>)> {
+    ) -> Result<Buf<A>> {
         let c = &self.config;
-        let (d, f, p) = (c.hidden_size, c.intermediate_size, &self.params);
+        let (d, f) = (c.hidden_size, c.intermediate_size);
         let weights = self.weights();
         let n = s.x.h.len() / d;
         let mut dact = dev.output(n * f)?;
@@ -295,9 +287,7 @@ impl<A: Act> GpuModel<A> {
         let mut dxn = dev.output(n * d)?;
         let (dw, w) = (&mut grads.slice_mut(lp.gate_up.clone()), weights.slice(lp.gate_up.clone()));
         linear_backward(dev, &mut dxn, dw, &dgu, &s.x.xn, w, n, d, 2 * f, false)?;
-        let norm = lp.post_norm.clone();
-        let dg = &mut grads.slice_mut(norm.clone());
-        norm_backward(dev, dg, &dxn, &s.x.h, p.slice(norm), &s.x.rstd, d, dot)
+        Ok(dxn)
     }
 
     /// The attention sublayer's backward from its output gradient `dout`, as
@@ -312,9 +302,8 @@ impl<A: Act> GpuModel<A> {
         positions: &Ids,
         sh: AttnShape,
         grads: &mut Buf<f32>,
-        dot: bool,
-    ) -> Result<(Buf<A>, Option<Buf<f32>>)> {
-        let (d, p, n) = (self.config.hidden_size, &self.params, positions.len());
+    ) -> Result<Buf<A>> {
+        let (d, n) = (self.config.hidden_size, positions.len());
         let weights = self.weights();
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
         let mut do_ = dev.output(n * ow)?;
@@ -327,28 +316,18 @@ impl<A: Act> GpuModel<A> {
         let mut dxn = dev.output(n * d)?;
         let (dw, w) = (&mut grads.slice_mut(lp.qkv.clone()), weights.slice(lp.qkv.clone()));
         linear_backward(dev, &mut dxn, dw, &dqkv, &s.x.xn, w, n, d, qw, false)?;
-        let norm = lp.input_norm.clone();
-        let dg = &mut grads.slice_mut(norm.clone());
-        norm_backward(dev, dg, &dxn, &s.x.h, p.slice(norm), &s.x.rstd, d, dot)
+        Ok(dxn)
     }
 }
 
-/// An RMSNorm's backward into its input `h` (gain gradient into `dg`), with `dot` also each
-/// row's `⟨dh, h⟩`, which the depth attention's backward takes.
-#[allow(clippy::too_many_arguments)]
-fn norm_backward<A: Act>(
-    dev: &Device,
-    dg: &mut SliceMut<f32>,
-    dxn: &Buf<A>,
-    h: &Buf<A>,
-    g: Slice<f32>,
-    rstd: &Buf<f32>,
-    d: usize,
-    dot: bool,
-) -> Result<(Buf<A>, Option<Buf<f32>>)> {
-    let mut dhh = if dot { Some(dev.output(rstd.len())?) } else { None };
-    let dh = rmsnorm::backward(dev, dg, dxn, h, g, rstd, d, dhh.as_mut())?;
-    Ok((dh, dhh))
+/// Where consumer `l`'s norm gain lies among the parameters: each sublayer's norm (attention,
+/// then MLP, layer by layer), then the final norm's at `L`.
+fn norm_of(lay: &Layout, l: usize) -> std::ops::Range<usize> {
+    match lay.layers.get(l / 2) {
+        Some(lp) if l.is_multiple_of(2) => lp.input_norm.clone(),
+        Some(lp) => lp.post_norm.clone(),
+        None => lay.final_norm.clone(),
+    }
 }
 
 #[cfg(test)]

@@ -13,8 +13,7 @@
 //! gradient from all of its consumers together, when the backward pass reaches it.
 
 use crate::gpu::depth::{self, ConsumerGrad, PartialSum, Phase1, Source};
-use crate::gpu::device::{Act, Buf, Device, Slice};
-use crate::gpu::elementwise::add_into;
+use crate::gpu::device::{Act, Buf, Device, Slice, SliceMut};
 use crate::gpu::rmsnorm;
 use crate::model::params::Layout;
 use crate::model::Config;
@@ -140,11 +139,6 @@ impl<A: Act> ResidualForward<A> {
             ResidualForward::Depth(f) => f.next(dev, l, out, g),
         }
     }
-
-    /// Whether backward needs each consumer's `⟨dh, h⟩` (the depth attention's does).
-    pub fn needs_dh_dot_h(&self) -> bool {
-        matches!(self, ResidualForward::Depth(_))
-    }
 }
 
 impl<A: Act> DepthForward<A> {
@@ -262,18 +256,38 @@ pub struct DepthBackward<A: Act> {
     b: Buf<A>,
 }
 
+/// The gradient of a consumer's input `x.h` from that of its normalised input, `dxn` (the
+/// norm's gain `g`, whose gradient goes into `dg`), with each token's `⟨dh, h⟩`, which the
+/// depth attention's backward takes.
+fn input_grad_of<A: Act>(
+    dev: &Device,
+    dxn: &Buf<A>,
+    x: &NormedInput<A>,
+    g: Slice<f32>,
+    dg: &mut SliceMut<f32>,
+) -> Result<(Buf<A>, Buf<f32>)> {
+    let mut dhh = dev.output(x.rstd.len())?;
+    let dh = rmsnorm::backward(dev, dg, dxn, &x.h, g, &x.rstd, g.len(), Some(&mut dhh))?;
+    Ok((dh, dhh))
+}
+
 impl<A: Act> ResidualBackward<A> {
-    /// Starts from `dh`, the gradient of the final norm's input, with `dh_dot_h` per token
-    /// (`⟨dh, h⟩`, for the depth attention): backpropagates the output aggregation.
+    /// Starts from `dxn`, the gradient of the final norm's output (whose input and gain were
+    /// `x` and `g`; the gain's gradient goes into `dg`): backpropagates the final norm and the
+    /// output aggregation.
     pub fn new(
         dev: &Device,
         fwd: &ResidualForward<A>,
-        dh: Buf<A>,
-        dh_dot_h: Option<Buf<f32>>,
+        dxn: &Buf<A>,
+        x: &NormedInput<A>,
+        g: Slice<f32>,
+        dg: &mut SliceMut<f32>,
     ) -> Result<Self> {
         let ResidualForward::Depth(f) = fwd else {
-            return Ok(ResidualBackward::Standard { acc: dh });
+            let acc = rmsnorm::backward(dev, dg, dxn, &x.h, g, &x.rstd, g.len(), None)?;
+            return Ok(ResidualBackward::Standard { acc });
         };
+        let (dh, dh_dot_h) = input_grad_of(dev, dxn, x, g, dg)?;
         let (consumers, rows) = (f.sublayers + 1, f.rows);
         let mut b = DepthBackward {
             acc: None,
@@ -281,7 +295,7 @@ impl<A: Act> ResidualBackward<A> {
             dws: dev.zeros(consumers * f.d)?,
             b: dev.output(consumers * rows)?,
         };
-        b.owe(dev, f, f.sublayers, dh, dh_dot_h.expect("the depth attention's ⟨dh, h⟩"))?;
+        b.owe(dev, f, f.sublayers, dh, dh_dot_h)?;
         Ok(ResidualBackward::Depth(b))
     }
 
@@ -305,19 +319,28 @@ impl<A: Act> ResidualBackward<A> {
         }
     }
 
-    /// Backpropagates `dh`, the gradient of sublayer `l`'s input (with its `⟨dh, h⟩`).
+    /// Backpropagates `dxn`, the gradient of sublayer `l`'s normalised input (its input and
+    /// the norm's gain were `x` and `g`; the gain's gradient goes into `dg`), through the norm
+    /// and into the residual: the standard stream's gradient takes the input's in the norm's
+    /// own pass.
+    #[allow(clippy::too_many_arguments)]
     pub fn input_grad(
         &mut self,
         dev: &Device,
         l: usize,
-        dh: Buf<A>,
-        dh_dot_h: Option<Buf<f32>>,
+        dxn: &Buf<A>,
+        x: &NormedInput<A>,
+        g: Slice<f32>,
+        dg: &mut SliceMut<f32>,
         fwd: &ResidualForward<A>,
     ) -> Result<()> {
         match (self, fwd) {
-            (ResidualBackward::Standard { acc }, _) => add_into(dev, acc, &dh),
+            (ResidualBackward::Standard { acc }, _) => {
+                rmsnorm::backward_into(dev, acc, true, dg, dxn, &x.h, g, &x.rstd, g.len(), None)
+            }
             (ResidualBackward::Depth(b), ResidualForward::Depth(f)) => {
-                b.owe(dev, f, l, dh, dh_dot_h.expect("the depth attention's ⟨dh, h⟩"))
+                let (dh, dh_dot_h) = input_grad_of(dev, dxn, x, g, dg)?;
+                b.owe(dev, f, l, dh, dh_dot_h)
             }
             _ => unreachable!("backward state of another residual"),
         }
