@@ -10,7 +10,7 @@
 // The head size HD is a template parameter, instantiated for the sizes FLASH_HEADS lists in
 // src/gpu/attention.rs (kernels NAME_hdHD): every loop over a head's fragments then unrolls, so
 // the fragments stay in registers (a loop bound known only at run time would put them in local
-// memory). `attnres system --compile-for sm_90 --kernels` shows each kernel's registers.
+// memory). `attnres device --compile-for sm_90` shows each kernel's registers.
 //
 // The tensor cores run mma.m16n8k16 (PTX ISA, "Matrix Fragments for mma.m16n8k16"): with
 // g = lane / 4 and q = lane % 4, a lane holds of A (16 x 16, row-major) rows g and g + 8 at
@@ -18,7 +18,8 @@
 // high, row g + 8 high); of B (16 x 8) column g at rows 2q, 2q + 1 and 2q + 8, 2q + 9; of C
 // rows g and g + 8 at columns 2q, 2q + 1. Two bf16 share a register, the lower column (or
 // row) in the low half. The emulator runs the same product through warp shuffles
-// (mma_shuffled); mma_check holds the two to each other on a GPU.
+// (mma_shuffled); mma_check holds the two to each other on a GPU. Fragments come from shared
+// memory through ldmatrix, which the emulator reads word by word (fragment_check).
 
 #define FLASH_WARPS 4
 #define FLASH_ROWS (16 * FLASH_WARPS)
