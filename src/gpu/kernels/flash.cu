@@ -281,12 +281,62 @@ extern "C" __global__ void fragment_check(unsigned int* out, const bf16* tile_va
     a_fragment<32>(out + lane * 12 + 8, tile, 0, 1);
 }
 
+// 16 bytes from global memory into shared memory without passing through registers
+// (cp.async), zeros where `valid` is false (then `src` is only a valid address); the copy lands
+// after copies_wait and a barrier. The emulator copies at once.
+__device__ inline void copy_async16(unsigned int* dst, const bf16* src, bool valid) {
+#ifndef ATTNRES_EMULATOR
+    unsigned int at = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
+                 "r"(valid ? 16 : 0));
+#else
+    Quad v = {{0u, 0u, 0u, 0u}};
+    if (valid) __builtin_memcpy(&v, src, sizeof v);
+    *(Quad*)dst = v;
+#endif
+}
+
+// Closes the group of copies issued since the last call.
+__device__ inline void copies_commit() {
+#ifndef ATTNRES_EMULATOR
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Waits until at most PENDING of the latest groups of copies are still in flight.
+template <int PENDING> __device__ inline void copies_wait() {
+#ifndef ATTNRES_EMULATOR
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+#endif
+}
+
+// load_tile through cp.async: the copies are issued, and land after copies_wait.
+template <int HD, int ROWS>
+__device__ inline void load_tile_async(unsigned int* tile, const bf16* src, int b, int r0,
+                                       int col0, int width, int t) {
+    constexpr int QUADS = HD / 8;
+    for (int e = threadIdx.x; e < ROWS * QUADS; e += blockDim.x) {
+        int r = e / QUADS, k = e % QUADS;
+        bool valid = r0 + r < t;
+        const bf16* from = valid ? src + ((size_t)b * t + r0 + r) * width + col0 + 8 * k : src;
+        copy_async16(tile + r * Tile<HD>::STRIDE + 4 * k, from, valid);
+    }
+}
+
+// Keys per tile of the forward and of dq, whose key and value tiles are double-buffered: 64,
+// 32 above 64 values a head (four tiles then fit the 48 KB of static shared memory).
+template <int HD> struct KeyTiles {
+    static constexpr int KEYS = HD > 64 ? 32 : 64;
+};
+
 // Forward: out[B*T, H*HD] and stats. Grid (ceil(T / FLASH_ROWS), B*H), 32 * FLASH_WARPS
 // threads.
 template <int HD>
 __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t, int h, int kv,
                                 float scale) {
-    __shared__ __align__(16) unsigned int keys[Tile<HD>::WORDS], values[Tile<HD>::WORDS];
+    constexpr int KEYS = KeyTiles<HD>::KEYS;
+    __shared__ __align__(16) unsigned int keys[2][Tile<HD, KEYS>::WORDS];
+    __shared__ __align__(16) unsigned int values[2][Tile<HD, KEYS>::WORDS];
     int b = blockIdx.y / h, head = blockIdx.y % h, group = head / (h / kv);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
@@ -303,54 +353,66 @@ __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t,
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
     int last = (int)(blockIdx.x + 1) * FLASH_ROWS;  // keys this block's rows see: below it
     if (last > t) last = t;
-    for (int k0 = 0; k0 < last; k0 += FLASH_KEYS) {
-        __syncthreads();
-        load_tile<HD>(keys, qkv, b, k0, (h + group) * HD, width, t);
-        load_tile<HD>(values, qkv, b, k0, (h + kv + group) * HD, width, t);
-        __syncthreads();
-        if (k0 > q0 + 15) continue;  // every key of the tile is after the warp's rows
-        // Scores of the warp's 16 rows against the tile's keys, 8 keys per fragment.
-        float s[FLASH_KEYS / 8][4];
-        scores<HD>(s, qa, keys);
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            int row = q0 + g + 8 * r;
-            float mx = NEG_INF;
-#pragma unroll
-            for (int n = 0; n < FLASH_KEYS / 8; n++) {
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    int key = k0 + n * 8 + 2 * q + j;
-                    float v = key <= row && key < t ? s[n][2 * r + j] * scale : NEG_INF;
-                    s[n][2 * r + j] = v;
-                    mx = fmaxf(mx, v);
-                }
-            }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            float m_new = fmaxf(m[r], mx);
-            // A row that has seen no key yet (one past the sequence) keeps zeros.
-            float base = m_new == NEG_INF ? 0.0f : m_new;
-            float keep = expf(m[r] - base);
-            l[r] *= keep;
-#pragma unroll
-            for (int n = 0; n < HD / 8; n++) {
-                o[n][2 * r] *= keep;
-                o[n][2 * r + 1] *= keep;
-            }
-#pragma unroll
-            for (int n = 0; n < FLASH_KEYS / 8; n++) {
-#pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    float p = expf(s[n][2 * r + j] - base);
-                    s[n][2 * r + j] = p;
-                    l[r] += p;
-                }
-            }
-            m[r] = m_new;
+    int kc = (h + group) * HD, vc = (h + kv + group) * HD;
+    // The tiles stream through two buffers: the next one's copy runs while this one is used.
+    load_tile_async<HD, KEYS>(keys[0], qkv, b, 0, kc, width, t);
+    load_tile_async<HD, KEYS>(values[0], qkv, b, 0, vc, width, t);
+    copies_commit();
+    for (int k0 = 0, cur = 0; k0 < last; k0 += KEYS, cur ^= 1) {
+        if (k0 + KEYS < last) {
+            load_tile_async<HD, KEYS>(keys[cur ^ 1], qkv, b, k0 + KEYS, kc, width, t);
+            load_tile_async<HD, KEYS>(values[cur ^ 1], qkv, b, k0 + KEYS, vc, width, t);
         }
-        // out += P V: the probabilities, as the scores' fragments left them, are A fragments.
-        times_tile<HD>(o, s, values);
+        copies_commit();
+        copies_wait<1>();
+        __syncthreads();
+        // A tile whose every key is after the warp's rows is skipped.
+        if (k0 <= q0 + 15) {
+            // Scores of the warp's 16 rows against the tile's keys, 8 keys per fragment.
+            float s[KEYS / 8][4];
+            scores<HD, KEYS>(s, qa, keys[cur]);
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                int row = q0 + g + 8 * r;
+                float mx = NEG_INF;
+#pragma unroll
+                for (int n = 0; n < KEYS / 8; n++) {
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        int key = k0 + n * 8 + 2 * q + j;
+                        float v = key <= row && key < t ? s[n][2 * r + j] * scale : NEG_INF;
+                        s[n][2 * r + j] = v;
+                        mx = fmaxf(mx, v);
+                    }
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                float m_new = fmaxf(m[r], mx);
+                // A row that has seen no key yet (one past the sequence) keeps zeros.
+                float base = m_new == NEG_INF ? 0.0f : m_new;
+                float keep = expf(m[r] - base);
+                l[r] *= keep;
+#pragma unroll
+                for (int n = 0; n < HD / 8; n++) {
+                    o[n][2 * r] *= keep;
+                    o[n][2 * r + 1] *= keep;
+                }
+#pragma unroll
+                for (int n = 0; n < KEYS / 8; n++) {
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        float p = expf(s[n][2 * r + j] - base);
+                        s[n][2 * r + j] = p;
+                        l[r] += p;
+                    }
+                }
+                m[r] = m_new;
+            }
+            // out += P V: the probabilities, as the scores' fragments left them, are A fragments.
+            times_tile<HD, KEYS>(o, s, values[cur]);
+        }
+        // Every warp is done with the buffer before the copy two tiles on overwrites it.
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -379,7 +441,9 @@ template <int HD>
 __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                     const float* stats, const float* delta, int t, int h, int kv,
                                     float scale) {
-    __shared__ __align__(16) unsigned int keys[Tile<HD>::WORDS], vals[Tile<HD>::WORDS];
+    constexpr int KEYS = KeyTiles<HD>::KEYS;
+    __shared__ __align__(16) unsigned int keys[2][Tile<HD, KEYS>::WORDS];
+    __shared__ __align__(16) unsigned int vals[2][Tile<HD, KEYS>::WORDS];
     int b = blockIdx.y / h, head = blockIdx.y % h, group = head / (h / kv);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
@@ -403,25 +467,35 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
         for (int i = 0; i < 4; i++) dq[n][i] = 0.0f;
     int last = (int)(blockIdx.x + 1) * FLASH_ROWS;
     if (last > t) last = t;
-    for (int k0 = 0; k0 < last; k0 += FLASH_KEYS) {
-        __syncthreads();
-        load_tile<HD>(keys, qkv, b, k0, (h + group) * HD, width, t);
-        load_tile<HD>(vals, qkv, b, k0, (h + kv + group) * HD, width, t);
-        __syncthreads();
-        if (k0 > q0 + 15) continue;
-        float s[FLASH_KEYS / 8][4], dp[FLASH_KEYS / 8][4];
-        scores<HD>(s, qa, keys);
-        scores<HD>(dp, da, vals);
-#pragma unroll
-        for (int n = 0; n < FLASH_KEYS / 8; n++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int r = i >> 1, row = q0 + g + 8 * r, key = k0 + n * 8 + 2 * q + (i & 1);
-                float p = key <= row && row < t ? expf(s[n][i] * scale - m[r]) * inv[r] : 0.0f;
-                s[n][i] = p * (dp[n][i] - dl[r]);
-            }
+    int kc = (h + group) * HD, vc = (h + kv + group) * HD;
+    // Double-buffered tiles, as in the forward.
+    load_tile_async<HD, KEYS>(keys[0], qkv, b, 0, kc, width, t);
+    load_tile_async<HD, KEYS>(vals[0], qkv, b, 0, vc, width, t);
+    copies_commit();
+    for (int k0 = 0, cur = 0; k0 < last; k0 += KEYS, cur ^= 1) {
+        if (k0 + KEYS < last) {
+            load_tile_async<HD, KEYS>(keys[cur ^ 1], qkv, b, k0 + KEYS, kc, width, t);
+            load_tile_async<HD, KEYS>(vals[cur ^ 1], qkv, b, k0 + KEYS, vc, width, t);
         }
-        times_tile<HD>(dq, s, keys);
+        copies_commit();
+        copies_wait<1>();
+        __syncthreads();
+        if (k0 <= q0 + 15) {
+            float s[KEYS / 8][4], dp[KEYS / 8][4];
+            scores<HD, KEYS>(s, qa, keys[cur]);
+            scores<HD, KEYS>(dp, da, vals[cur]);
+#pragma unroll
+            for (int n = 0; n < KEYS / 8; n++) {
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int r = i >> 1, row = q0 + g + 8 * r, key = k0 + n * 8 + 2 * q + (i & 1);
+                    float p = key <= row && row < t ? expf(s[n][i] * scale - m[r]) * inv[r] : 0.0f;
+                    s[n][i] = p * (dp[n][i] - dl[r]);
+                }
+            }
+            times_tile<HD, KEYS>(dq, s, keys[cur]);
+        }
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
