@@ -29,7 +29,13 @@ pub fn assert_close_to_largest(got: &[f32], want: &[f32], tol: f32, what: &str) 
     let (i, diff) = got
         .iter()
         .zip(want)
-        .map(|(g, w)| (g - w).abs())
+        // A NaN where a number is wanted (or the reverse) is as far off as can be; NaN in both
+        // agrees.
+        .map(|(g, w)| match (g.is_nan(), w.is_nan()) {
+            (false, false) => (g - w).abs(),
+            (true, true) => 0.0,
+            _ => f32::INFINITY,
+        })
         .enumerate()
         .fold((0, 0.0f32), |(bi, b), (i, d)| if d > b { (i, d) } else { (bi, b) });
     assert!(
