@@ -7,7 +7,7 @@
 use super::blas::{DType, Gemm};
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
 use super::gemm::gemm;
-use super::{per_row, per_value, ROW_THREADS};
+use super::{per_row, per_value, ROW_CHUNK};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 
@@ -32,7 +32,7 @@ pub fn sum_rstd<A: Act>(
     let args = [out.arg_mut(), rstd.arg_mut(), a.arg(), b, Arg::i32(d as i32), Arg::f32(eps)];
     // SAFETY: the kernel's arguments in its order; every buffer holds `rows` rows of `d`
     // (checked above), `rstd` one value per row.
-    unsafe { dev.launch(&kernel::<A>("depth_sum_rstd"), per_row(rows, ROW_THREADS), &args) }
+    unsafe { dev.launch(&kernel::<A>("depth_sum_rstd"), per_row(rows, d), &args) }
 }
 
 /// What phase 1 produced for the consumers of one block, per consumer and token (as the CPU's
@@ -74,7 +74,7 @@ pub fn phase1<A: Act>(
     let cfg = LaunchConfig {
         grid_dim: (rows as u32, s.div_ceil(PHASE1_CONSUMERS) as u32, 1),
         shared_mem_bytes: (PHASE1_CONSUMERS * c * size_of::<f32>()) as u32,
-        ..per_row(rows, ROW_THREADS)
+        ..per_row(rows, d)
     };
     let args = [
         p.logits.arg_mut(),
@@ -168,7 +168,7 @@ pub fn input<A: Act>(
     // SAFETY: the kernel's arguments in its order; consumer j's rows of phase 1 lie in its
     // buffers, the partial sum and its predecessor hold `rows` rows of `d` (checked above), and
     // the outputs `rows` rows of `d` and of K.
-    unsafe { dev.launch(&kernel::<A>("depth_input"), per_row(rows, ROW_THREADS), &args) }?;
+    unsafe { dev.launch(&kernel::<A>("depth_input"), per_row(rows, d), &args) }?;
     Ok(out)
 }
 
@@ -246,8 +246,8 @@ pub fn source_grads<A: Act>(
         Arg::i32(accumulate as i32),
     ];
     let cfg = LaunchConfig {
-        shared_mem_bytes: (d * size_of::<f32>()) as u32,
-        ..per_row(rows, ROW_THREADS)
+        shared_mem_bytes: (d.next_multiple_of(ROW_CHUNK) * size_of::<f32>()) as u32,
+        ..per_row(rows, d)
     };
     // SAFETY: the kernel's arguments in its order; the tables hold the addresses of buffers
     // that `readers` borrows (so they outlive the launch, which the stream orders before any
@@ -311,9 +311,10 @@ mod tests {
     /// A block's sums and both phases against the CPU's: `s` consumers over `c` completed
     /// sources, consumer j > 0 also reading its partial sum, which phase 2 makes from the
     /// previous output and (j > 1) the sum before, and every consumer's input normalised.
-    /// Ten consumers take two launches of phase 1; d = 200 is no multiple of the threads.
+    /// Ten consumers take two launches of phase 1; rows of 203 values end in part of a chunk
+    /// and start unaligned.
     fn the_forward_matches_the_cpu(dev: &Device) {
-        for (rows, d, c, s) in [(1, 64, 1, 1), (37, 200, 4, 3), (9, 96, 3, 10)] {
+        for (rows, d, c, s) in [(1, 64, 1, 1), (37, 203, 4, 3), (9, 96, 3, 10)] {
             let at = format!("rows {rows} d {d} C {c} S {s}");
             let srcs = rand_vec(c * rows * d, 1, 2.0);
             let (x, y) = (rand_vec(rows * d, 2, 1.0), rand_vec(rows * d, 3, 1.5));
@@ -390,7 +391,8 @@ mod tests {
     /// The per-source backward against the CPU's: each partial sum at once for its consumer,
     /// each completed source for all of its consumers, and the query gradients.
     fn the_backward_matches_the_cpu(dev: &Device) {
-        let (rows, d, c, s) = (29, 80, 3, 4);
+        // Rows of 83 values: some chunks whole, some not, most unaligned.
+        let (rows, d, c, s) = (29, 83, 3, 4);
         let srcs: Vec<Vec<f32>> = (0..c).map(|i| rand_vec(rows * d, 20 + i as u64, 2.0)).collect();
         let partials: Vec<Vec<f32>> =
             (0..s).map(|j| rand_vec(rows * d, 30 + j as u64, 1.5)).collect();

@@ -3,7 +3,7 @@
 //! buffers.
 
 use super::device::{kernel, Act, Arg, Buf, Device, Ids, Slice, SliceMut};
-use super::per_value;
+use super::{per_value, ROW_CHUNK};
 use anyhow::Result;
 
 /// SwiGLU forward: `act[rows, F]` from the fused `gu[rows, 2F]`.
@@ -13,7 +13,9 @@ pub fn swiglu_forward<A: Act>(dev: &Device, gu: &Buf<A>, f: usize) -> Result<Buf
     let mut act = dev.output(rows * f)?;
     let args = [act.arg_mut(), gu.arg(), Arg::i64(rows), Arg::i32(f as i32)];
     // SAFETY: the kernel's arguments in its order; `act` holds rows·F values, `gu` rows·2F.
-    unsafe { dev.launch(&kernel::<A>("swiglu_forward"), per_value(rows * f), &args) }?;
+    unsafe {
+        dev.launch(&kernel::<A>("swiglu_forward"), per_value(rows * f.div_ceil(ROW_CHUNK)), &args)
+    }?;
     Ok(act)
 }
 
@@ -29,7 +31,9 @@ pub fn swiglu_backward<A: Act>(
     let mut dgu = dev.output(gu.len())?;
     let args = [dgu.arg_mut(), dact.arg(), gu.arg(), Arg::i64(rows), Arg::i32(f as i32)];
     // SAFETY: as in `swiglu_forward`.
-    unsafe { dev.launch(&kernel::<A>("swiglu_backward"), per_value(rows * f), &args) }?;
+    unsafe {
+        dev.launch(&kernel::<A>("swiglu_backward"), per_value(rows * f.div_ceil(ROW_CHUNK)), &args)
+    }?;
     Ok(dgu)
 }
 
@@ -71,8 +75,14 @@ mod tests {
     use crate::kernels::{embedding, swiglu};
     use crate::testutil::{assert_close_to_largest, rand_vec};
 
+    /// F = 203: each row's last chunk is short, and most rows start unaligned.
     fn swiglu_matches_the_cpu_kernel(dev: &Device) {
-        let (rows, f) = (37, 1000);
+        for (rows, f) in [(37, 1000), (5, 203)] {
+            check_swiglu(dev, rows, f);
+        }
+    }
+
+    fn check_swiglu(dev: &Device, rows: usize, f: usize) {
         let gu = rand_vec(rows * 2 * f, 1, 4.0);
         let dact = rand_vec(rows * f, 2, 1.0);
         let want_act = swiglu::forward(&gu, f);

@@ -52,16 +52,16 @@ impl std::fmt::Display for Precision {
     }
 }
 
-/// Threads per row of the kernels that reduce over rows of the hidden size. One number for
-/// all: `row_dot` (reduce.cuh) gives the same bits in every kernel only with the same threads.
-pub const ROW_THREADS: u32 = 256;
+/// Values a thread of the row kernels reads and writes at a time (`CHUNK` in reduce.cuh).
+pub const ROW_CHUNK: usize = 8;
 
-/// A launch of one block of `threads` threads per row, for the kernels that reduce over a row
-/// (`threads` a power of two, as `reduce.cuh` needs).
-pub fn per_row(rows: usize, threads: u32) -> cudarc::driver::LaunchConfig {
-    assert!(
-        rows <= i32::MAX as usize && threads.is_power_of_two() && (32..=1024).contains(&threads)
-    );
+/// A launch of one block per row of `d` values, for the kernels that reduce over a row: a power
+/// of two of threads, as `reduce.cuh` needs, with a chunk of [`ROW_CHUNK`] values for each
+/// (several above 8192 values). The threads depend on `d` alone: `row_dot` (reduce.cuh) gives
+/// the same bits in every kernel only with the same threads.
+pub fn per_row(rows: usize, d: usize) -> cudarc::driver::LaunchConfig {
+    assert!(rows <= i32::MAX as usize && d <= i32::MAX as usize);
+    let threads = d.div_ceil(ROW_CHUNK).next_power_of_two().clamp(32, 1024) as u32;
     cudarc::driver::LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads, 1, 1),

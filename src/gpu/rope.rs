@@ -2,7 +2,7 @@
 //! bit for bit, with the CPU's cos/sin tables uploaded once.
 
 use super::device::{kernel, Act, Arg, Buf, Device, Ids};
-use super::per_value;
+use super::{per_value, ROW_CHUNK};
 use crate::kernels::rope::RopeTable;
 use anyhow::{bail, Result};
 
@@ -66,7 +66,13 @@ pub fn apply<A: Act>(
     ];
     // SAFETY: the kernel's arguments in its order; every row's position is inside the tables
     // (checked) and every head inside the row.
-    unsafe { dev.launch(&kernel::<A>("rope_apply"), per_value(rows * n_heads * t.half), &args) }?;
+    unsafe {
+        dev.launch(
+            &kernel::<A>("rope_apply"),
+            per_value(rows * n_heads * t.half.div_ceil(ROW_CHUNK)),
+            &args,
+        )
+    }?;
     Ok(())
 }
 
@@ -76,9 +82,16 @@ mod tests {
     use crate::kernels::rope::{self as cpu, Positions};
     use crate::testutil::rand_vec;
 
-    /// Query and key heads of a packed `qkv` buffer, forward and inverse, at the CPU's bits.
+    /// Query and key heads of a packed `qkv` buffer, forward and inverse, at the CPU's bits;
+    /// heads of 20 values rotate halves of 10, a whole chunk and a short one.
     fn rope_is_the_cpu_kernel_bit_for_bit(dev: &Device) {
-        let (hd, heads, kv, seq, rows) = (64, 8, 2, 100, 300);
+        for hd in [64, 20] {
+            check(dev, hd);
+        }
+    }
+
+    fn check(dev: &Device, hd: usize) {
+        let (heads, kv, seq, rows) = (8, 2, 100, 300);
         let width = (heads + 2 * kv) * hd;
         let table = RopeTable::new(hd, 2048, 10000.0);
         let gpu_table = RopeTables::upload(dev, &table).unwrap();
@@ -92,7 +105,7 @@ mod tests {
             apply(dev, &mut got, width, 0, heads + kv, &positions, &gpu_table, inverse).unwrap();
             let got = dev.download(&got).unwrap();
             let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
-            assert!(same, "inverse {inverse}: the GPU's rotation differs from the CPU's bits");
+            assert!(same, "hd {hd}, inverse {inverse}: the GPU's rotation differs from the CPU's");
         }
     }
     crate::gpu::on_cpu_and_gpu!(rope_is_the_cpu_kernel_bit_for_bit);

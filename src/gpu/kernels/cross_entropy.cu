@@ -14,13 +14,17 @@ __device__ void cross_entropy_t(T* dlogits, float* row_loss, const T* logits,
     // softmax): each thread's sum is kept relative to its own maximum, then rescaled to the
     // row's.
     float m = NEG_INF, z = 0.0f;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        float xj = to_f32(x[j]);
-        if (xj > m) {
-            z = z * expf(m - xj) + 1.0f;
-            m = xj;
-        } else if (m != NEG_INF) {
-            z += expf(xj - m);
+    for_chunks(c, v) {
+        float xs[CHUNK];
+        load_chunk(xs, x + c, v - c);
+        for (int i = 0; i < CHUNK && c + i < v; i++) {
+            float xj = xs[i];
+            if (xj > m) {
+                z = z * expf(m - xj) + 1.0f;
+                m = xj;
+            } else if (m != NEG_INF) {
+                z += expf(xj - m);
+            }
         }
     }
     float row_max = block_max(m);
@@ -30,9 +34,14 @@ __device__ void cross_entropy_t(T* dlogits, float* row_loss, const T* logits,
     if (threadIdx.x == 0) row_loss[blockIdx.x] = (float)log((double)z) + m - to_f32(x[t]);
     if (dlogits == 0) return;
     float scale = inv / z;
-    for (int j = threadIdx.x; j < v; j += blockDim.x) {
-        float e = expf(to_f32(x[j]) - m) * scale;
-        dlogits[at + j] = from_f32<T>(j == (int)t ? e - inv : e);
+    for_chunks(c, v) {
+        float e[CHUNK];
+        load_chunk(e, x + c, v - c);
+        for (int i = 0; i < CHUNK; i++) {
+            e[i] = expf(e[i] - m) * scale;
+            if (c + i == (int)t) e[i] -= inv;
+        }
+        store_chunk(dlogits + at + c, e, v - c);
     }
 }
 extern "C" __global__ void cross_entropy(float* dlogits, float* row_loss, const float* logits,

@@ -16,8 +16,15 @@
 template <typename T>
 __device__ void depth_sum_rstd_t(T* out, float* rstd, const T* a, const T* b, int d, float eps) {
     size_t at = (size_t)blockIdx.x * d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x)
-        out[at + j] = b ? from_f32<T>(to_f32(a[at + j]) + to_f32(b[at + j])) : a[at + j];
+    for_chunks(c, d) {
+        float x[CHUNK], y[CHUNK];
+        load_chunk(x, a + at + c, d - c);
+        if (b) {
+            load_chunk(y, b + at + c, d - c);
+            for (int i = 0; i < CHUNK; i++) x[i] += y[i];
+        }
+        store_chunk(out + at + c, x, d - c);
+    }
     // Each thread reads back the values it wrote.
     float r = row_rstd(out + at, d, eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
@@ -47,12 +54,19 @@ __device__ void depth_phase1_t(float* logits, float* m1, float* l1, T* o1, const
         const T* v = sources + i * plane + at;
         float part[PHASE1_CONSUMERS];
         for (int g = 0; g < PHASE1_CONSUMERS; g++) part[g] = 0.0f;
-        for (int j = threadIdx.x; j < d; j += blockDim.x) {
-            float x = to_f32(v[j]);
-            for (int g = 0; g < n; g++) part[g] += ws[(size_t)(j0 + g) * d + j] * x;
+        for_chunks(col, d) {
+            float x[CHUNK];
+            load_chunk(x, v + col, d - col);
+            for (int g = 0; g < PHASE1_CONSUMERS; g++) {
+                if (g >= n) continue;
+                float w[CHUNK];
+                load_chunk(w, ws + (size_t)(j0 + g) * d + col, d - col);
+                for (int e = 0; e < CHUNK; e++) part[g] += w[e] * x[e];
+            }
         }
         float r = rstds[(size_t)i * rows + t];
-        for (int g = 0; g < n; g++) {
+        for (int g = 0; g < PHASE1_CONSUMERS; g++) {
+            if (g >= n) continue;
             float logit = r * block_sum(part[g]);
             if (threadIdx.x == 0) weights[g * c + i] = logit;
         }
@@ -78,14 +92,25 @@ __device__ void depth_phase1_t(float* logits, float* m1, float* l1, T* o1, const
         l1[row] = z;
     }
     __syncthreads();
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        float acc[PHASE1_CONSUMERS];
-        for (int g = 0; g < PHASE1_CONSUMERS; g++) acc[g] = 0.0f;
+    // The consumer loops run to the constant bound, unrolled, so that acc stays in registers;
+    // n is the same in every thread.
+    for_chunks(col, d) {
+        float acc[PHASE1_CONSUMERS][CHUNK];
+        #pragma unroll
+        for (int g = 0; g < PHASE1_CONSUMERS; g++)
+            for (int e = 0; e < CHUNK; e++) acc[g][e] = 0.0f;
         for (int i = 0; i < c; i++) {
-            float x = to_f32(sources[i * plane + at + j]);
-            for (int g = 0; g < n; g++) acc[g] += weights[g * c + i] * x;
+            float x[CHUNK];
+            load_chunk(x, sources + i * plane + at + col, d - col);
+            #pragma unroll
+            for (int g = 0; g < PHASE1_CONSUMERS; g++) {
+                if (g >= n) continue;
+                for (int e = 0; e < CHUNK; e++) acc[g][e] += weights[g * c + i] * x[e];
+            }
         }
-        for (int g = 0; g < n; g++) o1[((size_t)(j0 + g) * rows + t) * d + j] = from_f32<T>(acc[g]);
+        #pragma unroll
+        for (int g = 0; g < PHASE1_CONSUMERS; g++)
+            if (g < n) store_chunk(o1 + ((size_t)(j0 + g) * rows + t) * d + col, acc[g], d - col);
     }
 }
 extern "C" __global__ void depth_phase1(float* logits, float* m1, float* l1, float* o1,
@@ -119,8 +144,13 @@ __device__ void depth_input_t(T* h, T* y, float* rstd, float* alpha, float* logi
     if (p) {
         T* pt = p + at;
         if (prev)
-            for (int j = threadIdx.x; j < d; j += blockDim.x)
-                pt[j] = from_f32<T>(to_f32(pt[j]) + to_f32(prev[at + j]));
+            for_chunks(col, d) {
+                float x[CHUNK], y[CHUNK];
+                load_chunk(x, pt + col, d - col);
+                load_chunk(y, prev + at + col, d - col);
+                for (int e = 0; e < CHUNK; e++) x[e] += y[e];
+                store_chunk(pt + col, x, d - col);
+            }
         float r = row_rstd(pt, d, eps);
         float lp = r * row_dot(w, pt, d);
         float mm = fmaxf(m, lp);
@@ -128,15 +158,24 @@ __device__ void depth_input_t(T* h, T* y, float* rstd, float* alpha, float* logi
         z = s1 + sp;
         m = mm;
         float a1 = s1 / z, ap = sp / z;
-        for (int j = threadIdx.x; j < d; j += blockDim.x)
-            h[at + j] = from_f32<T>(a1 * to_f32(o1[at + j]) + ap * to_f32(pt[j]));
+        for_chunks(col, d) {
+            float x[CHUNK], y[CHUNK];
+            load_chunk(x, o1 + at + col, d - col);
+            load_chunk(y, pt + col, d - col);
+            for (int e = 0; e < CHUNK; e++) x[e] = a1 * x[e] + ap * y[e];
+            store_chunk(h + at + col, x, d - col);
+        }
         if (threadIdx.x == 0) {
             pr[t] = r;
             alpha[(size_t)t * k + c] = ap;
             logits[(size_t)t * k + c] = lp;
         }
     } else {
-        for (int j = threadIdx.x; j < d; j += blockDim.x) h[at + j] = o1[at + j];
+        for_chunks(col, d) {
+            float x[CHUNK];
+            load_chunk(x, o1 + at + col, d - col);
+            store_chunk(h + at + col, x, d - col);
+        }
     }
     for (int i = threadIdx.x; i < c; i += blockDim.x) {
         float l = logits1[(size_t)t * c + i];
@@ -180,10 +219,10 @@ extern "C" __global__ void depth_query_grad(float* y, const float* a, const floa
 //   dl = alpha (<dh, v> - dhh),  b = dl r,  out += alpha dh + b w,  coef += dl logit,
 // then out -= (r^2 / d) coef v (the key norm's term); b goes to bs for the query's gradient (the
 // sum over tokens of b v: a product, taken after). The source is read once and its gradient
-// written once, the sums in f32 in shared memory (d floats). Reader i's buffers come from
-// tables of addresses (dh, dhh, alpha, logits, w, each `readers` long, one after another in
-// `tables`); its b goes to row rows_of[i] of bs ([consumers, rows]) and its weights are ks[i]
-// wide. One block per token.
+// written once, the sums in f32 in shared memory (d floats, rounded up to whole chunks).
+// Reader i's buffers come from tables of addresses (dh, dhh, alpha, logits, w, each `readers`
+// long, one after another in `tables`); its b goes to row rows_of[i] of bs ([consumers, rows])
+// and its weights are ks[i] wide. One block per token.
 template <typename T>
 __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, const int* ks,
                                      const int* rows_of, int readers, const T* v,
@@ -192,7 +231,14 @@ __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, con
     int t = blockIdx.x;
     size_t at = (size_t)t * d;
     const T* vr = v + at;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] = accumulate ? to_f32(out[at + j]) : 0.0f;
+    // Value e of chunk q at acc[e * chunks + q]: a warp's threads, on chunks side by side, use
+    // 32 different banks.
+    int chunks = (d + CHUNK - 1) / CHUNK;
+    for_chunks(c, d) {
+        float x[CHUNK];
+        if (accumulate) load_chunk(x, out + at + c, d - c);
+        for (int e = 0; e < CHUNK; e++) acc[e * chunks + c / CHUNK] = accumulate ? x[e] : 0.0f;
+    }
     float r = rstd[t], coef = 0.0f;
     for (int i = 0; i < readers; i++) {
         const T* dh = (const T*)tables[i] + at;
@@ -205,12 +251,21 @@ __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, con
         float dl = a * (row_dot(dh, vr, d) - dhh[t]);
         float b = dl * r;
         coef += dl * logits[t * k + col];
-        for (int j = threadIdx.x; j < d; j += blockDim.x) acc[j] += a * to_f32(dh[j]) + b * w[j];
+        for_chunks(c, d) {
+            float x[CHUNK], wc[CHUNK];
+            load_chunk(x, dh + c, d - c);
+            load_chunk(wc, w + c, d - c);
+            for (int e = 0; e < CHUNK; e++) acc[e * chunks + c / CHUNK] += a * x[e] + b * wc[e];
+        }
         if (threadIdx.x == 0) bs[(size_t)rows_of[i] * rows + t] = from_f32<T>(b);
     }
     float cv = coef * r * r / (float)d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x)
-        out[at + j] = from_f32<T>(acc[j] - cv * to_f32(vr[j]));
+    for_chunks(c, d) {
+        float x[CHUNK];
+        load_chunk(x, vr + c, d - c);
+        for (int e = 0; e < CHUNK; e++) x[e] = acc[e * chunks + c / CHUNK] - cv * x[e];
+        store_chunk(out + at + c, x, d - c);
+    }
 }
 extern "C" __global__ void depth_source_grads(float* out, float* bs, const long long* tables,
                                               const int* ks, const int* rows_of, int readers,

@@ -98,23 +98,6 @@ template <int HD, int ROWS = FLASH_KEYS> struct Tile {
     static constexpr int PAIRS = HD / 2, STRIDE = HD / 2 + 4, WORDS = ROWS * STRIDE;
 };
 
-// Eight bf16 values as one 16-byte load or store.
-struct __align__(16) Quad {
-    unsigned int w[4];
-};
-
-// The 16 bytes at p, which a GPU buffer aligns to 16 (rows of a multiple of 8 values, heads
-// of a multiple of 16); the emulator's host buffers need not be, so it copies them.
-__device__ inline Quad quad_at(const bf16* p) {
-#ifndef ATTNRES_EMULATOR
-    return *(const Quad*)p;
-#else
-    Quad q;
-    __builtin_memcpy(&q, p, sizeof q);
-    return q;
-#endif
-}
-
 // Rows r0.. of columns col0..col0 + HD of a [B*T, width] buffer into a tile of ROWS rows (zeros
 // past the sequence), 16 bytes a load.
 template <int HD, int ROWS = FLASH_KEYS>

@@ -1,5 +1,5 @@
 // What every kernel file shares, put before it when it is compiled (src/gpu/nvrtc.rs): the
-// bfloat16 type and block-wide reductions. The kernels that reduce run with a power of two of
+// bfloat16 type, rows read and written in 16-byte chunks, and block-wide reductions. The kernels that reduce run with a power of two of
 // threads per block, 32 to 1024.
 
 // NVRTC has no math.h: minus infinity by its bits.
@@ -29,6 +29,93 @@ template <> __device__ inline bf16 from_f32<bf16>(float x) {
     // A NaN stays a NaN (its quiet bit set, so that rounding cannot make it infinite).
     if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{(unsigned short)((u >> 16) | 0x40u)};
     return bf16{(unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+
+// Sixteen bytes, eight bf16 or four f32, as one load or store.
+struct __align__(16) Quad {
+    unsigned int w[4];
+};
+
+// The 16 bytes at p, which a GPU must find 16-byte aligned; the emulator's host buffers need
+// not be, so it copies them.
+__device__ inline Quad quad_at(const void* p) {
+#ifndef ATTNRES_EMULATOR
+    return *(const Quad*)p;
+#else
+    Quad q;
+    __builtin_memcpy(&q, p, sizeof q);
+    return q;
+#endif
+}
+__device__ inline void quad_store(void* p, Quad q) {
+#ifndef ATTNRES_EMULATOR
+    *(Quad*)p = q;
+#else
+    __builtin_memcpy(p, &q, sizeof q);
+#endif
+}
+
+// The row kernels read and write a row of d values in chunks of CHUNK: thread i of a block
+// owns chunks i, i + blockDim.x, ... (`for_chunks`), so a kernel reading a row that another
+// wrote with the same threads finds each value in the thread that wrote it, and every kernel
+// sums a row's products in the same order. A whole chunk at a 16-byte aligned address moves in
+// 16-byte loads and stores (one for bf16, two for f32); a row's tail, or a chunk of a row whose
+// length is no multiple of 8, moves value by value.
+#define CHUNK 8
+#define for_chunks(c, d) for (int c = CHUNK * (int)threadIdx.x; c < (d); c += CHUNK * (int)blockDim.x)
+
+__device__ inline bool whole_and_aligned(const void* p, int left) {
+    return left >= CHUNK && ((unsigned long long)p & 15) == 0;
+}
+
+// The chunk at p (`left` values from p to the row's end) in f32, zeros past the row's end.
+__device__ inline void load_chunk(float (&x)[CHUNK], const bf16* p, int left) {
+    if (whole_and_aligned(p, left)) {
+        Quad q = quad_at(p);
+        for (int i = 0; i < 4; i++) {
+            x[2 * i] = __uint_as_float(q.w[i] << 16);
+            x[2 * i + 1] = __uint_as_float(q.w[i] & 0xffff0000u);
+        }
+    } else {
+        for (int i = 0; i < CHUNK; i++) x[i] = i < left ? to_f32(p[i]) : 0.0f;
+    }
+}
+__device__ inline void load_chunk(float (&x)[CHUNK], const float* p, int left) {
+    if (whole_and_aligned(p, left)) {
+        Quad a = quad_at(p), b = quad_at(p + 4);
+        for (int i = 0; i < 4; i++) {
+            x[i] = __uint_as_float(a.w[i]);
+            x[4 + i] = __uint_as_float(b.w[i]);
+        }
+    } else {
+        for (int i = 0; i < CHUNK; i++) x[i] = i < left ? p[i] : 0.0f;
+    }
+}
+
+// Stores the first `left` values of a chunk at p (all of them where left >= CHUNK), rounded to
+// the row's type.
+__device__ inline void store_chunk(bf16* p, const float (&x)[CHUNK], int left) {
+    if (whole_and_aligned(p, left)) {
+        Quad q;
+        for (int i = 0; i < 4; i++)
+            q.w[i] = from_f32<bf16>(x[2 * i]).bits | (unsigned int)from_f32<bf16>(x[2 * i + 1]).bits << 16;
+        quad_store(p, q);
+    } else {
+        for (int i = 0; i < CHUNK && i < left; i++) p[i] = from_f32<bf16>(x[i]);
+    }
+}
+__device__ inline void store_chunk(float* p, const float (&x)[CHUNK], int left) {
+    if (whole_and_aligned(p, left)) {
+        Quad a, b;
+        for (int i = 0; i < 4; i++) {
+            a.w[i] = __float_as_uint(x[i]);
+            b.w[i] = __float_as_uint(x[4 + i]);
+        }
+        quad_store(p, a);
+        quad_store(p + 4, b);
+    } else {
+        for (int i = 0; i < CHUNK && i < left; i++) p[i] = x[i];
+    }
 }
 
 // The sum of `v` over the block's threads, in every thread.
@@ -62,7 +149,12 @@ __device__ float block_max(float v) {
 // depth attention's <dh, v>, which must cancel exactly where a consumer reads one source.
 template <typename A, typename B> __device__ float row_dot(const A* a, const B* b, int d) {
     float s = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) s += to_f32(a[j]) * to_f32(b[j]);
+    for_chunks(c, d) {
+        float x[CHUNK], y[CHUNK];
+        load_chunk(x, a + c, d - c);
+        load_chunk(y, b + c, d - c);
+        for (int i = 0; i < CHUNK; i++) s += x[i] * y[i];
+    }
     return block_sum(s);
 }
 
@@ -70,15 +162,22 @@ template <typename A, typename B> __device__ float row_dot(const A* a, const B* 
 // value is finite, the statistic is taken again in f64, as the CPU kernel does.
 template <typename T> __device__ float row_rstd(const T* x, int d, float eps) {
     float s = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) s += to_f32(x[j]) * to_f32(x[j]);
+    for_chunks(c, d) {
+        float v[CHUNK];
+        load_chunk(v, x + c, d - c);
+        for (int i = 0; i < CHUNK; i++) s += v[i] * v[i];
+    }
     float rstd = 1.0f / sqrtf(block_sum(s) / (float)d + eps);
     if (rstd != 0.0f) return rstd;
     double s64 = 0.0;
     int finite = 1;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        double v = to_f32(x[j]);
-        s64 += v * v;
-        finite &= isfinite(v);
+    for_chunks(c, d) {
+        float v[CHUNK];
+        load_chunk(v, x + c, d - c);
+        for (int i = 0; i < CHUNK; i++) {
+            s64 += (double)v[i] * (double)v[i];
+            finite &= isfinite(v[i]);
+        }
     }
     // The f64 partials summed in shared memory.
     __shared__ double parts[1024];
@@ -101,6 +200,12 @@ template <typename T> __device__ float row_rstd(const T* x, int d, float eps) {
 // it, and the residual kernels that hand a sublayer its input and that input's norm at once.
 template <typename T> __device__ float norm_row(T* y, const T* x, const float* g, int d, float eps) {
     float r = row_rstd(x, d, eps);
-    for (int j = threadIdx.x; j < d; j += blockDim.x) y[j] = from_f32<T>(to_f32(x[j]) * r * g[j]);
+    for_chunks(c, d) {
+        float v[CHUNK], gc[CHUNK];
+        load_chunk(v, x + c, d - c);
+        load_chunk(gc, g + c, d - c);
+        for (int i = 0; i < CHUNK; i++) v[i] = v[i] * r * gc[i];
+        store_chunk(y + c, v, d - c);
+    }
     return r;
 }

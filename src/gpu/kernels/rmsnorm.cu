@@ -28,8 +28,13 @@ template <typename T>
 __device__ void rmsnorm_add_forward_t(T* h, T* y, float* rstd, const T* a, const T* b,
                                       const float* g, int d, float eps) {
     size_t at = (size_t)blockIdx.x * d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x)
-        h[at + j] = from_f32<T>(to_f32(a[at + j]) + to_f32(b[at + j]));
+    for_chunks(c, d) {
+        float x[CHUNK], y[CHUNK];
+        load_chunk(x, a + at + c, d - c);
+        load_chunk(y, b + at + c, d - c);
+        for (int i = 0; i < CHUNK; i++) x[i] += y[i];
+        store_chunk(h + at + c, x, d - c);
+    }
     float r = norm_row(y + at, h + at, g, d, eps);
     if (threadIdx.x == 0) rstd[blockIdx.x] = r;
 }
@@ -53,11 +58,25 @@ __device__ void rmsnorm_backward_t(T* dx, float* dxx, const T* dy, const T* x, c
                                    const float* rstd, int d, int accumulate) {
     size_t at = (size_t)blockIdx.x * d;
     float r = rstd[blockIdx.x], ux = 0.0f;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) ux += g[j] * to_f32(dy[at + j]) * to_f32(x[at + j]);
-    float c = r * r * r * block_sum(ux) / (float)d;
-    for (int j = threadIdx.x; j < d; j += blockDim.x) {
-        float v = r * g[j] * to_f32(dy[at + j]) - c * to_f32(x[at + j]);
-        dx[at + j] = from_f32<T>(accumulate ? to_f32(dx[at + j]) + v : v);
+    for_chunks(c, d) {
+        float gc[CHUNK], u[CHUNK], v[CHUNK];
+        load_chunk(gc, g + c, d - c);
+        load_chunk(u, dy + at + c, d - c);
+        load_chunk(v, x + at + c, d - c);
+        for (int i = 0; i < CHUNK; i++) ux += gc[i] * u[i] * v[i];
+    }
+    float k = r * r * r * block_sum(ux) / (float)d;
+    for_chunks(c, d) {
+        float gc[CHUNK], u[CHUNK], v[CHUNK], prior[CHUNK];
+        load_chunk(gc, g + c, d - c);
+        load_chunk(u, dy + at + c, d - c);
+        load_chunk(v, x + at + c, d - c);
+        if (accumulate) load_chunk(prior, dx + at + c, d - c);
+        for (int i = 0; i < CHUNK; i++) {
+            float e = r * gc[i] * u[i] - k * v[i];
+            u[i] = accumulate ? prior[i] + e : e;
+        }
+        store_chunk(dx + at + c, u, d - c);
     }
     if (dxx) {
         float s = row_dot(dx + at, x + at, d);

@@ -5,22 +5,31 @@
 
 // Rotates, in place, `heads` consecutive heads from column `col0` of each row of x[rows, width];
 // row r at position pos[r]; sign -1 applies the transpose (the backward pass). One thread per
-// pair of values.
+// chunk of a head's first half (reduce.cuh: 8 values) and the chunk it pairs with.
 template <typename T>
 __device__ void rope_apply_t(T* x, const float* cos, const float* sin, const unsigned int* pos,
                              long long rows, int width, int col0, int heads, int half, float sign) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= rows * heads * half) return;
-    int j = (int)(i % half);
-    long long row_head = i / half;
+    int chunks = (half + CHUNK - 1) / CHUNK;
+    if (i >= rows * heads * chunks) return;
+    int j = (int)(i % chunks) * CHUNK;
+    long long row_head = i / chunks;
     int h = (int)(row_head % heads);
     long long row = row_head / heads;
-    T* a = x + row * width + col0 + (long long)h * 2 * half;
+    T* a = x + row * width + col0 + (long long)h * 2 * half + j;
     long long at = (long long)pos[row] * half + j;
-    float c = cos[at], s = sign * sin[at];
-    float x1 = to_f32(a[j]), x2 = to_f32(a[j + half]);
-    a[j] = from_f32<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
-    a[j + half] = from_f32<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+    float c[CHUNK], s[CHUNK], x1[CHUNK], x2[CHUNK];
+    load_chunk(c, cos + at, half - j);
+    load_chunk(s, sin + at, half - j);
+    load_chunk(x1, a, half - j);
+    load_chunk(x2, a + half, half - j);
+    for (int e = 0; e < CHUNK; e++) {
+        float se = sign * s[e], y1 = __fsub_rn(__fmul_rn(x1[e], c[e]), __fmul_rn(x2[e], se));
+        x2[e] = __fadd_rn(__fmul_rn(x2[e], c[e]), __fmul_rn(x1[e], se));
+        x1[e] = y1;
+    }
+    store_chunk(a, x1, half - j);
+    store_chunk(a + half, x2, half - j);
 }
 extern "C" __global__ void rope_apply(float* x, const float* cos, const float* sin,
                                       const unsigned int* pos, long long rows, int width, int col0,
