@@ -493,19 +493,29 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
     }
 }
 
+// Queries per tile of dk/dv, whose query and output-gradient tiles are double-buffered beside
+// the block's values: as many as the registers hold without spilling and four tiles the 48 KB
+// of static shared memory: 64, 32 for heads of 96 values, 16 for 128.
+template <int HD> struct QueryTiles {
+    static constexpr int QUERIES = HD <= 64 ? 64 : HD <= 96 ? 32 : 16;
+    static_assert(QUERIES <= 32 * FLASH_WARPS, "a thread per query loads the statistics");
+};
+
 // Backward to the keys and values: their columns of dqkv, summed over the query heads of each
 // kv head's group. Grid (ceil(T / FLASH_ROWS), B*KV), 32 * FLASH_WARPS threads; a warp owns 16
 // keys and holds their keys and both gradients in registers (the block's values wait in shared
-// memory), so queries come QUERIES at a time, as many as the registers hold without spilling:
-// 64, 32 above 64 values a head.
+// memory). Queries and output gradients come QUERIES at a time, for each head of the group in
+// turn, through two buffers: the next tile's copy (cp.async) and its statistics (loaded into
+// registers) are under way while this tile is used.
 template <int HD>
 __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                      const float* stats, const float* delta, int t, int h, int kv,
                                      float scale) {
-    constexpr int QUERIES = HD > 64 ? 32 : 64;
-    __shared__ __align__(16) unsigned int qs[Tile<HD, QUERIES>::WORDS], dys[Tile<HD, QUERIES>::WORDS];
+    constexpr int QUERIES = QueryTiles<HD>::QUERIES;
+    __shared__ __align__(16) unsigned int qs[2][Tile<HD, QUERIES>::WORDS];
+    __shared__ __align__(16) unsigned int dys[2][Tile<HD, QUERIES>::WORDS];
     __shared__ __align__(16) unsigned int vs[Tile<HD, FLASH_ROWS>::WORDS];
-    __shared__ float st_m[QUERIES], st_inv[QUERIES], st_delta[QUERIES];
+    __shared__ float st_m[2][QUERIES], st_inv[2][QUERIES], st_delta[2][QUERIES];
     int b = blockIdx.y / kv, group = blockIdx.y % kv, heads = h / kv;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
@@ -519,37 +529,58 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
     for (int n = 0; n < HD / 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) dk[n][i] = dv[n][i] = 0.0f;
-    int first = blockIdx.x * FLASH_ROWS;  // the first query any of this block's keys meets
-    for (int head = group * heads; head < (group + 1) * heads; head++) {
-        for (int i0 = first; i0 < t; i0 += QUERIES) {
-            __syncthreads();
-            load_tile<HD, QUERIES>(qs, qkv, b, i0, head * HD, width, t);
-            load_tile<HD, QUERIES>(dys, dout, b, i0, head * HD, h * HD, t);
-            for (int r = threadIdx.x; r < QUERIES; r += blockDim.x) {
-                size_t at = ((size_t)b * h + head) * t + (i0 + r < t ? i0 + r : 0);
-                st_m[r] = stats[2 * at];
-                st_inv[r] = stats[2 * at + 1];
-                st_delta[r] = delta[at];
-            }
-            __syncthreads();
-            if (i0 + QUERIES <= j0) continue;  // every query of the tile is before the keys
+    // Step s takes head group * heads + s / per_head, queries from first + (s % per_head) *
+    // QUERIES: the first query any of this block's keys meets, to the sequence's end.
+    int first = blockIdx.x * FLASH_ROWS;
+    int per_head = (t - first + QUERIES - 1) / QUERIES, steps = heads * per_head;
+    int mine = threadIdx.x;  // the query whose statistics this thread loads, if below QUERIES
+    float next_m = 0.0f, next_inv = 0.0f, next_delta = 0.0f;
+    // Issues step s's copies into buffer `buf` and loads its statistics into registers.
+    auto fetch = [&](int s, int buf) {
+        int head = group * heads + s / per_head, i0 = first + s % per_head * QUERIES;
+        load_tile_async<HD, QUERIES>(qs[buf], qkv, b, i0, head * HD, width, t);
+        load_tile_async<HD, QUERIES>(dys[buf], dout, b, i0, head * HD, h * HD, t);
+        if (mine < QUERIES) {
+            size_t at = ((size_t)b * h + head) * t + (i0 + mine < t ? i0 + mine : 0);
+            next_m = stats[2 * at];
+            next_inv = stats[2 * at + 1];
+            next_delta = delta[at];
+        }
+    };
+    fetch(0, 0);
+    copies_commit();
+    for (int step = 0, cur = 0; step < steps; step++, cur ^= 1) {
+        int i0 = first + step % per_head * QUERIES;
+        if (mine < QUERIES) {
+            st_m[cur][mine] = next_m;
+            st_inv[cur][mine] = next_inv;
+            st_delta[cur][mine] = next_delta;
+        }
+        // The other buffers were last read before the barrier that ended the step before.
+        if (step + 1 < steps) fetch(step + 1, cur ^ 1);
+        copies_commit();
+        copies_wait<1>();
+        __syncthreads();
+        if (i0 + QUERIES > j0) {  // else every query of the tile is before the keys
+            const float *sm = st_m[cur], *si = st_inv[cur], *sd = st_delta[cur];
             float s[QUERIES / 8][4], dp[QUERIES / 8][4];
-            scores<HD, QUERIES>(s, ka, qs);
-            scores<HD, QUERIES>(dp, nullptr, dys, vs, warp * 16);
+            scores<HD, QUERIES>(s, ka, qs[cur]);
+            scores<HD, QUERIES>(dp, nullptr, dys[cur], vs, warp * 16);
 #pragma unroll
             for (int n = 0; n < QUERIES / 8; n++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    int key = j0 + g + 8 * (i >> 1), r = n * 8 + 2 * q + (i & 1), row = i0 + r;
+                    int key = j0 + g + 8 * (i >> 1), c = n * 8 + 2 * q + (i & 1), row = i0 + c;
                     bool seen = key <= row && row < t && key < t;
-                    float p = seen ? expf(s[n][i] * scale - st_m[r]) * st_inv[r] : 0.0f;
+                    float p = seen ? expf(s[n][i] * scale - sm[c]) * si[c] : 0.0f;
                     s[n][i] = p;
-                    dp[n][i] = p * (dp[n][i] - st_delta[r]);
+                    dp[n][i] = p * (dp[n][i] - sd[c]);
                 }
             }
-            times_tile<HD, QUERIES>(dv, s, dys);
-            times_tile<HD, QUERIES>(dk, dp, qs);
+            times_tile<HD, QUERIES>(dv, s, dys[cur]);
+            times_tile<HD, QUERIES>(dk, dp, qs[cur]);
         }
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
