@@ -1,6 +1,6 @@
 // What every kernel file shares, put before it when it is compiled (src/gpu/nvrtc.rs): the
-// bfloat16 type, rows read and written in 16-byte chunks, and block-wide reductions. The kernels that reduce run with a power of two of
-// threads per block, 32 to 1024.
+// bfloat16 type, rows read and written in 16-byte chunks, and block-wide reductions. The
+// kernels that reduce run with a power of two of threads per block, 32 to 1024.
 
 // NVRTC has no math.h: minus infinity by its bits.
 #define NEG_INF __int_as_float(0xff800000)
