@@ -5,34 +5,53 @@ use super::device::{kernel, Act, Arg, Buf, Device, Ids};
 use super::per_row;
 use anyhow::Result;
 
-/// The mean loss of `logits[rows, V]` against `targets`, and with `grad` the gradient
-/// `(softmax − onehot) / rows`.
-pub fn loss<A: Act>(
+/// The mean loss of `logits[rows, V]` against `targets`.
+pub fn loss<A: Act>(dev: &Device, logits: &Buf<A>, targets: &Ids, v: usize) -> Result<f32> {
+    run::<A>(dev, None, logits.arg(), logits.len(), targets, v)
+}
+
+/// The mean loss of `logits[rows, V]` against `targets`, and the gradient
+/// `(softmax − onehot) / rows` written over the logits: the largest buffer of a step is not
+/// held twice.
+pub fn loss_and_grad<A: Act>(
     dev: &Device,
-    logits: &Buf<A>,
+    mut logits: Buf<A>,
     targets: &Ids,
     v: usize,
-    grad: bool,
-) -> Result<(f32, Option<Buf<A>>)> {
+) -> Result<(f32, Buf<A>)> {
+    let (arg, len) = (logits.arg_mut(), logits.len());
+    let loss = run::<A>(dev, Some(arg), arg, len, targets, v)?;
+    Ok((loss, logits))
+}
+
+/// The kernel over `len` logits at `logits`, its gradient to `dlogits` where asked for.
+fn run<A: Act>(
+    dev: &Device,
+    dlogits: Option<Arg>,
+    logits: Arg,
+    len: usize,
+    targets: &Ids,
+    v: usize,
+) -> Result<f32> {
     let rows = targets.len();
-    assert!(logits.len() == rows * v && v <= i32::MAX as usize && rows > 0);
+    assert!(len == rows * v && v <= i32::MAX as usize && rows > 0);
     assert!(targets.below <= v, "targets checked against a larger vocabulary");
     let mut row_loss = dev.output(rows)?;
-    let mut dlogits = if grad { Some(dev.output(rows * v)?) } else { None };
     let inv = 1.0 / rows as f32;
     let args = [
-        dlogits.as_mut().map_or(Arg::null(), |d| d.arg_mut()),
+        dlogits.unwrap_or(Arg::null()),
         row_loss.arg_mut(),
-        logits.arg(),
+        logits,
         targets.buf.arg(),
         Arg::i32(v as i32),
         Arg::f32(inv),
     ];
     // SAFETY: the kernel's arguments in its order (a null pointer where no gradient is asked
-    // for, which the kernel checks); one block per row, every target inside its row.
+    // for, which the kernel checks; the gradient may be the logits themselves, which the
+    // kernel allows); one block per row, every target inside its row.
     unsafe { dev.launch(&kernel::<A>("cross_entropy"), per_row(rows, v), &args) }?;
     let total: f32 = dev.download(&row_loss)?.iter().sum();
-    Ok((total * inv, dlogits))
+    Ok(total * inv)
 }
 
 #[cfg(test)]
@@ -54,15 +73,15 @@ mod tests {
         let (want_loss, want_grad) = cpu::loss_and_grad(&logits, &targets, v);
         let logits_dev = dev.upload(&logits).unwrap();
         let targets = Ids::upload(dev, &targets, v).unwrap();
-        let (got_loss, grad) = loss(dev, &logits_dev, &targets, v, true).unwrap();
+        let no_grad_loss = loss(dev, &logits_dev, &targets, v).unwrap();
+        let (got_loss, grad) = loss_and_grad(dev, logits_dev, &targets, v).unwrap();
         assert!(
             (got_loss - want_loss).abs() <= 1e-5 * want_loss.abs(),
             "{got_loss} vs {want_loss}"
         );
-        let grad = dev.download(&grad.unwrap()).unwrap();
+        let grad = dev.download(&grad).unwrap();
         assert_close_to_largest(&grad, &want_grad, 1e-5, "dlogits");
-        let (no_grad_loss, none) = loss(dev, &logits_dev, &targets, v, false).unwrap();
-        assert!(none.is_none() && no_grad_loss == got_loss);
+        assert_eq!(no_grad_loss, got_loss);
     }
     crate::gpu::on_cpu_and_gpu!(cross_entropy_matches_the_cpu_kernel);
 }

@@ -4,7 +4,9 @@
 // from reduce.cuh.
 
 // row_loss[r] = ln(sum exp(x - m)) + m - x[target]; with dlogits (else null), also
-// dlogits[r] = (softmax(x) - onehot(target)) * inv, inv = 1 / rows.
+// dlogits[r] = (softmax(x) - onehot(target)) * inv, inv = 1 / rows. dlogits may be the logits
+// themselves: every read of another thread's values comes before the reductions' barriers, and
+// afterwards each thread reads only the chunks it then overwrites.
 template <typename T>
 __device__ void cross_entropy_t(T* dlogits, float* row_loss, const T* logits,
                                 const unsigned int* targets, int v, float inv) {
@@ -13,6 +15,8 @@ __device__ void cross_entropy_t(T* dlogits, float* row_loss, const T* logits,
     // The largest logit and the sum of exponentials in one pass over the row (online
     // softmax): each thread's sum is kept relative to its own maximum, then rescaled to the
     // row's.
+    unsigned int t = targets[blockIdx.x];
+    float target_logit = threadIdx.x == 0 ? to_f32(x[t]) : 0.0f;
     float m = NEG_INF, z = 0.0f;
     for_chunks(c, v) {
         float xs[CHUNK];
@@ -30,8 +34,7 @@ __device__ void cross_entropy_t(T* dlogits, float* row_loss, const T* logits,
     float row_max = block_max(m);
     z = block_sum(m == NEG_INF ? 0.0f : z * expf(m - row_max));
     m = row_max;
-    unsigned int t = targets[blockIdx.x];
-    if (threadIdx.x == 0) row_loss[blockIdx.x] = (float)log((double)z) + m - to_f32(x[t]);
+    if (threadIdx.x == 0) row_loss[blockIdx.x] = (float)log((double)z) + m - target_logit;
     if (dlogits == 0) return;
     float scale = inv / z;
     for_chunks(c, v) {

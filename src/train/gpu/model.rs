@@ -192,7 +192,7 @@ impl<A: Act> GpuModel<A> {
     pub fn loss(&self, dev: &Device, fwd: &GpuForward<A>, targets: &[u32]) -> Result<f32> {
         let c = &self.config;
         let targets = self.targets(dev, fwd, targets)?;
-        Ok(cross_entropy::loss(dev, &fwd.logits, &targets, c.vocab_size, false)?.0)
+        cross_entropy::loss(dev, &fwd.logits, &targets, c.vocab_size)
     }
 
     /// The mean loss of `rows` sequences of `seq` tokens against their targets, without
@@ -220,11 +220,12 @@ impl<A: Act> GpuModel<A> {
     }
 
     /// The mean loss of `fwd` against `targets`, and every parameter's gradient added into
-    /// `grads` (laid out as the parameters).
+    /// `grads` (laid out as the parameters). Each layer's saved activations are freed once its
+    /// backward has run, so the device holds the most at backward's start.
     pub fn backward(
         &self,
         dev: &Device,
-        fwd: &GpuForward<A>,
+        fwd: GpuForward<A>,
         targets: &[u32],
         grads: &mut Buf<f32>,
     ) -> Result<f32> {
@@ -233,9 +234,8 @@ impl<A: Act> GpuModel<A> {
         let weights = self.weights();
         assert_eq!(grads.len(), p.len());
         let n = fwd.batch * fwd.seq;
-        let targets = self.targets(dev, fwd, targets)?;
-        let (loss, dlogits) = cross_entropy::loss(dev, &fwd.logits, &targets, v, true)?;
-        let dlogits = dlogits.expect("asked for");
+        let targets = self.targets(dev, &fwd, targets)?;
+        let (loss, dlogits) = cross_entropy::loss_and_grad(dev, fwd.logits, &targets, v)?;
         let mut dxn = dev.output(n * d)?;
         let head = lay.head.clone();
         let (dw, w) = (&mut grads.slice_mut(head.clone()), weights.slice(head));
@@ -246,16 +246,18 @@ impl<A: Act> GpuModel<A> {
         let (g, dg) = (p.slice(norm.clone()), &mut grads.slice_mut(norm));
         let mut back = ResidualBackward::new(dev, res, &dxn, &fwd.last, g, dg)?;
         let sh = self.shape(fwd.batch, fwd.seq);
+        let (mut attn, mut mlp) = (fwd.attn, fwd.mlp);
         for (i, lp) in lay.layers.iter().enumerate().rev() {
-            let (l, s) = (2 * i + 1, &fwd.mlp[i]);
+            let (l, s) = (2 * i + 1, mlp.pop().expect("a layer's MLP"));
             let dout = back.output_grad(dev, l, res)?;
-            let dxn = self.mlp_backward(dev, lp, s, dout, grads)?;
+            let dxn = self.mlp_backward(dev, lp, &s, dout, grads)?;
             let (norm, x) = (norm_of(lay, l), &s.x);
             let (g, dg) = (p.slice(norm.clone()), &mut grads.slice_mut(norm));
             back.input_grad(dev, l, &dxn, x, g, dg, res)?;
-            let (l, s, pos) = (2 * i, &fwd.attn[i], &fwd.positions);
+            drop(s);
+            let (l, s, pos) = (2 * i, attn.pop().expect("a layer's attention"), &fwd.positions);
             let dout = back.output_grad(dev, l, res)?;
-            let dxn = self.attn_backward(dev, lp, s, dout, pos, sh, grads)?;
+            let dxn = self.attn_backward(dev, lp, &s, dout, pos, sh, grads)?;
             let (norm, x) = (norm_of(lay, l), &s.x);
             let (g, dg) = (p.slice(norm.clone()), &mut grads.slice_mut(norm));
             back.input_grad(dev, l, &dxn, x, g, dg, res)?;
@@ -406,8 +408,9 @@ mod tests {
         let logits: Vec<f32> =
             dev.download(&gf.logits).unwrap().iter().map(|x| x.to_f32()).collect();
         let mut grads = dev.zeros(model.params.len()).unwrap();
-        let loss = gm.backward(dev, &gf, &targets, &mut grads).unwrap();
-        assert_eq!(gm.loss(dev, &gf, &targets).unwrap(), loss, "the loss without gradients");
+        let without_grads = gm.loss(dev, &gf, &targets).unwrap();
+        let loss = gm.backward(dev, gf, &targets, &mut grads).unwrap();
+        assert_eq!(without_grads, loss, "the loss without gradients");
         let grads = dev.download(&grads).unwrap();
         Pass { want_logits: fwd.logits, want_loss, want, logits, loss, grads }
     }

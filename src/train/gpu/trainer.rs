@@ -93,7 +93,7 @@ impl<A: Act> DeviceSteps for GpuTrainer<A> {
         let mut loss_sum = 0.0f64;
         for (ids, targets) in micro_batches {
             let fwd = self.model.forward(dev, ids, rows, ids.len() / rows)?;
-            let loss = self.model.backward(dev, &fwd, targets, &mut self.grads)?;
+            let loss = self.model.backward(dev, fwd, targets, &mut self.grads)?;
             check_loss(loss, &self.opt.config, step)?;
             loss_sum += loss as f64;
         }
