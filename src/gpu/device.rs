@@ -93,6 +93,8 @@ pub trait Act: Elem {
     /// The values of `master` in this type: `master` for f32, `copy` (kept by
     /// [`Act::refresh`]) for bfloat16.
     fn weights<'a>(master: &'a Buf<f32>, copy: &'a Option<Buf<Self>>) -> &'a Buf<Self>;
+    /// `copy` as the bfloat16 buffer it is (for bfloat16), for the kernels that write it.
+    fn bf16_copy(copy: &mut Option<Buf<Self>>) -> Option<&mut Buf<Bf16>>;
 }
 
 impl Act for f32 {
@@ -112,6 +114,9 @@ impl Act for f32 {
     }
     fn weights<'a>(master: &'a Buf<f32>, _: &'a Option<Buf<f32>>) -> &'a Buf<f32> {
         master
+    }
+    fn bf16_copy(_: &mut Option<Buf<f32>>) -> Option<&mut Buf<Bf16>> {
+        None
     }
 }
 
@@ -137,6 +142,9 @@ impl Act for Bf16 {
     }
     fn weights<'a>(_: &'a Buf<f32>, copy: &'a Option<Buf<Bf16>>) -> &'a Buf<Bf16> {
         copy.as_ref().expect("the bf16 weights are kept by Act::refresh before use")
+    }
+    fn bf16_copy(copy: &mut Option<Buf<Bf16>>) -> Option<&mut Buf<Bf16>> {
+        copy.as_mut()
     }
 }
 

@@ -3,32 +3,58 @@
 //! steps (on cuBLASLt) and update, and the per-tensor sums of squares that the gradient norm
 //! and its clipping take. `crate::train::gpu` holds a run's state and applies them.
 
-use super::device::{Arg, Buf, Device};
+use super::device::{Arg, Bf16, Buf, Device};
 use super::per_value;
 use crate::kernels::adamw::AdamStep;
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 use std::ops::Range;
 
-/// One AdamW step of the parameters `p[range]` with gradients `g[range]` and moments
+/// What an update writes: the f32 master weights and, when training in bf16, the bf16 copy
+/// the matrix products take, written in the same pass as the master weights.
+pub struct Weights<'a> {
+    pub master: &'a mut Buf<f32>,
+    pub copy: Option<&'a mut Buf<Bf16>>,
+}
+
+impl Weights<'_> {
+    /// Kernel arguments for the tensor at `range`: its master weights and its copy (a null
+    /// pointer where there is none).
+    fn args_at(&mut self, range: &Range<usize>) -> [Arg; 2] {
+        let len = self.master.len();
+        assert!(range.end <= len, "tensor {range:?} of {len} weights");
+        let copy = self.copy.as_mut().map_or(Arg::null(), |c| {
+            assert_eq!(c.len(), len, "the bf16 copy has the master weights' length");
+            c.arg_mut_at(range.start)
+        });
+        [self.master.arg_mut_at(range.start), copy]
+    }
+}
+
+/// One AdamW step of the weights at `range` with gradients `g[range]` scaled by `clip` (as
+/// `crate::train::optim::Optimizer::clip` scales them; 1 where it does not) and moments
 /// `m[range]`, `v[range]`, in place.
+#[allow(clippy::too_many_arguments)]
 pub fn adamw(
     dev: &Device,
     range: Range<usize>,
-    p: &mut Buf<f32>,
+    w: &mut Weights,
     m: &mut Buf<f32>,
     v: &mut Buf<f32>,
     g: &Buf<f32>,
+    clip: f32,
     k: &AdamStep,
 ) -> Result<()> {
-    let n = range.len();
-    assert!(range.end <= p.len() && m.len() == p.len() && v.len() == p.len() && g.len() == p.len());
-    let at = range.start;
+    let (n, at, len) = (range.len(), range.start, w.master.len());
+    assert!(m.len() == len && v.len() == len && g.len() == len);
+    let [p, copy] = w.args_at(&range);
     let args = [
-        p.arg_mut_at(at),
+        p,
+        copy,
         m.arg_mut_at(at),
         v.arg_mut_at(at),
         g.arg_at(at),
+        Arg::f32(clip),
         Arg::i64(n),
         Arg::f64(k.beta1),
         Arg::f64(k.beta2),
@@ -38,7 +64,8 @@ pub fn adamw(
         Arg::f64(k.lr),
         Arg::f64(k.weight_decay),
     ];
-    // SAFETY: the kernel's arguments in its order; the four buffers hold `range` (checked).
+    // SAFETY: the kernel's arguments in its order; the buffers hold `range` (checked), the
+    // copy where there is one.
     unsafe { dev.launch("adamw", per_value(n), &args) }?;
     Ok(())
 }
@@ -83,40 +110,47 @@ pub fn scale(dev: &Device, x: &mut Buf<f32>, s: f32) -> Result<()> {
     unsafe { dev.launch("scale", per_value(n), &[x.arg_mut(), Arg::f32(s), Arg::i64(n)]) }
 }
 
-/// Muon's Nesterov momentum over the tensor at `range`: `momentum = mu·momentum + g`, and
-/// the direction `g + mu·momentum` returned.
+/// Muon's Nesterov momentum over the tensor at `range`, from its gradient scaled by `clip`
+/// (as [`adamw`]): `momentum = mu·momentum + g`, and the direction `g + mu·momentum` returned.
 pub fn muon_momentum(
     dev: &Device,
     range: Range<usize>,
     momentum: &mut Buf<f32>,
     grads: &Buf<f32>,
+    clip: f32,
     mu: f32,
 ) -> Result<Buf<f32>> {
     let (n, at) = (range.len(), range.start);
     assert!(range.end <= momentum.len() && grads.len() == momentum.len());
     let mut dir = dev.zeros::<f32>(n)?;
-    let args =
-        [momentum.arg_mut_at(at), dir.arg_mut(), grads.arg_at(at), Arg::f32(mu), Arg::i64(n)];
+    let args = [
+        momentum.arg_mut_at(at),
+        dir.arg_mut(),
+        grads.arg_at(at),
+        Arg::f32(clip),
+        Arg::f32(mu),
+        Arg::i64(n),
+    ];
     // SAFETY: the kernel's arguments in its order; each holds the tensor's n values (checked).
     unsafe { dev.launch("muon_momentum", per_value(n), &args) }?;
     Ok(dir)
 }
 
-/// Muon's update of the tensor at `range` of `params` by the orthogonalised `o`:
+/// Muon's update of the weights at `range` by the orthogonalised `o`:
 /// `p = p·decay − lr_scale·o`, in f64 as the CPU takes it.
 pub fn muon_apply(
     dev: &Device,
     range: Range<usize>,
-    params: &mut Buf<f32>,
+    w: &mut Weights,
     o: &Buf<f32>,
     decay: f64,
     lr_scale: f64,
 ) -> Result<()> {
     let n = range.len();
-    assert!(range.end <= params.len() && o.len() == n);
-    let args =
-        [params.arg_mut_at(range.start), o.arg(), Arg::f64(decay), Arg::f64(lr_scale), Arg::i64(n)];
-    // SAFETY: as in `muon_momentum`.
+    assert_eq!(o.len(), n);
+    let [p, copy] = w.args_at(&range);
+    let args = [p, copy, o.arg(), Arg::f64(decay), Arg::f64(lr_scale), Arg::i64(n)];
+    // SAFETY: as in `adamw`.
     unsafe { dev.launch("muon_apply", per_value(n), &args) }
 }
 
@@ -188,28 +222,37 @@ pub fn newton_schulz(dev: &Device, g: &Buf<f32>, rows: usize, cols: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::device::Act;
     use crate::kernels::adamw::update;
     use crate::testutil::rand_vec;
 
-    /// Five steps with changing gradients, decay on and off: the CPU's bits every step.
+    /// Five steps with changing gradients, decay on and off, clipping on and off: the CPU's
+    /// bits every step, and the bf16 copy the bf16 rounding of the updated weights.
     fn adamw_is_the_cpu_update_bit_for_bit(dev: &Device) {
         let n = 10_000;
         let (mut p, mut m, mut v) = (rand_vec(n, 1, 1.0), vec![0.0f32; n], vec![0.0f32; n]);
         let (mut pd, mut md, mut vd) =
             (dev.upload(&p).unwrap(), dev.upload(&m).unwrap(), dev.upload(&v).unwrap());
+        let mut copy = dev.zeros::<Bf16>(n).unwrap();
         for step in 1..=5 {
-            let g = rand_vec(n, 10 + step as u64, 0.1 * step as f32);
+            let mut g = rand_vec(n, 10 + step as u64, 0.1 * step as f32);
+            let gd = dev.upload(&g).unwrap();
             let wd = if step % 2 == 0 { 0.1 } else { 0.0 };
+            let clip = if step % 3 == 0 { 0.37 } else { 1.0 };
+            g.iter_mut().for_each(|x| *x *= clip);
             let k = AdamStep::at(step, 0.9, 0.95, 1e-8, 3e-3 / step as f64, wd);
             for i in 0..n {
                 update(&mut p[i], &mut m[i], &mut v[i], g[i], &k);
             }
-            adamw(dev, 0..n, &mut pd, &mut md, &mut vd, &dev.upload(&g).unwrap(), &k).unwrap();
+            let mut w = Weights { master: &mut pd, copy: Some(&mut copy) };
+            adamw(dev, 0..n, &mut w, &mut md, &mut vd, &gd, clip, &k).unwrap();
             for (name, got, want) in [("p", &pd, &p), ("m", &md, &m), ("v", &vd, &v)] {
                 let got = dev.download(got).unwrap();
                 let same = got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
                 assert!(same, "step {step}: {name} differs from the CPU's bits");
             }
+            let want: Vec<Bf16> = p.iter().map(|&x| Bf16::from_f32(x)).collect();
+            assert!(dev.download(&copy).unwrap() == want, "step {step}: the bf16 copy");
         }
     }
     crate::gpu::on_cpu_and_gpu!(adamw_is_the_cpu_update_bit_for_bit);
@@ -226,4 +269,29 @@ mod tests {
         }
     }
     crate::gpu::on_cpu_and_gpu!(newton_schulz_matches_the_cpu);
+
+    /// Muon's momentum from clipped gradients and its update with the bf16 copy, against the
+    /// CPU's arithmetic written out.
+    fn muon_steps_are_the_cpu_s(dev: &Device) {
+        let n = 3000;
+        let (p, buf, g) = (rand_vec(n, 4, 1.0), rand_vec(n, 5, 0.1), rand_vec(n, 6, 0.1));
+        let (o, clip, mu, decay, lr_scale) = (rand_vec(n, 7, 1.0), 0.37f32, 0.95f32, 0.999, 0.02);
+        let (mut pd, mut bufd) = (dev.upload(&p).unwrap(), dev.upload(&buf).unwrap());
+        let dir = muon_momentum(dev, 0..n, &mut bufd, &dev.upload(&g).unwrap(), clip, mu);
+        let (dir, bufd) = (dev.download(&dir.unwrap()).unwrap(), dev.download(&bufd).unwrap());
+        for i in 0..n {
+            let gi = g[i] * clip;
+            let b = mu * buf[i] + gi;
+            assert_eq!((bufd[i], dir[i]), (b, gi + mu * b), "momentum and direction at {i}");
+        }
+        let mut copy = dev.zeros::<Bf16>(n).unwrap();
+        let mut w = Weights { master: &mut pd, copy: Some(&mut copy) };
+        muon_apply(dev, 0..n, &mut w, &dev.upload(&o).unwrap(), decay, lr_scale).unwrap();
+        let (got, copy) = (dev.download(&pd).unwrap(), dev.download(&copy).unwrap());
+        for i in 0..n {
+            let want = (p[i] as f64 * decay - lr_scale * o[i] as f64) as f32;
+            assert_eq!((got[i], copy[i]), (want, Bf16::from_f32(want)), "weight {i}");
+        }
+    }
+    crate::gpu::on_cpu_and_gpu!(muon_steps_are_the_cpu_s);
 }

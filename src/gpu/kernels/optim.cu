@@ -2,13 +2,15 @@
 
 // AdamW, as src/kernels/adamw.rs updates a parameter: in f64, each operation rounded on its
 // own (the _rn intrinsics are never fused into multiply-adds), so the GPU gives the CPU's
-// bits. One thread per parameter; bc1, bc2 are the bias corrections 1 - beta^t.
-extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, long long n,
-                                 double beta1, double beta2, double bc1, double bc2, double eps,
-                                 double lr, double weight_decay) {
+// bits. The gradient is first scaled by `clip` in f32, as the CPU clips it (1 where it does
+// not); with `w16` (else null) the updated parameter's bf16 copy is written in the same pass.
+// One thread per parameter; bc1, bc2 are the bias corrections 1 - beta^t.
+extern "C" __global__ void adamw(float* p, bf16* w16, float* m, float* v, const float* g,
+                                 float clip, long long n, double beta1, double beta2, double bc1,
+                                 double bc2, double eps, double lr, double weight_decay) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    double gi = (double)g[i];
+    double gi = (double)__fmul_rn(g[i], clip);
     double mi = __dadd_rn(__dmul_rn(beta1, (double)m[i]), __dmul_rn(__dsub_rn(1.0, beta1), gi));
     double vi = __dadd_rn(__dmul_rn(beta2, (double)v[i]),
                           __dmul_rn(__dmul_rn(__dsub_rn(1.0, beta2), gi), gi));
@@ -16,7 +18,9 @@ extern "C" __global__ void adamw(float* p, float* m, float* v, const float* g, l
     v[i] = __double2float_rn(vi);
     double denom = __dadd_rn(__dsqrt_rn(__ddiv_rn(vi, bc2)), eps);
     double step = __dadd_rn(__ddiv_rn(__ddiv_rn(mi, bc1), denom), __dmul_rn(weight_decay, (double)p[i]));
-    p[i] = __double2float_rn(__dsub_rn((double)p[i], __dmul_rn(lr, step)));
+    float updated = __double2float_rn(__dsub_rn((double)p[i], __dmul_rn(lr, step)));
+    p[i] = updated;
+    if (w16) w16[i] = from_f32<bf16>(updated);
 }
 
 // Partial sums of squares of each tensor of g, in f64: tensor y = blockIdx.y spans
@@ -47,15 +51,17 @@ extern "C" __global__ void scale(float* x, float s, long long n) {
     if (i < n) x[i] *= s;
 }
 
-// Muon's Nesterov momentum, as src/train/optim.rs takes it: buf = mu * buf + g, and the
-// direction dir = g + mu * buf, rounded one operation at a time. One thread per value.
-extern "C" __global__ void muon_momentum(float* buf, float* dir, const float* g, float mu,
-                                         long long n) {
+// Muon's Nesterov momentum, as src/train/optim.rs takes it, from the gradient scaled by
+// `clip` (as adamw): buf = mu * buf + g, and the direction dir = g + mu * buf, rounded one
+// operation at a time. One thread per value.
+extern "C" __global__ void muon_momentum(float* buf, float* dir, const float* g, float clip,
+                                         float mu, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n) return;
-    float b = __fadd_rn(__fmul_rn(mu, buf[i]), g[i]);
+    float gi = __fmul_rn(g[i], clip);
+    float b = __fadd_rn(__fmul_rn(mu, buf[i]), gi);
     buf[i] = b;
-    dir[i] = __fadd_rn(g[i], __fmul_rn(mu, b));
+    dir[i] = __fadd_rn(gi, __fmul_rn(mu, b));
 }
 
 // out = alpha * p + beta * q (out may be p or q), rounded one operation at a time: the
@@ -81,9 +87,13 @@ extern "C" __global__ void transpose(float* out, const float* in, int rows, int 
 }
 
 // Muon's update with decoupled weight decay, in f64 as the CPU takes it:
-// p = p * decay - lr_scale * o. One thread per value.
-extern "C" __global__ void muon_apply(float* p, const float* o, double decay, double lr_scale,
-                                      long long n) {
+// p = p * decay - lr_scale * o, with its bf16 copy where w16 is not null (as adamw). One
+// thread per value.
+extern "C" __global__ void muon_apply(float* p, bf16* w16, const float* o, double decay,
+                                      double lr_scale, long long n) {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) p[i] = __double2float_rn(__dsub_rn(__dmul_rn((double)p[i], decay), __dmul_rn(lr_scale, (double)o[i])));
+    if (i >= n) return;
+    float updated = __double2float_rn(__dsub_rn(__dmul_rn((double)p[i], decay), __dmul_rn(lr_scale, (double)o[i])));
+    p[i] = updated;
+    if (w16) w16[i] = from_f32<bf16>(updated);
 }

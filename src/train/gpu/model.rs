@@ -12,6 +12,7 @@ use crate::gpu::device::{Act, Buf, Device, Ids};
 use crate::gpu::elementwise::{embedding_backward, embedding_forward};
 use crate::gpu::elementwise::{swiglu_backward, swiglu_forward};
 use crate::gpu::gemm::{linear, linear_backward};
+use crate::gpu::optim::Weights;
 use crate::gpu::rope::{self, RopeTables};
 use crate::kernels::attention::AttnShape;
 use crate::model::params::{LayerParams, Layout};
@@ -25,7 +26,8 @@ pub struct GpuModel<A: Act = f32> {
     /// Every tensor, laid out as `Model::params`.
     pub params: Buf<f32>,
     /// The weights the matrix products take, where they are not `params` themselves: their
-    /// bf16 copy ([`Act::refresh`]), made again after every update ([`Self::refresh_weights`]).
+    /// bf16 copy ([`Act::refresh`]), which each update writes beside the master weights
+    /// ([`Self::weights_mut`]).
     weights: Option<Buf<A>>,
     rope: RopeTables,
 }
@@ -95,9 +97,15 @@ impl<A: Act> GpuModel<A> {
         Ok(gm)
     }
 
-    /// Makes the weights the matrix products take agree with `params` again, after an update.
-    pub fn refresh_weights(&mut self, dev: &Device) -> Result<()> {
+    /// Makes the weights the matrix products take agree with `params`.
+    fn refresh_weights(&mut self, dev: &Device) -> Result<()> {
         A::refresh(dev, &mut self.weights, &self.params)
+    }
+
+    /// The weights as an update writes them: the master weights and their bf16 copy, which
+    /// the update keeps in step.
+    pub fn weights_mut(&mut self) -> Weights<'_> {
+        Weights { master: &mut self.params, copy: A::bf16_copy(&mut self.weights) }
     }
 
     /// The weights the matrix products take.

@@ -2,7 +2,7 @@
 //! update through the GPU's kernels (`crate::gpu::optim`).
 
 use crate::gpu::device::{Buf, Device};
-use crate::gpu::optim::{adamw, muon_apply, muon_momentum, newton_schulz, scale};
+use crate::gpu::optim::{adamw, muon_apply, muon_momentum, newton_schulz, Weights};
 use crate::kernels::adamw::AdamStep;
 use crate::train::optim::{OptimConfig, Optimizer, Rule};
 use anyhow::Result;
@@ -41,22 +41,27 @@ impl GpuOptimizer {
         Ok(())
     }
 
-    /// Scales `grads` down to the configured global norm when `norm` exceeds it, as
-    /// [`Optimizer::clip`].
-    pub fn clip(&self, dev: &Device, grads: &mut Buf<f32>, norm: f64) -> Result<()> {
+    /// The factor that scales the gradients down to the configured global norm when `norm`
+    /// exceeds it, as [`Optimizer::clip`] takes it; 1 where it does not clip. The update applies
+    /// it as it reads each gradient.
+    pub fn clip_factor(&self, norm: f64) -> f32 {
         let max = self.config.grad_clip;
         if max > 0.0 && norm > max {
-            scale(dev, grads, (max / (norm + 1e-12)) as f32)?;
+            (max / (norm + 1e-12)) as f32
+        } else {
+            1.0
         }
-        Ok(())
     }
 
-    /// One update of `params` with learning rate `lr`, as [`Optimizer::update`].
+    /// One update of the weights `w` with gradients `grads` clipped by `clip`
+    /// ([`Self::clip_factor`]) and learning rate `lr`, as [`Optimizer::clip`] then
+    /// [`Optimizer::update`].
     pub fn update(
         &mut self,
         dev: &Device,
-        params: &mut Buf<f32>,
+        mut w: Weights,
         grads: &Buf<f32>,
+        clip: f32,
         lr: f64,
     ) -> Result<()> {
         self.step += 1;
@@ -66,15 +71,16 @@ impl GpuOptimizer {
                 Rule::Adam { decay } => {
                     let wd = if decay { c.weight_decay } else { 0.0 };
                     let k = AdamStep::at(self.step as i32, c.beta1, c.beta2, c.adam_eps, lr, wd);
-                    adamw(dev, range, params, &mut self.m, &mut self.v, grads, &k)?;
+                    adamw(dev, range, &mut w, &mut self.m, &mut self.v, grads, clip, &k)?;
                 }
                 Rule::Muon { rows, cols } => {
                     let mu = c.muon_momentum as f32;
-                    let dir = muon_momentum(dev, range.clone(), &mut self.momentum, grads, mu)?;
+                    let dir =
+                        muon_momentum(dev, range.clone(), &mut self.momentum, grads, clip, mu)?;
                     let o = newton_schulz(dev, &dir, rows, cols)?;
                     let scale = 0.2 * (rows.max(cols) as f64).sqrt();
                     let decay = 1.0 - lr * c.weight_decay;
-                    muon_apply(dev, range, params, &o, decay, lr * scale)?;
+                    muon_apply(dev, range, &mut w, &o, decay, lr * scale)?;
                 }
             }
         }

@@ -114,10 +114,9 @@ impl<A: Act> DeviceSteps for GpuTrainer<A> {
                 non_finite_advice(&self.opt.config, step, false)
             );
         }
-        self.opt.clip(dev, &mut self.grads, grad_norm)?;
         let sublayer_grad_norms = sublayer_norms(layout, &squares);
-        self.opt.update(dev, &mut self.model.params, &self.grads, lr)?;
-        self.model.refresh_weights(dev)?;
+        let clip = self.opt.clip_factor(grad_norm);
+        self.opt.update(dev, self.model.weights_mut(), &self.grads, clip, lr)?;
         Ok(StepOutcome {
             lr,
             train_loss: loss_sum / accum as f64,
