@@ -46,7 +46,7 @@ shape="--preset small --set hidden_size=1024 --set num_hidden_layers=24 \
 if want bench; then
     step bench
     timeout 400 "$bin/attnres" bench --device cuda $shape ${BENCH:---batch 16 --seq 2048 --steps 3} \
-        --modes standard,block,full > "$out/bench.txt" 2>&1 || status=1
+        --modes standard,block,full --profile > "$out/bench.txt" 2>&1 || status=1
     cat "$out/bench.txt"
 fi
 if want fp32; then

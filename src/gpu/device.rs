@@ -6,6 +6,7 @@
 use super::blas::{Blas, Gemm};
 use super::driver::gpus;
 use super::nvrtc::{kernel_images, kernel_names, KERNELS};
+use super::profile::Profiler;
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
@@ -22,6 +23,7 @@ use std::sync::Arc;
 pub struct Device {
     backend: Backend,
     meter: Arc<Meter>,
+    profiler: Arc<Profiler>,
     /// `sm_XY`, what the kernels were compiled for.
     pub arch: String,
 }
@@ -405,6 +407,7 @@ impl Device {
             backend: Backend::Cuda { stream, functions, blas },
             arch,
             meter: Arc::default(),
+            profiler: Arc::default(),
         })
     }
 
@@ -418,6 +421,7 @@ impl Device {
                 backend: Backend::Emulated(kernels),
                 arch: "emulated".to_string(),
                 meter: Arc::default(),
+                profiler: Arc::default(),
             }),
             Err(why) if std::env::var_os("ATTNRES_REQUIRE_GPU_EMULATOR").is_none() => {
                 eprintln!("{test}: skipped, the kernels cannot run on the CPU here: {why}");
@@ -447,6 +451,7 @@ impl Device {
     }
 
     pub fn upload<T: Elem>(&self, x: &[T]) -> Result<Buf<T>> {
+        self.stamp("copy to the device")?;
         let mem = match &self.backend {
             Backend::Cuda { stream, .. } => Mem::Cuda(stream.clone_htod(x)?),
             #[cfg(test)]
@@ -456,6 +461,7 @@ impl Device {
     }
 
     pub fn zeros<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
+        self.stamp("zeros")?;
         let mem = match &self.backend {
             Backend::Cuda { stream, .. } => Mem::Cuda(stream.alloc_zeros(n)?),
             #[cfg(test)]
@@ -480,6 +486,7 @@ impl Device {
 
     /// A copy of `x`.
     pub fn copy<T: Elem>(&self, x: &Buf<T>) -> Result<Buf<T>> {
+        self.stamp("copy")?;
         let mem = match (&self.backend, &x.mem) {
             (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => Mem::Cuda(stream.clone_dtod(s)?),
             #[cfg(test)]
@@ -492,6 +499,7 @@ impl Device {
 
     /// Sets every value of `x` to zero.
     pub fn fill_zeros<T: Elem>(&self, x: &mut Buf<T>) -> Result<()> {
+        self.stamp("zeros")?;
         match (&self.backend, &mut x.mem) {
             (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => stream.memset_zeros(s)?,
             #[cfg(test)]
@@ -504,6 +512,7 @@ impl Device {
 
     /// `x` back on the host, once the work queued before it is done.
     pub fn download<T: Elem>(&self, x: &Buf<T>) -> Result<Vec<T>> {
+        self.stamp("copy to the host")?;
         match (&self.backend, &x.mem) {
             (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => Ok(stream.clone_dtoh(s)?),
             #[cfg(test)]
@@ -511,6 +520,32 @@ impl Device {
             #[cfg(test)]
             _ => bail!("a buffer used on another device"),
         }
+    }
+
+    /// The stream, on a GPU.
+    fn stream(&self) -> Option<&Arc<CudaStream>> {
+        match &self.backend {
+            Backend::Cuda { stream, .. } => Some(stream),
+            #[cfg(test)]
+            Backend::Emulated(_) => None,
+        }
+    }
+
+    /// Stamps the start of operation `what` where a profile is open.
+    fn stamp(&self, what: &str) -> Result<()> {
+        self.profiler.stamp(what, self.stream())
+    }
+
+    /// Starts timing each operation queued from now on ([`Self::profile_close`] says how long
+    /// each took), dropping any profile already open.
+    pub fn profile_open(&self) {
+        self.profiler.open();
+    }
+
+    /// Seconds per operation since [`Self::profile_open`], the most first (waiting for the
+    /// work queued): kernels by name, cuBLASLt's products together, copies and zeroing.
+    pub fn profile_close(&self) -> Result<Vec<(String, f64)>> {
+        self.profiler.close(self.stream())
     }
 
     /// Waits for the work queued so far.
@@ -528,6 +563,7 @@ impl Device {
     /// `args` are the kernel's parameters in its order, each of its type, and every buffer
     /// holds what the kernel reads or writes over `cfg`.
     pub unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.stamp(name)?;
         let mut values: Vec<u64> = args.iter().map(|a| a.0).collect();
         let mut params: Vec<*mut c_void> =
             values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
@@ -565,6 +601,7 @@ impl Device {
     /// # Safety
     /// `a`, `b` and `c` hold what `g` spans from them, and `c` overlaps neither.
     pub(super) unsafe fn matmul(&self, g: &Gemm, a: Arg, b: Arg, c: Arg) -> Result<()> {
+        self.stamp("matrix products (cuBLASLt)")?;
         match &self.backend {
             // SAFETY: the caller's promise.
             Backend::Cuda { blas, stream, .. } => {

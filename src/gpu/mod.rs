@@ -25,6 +25,7 @@ pub(crate) mod emulator;
 pub mod gemm;
 pub mod nvrtc;
 pub mod optim;
+pub mod profile;
 pub mod rmsnorm;
 pub mod rope;
 

@@ -27,6 +27,10 @@ pub struct GpuModeResult {
     pub peak_bytes: usize,
     /// Step time over the first mode's.
     pub vs_first: f64,
+    /// With `Plan::profile`, the seconds of one more step spent in each operation, the most
+    /// first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<(String, f64)>,
 }
 
 #[derive(Serialize)]
@@ -69,6 +73,8 @@ pub struct Plan {
     pub steps: usize,
     pub peak_size: usize,
     pub precision: Precision,
+    /// Times each operation of one more step ([`Device::profile_open`]).
+    pub profile: bool,
 }
 
 /// Times the steps of `plan` of a fresh model of each config on `dev` (named `name`), one mode
@@ -80,7 +86,7 @@ pub fn run(
     plan: Plan,
     mut progress: impl FnMut(&str),
 ) -> Result<GpuBenchReport> {
-    let Plan { batch, seq, warmup, steps, peak_size, precision } = plan;
+    let Plan { batch, seq, warmup, steps, peak_size, precision, profile } = plan;
     let blas_tflops = match precision {
         Precision::Fp32 => blas_peak::<f32>(dev, peak_size)?,
         Precision::Bf16 => blas_peak::<Bf16>(dev, peak_size)?,
@@ -113,6 +119,15 @@ pub fn run(
                 warmup + steps
             ));
         }
+        let peak_bytes = dev.memory().1;
+        let profile = if profile {
+            dev.synchronize()?;
+            dev.profile_open();
+            trainer.step(&batches, batch, 1e-4, warmup + steps)?;
+            dev.profile_close()?
+        } else {
+            Vec::new()
+        };
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let first = modes.first().map_or(median, |m| m.step_seconds);
@@ -121,8 +136,9 @@ pub fn run(
             step_seconds: median,
             tokens_per_second: (batch * seq) as f64 / median,
             model_tflops: step_flops(c, batch, seq) / median / 1e12,
-            peak_bytes: dev.memory().1,
+            peak_bytes,
             vs_first: median / first,
+            profile,
         });
     }
     let (device, precision) = (name.to_string(), precision.to_string());
@@ -159,8 +175,32 @@ impl GpuBenchReport {
                 m.vs_first
             );
         }
+        for m in self.modes.iter().filter(|m| !m.profile.is_empty()) {
+            out.push_str(&profile_table(m));
+        }
         out
     }
+}
+
+/// The operations of one profiled step of mode `m`: the costliest each on a line, the rest
+/// together.
+fn profile_table(m: &GpuModeResult) -> String {
+    const SHOWN: usize = 16;
+    let total: f64 = m.profile.iter().map(|(_, s)| s).sum();
+    let mut out = format!("\none {} step by operation ({:.1} ms):\n", m.residual, total * 1e3);
+    let line = |out: &mut String, what: &str, secs: f64| {
+        let share = 100.0 * secs / total;
+        let _ = writeln!(out, "  {what:<34} {:>8.2} ms {share:>5.1}%", secs * 1e3);
+    };
+    for (what, secs) in m.profile.iter().take(SHOWN) {
+        line(&mut out, what, *secs);
+    }
+    if m.profile.len() > SHOWN {
+        let rest = &m.profile[SHOWN..];
+        let secs = rest.iter().map(|(_, s)| s).sum();
+        line(&mut out, &format!("{} others", rest.len()), secs);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -185,6 +225,7 @@ mod tests {
             steps: 2,
             peak_size: 64,
             precision: Precision::Bf16,
+            profile: true,
         };
         let report = run(&dev, "emulated", &[c, block], plan, |_| {}).unwrap();
         assert_eq!(report.modes.len(), 2);
@@ -194,6 +235,18 @@ mod tests {
         assert!(m.peak_bytes >= 4 * 4 * Layout::new(&report_config()).total);
         let table = report.table();
         assert!(table.contains("| standard |") && table.contains("| block"), "{table}");
+        // The profiled step's operations: the depth attention's kernels in Block's alone.
+        let ops = |m: &GpuModeResult| -> Vec<String> {
+            assert!(m.profile.iter().all(|(_, secs)| *secs >= 0.0) && m.profile[0].1 > 0.0);
+            m.profile.iter().map(|(what, _)| what.clone()).collect()
+        };
+        let (standard, block) = (ops(&report.modes[0]), ops(&report.modes[1]));
+        for op in ["adamw", "matrix products (cuBLASLt)", "flash_forward_bf16_hd16"] {
+            assert!(standard.iter().any(|o| o == op) && block.iter().any(|o| o == op), "{op}");
+        }
+        let depth = |ops: &[String]| ops.iter().any(|o| o.starts_with("depth_phase1"));
+        assert!(depth(&block) && !depth(&standard), "{block:?}");
+        assert!(table.contains("one block1 step by operation"), "{table}");
     }
 
     fn report_config() -> Config {
