@@ -71,6 +71,15 @@ impl Default for OptimConfig {
     }
 }
 
+impl OptimConfig {
+    /// The factor that scales gradients of global norm `norm` down to `grad_clip`, where
+    /// clipping is on and they exceed it.
+    pub fn clip_factor(&self, norm: f64) -> Option<f32> {
+        let max = self.grad_clip;
+        (max > 0.0 && norm > max).then(|| (max / (norm + 1e-12)) as f32)
+    }
+}
+
 /// Learning rate at `step` (0-based) of `total`.
 pub fn lr_at(c: &OptimConfig, step: usize, total: usize) -> f64 {
     let min = c.lr * c.min_lr_ratio;
@@ -151,9 +160,7 @@ impl Optimizer {
     /// Scales `grads` down to the configured global norm when `norm` (theirs, [`global_norm`])
     /// exceeds it.
     pub fn clip(&self, grads: &mut [f32], norm: f64) {
-        let max = self.config.grad_clip;
-        if max > 0.0 && norm > max {
-            let s = (max / (norm + 1e-12)) as f32;
+        if let Some(s) = self.config.clip_factor(norm) {
             grads.par_chunks_mut(1 << 16).for_each(|c| c.iter_mut().for_each(|g| *g *= s));
         }
     }

@@ -41,21 +41,9 @@ impl GpuOptimizer {
         Ok(())
     }
 
-    /// The factor that scales the gradients down to the configured global norm when `norm`
-    /// exceeds it, as [`Optimizer::clip`] takes it; 1 where it does not clip. The update applies
-    /// it as it reads each gradient.
-    pub fn clip_factor(&self, norm: f64) -> f32 {
-        let max = self.config.grad_clip;
-        if max > 0.0 && norm > max {
-            (max / (norm + 1e-12)) as f32
-        } else {
-            1.0
-        }
-    }
-
-    /// One update of the weights `w` with gradients `grads` clipped by `clip`
-    /// ([`Self::clip_factor`]) and learning rate `lr`, as [`Optimizer::clip`] then
-    /// [`Optimizer::update`].
+    /// One update of the weights `w` with gradients `grads` scaled by `clip` as each is read
+    /// ([`OptimConfig::clip_factor`], 1 where it does not clip) and learning rate `lr`, as
+    /// [`Optimizer::clip`] then [`Optimizer::update`].
     pub fn update(
         &mut self,
         dev: &Device,

@@ -115,7 +115,7 @@ impl<A: Act> DeviceSteps for GpuTrainer<A> {
             );
         }
         let sublayer_grad_norms = sublayer_norms(layout, &squares);
-        let clip = self.opt.clip_factor(grad_norm);
+        let clip = self.opt.config.clip_factor(grad_norm).unwrap_or(1.0);
         self.opt.update(dev, self.model.weights_mut(), &self.grads, clip, lr)?;
         Ok(StepOutcome {
             lr,
