@@ -47,6 +47,21 @@ pub fn assert_close_to_largest(got: &[f32], want: &[f32], tol: f32, what: &str) 
     );
 }
 
+/// Each row's dot product `got[t] = ⟨a_t, b_t⟩` (rows of `d`) within `tol` of the sum of its
+/// terms' magnitudes, taken in f64: for dot products that nearly cancel, such as a norm's
+/// input gradient with its input, where only the sizes of the terms bound the rounding.
+pub fn assert_row_dots(got: &[f32], a: &[f32], b: &[f32], d: usize, tol: f64, what: &str) {
+    assert!(a.len() == got.len() * d && b.len() == a.len(), "{what}: lengths");
+    for (t, got) in got.iter().enumerate() {
+        let terms = a[t * d..(t + 1) * d].iter().zip(&b[t * d..(t + 1) * d]);
+        let (sum, size) = terms.fold((0f64, 0f64), |(s, m), (x, y)| {
+            let p = *x as f64 * *y as f64;
+            (s + p, m + p.abs())
+        });
+        assert!((*got as f64 - sum).abs() <= tol * size, "{what}[{t}]: {got} vs {sum}");
+    }
+}
+
 /// Compares an analytic gradient with central differences of `f` (evaluated in f32, summed
 /// in f64) at every coordinate of `x`.
 pub fn fd_check(x: &[f32], grad: &[f32], f: impl Fn(&[f32]) -> f64, what: &str) {

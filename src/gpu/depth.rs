@@ -7,7 +7,8 @@
 use super::blas::{DType, Gemm};
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
 use super::gemm::gemm;
-use super::{per_row, per_value, ROW_CHUNK};
+use super::rmsnorm::{add_column_sums, row_sums_bytes, rows_per_block, BACKWARD_ROWS};
+use super::{per_row, per_value};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 
@@ -172,21 +173,15 @@ pub fn input<A: Act>(
     Ok(out)
 }
 
-/// One consumer's share of the backward pass, as the per-source backward reads it (as the
-/// CPU's `depth::ConsumerGrad`).
+/// One consumer's share of the backward pass, as the completed sources' backward reads it (as
+/// the CPU's `depth::ConsumerGrad`).
 #[derive(Clone, Copy)]
 pub struct ConsumerGrad<'a, A: Act> {
     /// Gradient of the consumer's input `h`, `[rows, d]`.
     pub dh: &'a Buf<A>,
     /// Per token `⟨dh, h⟩`.
     pub dh_dot_h: &'a Buf<f32>,
-    /// `[rows, K]` each.
-    pub alpha: &'a Buf<f32>,
-    pub logits: &'a Buf<f32>,
-    /// Sources the consumer read (`K`).
-    pub n_sources: usize,
-    /// Effective query `q ⊙ γ`.
-    pub w: Slice<'a, f32>,
+    pub weights: Weights<'a>,
 }
 
 /// A source as the backward reads it: values `[rows, d]` and per-token 1/rms.
@@ -196,16 +191,13 @@ pub struct Source<'a, A: Act> {
     pub rstd: Slice<'a, f32>,
 }
 
-/// The gradient of source `src` from all of its readers at once (reader `l` of `readers` at
-/// column `col` of its weights), into `out` (`[rows, d]`; added to what it holds with
-/// `accumulate`: a partial sum's gradient goes into a sublayer's output gradient): each
-/// reader's coefficients go to row `l` of `b` (`[consumers, rows]`), which [`query_grads`]
-/// then takes.
+/// The gradient of completed source `src` from all of its readers at once (reader `l` of
+/// `readers` at column `col` of its weights), into `out` (`[rows, d]`): each reader's
+/// coefficients go to row `l` of `b` (`[consumers, rows]`), which [`query_grads`] then takes.
 #[allow(clippy::too_many_arguments)]
 pub fn source_grads<A: Act>(
     dev: &Device,
     out: &mut Buf<A>,
-    accumulate: bool,
     b: &mut Buf<A>,
     readers: &[(usize, ConsumerGrad<A>)],
     col: usize,
@@ -218,17 +210,18 @@ pub fn source_grads<A: Act>(
     let mut tables = Vec::with_capacity(5 * readers.len());
     for field in 0..5 {
         tables.extend(readers.iter().map(|(_, g)| {
-            let a = [g.dh.arg(), g.dh_dot_h.arg(), g.alpha.arg(), g.logits.arg(), g.w.arg()];
+            let x = g.weights;
+            let a = [g.dh.arg(), g.dh_dot_h.arg(), x.alpha.arg(), x.logits.arg(), x.w.arg()];
             a[field].bits() as i64
         }));
     }
     for (l, g) in readers {
-        let k = g.n_sources;
-        assert!(col < k && g.alpha.len() == rows * k && g.logits.len() == rows * k);
-        assert!(g.dh.len() == rows * d && g.dh_dot_h.len() == rows && g.w.len() == d);
+        let (x, k) = (g.weights, g.weights.n_sources);
+        assert!(col < k && x.alpha.len() == rows * k && x.logits.len() == rows * k);
+        assert!(g.dh.len() == rows * d && g.dh_dot_h.len() == rows && x.w.len() == d);
         assert!((l + 1) * rows <= b.len(), "reader {l}'s row of b");
     }
-    let ks: Vec<i32> = readers.iter().map(|(_, g)| g.n_sources as i32).collect();
+    let ks: Vec<i32> = readers.iter().map(|(_, g)| g.weights.n_sources as i32).collect();
     let rows_of: Vec<i32> = readers.iter().map(|(l, _)| *l as i32).collect();
     let (tables, ks, rows_of) = (dev.upload(&tables)?, dev.upload(&ks)?, dev.upload(&rows_of)?);
     let args = [
@@ -243,16 +236,85 @@ pub fn source_grads<A: Act>(
         Arg::i32(col as i32),
         Arg::i32(rows as i32),
         Arg::i32(d as i32),
-        Arg::i32(accumulate as i32),
     ];
-    let cfg = LaunchConfig {
-        shared_mem_bytes: (d.next_multiple_of(ROW_CHUNK) * size_of::<f32>()) as u32,
-        ..per_row(rows, d)
-    };
+    let cfg = LaunchConfig { shared_mem_bytes: row_sums_bytes(d), ..per_row(rows, d) };
     // SAFETY: the kernel's arguments in its order; the tables hold the addresses of buffers
     // that `readers` borrows (so they outlive the launch, which the stream orders before any
     // later free), each of the size checked above; shared memory holds one row of sums.
     unsafe { dev.launch(&kernel::<A>("depth_source_grads"), cfg, &args) }
+}
+
+/// A consumer's input as its norm took it: `h` (`[rows, d]`), its per-token 1/rms and the
+/// norm's gain.
+#[derive(Clone, Copy)]
+pub struct Normed<'a, A: Act> {
+    pub h: &'a Buf<A>,
+    pub rstd: &'a Buf<f32>,
+    pub g: Slice<'a, f32>,
+}
+
+/// What a consumer's forward kept for its backward: its weights and logits over the sources
+/// it read (`[rows, K]`, completed sources first), and its effective query.
+#[derive(Clone, Copy)]
+pub struct Weights<'a> {
+    pub alpha: &'a Buf<f32>,
+    pub logits: &'a Buf<f32>,
+    pub n_sources: usize,
+    pub w: Slice<'a, f32>,
+}
+
+/// The backward of a consumer that reads a partial sum, through its input's norm and into the
+/// partial sum in one pass: from `dy`, the gradient of the normalised input `x`, returns the
+/// gradient of the input `h` and each token's `⟨dh, h⟩` (which the completed sources'
+/// gradients take later); the gain's gradient goes into `dg`, the partial sum's (the last of
+/// the consumer's sources) into `acc`, the gradient of its block's earlier outputs, and the
+/// effective query's into `dw`, each added to what it holds.
+#[allow(clippy::too_many_arguments)]
+pub fn partial_backward<A: Act>(
+    dev: &Device,
+    acc: &mut Buf<A>,
+    dg: &mut SliceMut<f32>,
+    dw: &mut SliceMut<f32>,
+    dy: &Buf<A>,
+    x: Normed<A>,
+    read: Weights,
+    partial: Source<A>,
+) -> Result<(Buf<A>, Buf<f32>)> {
+    let (rows, d, k) = (x.rstd.len(), x.g.len(), read.n_sources);
+    assert!(x.h.len() == rows * d && dy.len() == rows * d && acc.len() == rows * d);
+    assert!(partial.v.len() == rows * d && partial.rstd.len() == rows);
+    assert!(read.alpha.len() == rows * k && read.logits.len() == rows * k && k >= 2);
+    assert!(read.w.len() == d && dg.len() == d && dw.len() == d);
+    let (mut dh, mut dhh) = (dev.output(rows * d)?, dev.output(rows)?);
+    let (cfg, blocks) = rows_per_block(rows, d);
+    let mut parts = dev.output::<f32>(2 * blocks * d)?;
+    let args = [
+        dh.arg_mut(),
+        dhh.arg_mut(),
+        acc.arg_mut(),
+        parts.arg_mut(),
+        dy.arg(),
+        x.h.arg(),
+        x.g.arg(),
+        x.rstd.arg(),
+        partial.v.arg(),
+        partial.rstd.arg(),
+        read.alpha.arg(),
+        read.logits.arg(),
+        read.w.arg(),
+        Arg::i32(k as i32),
+        Arg::i32(rows as i32),
+        Arg::i32(d as i32),
+        Arg::i32(BACKWARD_ROWS as i32),
+    ];
+    let cfg = LaunchConfig { shared_mem_bytes: 2 * row_sums_bytes(d), ..cfg };
+    // SAFETY: the kernel's arguments in its order; every row buffer holds `rows` rows of `d`,
+    // the weights `rows` rows of `k` (checked above), `parts` two rows of `d` per block, and
+    // shared memory two rows of sums.
+    unsafe { dev.launch(&kernel::<A>("depth_partial_backward"), cfg, &args) }?;
+    add_column_sums(dev, dg, parts.slice(0..blocks * d), d)?;
+    add_column_sums(dev, dw, parts.slice(blocks * d..2 * blocks * d), d)?;
+    Ok((dh, dhh))
 }
 
 /// The effective-query gradients of consumers that read source `v` (`[rows, d]`), added into
@@ -297,7 +359,7 @@ mod tests {
     use super::*;
     use crate::kernels::depth as cpu;
     use crate::kernels::rmsnorm;
-    use crate::testutil::{assert_close_to_largest, rand_vec};
+    use crate::testutil::{assert_close_to_largest, assert_row_dots, rand_vec};
 
     const EPS: f32 = 1e-6;
 
@@ -388,10 +450,11 @@ mod tests {
     }
     crate::gpu::on_cpu_and_gpu!(the_forward_matches_the_cpu);
 
-    /// The per-source backward against the CPU's: each partial sum at once for its consumer,
-    /// each completed source for all of its consumers, and the query gradients.
+    /// The backward against the CPU's: each partial sum with its consumer's norm, each
+    /// completed source for all of its consumers, and the query gradients.
     fn the_backward_matches_the_cpu(dev: &Device) {
-        // Rows of 83 values: some chunks whole, some not, most unaligned.
+        // Rows of 83 values: some chunks whole, some not, most unaligned; 29 tokens: blocks of
+        // tokens, the last one short.
         let (rows, d, c, s) = (29, 83, 3, 4);
         let srcs: Vec<Vec<f32>> = (0..c).map(|i| rand_vec(rows * d, 20 + i as u64, 2.0)).collect();
         let partials: Vec<Vec<f32>> =
@@ -413,19 +476,20 @@ mod tests {
             let h = cpu::phase2(Some((&mut a, &mut l)), &mut p1, j, partial, w, d);
             saved.push((h, a, l, k));
         }
-        let dhs: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 40 + j as u64, 1.0)).collect();
-        let dhh: Vec<Vec<f32>> = (0..s)
-            .map(|j| {
-                (0..rows)
-                    .map(|t| {
-                        crate::kernels::dot(
-                            &dhs[j][t * d..(t + 1) * d],
-                            &saved[j].0[t * d..(t + 1) * d],
-                        )
-                    })
-                    .collect()
-            })
+        // Each consumer's input went through a norm; the gradients start at its output.
+        let gains: Vec<Vec<f32>> = (0..s)
+            .map(|j| rand_vec(d, 50 + j as u64, 0.5).iter().map(|v| 1.0 + v).collect())
             .collect();
+        let h_rstd: Vec<Vec<f32>> = (0..s).map(|j| rstd_of(&saved[j].0, d)).collect();
+        let dys: Vec<Vec<f32>> = (0..s).map(|j| rand_vec(rows * d, 40 + j as u64, 1.0)).collect();
+        let mut want_dg = vec![vec![0.25f32; d]; s];
+        let (mut dhs, mut dhh) = (Vec::new(), Vec::new());
+        for j in 0..s {
+            let mut dot = vec![0.0; rows];
+            let (h, g, r) = (&saved[j].0, &gains[j], &h_rstd[j]);
+            dhs.push(rmsnorm::backward(&mut want_dg[j], &dys[j], h, g, r, d, Some(&mut dot)));
+            dhh.push(dot);
+        }
         let grads: Vec<cpu::ConsumerGrad> = (0..s)
             .map(|j| cpu::ConsumerGrad {
                 dh: &dhs[j],
@@ -457,28 +521,44 @@ mod tests {
         let grads: Vec<ConsumerGrad<f32>> = gdev
             .iter()
             .enumerate()
-            .map(|(j, (dh, dhh, a, l))| ConsumerGrad {
-                dh,
-                dh_dot_h: dhh,
-                alpha: a,
-                logits: l,
-                n_sources: saved[j].3,
-                w: wg.slice(j * d..(j + 1) * d),
+            .map(|(j, (dh, dhh, a, l))| {
+                let w = wg.slice(j * d..(j + 1) * d);
+                let weights = Weights { alpha: a, logits: l, n_sources: saved[j].3, w };
+                ConsumerGrad { dh, dh_dot_h: dhh, weights }
             })
             .collect();
         let mut dws = dev.zeros(s * d).unwrap();
         let mut b = dev.zeros(s * rows).unwrap();
         for j in 1..s {
             let (pv, pr) = (up(&partials[j]), up(&prs[j]));
-            let src = Source { v: pv.all(), rstd: pr.all() };
+            let partial = Source { v: pv.all(), rstd: pr.all() };
+            let (h, r, g, dy) = (up(&saved[j].0), up(&h_rstd[j]), up(&gains[j]), up(&dys[j]));
+            let normed = Normed { h: &h, rstd: &r, g: g.all() };
             // Added to what is there, as the sublayer output's gradient is.
-            let mut acc = up(&vec![0.5f32; rows * d]);
-            source_grads(dev, &mut acc, true, &mut b, &[(j, grads[j])], c, src, d).unwrap();
+            let (mut acc, mut dg) = (up(&vec![0.5f32; rows * d]), up(&vec![0.25f32; d]));
             let dw = &mut dws.slice_mut(j * d..(j + 1) * d);
-            query_grads(dev, dw, b.slice(j * rows..(j + 1) * rows), pv.all(), rows, d).unwrap();
+            let (dh, dot) = partial_backward(
+                dev,
+                &mut acc,
+                &mut dg.all_mut(),
+                dw,
+                &dy,
+                normed,
+                grads[j].weights,
+                partial,
+            )
+            .unwrap();
             let want: Vec<f32> = want_part[j].iter().map(|x| x + 0.5).collect();
-            let got = dev.download(&acc).unwrap();
-            assert_close_to_largest(&got, &want, 1e-5, &format!("partial of consumer {j}"));
+            let (dh, dot) = (dev.download(&dh).unwrap(), dev.download(&dot).unwrap());
+            // <dh, h> nearly cancels (as in the norm's test).
+            assert_row_dots(&dot, &dh, &saved[j].0, d, 1e-6, &format!("consumer {j}: <dh, h>"));
+            for (name, got, want) in [
+                ("partial", dev.download(&acc).unwrap(), &want),
+                ("dh", dh, &dhs[j]),
+                ("gain", dev.download(&dg).unwrap(), &want_dg[j]),
+            ] {
+                assert_close_to_largest(&got, want, 1e-5, &format!("consumer {j}: {name}"));
+            }
         }
         for i in 0..c {
             let (v, r) = (up(&srcs[i]), up(&rs[i]));
@@ -487,7 +567,7 @@ mod tests {
             // The readers in the backward pass's order, last first.
             let readers: Vec<(usize, ConsumerGrad<f32>)> =
                 grads.iter().enumerate().rev().map(|(j, g)| (j, *g)).collect();
-            source_grads(dev, &mut acc, false, &mut b, &readers, i, src, d).unwrap();
+            source_grads(dev, &mut acc, &mut b, &readers, i, src, d).unwrap();
             query_grads(dev, &mut dws.all_mut(), b.all(), v.all(), rows, d).unwrap();
             let got = dev.download(&acc).unwrap();
             assert_close_to_largest(&got, &want_src[i], 1e-5, &format!("source {i}"));

@@ -9,7 +9,7 @@ use super::nvrtc::{kernel_images, kernel_names, KERNELS};
 use super::profile::Profiler;
 use anyhow::{bail, Context, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     ValidAsZeroBits,
 };
 use std::collections::HashMap;
@@ -363,7 +363,6 @@ impl Ids {
 /// hands freed memory back to the system at every synchronisation, so that each step would
 /// map its buffers again. Only speed depends on it: a driver that refuses is left as it is.
 fn keep_freed_memory(ctx: &CudaContext) {
-    use cudarc::driver::sys;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     let mut threshold = u64::MAX;
     // SAFETY: the pool handle is written by the driver before it is used; the attribute takes
@@ -573,6 +572,14 @@ impl Device {
                     .get(name)
                     .with_context(|| format!("no kernel {name} in src/gpu/kernels"))?;
                 stream.context().bind_to_thread()?;
+                // Beyond 48 KB, a kernel's dynamic shared memory must be allowed first.
+                if cfg.shared_mem_bytes > 48 * 1024 {
+                    let most =
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                    f.set_attribute(most, cfg.shared_mem_bytes as i32).with_context(|| {
+                        format!("{name}: {} B of shared memory", cfg.shared_mem_bytes)
+                    })?;
+                }
                 // SAFETY: the caller's promise; `params` point at the arguments' values,
                 // which outlive the call (the driver copies them when it queues the launch).
                 unsafe {

@@ -2,12 +2,13 @@
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
-use super::{per_row, per_value};
+use super::{per_row, ROW_CHUNK};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 
-/// Rows per chunk of the gain's gradient.
-const GAIN_ROWS: usize = 256;
+/// Rows each block of the backward kernels takes, one after another: the block sums its rows'
+/// share of the gain's gradient in shared memory, and only those sums go out.
+pub(super) const BACKWARD_ROWS: usize = 16;
 
 /// Forward: `y` and the per-row `rstd`.
 pub fn forward<A: Act>(
@@ -93,50 +94,71 @@ pub fn backward_into<A: Act>(
     assert!(dx.len() == x.len() && !(accumulate && dx_dot_x.is_some()), "<dx, x> of a new dx");
     assert!(dx_dot_x.as_ref().is_none_or(|b| b.len() == rows), "one <dx, x> per row");
     let dxx = dx_dot_x.map_or(Arg::null(), |b| b.arg_mut());
+    let (cfg, blocks) = rows_per_block(rows, d);
+    let mut parts = dev.output::<f32>(blocks * d)?;
     let args = [
         dx.arg_mut(),
         dxx,
+        parts.arg_mut(),
         dy.arg(),
         x.arg(),
         g.arg(),
         rstd.arg(),
-        Arg::i32(d as i32),
-        Arg::i32(accumulate as i32),
-    ];
-    // SAFETY: as in `forward`.
-    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward"), per_row(rows, d), &args) }?;
-    // The gain's gradient: sums over chunks of GAIN_ROWS rows (more where the rows would need
-    // more chunks than a grid holds), then the chunks' sums.
-    let chunk_rows = GAIN_ROWS.max(rows.div_ceil(65_535));
-    let chunks = rows.div_ceil(chunk_rows).max(1);
-    let mut part = dev.output::<f32>(chunks * d)?;
-    let args = [
-        part.arg_mut(),
-        dy.arg(),
-        x.arg(),
-        rstd.arg(),
         Arg::i32(rows as i32),
         Arg::i32(d as i32),
-        Arg::i32(chunk_rows as i32),
+        Arg::i32(BACKWARD_ROWS as i32),
+        Arg::i32(accumulate as i32),
     ];
-    let cfg =
-        LaunchConfig { grid_dim: (per_value(d).grid_dim.0, chunks as u32, 1), ..per_value(d) };
-    // SAFETY: as in `forward`; a thread per column and chunk, inside `part`.
-    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward_gain"), cfg, &args) }?;
-    let args = [dg.arg_mut(), part.arg(), Arg::i32(chunks as i32), Arg::i32(d as i32)];
-    // SAFETY: the kernel's arguments in its order; one thread per column of `dg`.
-    unsafe { dev.launch("rmsnorm_gain_sum", per_value(d), &args) }
+    // SAFETY: as in `forward`; `parts` holds a row of `d` for each block, and shared memory a
+    // row of sums.
+    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward"), cfg, &args) }?;
+    add_column_sums(dev, dg, parts.all(), d)
+}
+
+/// A launch over `rows` rows of `d` values for the backward kernels that also sum a gradient
+/// over the rows: blocks of [`BACKWARD_ROWS`] consecutive rows, each with a row of `sums` f32
+/// sums in shared memory. Returns the launch and its number of blocks.
+pub(super) fn rows_per_block(rows: usize, d: usize) -> (LaunchConfig, usize) {
+    let blocks = rows.div_ceil(BACKWARD_ROWS);
+    let row = per_row(blocks, d);
+    (LaunchConfig { shared_mem_bytes: row_sums_bytes(d), ..row }, blocks)
+}
+
+/// Bytes of one row of sums in shared memory (`row_sums_clear` in reduce.cuh).
+pub(super) fn row_sums_bytes(d: usize) -> u32 {
+    (d.next_multiple_of(ROW_CHUNK) * size_of::<f32>()) as u32
+}
+
+/// `sums += ` the sum of the rows of `parts` (`[n, d]`), in a fixed order.
+pub(super) fn add_column_sums(
+    dev: &Device,
+    sums: &mut SliceMut<f32>,
+    parts: Slice<f32>,
+    d: usize,
+) -> Result<()> {
+    let count = parts.len() / d;
+    assert!(sums.len() == d && count * d == parts.len() && count <= i32::MAX as usize);
+    let args = [sums.arg_mut(), parts.arg(), Arg::i32(count as i32), Arg::i32(d as i32)];
+    let cfg = LaunchConfig {
+        grid_dim: (d.div_ceil(32) as u32, 1, 1),
+        block_dim: (1024, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the kernel's arguments in its order; a thread per column and row of 32 of
+    // `parts`, inside it, and one per column of `sums`.
+    unsafe { dev.launch("column_sums", cfg, &args) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kernels::rmsnorm as cpu;
-    use crate::testutil::{assert_close_to_largest, rand_vec};
+    use crate::testutil::{assert_close_to_largest, assert_row_dots, rand_vec};
 
     fn rmsnorm_matches_the_cpu_kernel(dev: &Device) {
-        // The last spans several chunks of the gain's gradient.
-        for (rows, d) in [(3, 64), (37, 1000), (5, 4096), (600, 96), (7, 203)] {
+        // Several blocks of rows, a last block short of rows, and rows of 16384 values, whose
+        // sums take more than 48 KB of shared memory.
+        for (rows, d) in [(3, 64), (37, 1000), (5, 4096), (600, 96), (7, 203), (3, 16384)] {
             let x = rand_vec(rows * d, 1, 3.0);
             let g: Vec<f32> = rand_vec(d, 2, 0.5).iter().map(|v| 1.0 + v).collect();
             let dy = rand_vec(rows * d, 3, 1.0);
@@ -154,19 +176,9 @@ mod tests {
                     .unwrap();
             let at = format!("{rows}x{d}");
             // <dx, x> nearly cancels (dx is almost orthogonal to x), so it is held to the sum
-            // of its terms' sizes, taken in f64 from the kernel's own dx.
+            // of its terms' sizes, taken from the kernel's own dx.
             let (dx_host, dxx) = (dev.download(&dx).unwrap(), dev.download(&dxx).unwrap());
-            for (t, got) in dxx.iter().enumerate() {
-                let terms = dx_host[t * d..(t + 1) * d].iter().zip(&x[t * d..(t + 1) * d]);
-                let (sum, size) = terms.fold((0f64, 0f64), |(s, m), (a, b)| {
-                    let p = *a as f64 * *b as f64;
-                    (s + p, m + p.abs())
-                });
-                assert!(
-                    (*got as f64 - sum).abs() <= 1e-6 * size,
-                    "{at}: <dx, x>[{t}] {got} vs {sum}"
-                );
-            }
+            assert_row_dots(&dxx, &dx_host, &x, d, 1e-6, &format!("{at}: <dx, x>"));
             for (name, got, want) in [
                 ("y", dev.download(&y).unwrap(), want_y),
                 ("rstd", dev.download(&rstd).unwrap(), want_rstd),

@@ -5,8 +5,9 @@
 //   logit_i = r_i <w, v_i>,  alpha = softmax(logit),  h = sum_i alpha_i v_i.
 // The forward is the two-phase form (phase 1 scores a block's completed sources for all of its
 // consumers at once; phase 2 merges each consumer's partial sum, made in the same pass, and
-// normalises the result for the sublayer); the backward is taken per source. One block per
-// token, a power of two of threads (row_dot, row_rstd, norm_row: reduce.cuh).
+// normalises the result for the sublayer); the backward takes a partial sum's gradient with its
+// consumer's norm, and a completed source's from all of its readers at once. A block of a
+// power of two of threads takes a token at a time (row_dot, row_rstd, norm_row: reduce.cuh).
 
 // Consumers one launch of phase 1 scores; more run in further launches along the grid's y.
 #define PHASE1_CONSUMERS 8
@@ -212,33 +213,92 @@ extern "C" __global__ void depth_query_grad(float* y, const float* a, const floa
     if (i < n) y[i] += a[i] * b[i];
 }
 
-// The gradient of one source v (1/rms rstd, at column `col` of every reader's k weights) from
-// all of its readers at once, into out[rows, d] (added to what out holds with `accumulate`: a
-// partial sum's gradient goes into the gradient of its block's earlier outputs). Per token and
-// reader, with dh the gradient of the reader's input h and dhh = <dh, h>:
+// The backward of a consumer that reads a partial sum, through its input's RMSNorm and into
+// the partial sum, in one pass per token. First the norm's, as rmsnorm_backward takes it: from
+// dy, the gradient of the normalised input (h the input, with 1/rms rstd and gain g), into dh,
+// and <dh, h> into dhh. Then the partial sum p's gradient (1/rms pr, at the last of the
+// consumer's k columns of alpha and logits; query w), added into acc, the gradient of the
+// block's earlier outputs, as depth_source_grads adds a single reader's:
+//   dl = alpha (<dh, p> - dhh),  b = dl pr,  acc += alpha dh + b w - (pr^2 / d) dl logit p.
+// Each block takes `per_block` consecutive tokens and sums their shares of the gain's gradient
+// (dy h rstd) and of the query's (b p) in shared memory (two rows of sums, row_slot), written
+// to rows blockIdx.x and gridDim.x + blockIdx.x of `parts` ([2 * gridDim.x, d]).
+template <typename T>
+__device__ void depth_partial_backward_t(T* dh, float* dhh, T* acc, float* parts, const T* dy,
+                                         const T* h, const float* g, const float* rstd,
+                                         const T* p, const float* pr, const float* alpha,
+                                         const float* logits, const float* w, int k, int rows,
+                                         int d, int per_block) {
+    DYNAMIC_SHARED(float, gain);
+    float* query = gain + (d + CHUNK - 1) / CHUNK * CHUNK;
+    row_sums_clear(gain, d);
+    row_sums_clear(query, d);
+    for (int t = rows_from(per_block); t < rows_to(per_block, rows); t++) {
+        size_t at = (size_t)t * d;
+        norm_backward_row(dh + at, gain, dy + at, h + at, g, rstd[t], d, 0);
+        // Both dot products read back the values of dh each thread stored, as they were
+        // rounded, as the completed sources' gradients will.
+        float s = row_dot(dh + at, h + at, d);
+        float a = alpha[(size_t)t * k + k - 1], r = pr[t];
+        float dl = a * (row_dot(dh + at, p + at, d) - s);
+        float b = dl * r;
+        float cv = dl * logits[(size_t)t * k + k - 1] * r * r / (float)d;
+        if (threadIdx.x == 0) dhh[t] = s;
+        for_chunks(c, d) {
+            float x[CHUNK], v[CHUNK], wc[CHUNK], out[CHUNK];
+            load_chunk(out, acc + at + c, d - c);
+            load_chunk(x, dh + at + c, d - c);
+            load_chunk(v, p + at + c, d - c);
+            load_chunk(wc, w + c, d - c);
+            for (int e = 0; e < CHUNK; e++) {
+                out[e] = out[e] + (a * x[e] + b * wc[e]) - cv * v[e];
+                query[row_slot(c, e, d)] += b * v[e];
+            }
+            store_chunk(acc + at + c, out, d - c);
+        }
+    }
+    row_sums_store(parts + (size_t)blockIdx.x * d, gain, d);
+    row_sums_store(parts + (size_t)(gridDim.x + blockIdx.x) * d, query, d);
+}
+extern "C" __global__ void depth_partial_backward(float* dh, float* dhh, float* acc, float* parts,
+                                                  const float* dy, const float* h, const float* g,
+                                                  const float* rstd, const float* p,
+                                                  const float* pr, const float* alpha,
+                                                  const float* logits, const float* w, int k,
+                                                  int rows, int d, int per_block) {
+    depth_partial_backward_t(dh, dhh, acc, parts, dy, h, g, rstd, p, pr, alpha, logits, w, k,
+                             rows, d, per_block);
+}
+extern "C" __global__ void depth_partial_backward_bf16(bf16* dh, float* dhh, bf16* acc,
+                                                       float* parts, const bf16* dy, const bf16* h,
+                                                       const float* g, const float* rstd,
+                                                       const bf16* p, const float* pr,
+                                                       const float* alpha, const float* logits,
+                                                       const float* w, int k, int rows, int d,
+                                                       int per_block) {
+    depth_partial_backward_t(dh, dhh, acc, parts, dy, h, g, rstd, p, pr, alpha, logits, w, k,
+                             rows, d, per_block);
+}
+
+// The gradient of one completed source v (1/rms rstd, at column `col` of every reader's k
+// weights) from all of its readers at once, into out[rows, d]. Per token and reader, with dh
+// the gradient of the reader's input h and dhh = <dh, h>:
 //   dl = alpha (<dh, v> - dhh),  b = dl r,  out += alpha dh + b w,  coef += dl logit,
 // then out -= (r^2 / d) coef v (the key norm's term); b goes to bs for the query's gradient (the
 // sum over tokens of b v: a product, taken after). The source is read once and its gradient
-// written once, the sums in f32 in shared memory (d floats, rounded up to whole chunks).
+// written once, the sums in f32 in shared memory (a row of sums, row_slot).
 // Reader i's buffers come from tables of addresses (dh, dhh, alpha, logits, w, each `readers`
 // long, one after another in `tables`); its b goes to row rows_of[i] of bs ([consumers, rows])
 // and its weights are ks[i] wide. One block per token.
 template <typename T>
 __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, const int* ks,
                                      const int* rows_of, int readers, const T* v,
-                                     const float* rstd, int col, int rows, int d, int accumulate) {
+                                     const float* rstd, int col, int rows, int d) {
     DYNAMIC_SHARED(float, acc);
     int t = blockIdx.x;
     size_t at = (size_t)t * d;
     const T* vr = v + at;
-    // Value e of chunk q at acc[e * chunks + q]: a warp's threads, on chunks side by side, use
-    // 32 different banks.
-    int chunks = (d + CHUNK - 1) / CHUNK;
-    for_chunks(c, d) {
-        float x[CHUNK];
-        if (accumulate) load_chunk(x, out + at + c, d - c);
-        for (int e = 0; e < CHUNK; e++) acc[e * chunks + c / CHUNK] = accumulate ? x[e] : 0.0f;
-    }
+    row_sums_clear(acc, d);
     float r = rstd[t], coef = 0.0f;
     for (int i = 0; i < readers; i++) {
         const T* dh = (const T*)tables[i] + at;
@@ -255,7 +315,7 @@ __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, con
             float x[CHUNK], wc[CHUNK];
             load_chunk(x, dh + c, d - c);
             load_chunk(wc, w + c, d - c);
-            for (int e = 0; e < CHUNK; e++) acc[e * chunks + c / CHUNK] += a * x[e] + b * wc[e];
+            for (int e = 0; e < CHUNK; e++) acc[row_slot(c, e, d)] += a * x[e] + b * wc[e];
         }
         if (threadIdx.x == 0) bs[(size_t)rows_of[i] * rows + t] = from_f32<T>(b);
     }
@@ -263,19 +323,19 @@ __device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, con
     for_chunks(c, d) {
         float x[CHUNK];
         load_chunk(x, vr + c, d - c);
-        for (int e = 0; e < CHUNK; e++) x[e] = acc[e * chunks + c / CHUNK] - cv * x[e];
+        for (int e = 0; e < CHUNK; e++) x[e] = acc[row_slot(c, e, d)] - cv * x[e];
         store_chunk(out + at + c, x, d - c);
     }
 }
 extern "C" __global__ void depth_source_grads(float* out, float* bs, const long long* tables,
                                               const int* ks, const int* rows_of, int readers,
                                               const float* v, const float* rstd, int col,
-                                              int rows, int d, int accumulate) {
-    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d, accumulate);
+                                              int rows, int d) {
+    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
 }
 extern "C" __global__ void depth_source_grads_bf16(bf16* out, bf16* bs, const long long* tables,
                                                    const int* ks, const int* rows_of, int readers,
                                                    const bf16* v, const float* rstd, int col,
-                                                   int rows, int d, int accumulate) {
-    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d, accumulate);
+                                                   int rows, int d) {
+    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
 }

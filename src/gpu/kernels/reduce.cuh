@@ -195,6 +195,64 @@ template <typename T> __device__ float row_rstd(const T* x, int d, float eps) {
     return (float)(1.0 / sqrt(parts[0] / (double)d + (double)eps));
 }
 
+// A row of d sums that a block keeps in shared memory while it runs over many rows (the
+// gradient of a norm's gain, of a depth query), each thread adding into the slots of its own
+// chunks: value e of the chunk at column c sits at e * chunks + c / CHUNK, so that a warp's
+// threads, on chunks side by side, use 32 different banks. row_sums_clear starts it, and
+// row_sums_store writes it out in order (each thread its own slots, so neither needs a barrier).
+__device__ inline int row_slot(int c, int e, int d) { return e * ((d + CHUNK - 1) / CHUNK) + c / CHUNK; }
+__device__ inline void row_sums_clear(float* sums, int d) {
+    for_chunks(c, d) for (int e = 0; e < CHUNK; e++) sums[row_slot(c, e, d)] = 0.0f;
+}
+__device__ inline void row_sums_store(float* out, const float* sums, int d) {
+    for_chunks(c, d) {
+        float x[CHUNK];
+        for (int e = 0; e < CHUNK; e++) x[e] = sums[row_slot(c, e, d)];
+        store_chunk(out + c, x, d - c);
+    }
+}
+
+// The first and one-past-last rows of the block's share when each block takes `per_block`
+// consecutive rows of `rows`.
+__device__ inline int rows_from(int per_block) { return blockIdx.x * per_block; }
+__device__ inline int rows_to(int per_block, int rows) {
+    int end = (blockIdx.x + 1) * per_block;
+    return end < rows ? end : rows;
+}
+
+// RMSNorm's backward for one row x with 1/rms r and gain g, from dy: with u = g * dy,
+//   dx = r * u - (r^3 / d) * <u, x> * x,
+// added to what dx holds with `accumulate`. The row's share of the gain's gradient,
+// dy * x * r, goes into the block's row of sums `gain` (row_slot).
+template <typename T>
+__device__ void norm_backward_row(T* dx, float* gain, const T* dy, const T* x, const float* g,
+                                  float r, int d, int accumulate) {
+    float ux = 0.0f;
+    for_chunks(c, d) {
+        float gc[CHUNK], u[CHUNK], v[CHUNK];
+        load_chunk(gc, g + c, d - c);
+        load_chunk(u, dy + c, d - c);
+        load_chunk(v, x + c, d - c);
+        for (int i = 0; i < CHUNK; i++) {
+            ux += gc[i] * u[i] * v[i];
+            gain[row_slot(c, i, d)] += u[i] * v[i] * r;
+        }
+    }
+    float k = r * r * r * block_sum(ux) / (float)d;
+    for_chunks(c, d) {
+        float gc[CHUNK], u[CHUNK], v[CHUNK], prior[CHUNK];
+        load_chunk(gc, g + c, d - c);
+        load_chunk(u, dy + c, d - c);
+        load_chunk(v, x + c, d - c);
+        if (accumulate) load_chunk(prior, dx + c, d - c);
+        for (int i = 0; i < CHUNK; i++) {
+            float e = r * gc[i] * u[i] - k * v[i];
+            u[i] = accumulate ? prior[i] + e : e;
+        }
+        store_chunk(dx + c, u, d - c);
+    }
+}
+
 // RMSNorm of row x into y with gain g (f32), as src/kernels/rmsnorm.rs: y = x * rstd * g with
 // rstd = 1 / sqrt(mean(x^2) + eps), which it returns in every thread. The rmsnorm kernels take
 // it, and the residual kernels that hand a sublayer its input and that input's norm at once.

@@ -1,9 +1,9 @@
 // RMSNorm with a learnable gain, as src/kernels/rmsnorm.rs computes it: y = x * rstd * g with
-// rstd = 1 / sqrt(mean(x^2) + eps), one thread block per row. Rows x, y, dy, dx are f32 or bf16
-// (T); the gain, its gradient and the statistics are f32.
+// rstd = 1 / sqrt(mean(x^2) + eps). Rows x, y, dy, dx are f32 or bf16 (T); the gain, its
+// gradient and the statistics are f32.
 
-// block_sum, row_dot and row_rstd come from reduce.cuh; one block of a power of two of threads
-// per row.
+// block_sum, row_dot, row_rstd and the row passes come from reduce.cuh; a block of a power of
+// two of threads takes a row at a time.
 
 // Forward: y[rows, d] and rstd[rows]; one block per row.
 template <typename T>
@@ -48,83 +48,55 @@ extern "C" __global__ void rmsnorm_add_forward_bf16(bf16* h, bf16* y, float* rst
     rmsnorm_add_forward_t(h, y, rstd, a, b, g, d, eps);
 }
 
-// Backward to the input: with u = g * dy, dx = r * u - (r^3 / d) * <u, x> * x; one block per row.
+// Backward: dx, and the gain's gradient, in one pass over dy and x. Each block takes
+// `per_block` consecutive rows (norm_backward_row, reduce.cuh) and writes its sums of the
+// gain's gradient to row blockIdx.x of `parts` ([gridDim.x, d]); column_sums adds them up.
 // With `accumulate`, dx is added to what dx holds (the standard residual's stream gradient,
 // rounded once). `dxx` (null for none): each row's <dx, x>, which the depth attention's
 // backward takes (of the stored dx, so that it is the dot product the depth attention takes of
-// the same rows).
+// the same rows). Shared memory: a row of sums (d floats, rounded up to whole chunks).
 template <typename T>
-__device__ void rmsnorm_backward_t(T* dx, float* dxx, const T* dy, const T* x, const float* g,
-                                   const float* rstd, int d, int accumulate) {
-    size_t at = (size_t)blockIdx.x * d;
-    float r = rstd[blockIdx.x], ux = 0.0f;
-    for_chunks(c, d) {
-        float gc[CHUNK], u[CHUNK], v[CHUNK];
-        load_chunk(gc, g + c, d - c);
-        load_chunk(u, dy + at + c, d - c);
-        load_chunk(v, x + at + c, d - c);
-        for (int i = 0; i < CHUNK; i++) ux += gc[i] * u[i] * v[i];
-    }
-    float k = r * r * r * block_sum(ux) / (float)d;
-    for_chunks(c, d) {
-        float gc[CHUNK], u[CHUNK], v[CHUNK], prior[CHUNK];
-        load_chunk(gc, g + c, d - c);
-        load_chunk(u, dy + at + c, d - c);
-        load_chunk(v, x + at + c, d - c);
-        if (accumulate) load_chunk(prior, dx + at + c, d - c);
-        for (int i = 0; i < CHUNK; i++) {
-            float e = r * gc[i] * u[i] - k * v[i];
-            u[i] = accumulate ? prior[i] + e : e;
+__device__ void rmsnorm_backward_t(T* dx, float* dxx, float* parts, const T* dy, const T* x,
+                                   const float* g, const float* rstd, int rows, int d,
+                                   int per_block, int accumulate) {
+    DYNAMIC_SHARED(float, gain);
+    row_sums_clear(gain, d);
+    for (int t = rows_from(per_block); t < rows_to(per_block, rows); t++) {
+        size_t at = (size_t)t * d;
+        norm_backward_row(dx + at, gain, dy + at, x + at, g, rstd[t], d, accumulate);
+        if (dxx) {
+            float s = row_dot(dx + at, x + at, d);
+            if (threadIdx.x == 0) dxx[t] = s;
         }
-        store_chunk(dx + at + c, u, d - c);
     }
-    if (dxx) {
-        float s = row_dot(dx + at, x + at, d);
-        if (threadIdx.x == 0) dxx[blockIdx.x] = s;
-    }
+    row_sums_store(parts + (size_t)blockIdx.x * d, gain, d);
 }
-extern "C" __global__ void rmsnorm_backward(float* dx, float* dxx, const float* dy, const float* x,
-                                            const float* g, const float* rstd, int d,
-                                            int accumulate) {
-    rmsnorm_backward_t(dx, dxx, dy, x, g, rstd, d, accumulate);
+extern "C" __global__ void rmsnorm_backward(float* dx, float* dxx, float* parts, const float* dy,
+                                            const float* x, const float* g, const float* rstd,
+                                            int rows, int d, int per_block, int accumulate) {
+    rmsnorm_backward_t(dx, dxx, parts, dy, x, g, rstd, rows, d, per_block, accumulate);
 }
-extern "C" __global__ void rmsnorm_backward_bf16(bf16* dx, float* dxx, const bf16* dy,
-                                                 const bf16* x, const float* g, const float* rstd,
-                                                 int d, int accumulate) {
-    rmsnorm_backward_t(dx, dxx, dy, x, g, rstd, d, accumulate);
-}
-
-// Backward to the gain, in two steps that keep the GPU busy however few columns there are:
-// each block sums dy * x * rstd over `chunk_rows` rows for its columns into part[chunk, d] (grid
-// (ceil(d / threads), chunks)); rmsnorm_gain_sum then adds the chunks' sums into dg[d], in
-// order, so the result does not vary from run to run.
-template <typename T>
-__device__ void rmsnorm_backward_gain_t(float* part, const T* dy, const T* x, const float* rstd,
-                                        int rows, int d, int chunk_rows) {
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= d) return;
-    int r0 = blockIdx.y * chunk_rows, r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
-    float s = 0.0f;
-    for (int t = r0; t < r1; t++)
-        s += to_f32(dy[(size_t)t * d + j]) * to_f32(x[(size_t)t * d + j]) * rstd[t];
-    part[(size_t)blockIdx.y * d + j] = s;
-}
-extern "C" __global__ void rmsnorm_backward_gain(float* part, const float* dy, const float* x,
+extern "C" __global__ void rmsnorm_backward_bf16(bf16* dx, float* dxx, float* parts,
+                                                 const bf16* dy, const bf16* x, const float* g,
                                                  const float* rstd, int rows, int d,
-                                                 int chunk_rows) {
-    rmsnorm_backward_gain_t(part, dy, x, rstd, rows, d, chunk_rows);
-}
-extern "C" __global__ void rmsnorm_backward_gain_bf16(float* part, const bf16* dy, const bf16* x,
-                                                      const float* rstd, int rows, int d,
-                                                      int chunk_rows) {
-    rmsnorm_backward_gain_t(part, dy, x, rstd, rows, d, chunk_rows);
+                                                 int per_block, int accumulate) {
+    rmsnorm_backward_t(dx, dxx, parts, dy, x, g, rstd, rows, d, per_block, accumulate);
 }
 
-// dg[j] += the sum over chunks of part[chunk, j]; one thread per column.
-extern "C" __global__ void rmsnorm_gain_sum(float* dg, const float* part, int chunks, int d) {
-    int j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= d) return;
+// sums[j] += the sum over n of parts[n, j] (n < count), for the 32 columns of block
+// blockIdx.x (1024 threads): warp w sums rows w, w + 32, ... of its lane's column, then thread
+// j of warp 0 adds the warps' sums in order, so the result does not vary from run to run.
+extern "C" __global__ void column_sums(float* sums, const float* parts, int count, int d) {
+    __shared__ float warps[32][33];
+    int lane = threadIdx.x % 32, w = threadIdx.x / 32, j = blockIdx.x * 32 + lane;
     float s = 0.0f;
-    for (int c = 0; c < chunks; c++) s += part[(size_t)c * d + j];
-    dg[j] += s;
+    if (j < d)
+        for (int n = w; n < count; n += 32) s += parts[(size_t)n * d + j];
+    warps[w][lane] = s;
+    __syncthreads();
+    if (w == 0 && j < d) {
+        float total = 0.0f;
+        for (int i = 0; i < 32; i++) total += warps[i][lane];
+        sums[j] += total;
+    }
 }

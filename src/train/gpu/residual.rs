@@ -12,7 +12,7 @@
 //! Backward takes each consumer's partial-sum gradient at once and a completed source's
 //! gradient from all of its consumers together, when the backward pass reaches it.
 
-use crate::gpu::depth::{self, ConsumerGrad, PartialSum, Phase1, Source};
+use crate::gpu::depth::{self, ConsumerGrad, Normed, PartialSum, Phase1, Source, Weights};
 use crate::gpu::device::{Act, Buf, Device, Slice, SliceMut};
 use crate::gpu::rmsnorm;
 use crate::model::params::Layout;
@@ -295,7 +295,8 @@ impl<A: Act> ResidualBackward<A> {
             dws: dev.zeros(consumers * f.d)?,
             b: dev.output(consumers * rows)?,
         };
-        b.owe(dev, f, f.sublayers, dh, dh_dot_h)?;
+        // The output aggregation is a block of its own: it reads no partial sum.
+        b.owed.push(Owed { l: f.sublayers, dh, dh_dot_h });
         Ok(ResidualBackward::Depth(b))
     }
 
@@ -339,8 +340,7 @@ impl<A: Act> ResidualBackward<A> {
                 rmsnorm::backward_into(dev, acc, true, dg, dxn, &x.h, g, &x.rstd, g.len(), None)
             }
             (ResidualBackward::Depth(b), ResidualForward::Depth(f)) => {
-                let (dh, dh_dot_h) = input_grad_of(dev, dxn, x, g, dg)?;
-                b.owe(dev, f, l, dh, dh_dot_h)
+                b.input_grad(dev, f, l, dxn, x, g, dg)
             }
             _ => unreachable!("backward state of another residual"),
         }
@@ -375,45 +375,45 @@ impl<A: Act> ResidualBackward<A> {
     }
 }
 
-/// Owed consumer `o`'s share of the backward, as the per-source kernels read it.
-fn consumer_grad<'a, A: Act>(f: &'a DepthForward<A>, o: &'a Owed<A>) -> ConsumerGrad<'a, A> {
-    let saved = &f.saved[o.l];
-    ConsumerGrad {
-        dh: &o.dh,
-        dh_dot_h: &o.dh_dot_h,
+/// What consumer `l`'s forward kept for its backward.
+fn weights_of<A: Act>(f: &DepthForward<A>, l: usize) -> Weights<'_> {
+    let saved = &f.saved[l];
+    Weights {
         alpha: &saved.alpha,
         logits: &saved.logits,
         n_sources: saved.n_sources,
-        w: f.queries.slice(o.l * f.d..(o.l + 1) * f.d),
+        w: f.queries.slice(l * f.d..(l + 1) * f.d),
     }
 }
 
 impl<A: Act> DepthBackward<A> {
-    /// Takes consumer `l`'s gradient into its partial sum now (into `acc`, the gradient of the
-    /// block's earlier outputs) and owes the rest.
-    fn owe(
+    /// Backpropagates consumer `l`'s norm (as [`ResidualBackward::input_grad`]), with its
+    /// gradient into the partial sum it reads at once (into `acc`, the gradient of the block's
+    /// earlier outputs), and owes the rest.
+    #[allow(clippy::too_many_arguments)]
+    fn input_grad(
         &mut self,
         dev: &Device,
         f: &DepthForward<A>,
         l: usize,
-        dh: Buf<A>,
-        dh_dot_h: Buf<f32>,
+        dxn: &Buf<A>,
+        x: &NormedInput<A>,
+        g: Slice<f32>,
+        dg: &mut SliceMut<f32>,
     ) -> Result<()> {
-        let (rows, d) = (f.rows, f.d);
-        let owed = Owed { l, dh, dh_dot_h };
-        if let Some((pv, pr)) = &f.saved[l].partial {
-            let src = Source { v: pv.all(), rstd: pr.all() };
-            let g = consumer_grad(f, &owed);
-            let col = g.n_sources - 1;
-            let acc = self.acc.as_mut().expect("a partial sum's reader follows a block's end");
-            depth::source_grads(dev, acc, true, &mut self.b, &[(l, g)], col, src, d)?;
-            let (b, dw) = (
-                self.b.slice(l * rows..(l + 1) * rows),
-                &mut self.dws.slice_mut(l * d..(l + 1) * d),
-            );
-            depth::query_grads(dev, dw, b, src.v, rows, d)?;
-        }
-        self.owed.push(owed);
+        let d = f.d;
+        let (dh, dh_dot_h) = match &f.saved[l].partial {
+            None => input_grad_of(dev, dxn, x, g, dg)?,
+            Some((pv, pr)) => {
+                let partial = Source { v: pv.all(), rstd: pr.all() };
+                let acc = self.acc.as_mut().expect("a partial sum's reader follows a block's end");
+                let dw = &mut self.dws.slice_mut(l * d..(l + 1) * d);
+                let normed = Normed { h: &x.h, rstd: &x.rstd, g };
+                let read = weights_of(f, l);
+                depth::partial_backward(dev, acc, dg, dw, dxn, normed, read, partial)?
+            }
+        };
+        self.owed.push(Owed { l, dh, dh_dot_h });
         Ok(())
     }
 
@@ -426,8 +426,13 @@ impl<A: Act> DepthBackward<A> {
         debug_assert_eq!(first, (n * f.block_size).min(f.sublayers), "the readers of source {n}");
         let src = f.source(n);
         let mut out = dev.output(rows * d)?;
-        let readers: Vec<_> = self.owed.iter().map(|o| (o.l, consumer_grad(f, o))).collect();
-        depth::source_grads(dev, &mut out, false, &mut self.b, &readers, n, src, d)?;
+        let readers: Vec<_> = (self.owed.iter())
+            .map(|o| {
+                let (dh, dh_dot_h) = (&o.dh, &o.dh_dot_h);
+                (o.l, ConsumerGrad { dh, dh_dot_h, weights: weights_of(f, o.l) })
+            })
+            .collect();
+        depth::source_grads(dev, &mut out, &mut self.b, &readers, n, src, d)?;
         let consumers = first..f.sublayers + 1;
         let b = self.b.slice(consumers.start * rows..consumers.end * rows);
         let dws = &mut self.dws.slice_mut(consumers.start * d..consumers.end * d);
