@@ -184,30 +184,38 @@ pub struct ConsumerGrad<'a, A: Act> {
     pub weights: Weights<'a>,
 }
 
-/// A source as the backward reads it: values `[rows, d]` and per-token 1/rms.
+/// A source as the backward reads it: values `[rows, d]` and per-token 1/rms (or several
+/// consecutive sources, `[n, rows, d]` and `[n, rows]`).
 #[derive(Clone, Copy)]
 pub struct Source<'a, A: Act> {
     pub v: Slice<'a, A>,
     pub rstd: Slice<'a, f32>,
 }
 
-/// The gradient of completed source `src` from all of its readers at once (reader `l` of
-/// `readers` at column `col` of its weights), into `out` (`[rows, d]`): each reader's
-/// coefficients go to row `l` of `b` (`[consumers, rows]`), which [`query_grads`] then takes.
+/// The gradients of consecutive completed sources (`srcs`: `[n, rows, d]` values with their
+/// 1/rms, from source `first`) from `readers` at once (reader `l` reads source `first + s` at
+/// that column of its weights), into `outs` (one `[rows, d]` buffer per source, added to what
+/// it holds with `accumulate`). Reader `l`'s coefficients for source `s` go to row `l` of
+/// slab `s` of `b` (`[n, consumers, rows]`), which [`query_grads`] then takes.
 #[allow(clippy::too_many_arguments)]
 pub fn source_grads<A: Act>(
     dev: &Device,
-    out: &mut Buf<A>,
+    outs: &mut [Buf<A>],
+    accumulate: bool,
     b: &mut Buf<A>,
+    consumers: usize,
     readers: &[(usize, ConsumerGrad<A>)],
-    col: usize,
-    src: Source<A>,
+    first: usize,
+    srcs: Source<A>,
     d: usize,
 ) -> Result<()> {
-    let rows = src.rstd.len();
-    assert!(out.len() == rows * d && src.v.len() == rows * d && !readers.is_empty());
-    // Per reader the addresses of dh, dh_dot_h, alpha, logits and w, each table after the last.
-    let mut tables = Vec::with_capacity(5 * readers.len());
+    let (rows, n) = (srcs.rstd.len() / outs.len().max(1), outs.len());
+    assert!(n > 0 && srcs.rstd.len() == n * rows && srcs.v.len() == n * rows * d);
+    assert!(outs.iter().all(|o| o.len() == rows * d) && !readers.is_empty());
+    assert!(b.len() >= n * consumers * rows, "a slab of b per source");
+    // Per reader the addresses of dh, dh_dot_h, alpha, logits and w, each field after the
+    // last; then each source's gradient.
+    let mut tables = Vec::with_capacity(5 * readers.len() + n);
     for field in 0..5 {
         tables.extend(readers.iter().map(|(_, g)| {
             let x = g.weights;
@@ -215,32 +223,36 @@ pub fn source_grads<A: Act>(
             a[field].bits() as i64
         }));
     }
+    tables.extend(outs.iter_mut().map(|o| o.arg_mut().bits() as i64));
     for (l, g) in readers {
         let (x, k) = (g.weights, g.weights.n_sources);
-        assert!(col < k && x.alpha.len() == rows * k && x.logits.len() == rows * k);
+        assert!(first + n <= k && x.alpha.len() == rows * k && x.logits.len() == rows * k);
         assert!(g.dh.len() == rows * d && g.dh_dot_h.len() == rows && x.w.len() == d);
-        assert!((l + 1) * rows <= b.len(), "reader {l}'s row of b");
+        assert!(*l < consumers, "reader {l}'s row of b");
     }
     let ks: Vec<i32> = readers.iter().map(|(_, g)| g.weights.n_sources as i32).collect();
     let rows_of: Vec<i32> = readers.iter().map(|(l, _)| *l as i32).collect();
     let (tables, ks, rows_of) = (dev.upload(&tables)?, dev.upload(&ks)?, dev.upload(&rows_of)?);
     let args = [
-        out.arg_mut(),
         b.arg_mut(),
         tables.arg(),
         ks.arg(),
         rows_of.arg(),
         Arg::i32(readers.len() as i32),
-        src.v.arg(),
-        src.rstd.arg(),
-        Arg::i32(col as i32),
+        Arg::i32(n as i32),
+        srcs.v.arg(),
+        srcs.rstd.arg(),
+        Arg::i32(first as i32),
+        Arg::i64(consumers * rows),
         Arg::i32(rows as i32),
         Arg::i32(d as i32),
+        Arg::i32(accumulate as i32),
     ];
     let cfg = LaunchConfig { shared_mem_bytes: row_sums_bytes(d), ..per_row(rows, d) };
     // SAFETY: the kernel's arguments in its order; the tables hold the addresses of buffers
-    // that `readers` borrows (so they outlive the launch, which the stream orders before any
-    // later free), each of the size checked above; shared memory holds one row of sums.
+    // that `readers` and `outs` borrow (so they outlive the launch, which the stream orders
+    // before any later free), each of the size checked above; shared memory holds one row of
+    // sums.
     unsafe { dev.launch(&kernel::<A>("depth_source_grads"), cfg, &args) }
 }
 
@@ -560,20 +572,43 @@ mod tests {
                 assert_close_to_largest(&got, want, 1e-5, &format!("consumer {j}: {name}"));
             }
         }
+        let after_partials = dev.download(&dws).unwrap();
+        // Each source from all of its readers at once, as the backward pass reaches it.
         for i in 0..c {
             let (v, r) = (up(&srcs[i]), up(&rs[i]));
             let src = Source { v: v.all(), rstd: r.all() };
-            let mut acc = dev.zeros(rows * d).unwrap();
+            let mut out = [dev.output(rows * d).unwrap()];
             // The readers in the backward pass's order, last first.
             let readers: Vec<(usize, ConsumerGrad<f32>)> =
                 grads.iter().enumerate().rev().map(|(j, g)| (j, *g)).collect();
-            source_grads(dev, &mut acc, &mut b, &readers, i, src, d).unwrap();
+            source_grads(dev, &mut out, false, &mut b, s, &readers, i, src, d).unwrap();
             query_grads(dev, &mut dws.all_mut(), b.all(), v.all(), rows, d).unwrap();
-            let got = dev.download(&acc).unwrap();
+            let got = dev.download(&out[0]).unwrap();
             assert_close_to_largest(&got, &want_src[i], 1e-5, &format!("source {i}"));
         }
         let got = dev.download(&dws).unwrap();
         assert_close_to_largest(&got, &want_dw.concat(), 1e-5, "query gradients");
+        // A block of readers at a time into every source: consumers 3 and 2 start the sums,
+        // 1 and 0 add to them; the coefficients go to a slab of b per source.
+        let (v, r) = (up(&srcs.concat()), up(&rs.concat()));
+        let all = Source { v: v.all(), rstd: r.all() };
+        let mut outs: Vec<_> = (0..c).map(|_| dev.output(rows * d).unwrap()).collect();
+        let mut slabs = dev.zeros(c * s * rows).unwrap();
+        for (block, accumulate) in [(2..4, false), (0..2, true)] {
+            let readers: Vec<(usize, ConsumerGrad<f32>)> =
+                block.rev().map(|j| (j, grads[j])).collect();
+            source_grads(dev, &mut outs, accumulate, &mut slabs, s, &readers, 0, all, d).unwrap();
+        }
+        let mut dws = up(&after_partials);
+        for (i, out) in outs.iter().enumerate() {
+            let got = dev.download(out).unwrap();
+            assert_close_to_largest(&got, &want_src[i], 1e-5, &format!("source {i} by block"));
+            let b = slabs.slice(i * s * rows..(i + 1) * s * rows);
+            let v = v.slice(i * rows * d..(i + 1) * rows * d);
+            query_grads(dev, &mut dws.all_mut(), b, v, rows, d).unwrap();
+        }
+        let got = dev.download(&dws).unwrap();
+        assert_close_to_largest(&got, &want_dw.concat(), 1e-5, "query gradients by block");
 
         // The products that turn the effective query's gradient into q's and γ's.
         let (q, gamma) = (rand_vec(d, 5, 1.0), rand_vec(d, 6, 1.0));

@@ -280,62 +280,77 @@ extern "C" __global__ void depth_partial_backward_bf16(bf16* dh, float* dhh, bf1
                              rows, d, per_block);
 }
 
-// The gradient of one completed source v (1/rms rstd, at column `col` of every reader's k
-// weights) from all of its readers at once, into out[rows, d]. Per token and reader, with dh
-// the gradient of the reader's input h and dhh = <dh, h>:
+// The gradients of `sources` completed sources, from `first` on, from `readers` readers at once:
+// the sources' values v [sources, rows, d] (from source `first`) with their 1/rms rstd
+// [sources, rows]; source s sits at column first + s of every reader's k weights. Per token,
+// source and reader, with dh the gradient of the reader's input h and dhh = <dh, h>:
 //   dl = alpha (<dh, v> - dhh),  b = dl r,  out += alpha dh + b w,  coef += dl logit,
 // then out -= (r^2 / d) coef v (the key norm's term); b goes to bs for the query's gradient (the
-// sum over tokens of b v: a product, taken after). The source is read once and its gradient
-// written once, the sums in f32 in shared memory (a row of sums, row_slot).
-// Reader i's buffers come from tables of addresses (dh, dhh, alpha, logits, w, each `readers`
-// long, one after another in `tables`); its b goes to row rows_of[i] of bs ([consumers, rows])
-// and its weights are ks[i] wide. One block per token.
+// sum over tokens of b v: a product, taken after). Each source is read once and its gradient
+// written once (added to what it holds with `accumulate`), the sums in f32 in shared memory (a
+// row of sums, row_slot). The buffers come from a table of addresses: per reader dh, dhh,
+// alpha, logits and w (each field `readers` long, one after another), then each source's
+// gradient. Reader i's b for source s goes to row rows_of[i] of bs + s * b_stride
+// ([consumers, rows] per source), and its weights are ks[i] wide. One block per token.
 template <typename T>
-__device__ void depth_source_grads_t(T* out, T* bs, const long long* tables, const int* ks,
-                                     const int* rows_of, int readers, const T* v,
-                                     const float* rstd, int col, int rows, int d) {
+__device__ void depth_source_grads_t(T* bs, const long long* tables, const int* ks,
+                                     const int* rows_of, int readers, int sources, const T* v,
+                                     const float* rstd, int first, long long b_stride, int rows,
+                                     int d, int accumulate) {
     DYNAMIC_SHARED(float, acc);
     int t = blockIdx.x;
     size_t at = (size_t)t * d;
-    const T* vr = v + at;
-    row_sums_clear(acc, d);
-    float r = rstd[t], coef = 0.0f;
-    for (int i = 0; i < readers; i++) {
-        const T* dh = (const T*)tables[i] + at;
-        const float* dhh = (const float*)tables[readers + i];
-        const float* alpha = (const float*)tables[2 * readers + i];
-        const float* logits = (const float*)tables[3 * readers + i];
-        const float* w = (const float*)tables[4 * readers + i];
-        size_t k = (size_t)ks[i];
-        float a = alpha[t * k + col];
-        float dl = a * (row_dot(dh, vr, d) - dhh[t]);
-        float b = dl * r;
-        coef += dl * logits[t * k + col];
+    for (int s = 0; s < sources; s++) {
+        T* out = (T*)tables[5 * readers + s] + at;
+        const T* vr = v + (size_t)s * rows * d + at;
+        int col = first + s;
         for_chunks(c, d) {
-            float x[CHUNK], wc[CHUNK];
-            load_chunk(x, dh + c, d - c);
-            load_chunk(wc, w + c, d - c);
-            for (int e = 0; e < CHUNK; e++) acc[row_slot(c, e, d)] += a * x[e] + b * wc[e];
+            float x[CHUNK];
+            if (accumulate) load_chunk(x, out + c, d - c);
+            for (int e = 0; e < CHUNK; e++) acc[row_slot(c, e, d)] = accumulate ? x[e] : 0.0f;
         }
-        if (threadIdx.x == 0) bs[(size_t)rows_of[i] * rows + t] = from_f32<T>(b);
-    }
-    float cv = coef * r * r / (float)d;
-    for_chunks(c, d) {
-        float x[CHUNK];
-        load_chunk(x, vr + c, d - c);
-        for (int e = 0; e < CHUNK; e++) x[e] = acc[row_slot(c, e, d)] - cv * x[e];
-        store_chunk(out + at + c, x, d - c);
+        float r = rstd[(size_t)s * rows + t], coef = 0.0f;
+        for (int i = 0; i < readers; i++) {
+            const T* dh = (const T*)tables[i] + at;
+            const float* dhh = (const float*)tables[readers + i];
+            const float* alpha = (const float*)tables[2 * readers + i];
+            const float* logits = (const float*)tables[3 * readers + i];
+            const float* w = (const float*)tables[4 * readers + i];
+            size_t k = (size_t)ks[i];
+            float a = alpha[t * k + col];
+            float dl = a * (row_dot(dh, vr, d) - dhh[t]);
+            float b = dl * r;
+            coef += dl * logits[t * k + col];
+            for_chunks(c, d) {
+                float x[CHUNK], wc[CHUNK];
+                load_chunk(x, dh + c, d - c);
+                load_chunk(wc, w + c, d - c);
+                for (int e = 0; e < CHUNK; e++) acc[row_slot(c, e, d)] += a * x[e] + b * wc[e];
+            }
+            if (threadIdx.x == 0) bs[s * b_stride + (size_t)rows_of[i] * rows + t] = from_f32<T>(b);
+        }
+        float cv = coef * r * r / (float)d;
+        for_chunks(c, d) {
+            float x[CHUNK];
+            load_chunk(x, vr + c, d - c);
+            for (int e = 0; e < CHUNK; e++) x[e] = acc[row_slot(c, e, d)] - cv * x[e];
+            store_chunk(out + c, x, d - c);
+        }
     }
 }
-extern "C" __global__ void depth_source_grads(float* out, float* bs, const long long* tables,
-                                              const int* ks, const int* rows_of, int readers,
-                                              const float* v, const float* rstd, int col,
-                                              int rows, int d) {
-    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
+extern "C" __global__ void depth_source_grads(float* bs, const long long* tables, const int* ks,
+                                              const int* rows_of, int readers, int sources,
+                                              const float* v, const float* rstd, int first,
+                                              long long b_stride, int rows, int d,
+                                              int accumulate) {
+    depth_source_grads_t(bs, tables, ks, rows_of, readers, sources, v, rstd, first, b_stride,
+                         rows, d, accumulate);
 }
-extern "C" __global__ void depth_source_grads_bf16(bf16* out, bf16* bs, const long long* tables,
+extern "C" __global__ void depth_source_grads_bf16(bf16* bs, const long long* tables,
                                                    const int* ks, const int* rows_of, int readers,
-                                                   const bf16* v, const float* rstd, int col,
-                                                   int rows, int d) {
-    depth_source_grads_t(out, bs, tables, ks, rows_of, readers, v, rstd, col, rows, d);
+                                                   int sources, const bf16* v, const float* rstd,
+                                                   int first, long long b_stride, int rows, int d,
+                                                   int accumulate) {
+    depth_source_grads_t(bs, tables, ks, rows_of, readers, sources, v, rstd, first, b_stride,
+                         rows, d, accumulate);
 }

@@ -242,17 +242,35 @@ struct Owed<A: Act> {
     dh_dot_h: Buf<f32>,
 }
 
+/// Blocks of at least this many sublayers take their readers' gradients into the completed
+/// sources a block at a time (see [`DepthBackward`]).
+const BY_BLOCK_FROM: usize = 4;
+
 /// The depth attention's backward.
+///
+/// A completed source's gradient sums those of all of its readers: the consumers of every
+/// later block and the output aggregation. With blocks of [`BY_BLOCK_FROM`] sublayers or more
+/// they are taken a block of readers at a time: once the backward pass has taken every
+/// consumer of a block (the output aggregation first), one launch adds their gradients into
+/// every source they read, so each reader's `dh` is read once and then freed. With smaller
+/// blocks (Full AttnRes: blocks of one) each source's gradient is taken from all of its
+/// readers together when the backward pass reaches it, so each source is read once. For a
+/// block of S readers over C sources, the first reads S + 3C rows (each source, and its
+/// gradient read and written), the second S·C: the first wins from S = 4 on.
 pub struct DepthBackward<A: Act> {
     /// The gradient of the output of the sublayer being processed: its block's gradient plus
     /// those of the partial sums it fed.
     acc: Option<Buf<A>>,
-    /// Every consumer backpropagated so far, last first.
+    /// Consumers backpropagated whose gradients into the completed sources are still owed,
+    /// last first.
     owed: Vec<Owed<A>>,
+    /// A block at a time: the gradients of the completed sources not yet reached, in order,
+    /// as summed so far.
+    by_block: Option<Vec<Buf<A>>>,
     /// The effective queries' gradients (`[L + 1, d]`).
     dws: Buf<f32>,
-    /// Per consumer and token, the coefficients of its query gradient from the source at hand
-    /// (`[L + 1, rows]`).
+    /// Per consumer and token, the coefficients of its query gradient from a source: `[L + 1,
+    /// rows]` for the source at hand, or a block at a time that per source.
     b: Buf<A>,
 }
 
@@ -288,15 +306,22 @@ impl<A: Act> ResidualBackward<A> {
             return Ok(ResidualBackward::Standard { acc });
         };
         let (dh, dh_dot_h) = input_grad_of(dev, dxn, x, g, dg)?;
-        let (consumers, rows) = (f.sublayers + 1, f.rows);
+        let (consumers, rows, d) = (f.sublayers + 1, f.rows, f.d);
+        let by_block = f.block_size >= BY_BLOCK_FROM;
+        let slabs = if by_block { f.completed } else { 1 };
         let mut b = DepthBackward {
             acc: None,
             owed: Vec::new(),
-            dws: dev.zeros(consumers * f.d)?,
-            b: dev.output(consumers * rows)?,
+            by_block: None,
+            dws: dev.zeros(consumers * d)?,
+            b: dev.output(slabs * consumers * rows)?,
         };
+        if by_block {
+            let sources = (0..f.completed).map(|_| dev.output(rows * d));
+            b.by_block = Some(sources.collect::<Result<_>>()?);
+        }
         // The output aggregation is a block of its own: it reads no partial sum.
-        b.owed.push(Owed { l: f.sublayers, dh, dh_dot_h });
+        b.owe(dev, f, Owed { l: f.sublayers, dh, dh_dot_h })?;
         Ok(ResidualBackward::Depth(b))
     }
 
@@ -386,6 +411,19 @@ fn weights_of<A: Act>(f: &DepthForward<A>, l: usize) -> Weights<'_> {
     }
 }
 
+/// The owed consumers as the completed sources' backward reads them.
+fn readers<'a, A: Act>(
+    f: &'a DepthForward<A>,
+    owed: &'a [Owed<A>],
+) -> Vec<(usize, ConsumerGrad<'a, A>)> {
+    let grad = |o: &'a Owed<A>| ConsumerGrad {
+        dh: &o.dh,
+        dh_dot_h: &o.dh_dot_h,
+        weights: weights_of(f, o.l),
+    };
+    owed.iter().map(|o| (o.l, grad(o))).collect()
+}
+
 impl<A: Act> DepthBackward<A> {
     /// Backpropagates consumer `l`'s norm (as [`ResidualBackward::input_grad`]), with its
     /// gradient into the partial sum it reads at once (into `acc`, the gradient of the block's
@@ -413,29 +451,60 @@ impl<A: Act> DepthBackward<A> {
                 depth::partial_backward(dev, acc, dg, dw, dxn, normed, read, partial)?
             }
         };
-        self.owed.push(Owed { l, dh, dh_dot_h });
+        self.owe(dev, f, Owed { l, dh, dh_dot_h })
+    }
+
+    /// Owes consumer `o`'s gradients into the completed sources. A block at a time, the first
+    /// consumer of a block (the last the backward pass takes) pays what the block owes.
+    fn owe(&mut self, dev: &Device, f: &DepthForward<A>, o: Owed<A>) -> Result<()> {
+        let starts_block = o.l == f.sublayers || o.l.is_multiple_of(f.block_size);
+        self.owed.push(o);
+        let Some(sources) = self.by_block.as_mut().filter(|_| starts_block) else { return Ok(()) };
+        let (n, rows, d) = (sources.len(), f.rows, f.d);
+        let src = Source { v: f.values.slice(0..n * rows * d), rstd: f.rstd.slice(0..n * rows) };
+        // The output aggregation comes first and reads every source: the sums start there.
+        let accumulate = self.owed[0].l != f.sublayers;
+        let readers = readers(f, &self.owed);
+        let consumers = f.sublayers + 1;
+        depth::source_grads(dev, sources, accumulate, &mut self.b, consumers, &readers, 0, src, d)?;
+        self.owed.clear();
         Ok(())
     }
 
-    /// The gradient of completed source `n` from every consumer owed so far, which are exactly
-    /// its readers (consumers `n·S ..= L`, or the output alone after a shorter last block), and
-    /// their query gradients from it.
+    /// The gradient of completed source `n` from all of its readers (consumers `n·S ..= L`,
+    /// or the output alone after a shorter last block), and their query gradients from it.
     fn source_grad(&mut self, dev: &Device, f: &DepthForward<A>, n: usize) -> Result<Buf<A>> {
-        let (rows, d) = (f.rows, f.d);
-        let first = self.owed.last().expect("the output aggregation is owed first").l;
-        debug_assert_eq!(first, (n * f.block_size).min(f.sublayers), "the readers of source {n}");
+        let (rows, d, consumers) = (f.rows, f.d, f.sublayers + 1);
+        let first = (n * f.block_size).min(f.sublayers);
         let src = f.source(n);
-        let mut out = dev.output(rows * d)?;
-        let readers: Vec<_> = (self.owed.iter())
-            .map(|o| {
-                let (dh, dh_dot_h) = (&o.dh, &o.dh_dot_h);
-                (o.l, ConsumerGrad { dh, dh_dot_h, weights: weights_of(f, o.l) })
-            })
-            .collect();
-        depth::source_grads(dev, &mut out, &mut self.b, &readers, n, src, d)?;
-        let consumers = first..f.sublayers + 1;
-        let b = self.b.slice(consumers.start * rows..consumers.end * rows);
-        let dws = &mut self.dws.slice_mut(consumers.start * d..consumers.end * d);
+        let (out, slab) = match self.by_block.as_mut() {
+            Some(sources) => {
+                debug_assert_eq!(sources.len(), n + 1, "sources reached last first");
+                (sources.pop().expect("a source not yet reached"), n)
+            }
+            None => {
+                // Every consumer owed so far, which are exactly the source's readers.
+                debug_assert_eq!(self.owed.last().map(|o| o.l), Some(first), "readers of {n}");
+                let readers = readers(f, &self.owed);
+                let mut out = [dev.output(rows * d)?];
+                depth::source_grads(
+                    dev,
+                    &mut out,
+                    false,
+                    &mut self.b,
+                    consumers,
+                    &readers,
+                    n,
+                    src,
+                    d,
+                )?;
+                let [out] = out;
+                (out, 0)
+            }
+        };
+        let at = slab * consumers;
+        let b = self.b.slice((at + first) * rows..(at + consumers) * rows);
+        let dws = &mut self.dws.slice_mut(first * d..consumers * d);
         depth::query_grads(dev, dws, b, src.v, rows, d)?;
         Ok(out)
     }
