@@ -466,8 +466,8 @@ mod tests {
     /// completed source for all of its consumers, and the query gradients.
     fn the_backward_matches_the_cpu(dev: &Device) {
         // Rows of 83 values: some chunks whole, some not, most unaligned; 29 tokens: blocks of
-        // tokens, the last one short.
-        let (rows, d, c, s) = (29, 83, 3, 4);
+        // tokens, the last one short; 10 consumers: readers eight at a time, then two.
+        let (rows, d, c, s) = (29, 83, 3, 10);
         let srcs: Vec<Vec<f32>> = (0..c).map(|i| rand_vec(rows * d, 20 + i as u64, 2.0)).collect();
         let partials: Vec<Vec<f32>> =
             (0..s).map(|j| rand_vec(rows * d, 30 + j as u64, 1.5)).collect();
@@ -588,13 +588,13 @@ mod tests {
         }
         let got = dev.download(&dws).unwrap();
         assert_close_to_largest(&got, &want_dw.concat(), 1e-5, "query gradients");
-        // A block of readers at a time into every source: consumers 3 and 2 start the sums,
-        // 1 and 0 add to them; the coefficients go to a slab of b per source.
+        // A block of readers at a time into every source: consumers 9 to 5 start the sums, 4
+        // to 0 add to them; the coefficients go to a slab of b per source.
         let (v, r) = (up(&srcs.concat()), up(&rs.concat()));
         let all = Source { v: v.all(), rstd: r.all() };
         let mut outs: Vec<_> = (0..c).map(|_| dev.output(rows * d).unwrap()).collect();
         let mut slabs = dev.zeros(c * s * rows).unwrap();
-        for (block, accumulate) in [(2..4, false), (0..2, true)] {
+        for (block, accumulate) in [(5..10, false), (0..5, true)] {
             let readers: Vec<(usize, ConsumerGrad<f32>)> =
                 block.rev().map(|j| (j, grads[j])).collect();
             source_grads(dev, &mut outs, accumulate, &mut slabs, s, &readers, 0, all, d).unwrap();
@@ -609,6 +609,18 @@ mod tests {
         }
         let got = dev.download(&dws).unwrap();
         assert_close_to_largest(&got, &want_dw.concat(), 1e-5, "query gradients by block");
+        // A reader of one source weighs it 1 whatever its logit: its gradient passes to the
+        // source unchanged and none reaches its query, exactly (on the CPU, the two dot
+        // products cancel).
+        let (alpha, logits) = (up(&vec![1.0f32; rows]), up(&rand_vec(rows, 7, 3.0)));
+        let (w, v0, r0) = (wg.slice(0..d), up(&srcs[0]), up(&rs[0]));
+        let weights = Weights { alpha: &alpha, logits: &logits, n_sources: 1, w };
+        let single = ConsumerGrad { dh: &gdev[0].0, dh_dot_h: &gdev[0].1, weights };
+        let (mut out, mut b1) = ([dev.output(rows * d).unwrap()], dev.output(rows).unwrap());
+        let src = Source { v: v0.all(), rstd: r0.all() };
+        source_grads(dev, &mut out, false, &mut b1, 1, &[(0, single)], 0, src, d).unwrap();
+        assert_eq!(dev.download(&out[0]).unwrap(), dhs[0], "one source's gradient");
+        assert!(dev.download(&b1).unwrap().iter().all(|b| *b == 0.0), "one source's query");
 
         // The products that turn the effective query's gradient into q's and γ's.
         let (q, gamma) = (rand_vec(d, 5, 1.0), rand_vec(d, 6, 1.0));

@@ -9,7 +9,8 @@
 // consumer's norm, and a completed source's from all of its readers at once. A block of a
 // power of two of threads takes a token at a time (row_dot, row_rstd, norm_row: reduce.cuh).
 
-// Consumers one launch of phase 1 scores; more run in further launches along the grid's y.
+// Consumers one launch of phase 1 scores (their dot products summed together: block_sums8);
+// more run in further launches along the grid's y.
 #define PHASE1_CONSUMERS 8
 
 // out = a + b (b null: a alone), and the per-row 1/rms of the result into rstd: a completed
@@ -66,11 +67,9 @@ __device__ void depth_phase1_t(float* logits, float* m1, float* l1, T* o1, const
             }
         }
         float r = rstds[(size_t)i * rows + t];
-        for (int g = 0; g < PHASE1_CONSUMERS; g++) {
-            if (g >= n) continue;
-            float logit = r * block_sum(part[g]);
-            if (threadIdx.x == 0) weights[g * c + i] = logit;
-        }
+        block_sums8(part);
+        if (threadIdx.x == 0)
+            for (int g = 0; g < n; g++) weights[g * c + i] = r * part[g];
     }
     __syncthreads();
     if (threadIdx.x < n) {
@@ -291,7 +290,9 @@ extern "C" __global__ void depth_partial_backward_bf16(bf16* dh, float* dhh, bf1
 // row of sums, row_slot). The buffers come from a table of addresses: per reader dh, dhh,
 // alpha, logits and w (each field `readers` long, one after another), then each source's
 // gradient. Reader i's b for source s goes to row rows_of[i] of bs + s * b_stride
-// ([consumers, rows] per source), and its weights are ks[i] wide. One block per token.
+// ([consumers, rows] per source), and its weights are ks[i] wide. The readers go eight at a
+// time, their dot products with the source summed together (block_sums8). One block per
+// token.
 template <typename T>
 __device__ void depth_source_grads_t(T* bs, const long long* tables, const int* ks,
                                      const int* rows_of, int readers, int sources, const T* v,
@@ -310,24 +311,55 @@ __device__ void depth_source_grads_t(T* bs, const long long* tables, const int* 
             for (int e = 0; e < CHUNK; e++) acc[row_slot(c, e, d)] = accumulate ? x[e] : 0.0f;
         }
         float r = rstd[(size_t)s * rows + t], coef = 0.0f;
-        for (int i = 0; i < readers; i++) {
-            const T* dh = (const T*)tables[i] + at;
-            const float* dhh = (const float*)tables[readers + i];
-            const float* alpha = (const float*)tables[2 * readers + i];
-            const float* logits = (const float*)tables[3 * readers + i];
-            const float* w = (const float*)tables[4 * readers + i];
-            size_t k = (size_t)ks[i];
-            float a = alpha[t * k + col];
-            float dl = a * (row_dot(dh, vr, d) - dhh[t]);
-            float b = dl * r;
-            coef += dl * logits[t * k + col];
+        // Eight readers at a time: their dot products with the source summed together.
+        for (int i0 = 0; i0 < readers; i0 += 8) {
+            int m = readers - i0 < 8 ? readers - i0 : 8;
+            float dots[8];
+            #pragma unroll
+            for (int g = 0; g < 8; g++) dots[g] = 0.0f;
             for_chunks(c, d) {
-                float x[CHUNK], wc[CHUNK];
-                load_chunk(x, dh + c, d - c);
-                load_chunk(wc, w + c, d - c);
-                for (int e = 0; e < CHUNK; e++) acc[row_slot(c, e, d)] += a * x[e] + b * wc[e];
+                float x[CHUNK];
+                load_chunk(x, vr + c, d - c);
+                #pragma unroll
+                for (int g = 0; g < 8; g++) {
+                    if (g >= m) continue;
+                    float y[CHUNK];
+                    load_chunk(y, (const T*)tables[i0 + g] + at + c, d - c);
+                    for (int e = 0; e < CHUNK; e++) dots[g] += y[e] * x[e];
+                }
             }
-            if (threadIdx.x == 0) bs[s * b_stride + (size_t)rows_of[i] * rows + t] = from_f32<T>(b);
+            block_sums8(dots);
+            float a[8], b[8];
+            #pragma unroll
+            for (int g = 0; g < 8; g++) {
+                a[g] = b[g] = 0.0f;
+                if (g >= m) continue;
+                int i = i0 + g;
+                const float* dhh = (const float*)tables[readers + i];
+                const float* alpha = (const float*)tables[2 * readers + i];
+                const float* logits = (const float*)tables[3 * readers + i];
+                size_t k = (size_t)ks[i];
+                a[g] = alpha[t * k + col];
+                // A reader of one source weighs it 1 whatever the logit: no gradient flows
+                // through the logit (on the CPU, the two dot products cancel exactly).
+                float dl = k == 1 ? 0.0f : a[g] * (dots[g] - dhh[t]);
+                b[g] = dl * r;
+                coef += dl * logits[t * k + col];
+                if (threadIdx.x == 0) bs[s * b_stride + (size_t)rows_of[i] * rows + t] = from_f32<T>(b[g]);
+            }
+            for_chunks(c, d) {
+                float sum[CHUNK];
+                for (int e = 0; e < CHUNK; e++) sum[e] = acc[row_slot(c, e, d)];
+                #pragma unroll
+                for (int g = 0; g < 8; g++) {
+                    if (g >= m) continue;
+                    float x[CHUNK], wc[CHUNK];
+                    load_chunk(x, (const T*)tables[i0 + g] + at + c, d - c);
+                    load_chunk(wc, (const float*)tables[4 * readers + i0 + g] + c, d - c);
+                    for (int e = 0; e < CHUNK; e++) sum[e] += a[g] * x[e] + b[g] * wc[e];
+                }
+                for (int e = 0; e < CHUNK; e++) acc[row_slot(c, e, d)] = sum[e];
+            }
         }
         float cv = coef * r * r / (float)d;
         for_chunks(c, d) {

@@ -144,9 +144,42 @@ __device__ float block_max(float v) {
     return v;
 }
 
-// <a, b> over a row of `d` values, in every thread. The kernels that must agree on a dot
-// product to the bit take it here with the same threads per block: rmsnorm's <dx, x> and the
-// depth attention's <dh, v>, which must cancel exactly where a consumer reads one source.
+// Eight sums over the block's threads at once, in every thread: v[i] becomes the sum of v[i].
+// Each step of the warp's reduction halves the values a lane holds, keeping the half its bit
+// of the lane selects and adding in the other half from its partner: 9 shuffles a warp where
+// eight block_sum take 80, and one pair of barriers where they take eight. (Another order of
+// summation than block_sum's.)
+__device__ void block_sums8(float (&v)[8]) {
+    __shared__ float warps[32][8];
+    int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float four[4], two[2];
+    bool high = lane & 16;
+    for (int i = 0; i < 4; i++) {
+        float keep = high ? v[4 + i] : v[i], give = high ? v[i] : v[4 + i];
+        four[i] = keep + __shfl_xor_sync(0xffffffffu, give, 16);
+    }
+    high = lane & 8;
+    for (int i = 0; i < 2; i++) {
+        float keep = high ? four[2 + i] : four[i], give = high ? four[i] : four[2 + i];
+        two[i] = keep + __shfl_xor_sync(0xffffffffu, give, 8);
+    }
+    high = lane & 4;
+    float one = (high ? two[1] : two[0]) + __shfl_xor_sync(0xffffffffu, high ? two[0] : two[1], 4);
+    one += __shfl_xor_sync(0xffffffffu, one, 2);
+    one += __shfl_xor_sync(0xffffffffu, one, 1);
+    // Lane l holds the warp's sum of value l / 4.
+    __syncthreads();
+    if (lane % 4 == 0) warps[warp][lane / 4] = one;
+    __syncthreads();
+    int n = blockDim.x / 32;
+    for (int i = 0; i < 8; i++) {
+        float s = 0.0f;
+        for (int w = 0; w < n; w++) s += warps[w][i];
+        v[i] = s;
+    }
+}
+
+// <a, b> over a row of `d` values, in every thread.
 template <typename A, typename B> __device__ float row_dot(const A* a, const B* b, int d) {
     float s = 0.0f;
     for_chunks(c, d) {
