@@ -7,7 +7,7 @@
 use super::blas::{DType, Gemm};
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
 use super::gemm::gemm;
-use super::rmsnorm::{add_column_sums, row_sums_bytes, rows_per_block, BACKWARD_ROWS};
+use super::rmsnorm::{add_column_sums, row_sums_bytes, rows_per_block};
 use super::{per_row, per_value};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
@@ -298,7 +298,8 @@ pub fn partial_backward<A: Act>(
     assert!(read.alpha.len() == rows * k && read.logits.len() == rows * k && k >= 2);
     assert!(read.w.len() == d && dg.len() == d && dw.len() == d);
     let (mut dh, mut dhh) = (dev.output(rows * d)?, dev.output(rows)?);
-    let (cfg, blocks) = rows_per_block(rows, d);
+    let name = kernel::<A>("depth_partial_backward");
+    let (cfg, blocks, per_block) = rows_per_block(dev, &name, rows, d, 2)?;
     let mut parts = dev.output::<f32>(2 * blocks * d)?;
     let args = [
         dh.arg_mut(),
@@ -317,13 +318,12 @@ pub fn partial_backward<A: Act>(
         Arg::i32(k as i32),
         Arg::i32(rows as i32),
         Arg::i32(d as i32),
-        Arg::i32(BACKWARD_ROWS as i32),
+        Arg::i32(per_block as i32),
     ];
-    let cfg = LaunchConfig { shared_mem_bytes: 2 * row_sums_bytes(d), ..cfg };
     // SAFETY: the kernel's arguments in its order; every row buffer holds `rows` rows of `d`,
     // the weights `rows` rows of `k` (checked above), `parts` two rows of `d` per block, and
     // shared memory two rows of sums.
-    unsafe { dev.launch(&kernel::<A>("depth_partial_backward"), cfg, &args) }?;
+    unsafe { dev.launch(&name, cfg, &args) }?;
     add_column_sums(dev, dg, parts.slice(0..blocks * d), d)?;
     add_column_sums(dev, dw, parts.slice(blocks * d..2 * blocks * d), d)?;
     Ok((dh, dhh))

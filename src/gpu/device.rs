@@ -35,6 +35,8 @@ enum Backend {
         stream: Arc<CudaStream>,
         functions: HashMap<&'static str, CudaFunction>,
         blas: Arc<Blas>,
+        /// Streaming multiprocessors.
+        sms: usize,
     },
     #[cfg(test)]
     Emulated(Arc<super::emulator::Kernels>),
@@ -359,6 +361,25 @@ impl Ids {
     }
 }
 
+/// Kernel `name`, or an error that names it.
+fn function<'a>(
+    functions: &'a HashMap<&str, CudaFunction>,
+    name: &str,
+) -> Result<&'a CudaFunction> {
+    functions.get(name).with_context(|| format!("no kernel {name} in src/gpu/kernels"))
+}
+
+/// Lets kernel `f` have `bytes` of dynamic shared memory: beyond 48 KB it must be allowed
+/// first.
+fn allow_shared(f: &CudaFunction, name: &str, bytes: u32) -> Result<()> {
+    if bytes > 48 * 1024 {
+        let most = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        f.set_attribute(most, bytes as i32)
+            .with_context(|| format!("{name}: {bytes} B of shared memory"))?;
+    }
+    Ok(())
+}
+
 /// Makes the device's memory pool keep what is freed for the next allocations. By default it
 /// hands freed memory back to the system at every synchronisation, so that each step would
 /// map its buffers again. Only speed depends on it: a driver that refuses is left as it is.
@@ -400,10 +421,12 @@ impl Device {
                 functions.insert(name, f);
             }
         }
+        let sms = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
+        let sms = ctx.attribute(sms).context("asking for the GPU's multiprocessors")?.max(1);
         let stream = ctx.default_stream();
         let blas = Arc::new(Blas::new(&stream)?);
         Ok(Device {
-            backend: Backend::Cuda { stream, functions, blas },
+            backend: Backend::Cuda { stream, functions, blas, sms: sms as usize },
             arch,
             meter: Arc::default(),
             profiler: Arc::default(),
@@ -556,6 +579,25 @@ impl Device {
         }
     }
 
+    /// How many blocks of kernel `name` (of `threads` threads and `shared` bytes of dynamic
+    /// shared memory) the device runs at once, at least one: the grid of a kernel whose blocks
+    /// share out the rows, in one wave. The emulator claims 4, so that its blocks take
+    /// several rows each.
+    pub fn resident_blocks(&self, name: &str, threads: u32, shared: u32) -> Result<usize> {
+        match &self.backend {
+            Backend::Cuda { functions, sms, .. } => {
+                let f = function(functions, name)?;
+                allow_shared(f, name, shared)?;
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
+                    .with_context(|| format!("{name}: occupancy"))?;
+                Ok(sms * per_sm.max(1) as usize)
+            }
+            #[cfg(test)]
+            Backend::Emulated(_) => Ok(4),
+        }
+    }
+
     /// Queues kernel `name`, one of those the kernel files declare, over `cfg`.
     ///
     /// # Safety
@@ -568,18 +610,9 @@ impl Device {
             values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         match &self.backend {
             Backend::Cuda { stream, functions, .. } => {
-                let f = functions
-                    .get(name)
-                    .with_context(|| format!("no kernel {name} in src/gpu/kernels"))?;
+                let f = function(functions, name)?;
                 stream.context().bind_to_thread()?;
-                // Beyond 48 KB, a kernel's dynamic shared memory must be allowed first.
-                if cfg.shared_mem_bytes > 48 * 1024 {
-                    let most =
-                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-                    f.set_attribute(most, cfg.shared_mem_bytes as i32).with_context(|| {
-                        format!("{name}: {} B of shared memory", cfg.shared_mem_bytes)
-                    })?;
-                }
+                allow_shared(f, name, cfg.shared_mem_bytes)?;
                 // SAFETY: the caller's promise; `params` point at the arguments' values,
                 // which outlive the call (the driver copies them when it queues the launch).
                 unsafe {

@@ -6,10 +6,6 @@ use super::{per_row, ROW_CHUNK};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 
-/// Rows each block of the backward kernels takes, one after another: the block sums its rows'
-/// share of the gain's gradient in shared memory, and only those sums go out.
-pub(super) const BACKWARD_ROWS: usize = 16;
-
 /// Forward: `y` and the per-row `rstd`.
 pub fn forward<A: Act>(
     dev: &Device,
@@ -94,7 +90,8 @@ pub fn backward_into<A: Act>(
     assert!(dx.len() == x.len() && !(accumulate && dx_dot_x.is_some()), "<dx, x> of a new dx");
     assert!(dx_dot_x.as_ref().is_none_or(|b| b.len() == rows), "one <dx, x> per row");
     let dxx = dx_dot_x.map_or(Arg::null(), |b| b.arg_mut());
-    let (cfg, blocks) = rows_per_block(rows, d);
+    let name = kernel::<A>("rmsnorm_backward");
+    let (cfg, blocks, per_block) = rows_per_block(dev, &name, rows, d, 1)?;
     let mut parts = dev.output::<f32>(blocks * d)?;
     let args = [
         dx.arg_mut(),
@@ -106,22 +103,32 @@ pub fn backward_into<A: Act>(
         rstd.arg(),
         Arg::i32(rows as i32),
         Arg::i32(d as i32),
-        Arg::i32(BACKWARD_ROWS as i32),
+        Arg::i32(per_block as i32),
         Arg::i32(accumulate as i32),
     ];
     // SAFETY: as in `forward`; `parts` holds a row of `d` for each block, and shared memory a
     // row of sums.
-    unsafe { dev.launch(&kernel::<A>("rmsnorm_backward"), cfg, &args) }?;
+    unsafe { dev.launch(&name, cfg, &args) }?;
     add_column_sums(dev, dg, parts.all(), d)
 }
 
-/// A launch over `rows` rows of `d` values for the backward kernels that also sum a gradient
-/// over the rows: blocks of [`BACKWARD_ROWS`] consecutive rows, each with a row of `sums` f32
-/// sums in shared memory. Returns the launch and its number of blocks.
-pub(super) fn rows_per_block(rows: usize, d: usize) -> (LaunchConfig, usize) {
-    let blocks = rows.div_ceil(BACKWARD_ROWS);
-    let row = per_row(blocks, d);
-    (LaunchConfig { shared_mem_bytes: row_sums_bytes(d), ..row }, blocks)
+/// A launch of kernel `name` over `rows` rows of `d` values, for the backward kernels that
+/// also sum gradients over the rows, `sums` rows of them in shared memory: as many blocks as
+/// the device runs at once, each taking an equal share of consecutive rows, and keeping its
+/// sums, so that only a row of sums per block goes out. Returns the launch, its blocks and
+/// the rows each takes.
+pub(super) fn rows_per_block(
+    dev: &Device,
+    name: &str,
+    rows: usize,
+    d: usize,
+    sums: u32,
+) -> Result<(LaunchConfig, usize, usize)> {
+    let row = LaunchConfig { shared_mem_bytes: sums * row_sums_bytes(d), ..per_row(1, d) };
+    let resident = dev.resident_blocks(name, row.block_dim.0, row.shared_mem_bytes)?;
+    let per_block = rows.div_ceil(resident.clamp(1, rows.max(1)));
+    let blocks = rows.div_ceil(per_block.max(1));
+    Ok((LaunchConfig { grid_dim: (blocks as u32, 1, 1), ..row }, blocks, per_block))
 }
 
 /// Bytes of one row of sums in shared memory (`row_sums_clear` in reduce.cuh).
