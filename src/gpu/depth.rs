@@ -388,7 +388,7 @@ mod tests {
     /// Ten consumers take two launches of phase 1; rows of 203 values end in part of a chunk
     /// and start unaligned.
     fn the_forward_matches_the_cpu(dev: &Device) {
-        for (rows, d, c, s) in [(1, 64, 1, 1), (37, 203, 4, 3), (9, 96, 3, 10)] {
+        for (rows, d, c, s) in [(1, 64, 1, 1), (37, 203, 4, 3), (9, 96, 3, 10), (5, 64, 11, 1)] {
             let at = format!("rows {rows} d {d} C {c} S {s}");
             let srcs = rand_vec(c * rows * d, 1, 2.0);
             let (x, y) = (rand_vec(rows * d, 2, 1.0), rand_vec(rows * d, 3, 1.5));

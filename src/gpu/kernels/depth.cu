@@ -9,8 +9,7 @@
 // consumer's norm, and a completed source's from all of its readers at once. A block of a
 // power of two of threads takes a token at a time (row_dot, row_rstd, norm_row: reduce.cuh).
 
-// Consumers one launch of phase 1 scores (their dot products summed together: block_sums8);
-// more run in further launches along the grid's y.
+// Consumers one launch of phase 1 scores; more run in further launches along the grid's y.
 #define PHASE1_CONSUMERS 8
 
 // out = a + b (b null: a alone), and the per-row 1/rms of the result into rstd: a completed
@@ -51,25 +50,34 @@ __device__ void depth_phase1_t(float* logits, float* m1, float* l1, T* o1, const
     int t = blockIdx.x, j0 = blockIdx.y * PHASE1_CONSUMERS;
     int n = s - j0 < PHASE1_CONSUMERS ? s - j0 : PHASE1_CONSUMERS;
     size_t plane = (size_t)rows * d, at = (size_t)t * d;
-    for (int i = 0; i < c; i++) {
-        // Each value of the source is read once for all of the launch's consumers.
-        const T* v = sources + i * plane + at;
-        float part[PHASE1_CONSUMERS];
-        for (int g = 0; g < PHASE1_CONSUMERS; g++) part[g] = 0.0f;
+    // The logits of every (source, consumer) pair, eight pairs at a time (sources outer), their
+    // dot products summed over the block together: a block of one consumer (Full AttnRes)
+    // takes eight sources at once.
+    int pairs = c * n;
+    for (int p0 = 0; p0 < pairs; p0 += 8) {
+        int src[8], con[8];
+        float part[8];
+        #pragma unroll
+        for (int q = 0; q < 8; q++) {
+            int p = p0 + q < pairs ? p0 + q : pairs - 1;
+            src[q] = p / n;
+            con[q] = p % n;
+            part[q] = 0.0f;
+        }
         for_chunks(col, d) {
-            float x[CHUNK];
-            load_chunk(x, v + col, d - col);
-            for (int g = 0; g < PHASE1_CONSUMERS; g++) {
-                if (g >= n) continue;
-                float w[CHUNK];
-                load_chunk(w, ws + (size_t)(j0 + g) * d + col, d - col);
-                for (int e = 0; e < CHUNK; e++) part[g] += w[e] * x[e];
+            #pragma unroll
+            for (int q = 0; q < 8; q++) {
+                if (p0 + q >= pairs) continue;
+                float x[CHUNK], w[CHUNK];
+                load_chunk(x, sources + src[q] * plane + at + col, d - col);
+                load_chunk(w, ws + (size_t)(j0 + con[q]) * d + col, d - col);
+                for (int e = 0; e < CHUNK; e++) part[q] += w[e] * x[e];
             }
         }
-        float r = rstds[(size_t)i * rows + t];
         block_sums8(part);
         if (threadIdx.x == 0)
-            for (int g = 0; g < n; g++) weights[g * c + i] = r * part[g];
+            for (int q = 0; q < 8 && p0 + q < pairs; q++)
+                weights[con[q] * c + src[q]] = rstds[(size_t)src[q] * rows + t] * part[q];
     }
     __syncthreads();
     if (threadIdx.x < n) {
