@@ -388,7 +388,10 @@ mod tests {
     /// Ten consumers take two launches of phase 1; rows of 203 values end in part of a chunk
     /// and start unaligned.
     fn the_forward_matches_the_cpu(dev: &Device) {
-        for (rows, d, c, s) in [(1, 64, 1, 1), (37, 203, 4, 3), (9, 96, 3, 10), (5, 64, 11, 1)] {
+        // Blocks of one warp, and of four (rows of 1000: sums over warps).
+        let cases =
+            [(1, 64, 1, 1), (37, 203, 4, 3), (9, 96, 3, 10), (5, 64, 11, 1), (6, 1000, 3, 2)];
+        for (rows, d, c, s) in cases {
             let at = format!("rows {rows} d {d} C {c} S {s}");
             let srcs = rand_vec(c * rows * d, 1, 2.0);
             let (x, y) = (rand_vec(rows * d, 2, 1.0), rand_vec(rows * d, 3, 1.5));
@@ -465,9 +468,17 @@ mod tests {
     /// The backward against the CPU's: each partial sum with its consumer's norm, each
     /// completed source for all of its consumers, and the query gradients.
     fn the_backward_matches_the_cpu(dev: &Device) {
-        // Rows of 83 values: some chunks whole, some not, most unaligned; 29 tokens: blocks of
-        // tokens, the last one short; 10 consumers: readers eight at a time, then two.
-        let (rows, d, c, s) = (29, 83, 3, 10);
+        // Rows of 83 values: some chunks whole, some not, most unaligned, a block of one warp;
+        // rows of 1000, blocks of four warps.
+        for d in [83, 1000] {
+            backward_matches_the_cpu(dev, d);
+        }
+    }
+
+    fn backward_matches_the_cpu(dev: &Device, d: usize) {
+        // 29 tokens: blocks of tokens, the last one short; 10 consumers: readers eight at a
+        // time, then two.
+        let (rows, c, s) = (29, 3, 10);
         let srcs: Vec<Vec<f32>> = (0..c).map(|i| rand_vec(rows * d, 20 + i as u64, 2.0)).collect();
         let partials: Vec<Vec<f32>> =
             (0..s).map(|j| rand_vec(rows * d, 30 + j as u64, 1.5)).collect();

@@ -74,7 +74,7 @@ __device__ void depth_phase1_t(float* logits, float* m1, float* l1, T* o1, const
                 for (int e = 0; e < CHUNK; e++) part[q] += w[e] * x[e];
             }
         }
-        block_sums8(part);
+        block_sums(part);
         if (threadIdx.x == 0)
             for (int q = 0; q < 8 && p0 + q < pairs; q++)
                 weights[con[q] * c + src[q]] = rstds[(size_t)src[q] * rows + t] * part[q];
@@ -159,8 +159,22 @@ __device__ void depth_input_t(T* h, T* y, float* rstd, float* alpha, float* logi
                 for (int e = 0; e < CHUNK; e++) x[e] += y[e];
                 store_chunk(pt + col, x, d - col);
             }
-        float r = row_rstd(pt, d, eps);
-        float lp = r * row_dot(w, pt, d);
+        // Its 1/rms and its dot product with the query, summed together.
+        float sums[2] = {0.0f, 0.0f};
+        for_chunks(col, d) {
+            float x[CHUNK], wc[CHUNK];
+            load_chunk(x, pt + col, d - col);
+            load_chunk(wc, w + col, d - col);
+            for (int e = 0; e < CHUNK; e++) {
+                sums[0] += x[e] * x[e];
+                sums[1] += wc[e] * x[e];
+            }
+        }
+        block_sums(sums);
+        float r = 1.0f / sqrtf(sums[0] / (float)d + eps);
+        // Squares past f32's range: row_rstd takes them again in f64.
+        if (r == 0.0f) r = row_rstd(pt, d, eps);
+        float lp = r * sums[1];
         float mm = fmaxf(m, lp);
         float s1 = expf(m - mm) * z, sp = expf(lp - mm);
         z = s1 + sp;
@@ -243,11 +257,22 @@ __device__ void depth_partial_backward_t(T* dh, float* dhh, T* acc, float* parts
     for (int t = rows_from(per_block); t < rows_to(per_block, rows); t++) {
         size_t at = (size_t)t * d;
         norm_backward_row(dh + at, gain, dy + at, h + at, g, rstd[t], d, 0);
-        // Both dot products read back the values of dh each thread stored, as they were
-        // rounded, as the completed sources' gradients will.
-        float s = row_dot(dh + at, h + at, d);
-        float a = alpha[(size_t)t * k + k - 1], r = pr[t];
-        float dl = a * (row_dot(dh + at, p + at, d) - s);
+        // <dh, h> and <dh, p> summed together, of the values of dh each thread stored, as they
+        // were rounded, as the completed sources' gradients will read them.
+        float dots[2] = {0.0f, 0.0f};
+        for_chunks(c, d) {
+            float x[CHUNK], y[CHUNK], v[CHUNK];
+            load_chunk(x, dh + at + c, d - c);
+            load_chunk(y, h + at + c, d - c);
+            load_chunk(v, p + at + c, d - c);
+            for (int e = 0; e < CHUNK; e++) {
+                dots[0] += x[e] * y[e];
+                dots[1] += x[e] * v[e];
+            }
+        }
+        block_sums(dots);
+        float s = dots[0], a = alpha[(size_t)t * k + k - 1], r = pr[t];
+        float dl = a * (dots[1] - s);
         float b = dl * r;
         float cv = dl * logits[(size_t)t * k + k - 1] * r * r / (float)d;
         if (threadIdx.x == 0) dhh[t] = s;
@@ -299,7 +324,7 @@ extern "C" __global__ void depth_partial_backward_bf16(bf16* dh, float* dhh, bf1
 // alpha, logits and w (each field `readers` long, one after another), then each source's
 // gradient. Reader i's b for source s goes to row rows_of[i] of bs + s * b_stride
 // ([consumers, rows] per source), and its weights are ks[i] wide. The readers go eight at a
-// time, their dot products with the source summed together (block_sums8). One block per
+// time, their dot products with the source summed together (block_sums). One block per
 // token.
 template <typename T>
 __device__ void depth_source_grads_t(T* bs, const long long* tables, const int* ks,
@@ -336,7 +361,7 @@ __device__ void depth_source_grads_t(T* bs, const long long* tables, const int* 
                     for (int e = 0; e < CHUNK; e++) dots[g] += y[e] * x[e];
                 }
             }
-            block_sums8(dots);
+            block_sums(dots);
             float a[8], b[8];
             #pragma unroll
             for (int g = 0; g < 8; g++) {

@@ -144,35 +144,41 @@ __device__ float block_max(float v) {
     return v;
 }
 
-// Eight sums over the block's threads at once, in every thread: v[i] becomes the sum of v[i].
-// Each step of the warp's reduction halves the values a lane holds, keeping the half its bit
-// of the lane selects and adding in the other half from its partner: 9 shuffles a warp where
-// eight block_sum take 80, and one pair of barriers where they take eight. (Another order of
-// summation than block_sum's.)
-__device__ void block_sums8(float (&v)[8]) {
-    __shared__ float warps[32][8];
+// N sums over the block's threads at once (N a power of two, 2 to 32), in every thread: v[i]
+// becomes the sum of v[i]. While a lane holds more than one value, each step of the warp's
+// reduction halves them: the lane keeps the half its bit of the lane selects and adds in its
+// partner's copy of that half. So eight sums take 9 shuffles a warp where eight block_sum take
+// 80, and one pair of barriers where they take eight. (Another order of summation than
+// block_sum's.)
+template <int N> __device__ void block_sums(float (&v)[N]) {
+    __shared__ float warps[32][N];
     int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    float four[4], two[2];
-    bool high = lane & 16;
-    for (int i = 0; i < 4; i++) {
-        float keep = high ? v[4 + i] : v[i], give = high ? v[i] : v[4 + i];
-        four[i] = keep + __shfl_xor_sync(0xffffffffu, give, 16);
+    float x[N];
+    #pragma unroll
+    for (int i = 0; i < N; i++) x[i] = v[i];
+    int held = N;
+    #pragma unroll
+    for (int bit = 16; bit >= 1; bit >>= 1) {
+        if (held > 1) {
+            bool high = lane & bit;
+            held /= 2;
+            #pragma unroll
+            for (int i = 0; i < N / 2; i++) {
+                if (i >= held) break;
+                float keep = high ? x[held + i] : x[i], give = high ? x[i] : x[held + i];
+                x[i] = keep + __shfl_xor_sync(0xffffffffu, give, bit);
+            }
+        } else {
+            x[0] += __shfl_xor_sync(0xffffffffu, x[0], bit);
+        }
     }
-    high = lane & 8;
-    for (int i = 0; i < 2; i++) {
-        float keep = high ? four[2 + i] : four[i], give = high ? four[i] : four[2 + i];
-        two[i] = keep + __shfl_xor_sync(0xffffffffu, give, 8);
-    }
-    high = lane & 4;
-    float one = (high ? two[1] : two[0]) + __shfl_xor_sync(0xffffffffu, high ? two[0] : two[1], 4);
-    one += __shfl_xor_sync(0xffffffffu, one, 2);
-    one += __shfl_xor_sync(0xffffffffu, one, 1);
-    // Lane l holds the warp's sum of value l / 4.
+    // Lane l holds the warp's sum of value l / (32 / N).
     __syncthreads();
-    if (lane % 4 == 0) warps[warp][lane / 4] = one;
+    if (lane % (32 / N) == 0) warps[warp][lane / (32 / N)] = x[0];
     __syncthreads();
     int n = blockDim.x / 32;
-    for (int i = 0; i < 8; i++) {
+    #pragma unroll
+    for (int i = 0; i < N; i++) {
         float s = 0.0f;
         for (int w = 0; w < n; w++) s += warps[w][i];
         v[i] = s;
