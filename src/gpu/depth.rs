@@ -388,11 +388,18 @@ mod tests {
     /// Ten consumers take two launches of phase 1; rows of 203 values end in part of a chunk
     /// and start unaligned.
     fn the_forward_matches_the_cpu(dev: &Device) {
-        // Blocks of one warp, and of four (rows of 1000: sums over warps).
-        let cases =
-            [(1, 64, 1, 1), (37, 203, 4, 3), (9, 96, 3, 10), (5, 64, 11, 1), (6, 1000, 3, 2)];
-        for (rows, d, c, s) in cases {
-            let at = format!("rows {rows} d {d} C {c} S {s}");
+        // Blocks of one warp, and of four (rows of 1000: sums over warps); partial sums of
+        // 1e20, whose squares overflow f32 (the 1/rms is taken again in f64).
+        let cases = [
+            (1, 64, 1, 1, 1.0),
+            (37, 203, 4, 3, 1.0),
+            (9, 96, 3, 10, 1.0),
+            (5, 64, 11, 1, 1.0),
+            (6, 1000, 3, 2, 1.0),
+            (4, 64, 2, 3, 1e20),
+        ];
+        for (rows, d, c, s, scale) in cases {
+            let at = format!("rows {rows} d {d} C {c} S {s} scale {scale}");
             let srcs = rand_vec(c * rows * d, 1, 2.0);
             let (x, y) = (rand_vec(rows * d, 2, 1.0), rand_vec(rows * d, 3, 1.5));
             let ws = rand_vec(s * d, 4, 1.0);
@@ -425,8 +432,8 @@ mod tests {
                 let at = format!("{at}, consumer {j}");
                 let w = &ws[j * d..(j + 1) * d];
                 // Consumer j's partial sum: the previous output, plus the sum before it.
-                let out = rand_vec(rows * d, 10 + j as u64, 1.5);
-                let prev = (j > 1).then(|| rand_vec(rows * d, 30 + j as u64, 1.0));
+                let out = rand_vec(rows * d, 10 + j as u64, 1.5 * scale);
+                let prev = (j > 1).then(|| rand_vec(rows * d, 30 + j as u64, scale));
                 let mut sum = out.clone();
                 let mut pr = vec![0.0f32; rows];
                 rmsnorm::add_assign_rstd(&mut sum, prev.as_deref(), &mut pr, d, EPS);
