@@ -2,7 +2,8 @@
 //! `crate::kernels::depth` computes on the CPU, with the same buffers. The two-phase forward
 //! ([`phase1`], then phase 2 in [`input`], which also makes the consumer's partial sum and
 //! normalises its input), the sums that make its completed sources ([`sum_rstd`]), and the
-//! backward taken per source ([`source_grads`], [`query_grads`]).
+//! backward: a partial sum's gradient with its consumer's norm ([`partial_backward`]), and
+//! the completed sources' from their readers ([`source_grads`], [`query_grads`]).
 
 use super::blas::{DType, Gemm};
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};

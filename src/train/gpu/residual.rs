@@ -9,8 +9,9 @@
 //! sources for all of the block's consumers at once; phase 2 makes each consumer's partial sum,
 //! merges it and normalises the result in one pass. Either way the residual hands each
 //! sublayer its input and that input's RMSNorm at once.
-//! Backward takes each consumer's partial-sum gradient at once and a completed source's
-//! gradient from all of its consumers together, when the backward pass reaches it.
+//! Backward takes each consumer's partial-sum gradient at once, with its norm's backward, and
+//! a completed source's gradient from all of its readers: a block of readers at a time, or
+//! all of them together when the backward pass reaches the source ([`DepthBackward`]).
 
 use crate::gpu::depth::{self, ConsumerGrad, Normed, PartialSum, Phase1, Source, Weights};
 use crate::gpu::device::{Act, Buf, Device, Slice, SliceMut};
@@ -255,8 +256,9 @@ const BY_BLOCK_FROM: usize = 4;
 /// every source they read, so each reader's `dh` is read once and then freed. With smaller
 /// blocks (Full AttnRes: blocks of one) each source's gradient is taken from all of its
 /// readers together when the backward pass reaches it, so each source is read once. For a
-/// block of S readers over C sources, the first reads S + 3C rows (each source, and its
-/// gradient read and written), the second S·C: the first wins from S = 4 on.
+/// block of S readers over C sources, the first reads S + 3C rows (the readers' gradients,
+/// each source, and its gradient read and written), the second S·C; over a model's blocks
+/// the first reads less from S = 4 on.
 pub struct DepthBackward<A: Act> {
     /// The gradient of the output of the sublayer being processed: its block's gradient plus
     /// those of the partial sums it fed.
@@ -270,7 +272,7 @@ pub struct DepthBackward<A: Act> {
     /// The effective queries' gradients (`[L + 1, d]`).
     dws: Buf<f32>,
     /// Per consumer and token, the coefficients of its query gradient from a source: `[L + 1,
-    /// rows]` for the source at hand, or a block at a time that per source.
+    /// rows]` for the source at hand, or a block at a time one such slab per completed source.
     b: Buf<A>,
 }
 
