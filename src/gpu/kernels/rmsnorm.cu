@@ -52,9 +52,9 @@ extern "C" __global__ void rmsnorm_add_forward_bf16(bf16* h, bf16* y, float* rst
 // `per_block` consecutive rows (norm_backward_row, reduce.cuh) and writes its sums of the
 // gain's gradient to row blockIdx.x of `parts` ([gridDim.x, d]); column_sums adds them up.
 // With `accumulate`, dx is added to what dx holds (the standard residual's stream gradient,
-// rounded once). `dxx` (null for none): each row's <dx, x>, which the depth attention's
-// backward takes (of the stored dx, so that it is the dot product the depth attention takes of
-// the same rows). Shared memory: a row of sums (d floats, rounded up to whole chunks).
+// rounded once). `dxx` (null for none): each row's <dx, x>, of dx as stored, which the depth
+// attention's backward takes. Shared memory: a row of sums (d floats, rounded up to whole
+// chunks).
 template <typename T>
 __device__ void rmsnorm_backward_t(T* dx, float* dxx, float* parts, const T* dy, const T* x,
                                    const float* g, const float* rstd, int rows, int d,
