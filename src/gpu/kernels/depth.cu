@@ -378,7 +378,8 @@ __device__ void depth_source_grads_t(T* bs, const long long* tables, const int* 
                 float dl = k == 1 ? 0.0f : a[g] * (dots[g] - dhh[t]);
                 b[g] = dl * r;
                 coef += dl * logits[t * k + col];
-                if (threadIdx.x == 0) bs[s * b_stride + (size_t)rows_of[i] * rows + t] = from_f32<T>(b[g]);
+                size_t at_b = s * b_stride + (size_t)rows_of[i] * rows + t;
+                if (threadIdx.x == 0) bs[at_b] = from_f32<T>(b[g]);
             }
             for_chunks(c, d) {
                 float sum[CHUNK];

@@ -239,7 +239,9 @@ template <typename T> __device__ float row_rstd(const T* x, int d, float eps) {
 // chunks: value e of the chunk at column c sits at e * chunks + c / CHUNK, so that a warp's
 // threads, on chunks side by side, use 32 different banks. row_sums_clear starts it, and
 // row_sums_store writes it out in order (each thread its own slots, so neither needs a barrier).
-__device__ inline int row_slot(int c, int e, int d) { return e * ((d + CHUNK - 1) / CHUNK) + c / CHUNK; }
+__device__ inline int row_slot(int c, int e, int d) {
+    return e * ((d + CHUNK - 1) / CHUNK) + c / CHUNK;
+}
 __device__ inline void row_sums_clear(float* sums, int d) {
     for_chunks(c, d) for (int e = 0; e < CHUNK; e++) sums[row_slot(c, e, d)] = 0.0f;
 }
