@@ -8,8 +8,8 @@
 use super::blas::{DType, Gemm};
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
 use super::gemm::gemm;
-use super::rmsnorm::{add_column_sums, row_sums_bytes, rows_per_block};
-use super::{per_row, per_value};
+use super::rmsnorm::add_column_sums;
+use super::{per_row, per_value, row_sums_bytes, rows_per_block};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 

@@ -70,6 +70,33 @@ pub fn per_row(rows: usize, d: usize) -> cudarc::driver::LaunchConfig {
     }
 }
 
+/// A launch of kernel `name` over `rows` rows of `d` values, for the backward kernels that
+/// also sum gradients over the rows, `sums` rows of them in shared memory: as many blocks as
+/// the device runs at once, each taking an equal share of consecutive rows, and keeping its
+/// sums, so that only a row of sums per block goes out. Returns the launch, its blocks and
+/// the rows each takes.
+pub fn rows_per_block(
+    dev: &device::Device,
+    name: &str,
+    rows: usize,
+    d: usize,
+    sums: u32,
+) -> anyhow::Result<(cudarc::driver::LaunchConfig, usize, usize)> {
+    let row = cudarc::driver::LaunchConfig {
+        shared_mem_bytes: sums * row_sums_bytes(d),
+        ..per_row(1, d)
+    };
+    let resident = dev.resident_blocks(name, row.block_dim.0, row.shared_mem_bytes)?;
+    let per_block = rows.div_ceil(resident.clamp(1, rows.max(1)));
+    let blocks = rows.div_ceil(per_block.max(1));
+    Ok((cudarc::driver::LaunchConfig { grid_dim: (blocks as u32, 1, 1), ..row }, blocks, per_block))
+}
+
+/// Bytes of one row of sums in shared memory (`row_sums_clear` in reduce.cuh).
+pub fn row_sums_bytes(d: usize) -> u32 {
+    (d.next_multiple_of(ROW_CHUNK) * size_of::<f32>()) as u32
+}
+
 /// A launch of one thread per value, in blocks of 256.
 pub fn per_value(n: usize) -> cudarc::driver::LaunchConfig {
     const THREADS: u32 = 256;

@@ -2,7 +2,7 @@
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
 use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
-use super::{per_row, ROW_CHUNK};
+use super::{per_row, rows_per_block};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;
 
@@ -110,30 +110,6 @@ pub fn backward_into<A: Act>(
     // row of sums.
     unsafe { dev.launch(&name, cfg, &args) }?;
     add_column_sums(dev, dg, parts.all(), d)
-}
-
-/// A launch of kernel `name` over `rows` rows of `d` values, for the backward kernels that
-/// also sum gradients over the rows, `sums` rows of them in shared memory: as many blocks as
-/// the device runs at once, each taking an equal share of consecutive rows, and keeping its
-/// sums, so that only a row of sums per block goes out. Returns the launch, its blocks and
-/// the rows each takes.
-pub(super) fn rows_per_block(
-    dev: &Device,
-    name: &str,
-    rows: usize,
-    d: usize,
-    sums: u32,
-) -> Result<(LaunchConfig, usize, usize)> {
-    let row = LaunchConfig { shared_mem_bytes: sums * row_sums_bytes(d), ..per_row(1, d) };
-    let resident = dev.resident_blocks(name, row.block_dim.0, row.shared_mem_bytes)?;
-    let per_block = rows.div_ceil(resident.clamp(1, rows.max(1)));
-    let blocks = rows.div_ceil(per_block.max(1));
-    Ok((LaunchConfig { grid_dim: (blocks as u32, 1, 1), ..row }, blocks, per_block))
-}
-
-/// Bytes of one row of sums in shared memory (`row_sums_clear` in reduce.cuh).
-pub(super) fn row_sums_bytes(d: usize) -> u32 {
-    (d.next_multiple_of(ROW_CHUNK) * size_of::<f32>()) as u32
 }
 
 /// `sums += ` the sum of the rows of `parts` (`[n, d]`), in a fixed order.
