@@ -168,22 +168,47 @@ inline void fiber_main() {
     switch_to(w->current->context, w->scheduler);
 }
 
-// Runs one block: every fiber until all are done, releasing barriers as they fill.
-inline void run_block(Worker& w) {
+// Runs the fibers of one warp, lane by lane, releasing its warp barriers as they fill, until
+// each has finished or waits at the block's barrier (or at a warp barrier that cannot fill).
+inline void run_warp(Worker& w, int first, int end, bool descending) {
+    for (;;) {
+        for (int i = first; i < end; i++) {
+            Fiber& f = w.fibers[descending ? first + end - 1 - i : i];
+            if (f.state != State::Runnable) continue;
+            w.current = &f;
+            threadIdx = f.index;
+            switch_to(w.scheduler, f.context);
+        }
+        int live = 0, at_warp = 0;
+        for (int r = first; r < end; r++) {
+            live += w.fibers[r].state != State::Done;
+            at_warp += w.fibers[r].state == State::AtWarpBarrier;
+        }
+        if (live == 0 || at_warp < live) return;
+        for (int r = first; r < end; r++)
+            if (w.fibers[r].state == State::AtWarpBarrier) w.fibers[r].state = State::Runnable;
+    }
+}
+
+// Runs one block: every fiber until all are done, releasing barriers as they fill. Each warp
+// runs alone up to the block's next barrier, warps in ascending order in even blocks and in
+// descending order in odd ones (lanes likewise), so that a kernel which reads what another
+// warp writes, or overwrites what another warp reads, without a barrier between them does it
+// out of order in one of the two. Dynamic shared memory starts every block as NaN (all ones),
+// as a GPU's holds whatever the last block left.
+inline void run_block(Worker& w, bool descending) {
     int n = (int)w.fibers.size();
+    std::memset(w.dynamic_shared.data(), 0xff, w.dynamic_shared.size());
     for (auto& f : w.fibers) {
         start(f.context, f.stack, STACK_BYTES, fiber_main);
         f.state = State::Runnable;
         f.exchanges = 0;
     }
+    int warps = (n + 31) / 32;
     for (;;) {
-        bool ran = false;
-        for (auto& f : w.fibers) {
-            if (f.state != State::Runnable) continue;
-            ran = true;
-            w.current = &f;
-            threadIdx = f.index;
-            switch_to(w.scheduler, f.context);
+        for (int i = 0; i < warps; i++) {
+            int warp = descending ? warps - 1 - i : i;
+            run_warp(w, warp * 32, std::min(n, warp * 32 + 32), descending);
         }
         int live = 0, at_block = 0;
         for (auto& f : w.fibers) {
@@ -191,28 +216,13 @@ inline void run_block(Worker& w) {
             at_block += f.state == State::AtBlockBarrier;
         }
         if (live == 0) return;
-        bool released = false;
-        if (at_block == live) {
-            for (auto& f : w.fibers)
-                if (f.state == State::AtBlockBarrier) f.state = State::Runnable;
-            released = true;
-        }
-        for (int w0 = 0; w0 < n; w0 += 32) {
-            int w_live = 0, w_at = 0;
-            for (int r = w0; r < std::min(n, w0 + 32); r++) {
-                w_live += w.fibers[r].state != State::Done;
-                w_at += w.fibers[r].state == State::AtWarpBarrier;
-            }
-            if (w_live > 0 && w_at == w_live) {
-                for (int r = w0; r < std::min(n, w0 + 32); r++) w.fibers[r].state = State::Runnable;
-                released = true;
-            }
-        }
-        if (!released && !ran) {
+        if (at_block < live) {
             // Threads wait at barriers that can never fill: a kernel's bug on a GPU too.
             w.deadlocked = true;
             return;
         }
+        for (auto& f : w.fibers)
+            if (f.state == State::AtBlockBarrier) f.state = State::Runnable;
     }
 }
 
@@ -232,7 +242,7 @@ inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, c
         worker = &w;
         w.kernel = &kernel;
         w.warp_slots.assign((size_t)(threads + 31) / 32 * 32 * 2, 0);
-        w.dynamic_shared.assign(shared_bytes, 0);
+        w.dynamic_shared.resize(shared_bytes);
         w.fibers.resize(threads);
         // Stacks are not zeroed: only the pages a fiber touches are ever backed.
         char* stacks = static_cast<char*>(std::malloc(STACK_BYTES * threads));
@@ -247,7 +257,7 @@ inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, c
         for (long b; (b = next.fetch_add(1)) < blocks && !deadlocked;) {
             blockIdx = dim3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y),
                             (unsigned)(b / ((long)grid.x * grid.y))};
-            run_block(w);
+            run_block(w, b % 2 == 1);
             if (w.deadlocked) deadlocked = true;
         }
         std::free(stacks);
