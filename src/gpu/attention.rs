@@ -2,8 +2,10 @@
 //! computes on the CPU, with the same buffers (the packed `qkv`, the `[B, H, T, 2]` softmax
 //! statistics), in memory that grows with T.
 
+use super::act::{kernel, Act};
 use super::blas::DType;
-use super::device::{kernel, Act, Arg, Buf, Device};
+use super::buffer::{Arg, Buf};
+use super::device::Device;
 use super::per_value;
 use crate::kernels::attention::AttnShape;
 use anyhow::{ensure, Result};

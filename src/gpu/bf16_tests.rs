@@ -13,10 +13,12 @@
 //! gradients for its products: 2^-6 of the largest value; the training pass against the CPU
 //! engine (`crate::train::gpu::model`) holds it closer, through every gradient's cosine.
 
+use super::act::Act;
 use super::attention;
+use super::buffer::{Bf16, Buf};
 use super::cross_entropy;
 use super::depth;
-use super::device::{Act, Bf16, Buf, Device, Ids};
+use super::device::{Device, Ids};
 use super::elementwise::{embedding_forward, swiglu_backward, swiglu_forward};
 use super::rmsnorm;
 use super::rope::{self, RopeTables};

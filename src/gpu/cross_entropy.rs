@@ -1,7 +1,11 @@
 //! Softmax cross-entropy fused with its gradient on the GPU (`kernels/cross_entropy.cu`): what
 //! `crate::kernels::cross_entropy` computes on the CPU.
 
-use super::device::{kernel, Act, Arg, Buf, Device, Ids};
+use super::act::{kernel, Act};
+
+use super::buffer::{Arg, Buf};
+
+use super::device::{Device, Ids};
 use super::per_row;
 use anyhow::Result;
 

@@ -5,8 +5,10 @@
 //! backward: a partial sum's gradient with its consumer's norm ([`partial_backward`]), and
 //! the completed sources' from their readers ([`source_grads`], [`query_grads`]).
 
+use super::act::{kernel, Act};
 use super::blas::{DType, Gemm};
-use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
+use super::buffer::{Arg, Buf, Slice, SliceMut};
+use super::device::Device;
 use super::gemm::gemm;
 use super::rmsnorm::add_column_sums;
 use super::{per_row, per_value, row_sums_bytes, rows_per_block};

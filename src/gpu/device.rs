@@ -1,21 +1,17 @@
 //! One GPU: its context and stream, the engine's kernels compiled for its architecture when it
-//! opens, buffers on it, and kernel launches. In the tests the same device can instead run the
+//! opens, the buffers it makes (`buffer.rs`), and kernel launches. In the tests the same device can instead run the
 //! kernels on the CPU (`emulator.rs`), so that every host side and kernel is checked
 //! without a GPU.
 
 use super::blas::{Blas, Gemm};
+use super::buffer::{Arg, Buf, Elem, Mem, Meter};
 use super::driver::gpus;
 use super::nvrtc::{kernel_images, kernel_names, KERNELS};
 use super::profile::Profiler;
 use anyhow::{bail, Context, Result};
-use cudarc::driver::{
-    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
-    ValidAsZeroBits,
-};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Cloning shares the device: the same context, stream, kernels and buffers' home.
@@ -40,300 +36,6 @@ enum Backend {
     },
     #[cfg(test)]
     Emulated(Arc<super::emulator::Kernels>),
-}
-
-/// What a buffer may hold.
-pub trait Elem: DeviceRepr + ValidAsZeroBits + Copy + Default + Unpin + 'static {
-    /// What the emulator fills an [`Device::output`] buffer with, so that a kernel that reads
-    /// a value before it is written shows it: NaN, or the most negative integer.
-    const POISON: Self;
-}
-impl Elem for f32 {
-    const POISON: f32 = f32::NAN;
-}
-impl Elem for u32 {
-    const POISON: u32 = u32::MAX;
-}
-impl Elem for i32 {
-    const POISON: i32 = i32::MIN;
-}
-impl Elem for i64 {
-    const POISON: i64 = i64::MIN;
-}
-impl Elem for f64 {
-    const POISON: f64 = f64::NAN;
-}
-impl Elem for Bf16 {
-    const POISON: Bf16 = Bf16(0x7fc1);
-}
-
-/// A bfloat16 value as the kernels store it (`bf16` in `reduce.cuh`): the upper half of an
-/// f32's bits.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-#[repr(transparent)]
-pub struct Bf16(pub u16);
-
-// SAFETY: a plain 16-bit value, passed and stored as the kernels' `bf16` is.
-unsafe impl DeviceRepr for Bf16 {}
-// SAFETY: all zero bits are bfloat16's +0.
-unsafe impl ValidAsZeroBits for Bf16 {}
-
-/// The type of the activations: f32 (the exact mode) or bfloat16 (mixed precision). Kernels
-/// that take either are named `NAME` for f32 and `NAME_bf16` for bfloat16.
-pub trait Act: Elem {
-    /// The kernels' name suffix.
-    const SUFFIX: &'static str;
-    /// The type cuBLASLt is told.
-    const TYPE: super::blas::DType;
-    /// The nearest value of this type (for bfloat16: ties to even, as the kernels round).
-    fn from_f32(x: f32) -> Self;
-    fn to_f32(self) -> f32;
-    /// `x` as values of this type: `x` itself for f32, a copy rounded to bfloat16.
-    fn narrow(dev: &Device, x: Buf<f32>) -> Result<Buf<Self>>;
-    /// Keeps `copy` the values of `master` in this type, where they differ: for bfloat16 the
-    /// weights the matrix products take (made on first use, then overwritten); nothing for f32,
-    /// whose products take the master weights themselves ([`Act::weights`]).
-    fn refresh(dev: &Device, copy: &mut Option<Buf<Self>>, master: &Buf<f32>) -> Result<()>;
-    /// The values of `master` in this type: `master` for f32, `copy` (kept by
-    /// [`Act::refresh`]) for bfloat16.
-    fn weights<'a>(master: &'a Buf<f32>, copy: &'a Option<Buf<Self>>) -> &'a Buf<Self>;
-    /// `copy` as the bfloat16 buffer it is (for bfloat16), for the kernels that write it.
-    fn bf16_copy(copy: &mut Option<Buf<Self>>) -> Option<&mut Buf<Bf16>>;
-}
-
-impl Act for f32 {
-    const SUFFIX: &'static str = "";
-    const TYPE: super::blas::DType = super::blas::DType::F32;
-    fn from_f32(x: f32) -> f32 {
-        x
-    }
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn narrow(_: &Device, x: Buf<f32>) -> Result<Buf<f32>> {
-        Ok(x)
-    }
-    fn refresh(_: &Device, _: &mut Option<Buf<f32>>, _: &Buf<f32>) -> Result<()> {
-        Ok(())
-    }
-    fn weights<'a>(master: &'a Buf<f32>, _: &'a Option<Buf<f32>>) -> &'a Buf<f32> {
-        master
-    }
-    fn bf16_copy(_: &mut Option<Buf<f32>>) -> Option<&mut Buf<Bf16>> {
-        None
-    }
-}
-
-impl Act for Bf16 {
-    const SUFFIX: &'static str = "_bf16";
-    const TYPE: super::blas::DType = super::blas::DType::Bf16;
-    fn from_f32(x: f32) -> Bf16 {
-        Bf16(half::bf16::from_f32(x).to_bits())
-    }
-    fn to_f32(self) -> f32 {
-        half::bf16::from_bits(self.0).to_f32()
-    }
-    fn narrow(dev: &Device, x: Buf<f32>) -> Result<Buf<Bf16>> {
-        let mut y = dev.output(x.len())?;
-        to_bf16(dev, &mut y, &x)?;
-        Ok(y)
-    }
-    fn refresh(dev: &Device, copy: &mut Option<Buf<Bf16>>, master: &Buf<f32>) -> Result<()> {
-        if copy.is_none() {
-            *copy = Some(dev.output(master.len())?);
-        }
-        to_bf16(dev, copy.as_mut().expect("made above"), master)
-    }
-    fn weights<'a>(_: &'a Buf<f32>, copy: &'a Option<Buf<Bf16>>) -> &'a Buf<Bf16> {
-        copy.as_ref().expect("the bf16 weights are kept by Act::refresh before use")
-    }
-    fn bf16_copy(copy: &mut Option<Buf<Bf16>>) -> Option<&mut Buf<Bf16>> {
-        copy.as_mut()
-    }
-}
-
-/// `y = x` rounded to bfloat16 (`to_bf16` in `kernels/convert.cu`).
-fn to_bf16(dev: &Device, y: &mut Buf<Bf16>, x: &Buf<f32>) -> Result<()> {
-    let n = x.len();
-    assert_eq!(y.len(), n);
-    let args = [y.arg_mut(), x.arg(), Arg::i64(n)];
-    // SAFETY: the kernel's arguments in its order; two buffers of `n` values.
-    unsafe { dev.launch("to_bf16", super::per_value(n), &args) }
-}
-
-/// The name of kernel `name` for activations of type `A`.
-pub fn kernel<A: Act>(name: &str) -> String {
-    format!("{name}{}", A::SUFFIX)
-}
-
-/// Values in the device's memory (in host memory where the kernels are emulated).
-pub struct Buf<T: Elem> {
-    mem: Mem<T>,
-    /// The device's count of bytes held, which this buffer leaves when dropped.
-    meter: Arc<Meter>,
-}
-
-impl<T: Elem> Drop for Buf<T> {
-    fn drop(&mut self) {
-        self.meter.live.fetch_sub(self.len() * size_of::<T>(), Ordering::Relaxed);
-    }
-}
-
-/// Bytes the buffers of a device hold: now, and the most since the last [`Device::reset_peak`].
-#[derive(Default)]
-pub struct Meter {
-    live: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-enum Mem<T: Elem> {
-    Cuda(CudaSlice<T>),
-    #[cfg(test)]
-    Host(Vec<T>),
-}
-
-/// One kernel argument: a scalar's bits, or the address of a buffer's value. Kernels read as
-/// many bytes as their parameter's type holds (little-endian).
-#[derive(Clone, Copy, Debug)]
-pub struct Arg(u64);
-
-impl Arg {
-    pub fn i32(v: i32) -> Arg {
-        Arg(v as u32 as u64)
-    }
-    /// A count or index as the kernels' `long long`.
-    pub fn i64(v: usize) -> Arg {
-        Arg(v as u64)
-    }
-    pub fn f32(v: f32) -> Arg {
-        Arg(v.to_bits() as u64)
-    }
-    pub fn f64(v: f64) -> Arg {
-        Arg(v.to_bits())
-    }
-    /// A null pointer, for an optional buffer the kernel checks.
-    pub fn null() -> Arg {
-        Arg(0)
-    }
-    /// The value as the kernel reads it: an address, or a scalar's bits.
-    pub fn bits(self) -> u64 {
-        self.0
-    }
-}
-
-impl<T: Elem> Buf<T> {
-    pub fn len(&self) -> usize {
-        match &self.mem {
-            Mem::Cuda(s) => s.len(),
-            #[cfg(test)]
-            Mem::Host(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The buffer as a kernel argument that the kernel reads.
-    pub fn arg(&self) -> Arg {
-        self.arg_at(0)
-    }
-
-    /// The buffer as a kernel argument that the kernel writes.
-    pub fn arg_mut(&mut self) -> Arg {
-        self.arg_mut_at(0)
-    }
-
-    /// Value `at` onward as a kernel argument that the kernel reads.
-    pub fn arg_at(&self, at: usize) -> Arg {
-        assert!(at <= self.len(), "offset {at} past a buffer of {}", self.len());
-        let base = match &self.mem {
-            Mem::Cuda(s) => s.device_ptr(s.stream()).0,
-            #[cfg(test)]
-            Mem::Host(v) => v.as_ptr() as u64,
-        };
-        Arg(base + (at * size_of::<T>()) as u64)
-    }
-
-    /// Value `at` onward as a kernel argument that the kernel writes.
-    pub fn arg_mut_at(&mut self, at: usize) -> Arg {
-        assert!(at <= self.len(), "offset {at} past a buffer of {}", self.len());
-        let base = match &mut self.mem {
-            Mem::Cuda(s) => s.device_ptr(s.stream()).0,
-            #[cfg(test)]
-            Mem::Host(v) => v.as_mut_ptr() as u64,
-        };
-        Arg(base + (at * size_of::<T>()) as u64)
-    }
-}
-
-/// Values `at..at + len` of a buffer, which a kernel reads: a tensor of the model's parameters.
-#[derive(Clone, Copy)]
-pub struct Slice<'a, T: Elem> {
-    buf: &'a Buf<T>,
-    at: usize,
-    len: usize,
-}
-
-/// Values of a buffer that a kernel writes: a tensor's gradient.
-pub struct SliceMut<'a, T: Elem> {
-    buf: &'a mut Buf<T>,
-    at: usize,
-    len: usize,
-}
-
-impl<T: Elem> Buf<T> {
-    pub fn slice(&self, r: Range<usize>) -> Slice<'_, T> {
-        assert!(
-            r.start <= r.end && r.end <= self.len(),
-            "{r:?} outside a buffer of {}",
-            self.len()
-        );
-        Slice { buf: self, at: r.start, len: r.len() }
-    }
-
-    pub fn slice_mut(&mut self, r: Range<usize>) -> SliceMut<'_, T> {
-        assert!(
-            r.start <= r.end && r.end <= self.len(),
-            "{r:?} outside a buffer of {}",
-            self.len()
-        );
-        SliceMut { buf: self, at: r.start, len: r.len() }
-    }
-
-    /// The whole buffer as a slice.
-    pub fn all(&self) -> Slice<'_, T> {
-        self.slice(0..self.len())
-    }
-
-    pub fn all_mut(&mut self) -> SliceMut<'_, T> {
-        let n = self.len();
-        self.slice_mut(0..n)
-    }
-}
-
-impl<T: Elem> Slice<'_, T> {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub fn arg(&self) -> Arg {
-        self.buf.arg_at(self.at)
-    }
-}
-
-impl<T: Elem> SliceMut<'_, T> {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub fn arg_mut(&mut self) -> Arg {
-        self.buf.arg_mut_at(self.at)
-    }
 }
 
 /// Indices on the device, each checked on the host to lie below `below`, so that the kernels
@@ -455,21 +157,18 @@ impl Device {
 
     /// A buffer of `mem`, counted in the device's bytes held.
     fn held<T: Elem>(&self, mem: Mem<T>) -> Buf<T> {
-        let buf = Buf { mem, meter: self.meter.clone() };
-        let live = self.meter.live.fetch_add(buf.len() * size_of::<T>(), Ordering::Relaxed);
-        self.meter.peak.fetch_max(live + buf.len() * size_of::<T>(), Ordering::Relaxed);
-        buf
+        self.meter.hold(mem)
     }
 
     /// Bytes the device's buffers hold now, and the most they held since the last
     /// [`Self::reset_peak`] (cuBLASLt's workspace and the kernels' code left out).
     pub fn memory(&self) -> (usize, usize) {
-        (self.meter.live.load(Ordering::Relaxed), self.meter.peak.load(Ordering::Relaxed))
+        self.meter.now_and_peak()
     }
 
     /// Starts the peak of [`Self::memory`] again from what is held now.
     pub fn reset_peak(&self) {
-        self.meter.peak.store(self.meter.live.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.meter.reset_peak();
     }
 
     pub fn upload<T: Elem>(&self, x: &[T]) -> Result<Buf<T>> {
@@ -605,7 +304,7 @@ impl Device {
     /// holds what the kernel reads or writes over `cfg`.
     pub unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         self.stamp(name)?;
-        let mut values: Vec<u64> = args.iter().map(|a| a.0).collect();
+        let mut values: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut params: Vec<*mut c_void> =
             values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         match &self.backend {

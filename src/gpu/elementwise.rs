@@ -2,7 +2,11 @@
 //! `crate::kernels::swiglu` and `crate::kernels::embedding` compute on the CPU, with the same
 //! buffers.
 
-use super::device::{kernel, Act, Arg, Buf, Device, Ids, Slice, SliceMut};
+use super::act::{kernel, Act};
+
+use super::buffer::{Arg, Buf, Slice, SliceMut};
+
+use super::device::{Device, Ids};
 use super::{per_value, ROW_CHUNK};
 use anyhow::Result;
 

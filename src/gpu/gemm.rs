@@ -1,9 +1,11 @@
 //! The Linear layers' matrix products on the GPU (cuBLASLt, [`super::blas`]): forward and
 //! both backward products, as `crate::kernels::matmul` computes them on the CPU.
 
+use super::act::Act;
 use super::blas::DType;
 use super::blas::Gemm;
-use super::device::{Act, Arg, Buf, Device, Slice, SliceMut};
+use super::buffer::{Arg, Buf, Slice, SliceMut};
+use super::device::Device;
 use anyhow::Result;
 
 /// The product `g` of the matrices at `a`, `b` into `c`.

@@ -3,18 +3,20 @@
 //! (docs/gpu.md).
 //!
 //! What is here: finding the GPUs, or saying why there are none ([`driver`]); compiling the
-//! engine's CUDA kernels (`kernels/*.cu`, built into the binary) with NVRTC for an
-//! architecture, which needs the NVRTC library but no GPU ([`nvrtc`]); a device ([`device`])
-//! that loads them, holds buffers and launches; matrix products ([`blas`], [`gemm`]); and the
-//! host side of each kernel, taking the buffers its CPU kernel takes. The model and its
-//! training on the device are `crate::train::gpu`. cudarc panics when it cannot open a library, so every entry
-//! point here asks first whether the library is there and turns its absence into an error
-//! that names it.
+//! engine's CUDA kernels (`kernels/*.cu`, built into the binary) with NVRTC for an architecture,
+//! which needs the NVRTC library but no GPU ([`nvrtc`]); a device ([`device`]) that loads them,
+//! makes buffers ([`buffer`]) and launches; the activations' two types ([`act`]); matrix products
+//! ([`blas`], [`gemm`]); and the host side of each kernel, taking the buffers its CPU kernel takes.
+//! The model and its training on the device are `crate::train::gpu`. cudarc panics when it cannot
+//! open a library, so every entry point here asks first whether the library is there and turns its
+//! absence into an error that names it.
 
+pub mod act;
 pub mod attention;
 #[cfg(test)]
 mod bf16_tests;
 pub mod blas;
+pub mod buffer;
 pub mod cross_entropy;
 pub mod depth;
 pub mod device;

@@ -3,7 +3,9 @@
 //! steps (on cuBLASLt) and update, and the per-tensor sums of squares that the gradient norm
 //! and its clipping take. `crate::train::gpu` holds a run's state and applies them.
 
-use super::device::{Arg, Bf16, Buf, Device};
+use super::buffer::{Arg, Bf16, Buf};
+
+use super::device::Device;
 use super::per_value;
 use crate::kernels::adamw::AdamStep;
 use anyhow::Result;
@@ -222,7 +224,7 @@ pub fn newton_schulz(dev: &Device, g: &Buf<f32>, rows: usize, cols: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::device::Act;
+    use crate::gpu::act::Act;
     use crate::kernels::adamw::update;
     use crate::testutil::rand_vec;
 

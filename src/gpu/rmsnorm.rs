@@ -1,7 +1,11 @@
 //! RMSNorm on the GPU (`kernels/rmsnorm.cu`): what `crate::kernels::rmsnorm` computes on the
 //! CPU, with the same buffers (`[rows, d]` rows, the per-row `rstd` that backward takes).
 
-use super::device::{kernel, Act, Arg, Buf, Device, Slice, SliceMut};
+use super::act::{kernel, Act};
+
+use super::buffer::{Arg, Buf, Slice, SliceMut};
+
+use super::device::Device;
 use super::{per_row, rows_per_block};
 use anyhow::Result;
 use cudarc::driver::LaunchConfig;

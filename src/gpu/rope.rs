@@ -1,7 +1,11 @@
 //! Rotary position embedding on the GPU (`kernels/rope.cu`): `crate::kernels::rope::apply`,
 //! bit for bit, with the CPU's cos/sin tables uploaded once.
 
-use super::device::{kernel, Act, Arg, Buf, Device, Ids};
+use super::act::{kernel, Act};
+
+use super::buffer::{Arg, Buf};
+
+use super::device::{Device, Ids};
 use super::{per_value, ROW_CHUNK};
 use crate::kernels::rope::RopeTable;
 use anyhow::{bail, Result};

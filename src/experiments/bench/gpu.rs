@@ -4,8 +4,10 @@
 //! step's buffers hold.
 
 use super::{pseudo_tokens, step_flops};
+use crate::gpu::act::Act;
 use crate::gpu::blas::Gemm;
-use crate::gpu::device::{Act, Bf16, Device};
+use crate::gpu::buffer::Bf16;
+use crate::gpu::device::Device;
 use crate::gpu::gemm::gemm;
 use crate::gpu::Precision;
 use crate::model::{Config, Model};

@@ -6,9 +6,11 @@
 //! the ablation options of the depth attention are refused with an error that says so.
 
 use super::residual::{NormedInput, ResidualBackward, ResidualForward};
+use crate::gpu::act::Act;
 use crate::gpu::attention;
+use crate::gpu::buffer::Buf;
 use crate::gpu::cross_entropy;
-use crate::gpu::device::{Act, Buf, Device, Ids};
+use crate::gpu::device::{Device, Ids};
 use crate::gpu::elementwise::{embedding_backward, embedding_forward};
 use crate::gpu::elementwise::{swiglu_backward, swiglu_forward};
 use crate::gpu::gemm::{linear, linear_backward};
@@ -343,7 +345,7 @@ fn norm_of(lay: &Layout, l: usize) -> std::ops::Range<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpu::device::Bf16;
+    use crate::gpu::buffer::Bf16;
     use crate::model::ResidualKind;
     use crate::testutil::{assert_close_to_largest, rand_vec};
 

@@ -1,7 +1,9 @@
 //! A run's optimiser state on the GPU, laid out as [`crate::train::optim`] lays it, and its
 //! update through the GPU's kernels (`crate::gpu::optim`).
 
-use crate::gpu::device::{Buf, Device};
+use crate::gpu::buffer::Buf;
+
+use crate::gpu::device::Device;
 use crate::gpu::optim::{adamw, muon_apply, muon_momentum, newton_schulz, Weights};
 use crate::kernels::adamw::AdamStep;
 use crate::train::optim::{OptimConfig, Optimizer, Rule};

@@ -13,8 +13,10 @@
 //! a completed source's gradient from all of its readers: a block of readers at a time, or
 //! all of them together when the backward pass reaches the source ([`DepthBackward`]).
 
+use crate::gpu::act::Act;
+use crate::gpu::buffer::{Buf, Slice, SliceMut};
 use crate::gpu::depth::{self, ConsumerGrad, Normed, PartialSum, Phase1, Source, Weights};
-use crate::gpu::device::{Act, Buf, Device, Slice, SliceMut};
+use crate::gpu::device::Device;
 use crate::gpu::rmsnorm;
 use crate::model::params::Layout;
 use crate::model::Config;

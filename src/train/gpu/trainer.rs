@@ -9,7 +9,9 @@
 
 use super::model::GpuModel;
 use super::optim::GpuOptimizer;
-use crate::gpu::device::{Act, Bf16, Buf, Device};
+use crate::gpu::act::Act;
+use crate::gpu::buffer::{Bf16, Buf};
+use crate::gpu::device::Device;
 use crate::gpu::optim::{scale, tensor_squares};
 use crate::gpu::Precision;
 use crate::model::params::Layout;
