@@ -121,17 +121,27 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
     // Attention forward on the tensor cores: the output and its statistics, over grouped and
     // plain heads, sequences that end inside a tile and span several blocks, every head size
     // the kernels are built for. Its product with the values takes the probabilities rounded
-    // to bf16 (2^-8 of each): 2^-8 of the largest value more.
+    // to bf16 (2^-8 of each): 2^-8 of the largest value more. In the last case the first
+    // query's one score is -128, so that e^128 (past f32) would meet the zero rows past the
+    // sequence in backward's tiles, whose statistics are the first row's, unless they are
+    // masked.
     let shapes = [
-        AttnShape { batch: 2, seq: 37, heads: 4, kv_heads: 2, head_dim: 16 },
-        AttnShape { batch: 1, seq: 90, heads: 2, kv_heads: 2, head_dim: 32 },
-        AttnShape { batch: 1, seq: 150, heads: 2, kv_heads: 1, head_dim: 64 },
-        AttnShape { batch: 1, seq: 100, heads: 3, kv_heads: 1, head_dim: 96 },
-        AttnShape { batch: 1, seq: 70, heads: 1, kv_heads: 1, head_dim: 128 },
+        (AttnShape { batch: 2, seq: 37, heads: 4, kv_heads: 2, head_dim: 16 }, false),
+        (AttnShape { batch: 1, seq: 90, heads: 2, kv_heads: 2, head_dim: 32 }, false),
+        (AttnShape { batch: 1, seq: 150, heads: 2, kv_heads: 1, head_dim: 64 }, false),
+        (AttnShape { batch: 1, seq: 100, heads: 3, kv_heads: 1, head_dim: 96 }, false),
+        (AttnShape { batch: 1, seq: 70, heads: 1, kv_heads: 1, head_dim: 128 }, false),
+        (AttnShape { batch: 1, seq: 150, heads: 2, kv_heads: 1, head_dim: 64 }, true),
     ];
-    for s in shapes {
+    for (s, first_score_far_below) in shapes {
         assert!(attention::on_tensor_cores::<Bf16>(s), "{s:?} is not on the tensor cores");
-        let qkv = values(s.batch * s.seq * s.qkv_width(), 9, 2.0);
+        let mut qkv = values(s.batch * s.seq * s.qkv_width(), 9, 2.0);
+        if first_score_far_below {
+            // Token 0's first query head all 4s, its key all -4s: 64 * -16 / sqrt(64).
+            let (hd, keys) = (s.head_dim, s.heads * s.head_dim);
+            qkv[..hd].fill(4.0);
+            qkv[keys..keys + hd].fill(-4.0);
+        }
         let (want_out, want_stats) = crate::kernels::attention::forward(&qkv, s);
         let (out, stats) = attention::forward(dev, &up(dev, &qkv), s).unwrap();
         let largest = qkv.iter().fold(0f32, |m, x| m.max(x.abs()));

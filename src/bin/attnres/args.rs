@@ -673,4 +673,8 @@ pub(crate) struct DeviceArgs {
     /// not a GPU.
     #[arg(long, value_name = "ARCH")]
     pub compile_for: Option<String>,
+    /// With --compile-for, write each kernel file's PTX and CUBIN into this folder (NAME.ptx,
+    /// NAME.cubin), for cuobjdump or nvdisasm to show the machine code.
+    #[arg(long, value_name = "DIR", requires = "compile_for")]
+    pub save: Option<PathBuf>,
 }

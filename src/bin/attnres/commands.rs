@@ -4,7 +4,8 @@
 use crate::args::*;
 use crate::output::{output, write_stdout};
 use crate::ranks::Ranks;
-use anyhow::{bail, ensure, Result};
+use anyhow::{bail, ensure, Context, Result};
+use attnres::base::fs::write_atomic;
 use attnres::base::progress::log;
 use attnres::experiments::{bench, compare, suite};
 use attnres::gpu::act::Act;
@@ -136,7 +137,15 @@ fn device_cmd(a: DeviceArgs) -> Result<()> {
     lines.push(format!("NVRTC: {nvrtc}"));
     write_stdout((lines.join("\n") + "\n").as_bytes())?;
     if let Some(arch) = a.compile_for {
+        if let Some(dir) = &a.save {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
         for k in gpu::compile_all(&arch)? {
+            if let Some(dir) = &a.save {
+                let stem = k.file.trim_end_matches(".cu");
+                write_atomic(&dir.join(format!("{stem}.ptx")), k.ptx.as_bytes())?;
+                write_atomic(&dir.join(format!("{stem}.cubin")), &k.cubin)?;
+            }
             let kb = k.ptx.len() as f64 / 1024.0;
             let line = format!(
                 "compiled {} for {arch}: {kb:.0} KiB of PTX in {:.2} s\n",

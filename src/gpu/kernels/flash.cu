@@ -5,7 +5,10 @@
 // [B, H, T, 2] of attention.cu's kernels, from which backward recomputes the probabilities: dq
 // by query rows, dk and dv by key rows (summed over each kv head's group), so without atomics.
 // The softmax's sums are taken of the f32 probabilities; the products take the probabilities
-// and their gradients rounded to bf16.
+// and their gradients rounded to bf16. The tensor cores leave the other instructions little
+// room, so the softmax is lean: base 2, a probability one fused multiply-add and one exp2; the
+// causal mask applied only to tiles that cross the diagonal or the sequence's end; bf16 pairs
+// rounded by one conversion.
 //
 // The head size HD is a template parameter, instantiated for the sizes FLASH_HEADS lists in
 // src/gpu/attention.rs (kernels NAME_hdHD): every loop over a head's fragments then unrolls, so
@@ -27,8 +30,38 @@
 
 __device__ inline float low_f32(unsigned int x) { return __uint_as_float(x << 16); }
 __device__ inline float high_f32(unsigned int x) { return __uint_as_float(x & 0xffff0000u); }
+// lo and hi rounded to bf16 (nearest, ties to even) in one register, lo in the low half: one
+// instruction on a GPU (cvt.rn.bf16x2.f32, whose NaN is the canonical 0x7fff), where
+// from_f32's rounding in integer operations takes several for each value.
 __device__ inline unsigned int pack_bf16(float lo, float hi) {
+#ifndef ATTNRES_EMULATOR
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
     return (unsigned int)from_f32<bf16>(lo).bits | ((unsigned int)from_f32<bf16>(hi).bits << 16);
+#endif
+}
+
+// 2^x in one instruction (ex2.approx.ftz: relative error below 2^-22, results below 2^-126
+// flushed to zero), where expf takes several. The softmax runs in base 2, its scores scaled by
+// scale * log2(e), so that each probability is one fused multiply-add and one exp2.
+#define LOG2E 1.4426950408889634f
+__device__ inline float exp2_approx(float x) {
+#ifndef ATTNRES_EMULATOR
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+
+// The base-2 exponent that turns a row's raw score s into its probability, p =
+// exp2(s * scale * log2(e) + bias), from the forward's statistics (largest scaled score m,
+// 1 / sum inv): minus infinity (p = 0) for a row past the sequence.
+__device__ inline float softmax_bias(float m, float inv, bool in_sequence) {
+    return in_sequence ? log2f(inv) - m * LOG2E : NEG_INF;
 }
 
 // d = a * b + c for one warp's fragments, through shuffles: lane (g, q) fetches the A values
@@ -306,6 +339,19 @@ __device__ inline void load_tile_async(unsigned int* tile, const bf16* src, int 
     }
 }
 
+// Minus infinity for each score of a warp's 16 rows from q0 against the tile's keys from k0
+// (as scores() leaves them) where the key is after the row or past the sequence.
+template <int KEYS> __device__ inline void mask_after(float (*s)[4], int k0, int q0, int t) {
+    int lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
+#pragma unroll
+    for (int n = 0; n < KEYS / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int row = q0 + g + 8 * (i >> 1), key = k0 + n * 8 + 2 * q + (i & 1);
+            if (key > row || key >= t) s[n][i] = NEG_INF;
+        }
+}
+
 // Keys per tile of the forward and of dq, whose key and value tiles are double-buffered: 64,
 // 32 above 64 values a head (four tiles then fit the 48 KB of static shared memory).
 template <int HD> struct KeyTiles {
@@ -332,8 +378,9 @@ __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t,
     for (int n = 0; n < HD / 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
-    // Per row (g, g + 8): the largest scaled score so far and this lane's share of the sum.
+    // Per row (g, g + 8): the largest score so far (unscaled) and this lane's share of the sum.
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float scale2 = scale * LOG2E;
     int last = (int)(blockIdx.x + 1) * FLASH_ROWS;  // keys this block's rows see: below it
     if (last > t) last = t;
     int kc = (h + group) * HD, vc = (h + kv + group) * HD;
@@ -354,26 +401,19 @@ __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t,
             // Scores of the warp's 16 rows against the tile's keys, 8 keys per fragment.
             float s[KEYS / 8][4];
             scores<HD, KEYS>(s, qa, keys[cur]);
+            // Only a tile with a key after one of the warp's rows or past the sequence is masked.
+            if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_after<KEYS>(s, k0, q0, t);
 #pragma unroll
             for (int r = 0; r < 2; r++) {
-                int row = q0 + g + 8 * r;
-                float mx = NEG_INF;
+                float mx = m[r];
 #pragma unroll
-                for (int n = 0; n < KEYS / 8; n++) {
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        int key = k0 + n * 8 + 2 * q + j;
-                        float v = key <= row && key < t ? s[n][2 * r + j] * scale : NEG_INF;
-                        s[n][2 * r + j] = v;
-                        mx = fmaxf(mx, v);
-                    }
-                }
+                for (int n = 0; n < KEYS / 8; n++)
+                    mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                float m_new = fmaxf(m[r], mx);
                 // A row that has seen no key yet (one past the sequence) keeps zeros.
-                float base = m_new == NEG_INF ? 0.0f : m_new;
-                float keep = expf(m[r] - base);
+                float base = mx == NEG_INF ? 0.0f : mx * scale2;
+                float keep = exp2_approx(m[r] * scale2 - base);
                 l[r] *= keep;
 #pragma unroll
                 for (int n = 0; n < HD / 8; n++) {
@@ -384,12 +424,12 @@ __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t,
                 for (int n = 0; n < KEYS / 8; n++) {
 #pragma unroll
                     for (int j = 0; j < 2; j++) {
-                        float p = expf(s[n][2 * r + j] - base);
+                        float p = exp2_approx(fmaf(s[n][2 * r + j], scale2, -base));
                         s[n][2 * r + j] = p;
                         l[r] += p;
                     }
                 }
-                m[r] = m_new;
+                m[r] = mx;
             }
             // out += P V: the probabilities, as the scores' fragments left them, are A fragments.
             times_tile<HD, KEYS>(o, s, values[cur]);
@@ -412,7 +452,7 @@ __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t,
         }
         if (q == 0) {
             size_t at = (((size_t)b * h + head) * t + row) * 2;
-            stats[at] = m[r];
+            stats[at] = m[r] * scale;
             stats[at + 1] = inv;
         }
     }
@@ -434,13 +474,12 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
     unsigned int qa[HD / 16][4], da[HD / 16][4];
     a_rows<HD>(qa, qkv, b, q0, head * HD, width, t);
     a_rows<HD>(da, dout, b, q0, head * HD, h * HD, t);
-    float m[2], inv[2], dl[2];
+    float bias[2], dl[2], scale2 = scale * LOG2E;
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         int row = q0 + g + 8 * r;
         size_t at = ((size_t)b * h + head) * t + (row < t ? row : 0);
-        m[r] = stats[2 * at];
-        inv[r] = stats[2 * at + 1];
+        bias[r] = softmax_bias(stats[2 * at], stats[2 * at + 1], row < t);
         dl[r] = delta[at];
     }
     float dq[HD / 8][4];
@@ -467,13 +506,13 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
             float s[KEYS / 8][4], dp[KEYS / 8][4];
             scores<HD, KEYS>(s, qa, keys[cur]);
             scores<HD, KEYS>(dp, da, vals[cur]);
+            if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_after<KEYS>(s, k0, q0, t);
 #pragma unroll
             for (int n = 0; n < KEYS / 8; n++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    int r = i >> 1, row = q0 + g + 8 * r, key = k0 + n * 8 + 2 * q + (i & 1);
-                    float p = key <= row && row < t ? expf(s[n][i] * scale - m[r]) * inv[r] : 0.0f;
-                    s[n][i] = p * (dp[n][i] - dl[r]);
+                    float p = exp2_approx(fmaf(s[n][i], scale2, bias[i >> 1]));
+                    s[n][i] = p * (dp[n][i] - dl[i >> 1]);
                 }
             }
             times_tile<HD, KEYS>(dq, s, keys[cur]);
@@ -515,7 +554,7 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
     __shared__ __align__(16) unsigned int qs[2][Tile<HD, QUERIES>::WORDS];
     __shared__ __align__(16) unsigned int dys[2][Tile<HD, QUERIES>::WORDS];
     __shared__ __align__(16) unsigned int vs[Tile<HD, FLASH_ROWS>::WORDS];
-    __shared__ float st_m[2][QUERIES], st_inv[2][QUERIES], st_delta[2][QUERIES];
+    __shared__ float st_bias[2][QUERIES], st_delta[2][QUERIES];
     int b = blockIdx.y / kv, group = blockIdx.y % kv, heads = h / kv;
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
@@ -534,16 +573,16 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
     int first = blockIdx.x * FLASH_ROWS;
     int per_head = (t - first + QUERIES - 1) / QUERIES, steps = heads * per_head;
     int mine = threadIdx.x;  // the query whose statistics this thread loads, if below QUERIES
-    float next_m = 0.0f, next_inv = 0.0f, next_delta = 0.0f;
+    float next_bias = 0.0f, next_delta = 0.0f, scale2 = scale * LOG2E;
     // Issues step s's copies into buffer `buf` and loads its statistics into registers.
     auto fetch = [&](int s, int buf) {
         int head = group * heads + s / per_head, i0 = first + s % per_head * QUERIES;
         load_tile_async<HD, QUERIES>(qs[buf], qkv, b, i0, head * HD, width, t);
         load_tile_async<HD, QUERIES>(dys[buf], dout, b, i0, head * HD, h * HD, t);
         if (mine < QUERIES) {
-            size_t at = ((size_t)b * h + head) * t + (i0 + mine < t ? i0 + mine : 0);
-            next_m = stats[2 * at];
-            next_inv = stats[2 * at + 1];
+            bool in_sequence = i0 + mine < t;
+            size_t at = ((size_t)b * h + head) * t + (in_sequence ? i0 + mine : 0);
+            next_bias = softmax_bias(stats[2 * at], stats[2 * at + 1], in_sequence);
             next_delta = delta[at];
         }
     };
@@ -552,8 +591,7 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
     for (int step = 0, cur = 0; step < steps; step++, cur ^= 1) {
         int i0 = first + step % per_head * QUERIES;
         if (mine < QUERIES) {
-            st_m[cur][mine] = next_m;
-            st_inv[cur][mine] = next_inv;
+            st_bias[cur][mine] = next_bias;
             st_delta[cur][mine] = next_delta;
         }
         // The other buffers were last read before the barrier that ended the step before.
@@ -562,17 +600,20 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
         copies_wait<1>();
         __syncthreads();
         if (i0 + QUERIES > j0) {  // else every query of the tile is before the keys
-            const float *sm = st_m[cur], *si = st_inv[cur], *sd = st_delta[cur];
+            const float *sb = st_bias[cur], *sd = st_delta[cur];
             float s[QUERIES / 8][4], dp[QUERIES / 8][4];
             scores<HD, QUERIES>(s, ka, qs[cur]);
             scores<HD, QUERIES>(dp, nullptr, dys[cur], vs, warp * 16);
+            // Queries past the sequence have a bias of minus infinity; only a tile with a key
+            // after one of its queries, or past the sequence, is masked.
+            bool masked = j0 + 15 > i0 || j0 + 15 >= t;
 #pragma unroll
             for (int n = 0; n < QUERIES / 8; n++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    int key = j0 + g + 8 * (i >> 1), c = n * 8 + 2 * q + (i & 1), row = i0 + c;
-                    bool seen = key <= row && row < t && key < t;
-                    float p = seen ? expf(s[n][i] * scale - sm[c]) * si[c] : 0.0f;
+                    int key = j0 + g + 8 * (i >> 1), c = n * 8 + 2 * q + (i & 1);
+                    float p = exp2_approx(fmaf(s[n][i], scale2, sb[c]));
+                    if (masked && (key > i0 + c || key >= t)) p = 0.0f;
                     s[n][i] = p;
                     dp[n][i] = p * (dp[n][i] - sd[c]);
                 }
