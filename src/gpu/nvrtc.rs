@@ -27,10 +27,19 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("swiglu.cu", include_str!("kernels/swiglu.cu")),
 ];
 
-/// The kernels a source file declares (`extern "C" __global__ void NAME(`).
+/// The kernels a source file declares (`extern "C" __global__ void NAME(`, or
+/// `... void __launch_bounds__(...) NAME(`).
 pub fn kernel_names(src: &str) -> Vec<&str> {
     let heads = src.split("extern \"C\" __global__ void ").skip(1);
-    heads.map(|s| s.split('(').next().unwrap_or("").trim()).collect()
+    heads.map(|s| declared_name(s).split('(').next().unwrap_or("").trim()).collect()
+}
+
+/// What follows `void` in a kernel's declaration, its launch bounds left out.
+fn declared_name(head: &str) -> &str {
+    match head.strip_prefix("__launch_bounds__") {
+        Some(bounded) => bounded.split_once(')').map_or("", |(_, rest)| rest),
+        None => head,
+    }
 }
 
 /// Whether the NVRTC library can be opened.

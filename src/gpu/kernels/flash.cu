@@ -30,19 +30,6 @@
 
 __device__ inline float low_f32(unsigned int x) { return __uint_as_float(x << 16); }
 __device__ inline float high_f32(unsigned int x) { return __uint_as_float(x & 0xffff0000u); }
-// lo and hi rounded to bf16 (nearest, ties to even) in one register, lo in the low half: one
-// instruction on a GPU (cvt.rn.bf16x2.f32, whose NaN is the canonical 0x7fff), where
-// from_f32's rounding in integer operations takes several for each value.
-__device__ inline unsigned int pack_bf16(float lo, float hi) {
-#ifndef ATTNRES_EMULATOR
-    unsigned int r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#else
-    return (unsigned int)from_f32<bf16>(lo).bits | ((unsigned int)from_f32<bf16>(hi).bits << 16);
-#endif
-}
-
 // 2^x in one instruction (ex2.approx.ftz: relative error below 2^-22, results below 2^-126
 // flushed to zero), where expf takes several. The softmax runs in base 2, its scores scaled by
 // scale * log2(e), so that each probability is one fused multiply-add and one exp2.
@@ -326,29 +313,54 @@ template <int PENDING> __device__ inline void copies_wait() {
 #endif
 }
 
-// load_tile through cp.async: the copies are issued, and land after copies_wait.
+// load_tile through cp.async: the copies are issued, and land after copies_wait. The block's
+// 32 * FLASH_WARPS threads (every launch of these kernels) share the tile's 16-byte quads,
+// thread i taking quads i, i + 32 * FLASH_WARPS, ...: a loop of known length whose divisions
+// are by constants, so that each copy costs a few instructions beside the tensor cores' work.
 template <int HD, int ROWS>
 __device__ inline void load_tile_async(unsigned int* tile, const bf16* src, int b, int r0,
                                        int col0, int width, int t) {
-    constexpr int QUADS = HD / 8;
-    for (int e = threadIdx.x; e < ROWS * QUADS; e += blockDim.x) {
-        int r = e / QUADS, k = e % QUADS;
-        bool valid = r0 + r < t;
-        const bf16* from = valid ? src + ((size_t)b * t + r0 + r) * width + col0 + 8 * k : src;
-        copy_async16(tile + r * Tile<HD>::STRIDE + 4 * k, from, valid);
+    constexpr int QUADS = HD / 8, THREADS = 32 * FLASH_WARPS, COPIES = ROWS * QUADS;
+    int rows_in = t - r0;  // the tile's rows inside the sequence
+    if constexpr (THREADS % QUADS == 0 && COPIES % THREADS == 0) {
+        // Each thread copies the same quad of rows STEP apart: one address, then a stride.
+        constexpr int STEP = THREADS / QUADS;
+        int r = threadIdx.x / QUADS, k = threadIdx.x % QUADS;
+        const bf16* from = src + ((size_t)b * t + r0 + r) * width + col0 + 8 * k;
+        unsigned int* to = tile + r * Tile<HD>::STRIDE + 4 * k;
+        size_t stride = (size_t)STEP * width;
+#pragma unroll
+        for (int i = 0; i < ROWS / STEP; i++) {
+            bool valid = r + i * STEP < rows_in;
+            copy_async16(to + i * STEP * Tile<HD>::STRIDE, valid ? from + i * stride : src, valid);
+        }
+    } else {
+        const bf16* base = src + ((size_t)b * t + r0) * width + col0;
+#pragma unroll
+        for (int i = 0; i < (COPIES + THREADS - 1) / THREADS; i++) {
+            int e = threadIdx.x + i * THREADS;
+            if (COPIES % THREADS != 0 && e >= COPIES) break;
+            int r = e / QUADS, k = e % QUADS;
+            bool valid = r < rows_in;
+            copy_async16(tile + r * Tile<HD>::STRIDE + 4 * k,
+                         valid ? base + r * width + 8 * k : src, valid);
+        }
     }
 }
 
-// Minus infinity for each score of a warp's 16 rows from q0 against the tile's keys from k0
-// (as scores() leaves them) where the key is after the row or past the sequence.
-template <int KEYS> __device__ inline void mask_after(float (*s)[4], int k0, int q0, int t) {
+// Minus infinity for each score of a warp's 16 rows from r0 against the tile's columns from
+// c0 (as scores() leaves them) where the key is after the query or past the sequence: the rows
+// are queries and the columns keys, or with KEY_ROWS the other way round.
+template <int COLUMNS, bool KEY_ROWS = false>
+__device__ inline void mask_causal(float (*s)[4], int r0, int c0, int t) {
     int lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
 #pragma unroll
-    for (int n = 0; n < KEYS / 8; n++)
+    for (int n = 0; n < COLUMNS / 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            int row = q0 + g + 8 * (i >> 1), key = k0 + n * 8 + 2 * q + (i & 1);
-            if (key > row || key >= t) s[n][i] = NEG_INF;
+            int row = r0 + g + 8 * (i >> 1), column = c0 + n * 8 + 2 * q + (i & 1);
+            int key = KEY_ROWS ? row : column, query = KEY_ROWS ? column : row;
+            if (key > query || key >= t) s[n][i] = NEG_INF;
         }
 }
 
@@ -402,7 +414,7 @@ __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t,
             float s[KEYS / 8][4];
             scores<HD, KEYS>(s, qa, keys[cur]);
             // Only a tile with a key after one of the warp's rows or past the sequence is masked.
-            if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_after<KEYS>(s, k0, q0, t);
+            if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_causal<KEYS>(s, q0, k0, t);
 #pragma unroll
             for (int r = 0; r < 2; r++) {
                 float mx = m[r];
@@ -506,7 +518,7 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
             float s[KEYS / 8][4], dp[KEYS / 8][4];
             scores<HD, KEYS>(s, qa, keys[cur]);
             scores<HD, KEYS>(dp, da, vals[cur]);
-            if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_after<KEYS>(s, k0, q0, t);
+            if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_causal<KEYS>(s, q0, k0, t);
 #pragma unroll
             for (int n = 0; n < KEYS / 8; n++) {
 #pragma unroll
@@ -606,14 +618,13 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
             scores<HD, QUERIES>(dp, nullptr, dys[cur], vs, warp * 16);
             // Queries past the sequence have a bias of minus infinity; only a tile with a key
             // after one of its queries, or past the sequence, is masked.
-            bool masked = j0 + 15 > i0 || j0 + 15 >= t;
+            if (j0 + 15 > i0 || j0 + 15 >= t) mask_causal<QUERIES, true>(s, j0, i0, t);
 #pragma unroll
             for (int n = 0; n < QUERIES / 8; n++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    int key = j0 + g + 8 * (i >> 1), c = n * 8 + 2 * q + (i & 1);
+                    int c = n * 8 + 2 * q + (i & 1);
                     float p = exp2_approx(fmaf(s[n][i], scale2, sb[c]));
-                    if (masked && (key > i0 + c || key >= t)) p = 0.0f;
                     s[n][i] = p;
                     dp[n][i] = p * (dp[n][i] - sd[c]);
                 }
@@ -678,10 +689,11 @@ extern "C" __global__ void flash_forward_bf16_hd64(bf16* out, float* stats, cons
                                                    int t, int h, int kv, int hd, float scale) {
     flash_forward_t<64>(out, stats, qkv, t, h, kv, scale);
 }
-extern "C" __global__ void flash_backward_dq_bf16_hd64(bf16* dqkv, const bf16* dout,
-                                                       const bf16* qkv, const float* stats,
-                                                       const float* delta, int t, int h, int kv,
-                                                       int hd, float scale) {
+// Held to 168 registers, three blocks a multiprocessor, which it fits without spilling (ptxas
+// would take 208, leaving room for two).
+extern "C" __global__ void __launch_bounds__(32 * FLASH_WARPS, 3)
+    flash_backward_dq_bf16_hd64(bf16* dqkv, const bf16* dout, const bf16* qkv, const float* stats,
+                                const float* delta, int t, int h, int kv, int hd, float scale) {
     flash_backward_dq_t<64>(dqkv, dout, qkv, stats, delta, t, h, kv, scale);
 }
 extern "C" __global__ void flash_backward_dkv_bf16_hd64(bf16* dqkv, const bf16* dout,

@@ -24,11 +24,30 @@ __device__ inline float to_f32(float x) { return x; }
 __device__ inline float to_f32(bf16 x) { return __uint_as_float((unsigned int)x.bits << 16); }
 template <typename T> __device__ inline T from_f32(float x);
 template <> __device__ inline float from_f32<float>(float x) { return x; }
+// On a GPU one instruction (cvt.rn.bf16.f32), which makes every NaN the canonical 0x7fff; the
+// emulator rounds the bits as the host's `half` crate does (a NaN keeps its sign and payload,
+// its quiet bit set), the same value for every other input.
 template <> __device__ inline bf16 from_f32<bf16>(float x) {
+#ifndef ATTNRES_EMULATOR
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    return bf16{h};
+#else
     unsigned int u = __float_as_uint(x);
-    // A NaN stays a NaN (its quiet bit set, so that rounding cannot make it infinite).
     if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{(unsigned short)((u >> 16) | 0x40u)};
     return bf16{(unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+#endif
+}
+// lo and hi rounded to bf16 in one register, lo in the low half: on a GPU one instruction
+// (cvt.rn.bf16x2.f32).
+__device__ inline unsigned int pack_bf16(float lo, float hi) {
+#ifndef ATTNRES_EMULATOR
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned int)from_f32<bf16>(lo).bits | ((unsigned int)from_f32<bf16>(hi).bits << 16);
+#endif
 }
 
 // Sixteen bytes, eight bf16 or four f32, as one load or store.
@@ -98,7 +117,7 @@ __device__ inline void store_chunk(bf16* p, const float (&x)[CHUNK], int left) {
     if (whole_and_aligned(p, left)) {
         Quad q;
         for (int i = 0; i < 4; i++)
-            q.w[i] = from_f32<bf16>(x[2 * i]).bits | (unsigned int)from_f32<bf16>(x[2 * i + 1]).bits << 16;
+            q.w[i] = pack_bf16(x[2 * i], x[2 * i + 1]);
         quad_store(p, q);
     } else {
         for (int i = 0; i < CHUNK && i < left; i++) p[i] = from_f32<bf16>(x[i]);
