@@ -114,8 +114,9 @@ impl Device {
         unsafe { ctx.disable_event_tracking() };
         keep_freed_memory(&ctx);
         let arch = found[ordinal].arch();
+        let images = kernel_images(&arch).with_context(|| format!("GPU {ordinal}"))?;
         let mut functions = HashMap::new();
-        for ((file, cubin), &(_, src)) in kernel_images(&arch)?.into_iter().zip(KERNELS) {
+        for ((file, cubin), &(_, src)) in images.into_iter().zip(KERNELS) {
             let image = cudarc::nvrtc::Ptx::from_binary(cubin);
             let module = ctx.load_module(image).with_context(|| format!("loading {file}"))?;
             for name in kernel_names(src) {

@@ -123,6 +123,13 @@ fn ready(arch: &str) -> Result<()> {
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_alphanumeric()) {
         bail!("architecture {arch:?}: write it sm_XY, as sm_90 for Hopper");
     }
+    let number: String = digits.chars().take_while(char::is_ascii_digit).collect();
+    if number.parse::<u32>().is_ok_and(|n| n < 80) {
+        bail!(
+            "{arch}: the kernels need sm_80 (Ampere) or later, for the bf16 tensor cores and \
+             asynchronous copies of the attention"
+        );
+    }
     if !nvrtc_present() {
         bail!(
             "NVRTC (libnvrtc.so.13) is not on the library path: install PyPI's \
@@ -368,6 +375,10 @@ ptxas info    : Used 8 registers, used 0 barriers
         for arch in ["90", "sm_", "sm_9.0", "compute_90"] {
             let err = compile("k.cu", "", arch).unwrap_err().to_string();
             assert!(err.contains("write it sm_XY"), "{arch}: {err}");
+        }
+        for arch in ["sm_75", "sm_70"] {
+            let err = compile("k.cu", "", arch).unwrap_err().to_string();
+            assert!(err.contains("need sm_80 (Ampere) or later"), "{arch}: {err}");
         }
     }
 }
