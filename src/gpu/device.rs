@@ -1,7 +1,7 @@
 //! One GPU: its context and stream, the engine's kernels compiled for its architecture when it
-//! opens, the buffers it makes (`buffer.rs`), and kernel launches. In the tests the same device can instead run the
-//! kernels on the CPU (`emulator.rs`), so that every host side and kernel is checked
-//! without a GPU.
+//! opens, the buffers it makes (`buffer.rs`), and kernel launches. In the tests the same device can
+//! instead run the kernels on the CPU (`emulator.rs`), so that every host side and kernel is
+//! checked without a GPU.
 
 use super::blas::{Blas, Gemm};
 use super::buffer::{Arg, Buf, Elem, Mem, Meter};
@@ -156,11 +156,6 @@ impl Device {
         }
     }
 
-    /// A buffer of `mem`, counted in the device's bytes held.
-    fn held<T: Elem>(&self, mem: Mem<T>) -> Buf<T> {
-        self.meter.hold(mem)
-    }
-
     /// Bytes the device's buffers hold now, and the most they held since the last
     /// [`Self::reset_peak`] (cuBLASLt's workspace and the kernels' code left out).
     pub fn memory(&self) -> (usize, usize) {
@@ -179,7 +174,7 @@ impl Device {
             #[cfg(test)]
             Backend::Emulated(_) => Mem::Host(x.to_vec()),
         };
-        Ok(self.held(mem))
+        Ok(self.meter.hold(mem))
     }
 
     pub fn zeros<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
@@ -189,7 +184,7 @@ impl Device {
             #[cfg(test)]
             Backend::Emulated(_) => Mem::Host(vec![T::default(); n]),
         };
-        Ok(self.held(mem))
+        Ok(self.meter.hold(mem))
     }
 
     /// `n` values for a kernel or product to write every one of before anything reads them:
@@ -203,7 +198,7 @@ impl Device {
             #[cfg(test)]
             Backend::Emulated(_) => Mem::Host(vec![T::POISON; n]),
         };
-        Ok(self.held(mem))
+        Ok(self.meter.hold(mem))
     }
 
     /// A copy of `x`.
@@ -216,7 +211,7 @@ impl Device {
             #[cfg(test)]
             _ => bail!("a buffer used on another device"),
         };
-        Ok(self.held(mem))
+        Ok(self.meter.hold(mem))
     }
 
     /// Sets every value of `x` to zero.
