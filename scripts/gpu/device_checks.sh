@@ -13,7 +13,8 @@
 # logs go to OUT_DIR. NVRTC and cuBLASLt come from PyTorch's CUDA wheels
 # (site-packages/nvidia/cu13/lib). PARTS chooses what runs (default "device tests bench baseline
 # anchor"; "fp32" adds the exact mode's benchmark); BENCH="--batch 8 --seq 2048 ..." overrides
-# the benchmark's shape. Exits non-zero when a check fails, after running all.
+# the benchmark's shape; TEST_TIMEOUT (seconds, default 300) bounds each GPU test, whose verdicts
+# go to OUT_DIR/gpu-tests-summary.txt. Exits non-zero when a check fails, after running all.
 set -uo pipefail
 bin="$(cd "$1" && pwd)"; out="$2"
 mkdir -p "$out"
@@ -32,9 +33,21 @@ if want device; then
 fi
 if want tests; then
     step "GPU tests"
-    # The run test trains the tiny preset, whose tokenizer is trained once and cached under HOME.
-    (cd "$out" && "$bin/lib-tests" --ignored --test-threads 1 gpu:: > gpu-tests.txt 2>&1) || status=1
-    tail -25 "$out/gpu-tests.txt"
+    # One process per test under its own time limit, so that a hang costs one test and not the
+    # call; the 300-step runs last. The run test trains the tiny preset, whose tokenizer is
+    # trained once and cached under HOME.
+    tests="$("$bin/lib-tests" --ignored --list gpu:: 2>/dev/null | sed -n 's/: test$//p' \
+        | awk '/tiny_run/ { last = last $0 "\n"; next } { print } END { printf "%s", last }')"
+    : > "$out/gpu-tests.txt"
+    for t in $tests; do
+        start=$SECONDS
+        (cd "$out" && timeout "${TEST_TIMEOUT:-300}" "$bin/lib-tests" --ignored --exact "$t" \
+            >> gpu-tests.txt 2>&1)
+        rc=$?
+        case $rc in 0) verdict=ok ;; 124) verdict="TIMED OUT" ;; *) verdict="FAILED (exit $rc)" ;; esac
+        [ $rc -eq 0 ] || status=1
+        echo "$verdict  $((SECONDS - start)) s  $t" | tee -a "$out/gpu-tests-summary.txt"
+    done
 fi
 # The anchor's shape: hidden 1024, 24 layers, 16 heads, FFN 2816, vocabulary 49152, Block
 # AttnRes with 8 blocks, batch 16 x 2048 in bf16 (fp32, the exact mode, at batch 4 with "fp32"
