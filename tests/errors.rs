@@ -75,3 +75,26 @@ fn report_with_a_broken_plan_names_the_file() {
     std::fs::remove_file(&plan).unwrap();
     report(dir);
 }
+
+/// `--device cuda` where the machine has no NVIDIA driver: one line naming the missing library,
+/// before anything is written (the GPU is opened before a run directory is made). Work that
+/// runs only on the CPU is refused with `--device cuda` wherever it runs.
+#[test]
+fn asking_for_a_gpu_without_one_is_one_line() {
+    fails(
+        &["bench", "--generate", "--device", "cuda", "--preset", "tiny"],
+        &["--generate", "--device cuda"],
+    );
+    let device = attnres(&["device"]);
+    let report = String::from_utf8_lossy(&device.stdout);
+    if !report.contains("no NVIDIA driver") {
+        eprintln!("skipped the no-driver errors: this machine has an NVIDIA driver");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let out_s = out.to_str().unwrap();
+    fails(&["train", "--device", "cuda", "--preset", "tiny", "--out", out_s], &["libcuda.so.1"]);
+    assert!(!out.exists(), "train wrote {out_s} without a GPU");
+    fails(&["bench", "--device", "cuda", "--preset", "tiny", "--steps", "1"], &["libcuda.so.1"]);
+}

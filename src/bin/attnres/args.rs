@@ -357,14 +357,8 @@ pub(crate) struct TrainArgs {
     /// Plain log lines instead of a progress bar.
     #[arg(long)]
     pub no_progress: bool,
-    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (fp32, AdamW or Muon;
-    /// docs/gpu.md). Checkpoints are the same either way.
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
-    /// With --device cuda: bf16 (mixed precision: bf16 activations and matrix products over
-    /// f32 weights) or fp32 (f32 throughout, TF32 off: the exact mode).
-    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
-    pub precision: PrecisionArg,
+    #[command(flatten)]
+    pub hardware: HardwareArgs,
     /// Under mpirun: how the ranks add their gradients. exact: in the order one process adds
     /// them (bit-identical to training alone); mpi: MPI's all-reduce (docs/distributed.md).
     #[arg(long, value_enum, default_value_t = ReduceArg::Exact)]
@@ -400,13 +394,8 @@ pub(crate) struct EvalArgs {
     /// Print one JSON object with loss, perplexity and bits_per_byte.
     #[arg(long)]
     pub json: bool,
-    /// Where the model runs: cpu, or cuda for the first NVIDIA GPU (f32 models; docs/gpu.md).
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
-    /// With --device cuda: bf16 (mixed precision: bf16 activations and matrix products over
-    /// f32 weights) or fp32 (f32 throughout, TF32 off: the exact mode).
-    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
-    pub precision: PrecisionArg,
+    #[command(flatten)]
+    pub hardware: HardwareArgs,
 }
 
 #[derive(Args)]
@@ -469,14 +458,8 @@ pub(crate) struct BenchArgs {
     /// Untimed warm-up steps per mode.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
-    /// Where the steps run: cpu, or cuda for the first NVIDIA GPU (whole training steps, fp32;
-    /// docs/gpu.md).
-    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
-    pub device: DeviceArg,
-    /// With --device cuda: bf16 (mixed precision: bf16 activations and matrix products over
-    /// f32 weights) or fp32 (f32 throughout, TF32 off: the exact mode).
-    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
-    pub precision: PrecisionArg,
+    #[command(flatten)]
+    pub hardware: HardwareArgs,
     /// Residual modes to compare: standard, full, block (block uses the preset's num_blocks).
     #[arg(long, value_enum, value_delimiter = ',', default_value = "standard,block,full")]
     pub modes: Vec<Mode>,
@@ -584,11 +567,26 @@ impl From<PrecisionArg> for attnres::gpu::Precision {
     }
 }
 
-/// Where a run's steps run: `--device` at `--precision`.
-pub(crate) fn hardware(d: DeviceArg, p: PrecisionArg) -> attnres::train::run::Hardware {
-    match d {
-        DeviceArg::Cpu => attnres::train::run::Hardware::Cpu,
-        DeviceArg::Cuda => attnres::train::run::Hardware::Cuda(p.into()),
+/// Where `train`, `eval` and `bench` compute, and in which precision on a GPU.
+#[derive(Args)]
+pub(crate) struct HardwareArgs {
+    /// Where the work runs: cpu, or cuda for the first NVIDIA GPU (docs/gpu.md); checkpoints
+    /// are the same either way.
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// With --device cuda: bf16 (mixed precision: bf16 activations and matrix products over
+    /// f32 weights) or fp32 (f32 throughout, TF32 off: the exact mode).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Bf16)]
+    pub precision: PrecisionArg,
+}
+
+impl HardwareArgs {
+    /// `--device` at `--precision`.
+    pub fn get(&self) -> attnres::train::run::Hardware {
+        match self.device {
+            DeviceArg::Cpu => attnres::train::run::Hardware::Cpu,
+            DeviceArg::Cuda => attnres::train::run::Hardware::Cuda(self.precision.into()),
+        }
     }
 }
 

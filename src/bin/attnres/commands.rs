@@ -21,7 +21,7 @@ use attnres::train::parallel::pipeline::Layout;
 use attnres::train::parallel::Reduce;
 use attnres::train::presets;
 use attnres::train::run::setup::Settings;
-use attnres::train::run::{self, TrainOptions};
+use attnres::train::run::{self, Hardware, TrainOptions};
 
 pub(crate) fn command(command: Command, ranks: Option<&Ranks>) -> Result<()> {
     match command {
@@ -230,7 +230,7 @@ fn train_cmd(a: TrainArgs, ranks: Option<&Ranks>) -> Result<()> {
         overwrite: a.overwrite,
         progress: !a.no_progress,
         shared_bar: None,
-        device: hardware(a.device, a.precision),
+        device: a.hardware.get(),
     };
     let reduce = a.reduce.get();
     let layout = Layout {
@@ -374,11 +374,11 @@ fn eval_cmd(a: EvalArgs) -> Result<()> {
     let (model, bpe) = load_with_tokenizer(&a.model)?;
     let text = attnres::base::fs::read_utf8(&a.text)?;
     let origin = a.text.display().to_string();
-    let m = match a.device {
-        DeviceArg::Cpu => eval::measure(&model, &bpe, &text, &origin, a.seq)?,
-        DeviceArg::Cuda => {
+    let m = match a.hardware.get() {
+        Hardware::Cpu => eval::measure(&model, &bpe, &text, &origin, a.seq)?,
+        Hardware::Cuda(precision) => {
             let dev = attnres::gpu::device::Device::open(0)?;
-            match a.precision.into() {
+            match precision {
                 Precision::Bf16 => eval_on_gpu::<Bf16>(&dev, &model, &bpe, &text, &origin, a.seq)?,
                 Precision::Fp32 => eval_on_gpu::<f32>(&dev, &model, &bpe, &text, &origin, a.seq)?,
             }
@@ -449,14 +449,16 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     let modes: Vec<_> = a.modes.iter().map(|m| m.get()).collect();
     let configs = bench::mode_configs(&base, &modes)?;
     attnres::base::profile::enable(a.profile);
+    let on_gpu = matches!(a.hardware.device, DeviceArg::Cuda);
     if a.generate {
+        ensure!(!on_gpu, "--generate runs on the CPU (not with --device cuda)");
         return bench_generate(&a, &configs);
     }
     ensure!(
         a.checkpoints.is_empty(),
         "--checkpoint goes with --generate (training steps run fresh models)"
     );
-    if matches!(a.device, DeviceArg::Cuda) {
+    if on_gpu {
         return bench_gpu(&a, &configs);
     }
     ensure!(
@@ -499,7 +501,7 @@ fn bench_gpu(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         base.num_hidden_layers, base.hidden_size, base.num_attention_heads, a.batch, a.seq
     ));
     let plan = bench::gpu::Plan {
-        precision: a.precision.into(),
+        precision: a.hardware.precision.into(),
         batch: a.batch,
         seq: a.seq,
         warmup: a.warmup,
