@@ -327,8 +327,8 @@ impl Drop for ZeroPages {
 /// does nothing). By default glibc maps each block of 128 KiB or more afresh and returns the
 /// freed top of its heaps, so every prefill's per-layer buffers of a few hundred KiB cost page
 /// faults and zeroing again: prefill of 128 tokens ran about 1.4x faster with this
-/// (docs/performance-log.md, "The system allocator"). The bounds cap what the process holds
-/// without using it at [`KEPT_BY_SYSTEM`] per heap.
+/// (docs/performance-log/quantised.md, "The system allocator"). The bounds cap what the
+/// process holds without using it at [`KEPT_BY_SYSTEM`] per heap.
 pub fn keep_small_blocks() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {

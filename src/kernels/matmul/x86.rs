@@ -1,5 +1,5 @@
 //! The f32 matrix product on processors with AVX2 and FMA, with wider kernels where there is
-//! AVX-512 (docs/performance-log.md, "Matrix products"): `dst = (accumulate ? dst : 0) + alpha ·
+//! AVX-512 (docs/performance-log/matmul.md): `dst = (accumulate ? dst : 0) + alpha ·
 //! lhs · rhs` with any strides.
 //!
 //! The usual blocked scheme: `rhs` is packed `KC` rows at a time into panels of `NR` columns,
@@ -29,8 +29,9 @@ const NC: usize = 4096;
 /// The AVX2 tile: rows and columns (two 8-wide registers per row).
 const AVX2_MR: usize = 6;
 const AVX2_NR: usize = 16;
-/// The AVX-512 tile: rows, and 16-wide registers per row. 6 × 64 because the model's widths (256,
-/// 1024, a head's 64) are multiples of 64, not of 48 (docs/performance-log.md, "With AVX-512").
+/// The AVX-512 tile: rows, and 16-wide registers per row. 6 × 64 because the model's widths
+/// (256, 1024, a head's 64) are multiples of 64, not of 48 (docs/performance-log/matmul.md,
+/// "With AVX-512").
 const AVX512_MR: usize = 6;
 const AVX512_NV: usize = 4;
 /// Panels of `lhs` packed at a time: `MC = MC_PANELS · MR` rows (`MC × KC` floats, 96 KiB, in
