@@ -97,15 +97,67 @@ pub fn kernels() -> Result<Arc<Kernels>, String> {
 
 /// Each kernel file as a C++ file, after the emulation header and the shared reductions, in
 /// a namespace of its own, with an entry per kernel it declares.
-fn cpp_source(file: &str, src: &str) -> String {
+fn cpp_source(file: &str, src: &str) -> Result<String> {
+    let (common, src) = (poison_static_shared(COMMON)?, poison_static_shared(src)?);
     let mut out = format!(
-        "#include \"emu.h\"\nnamespace {{\n#line 1 \"reduce.cuh\"\n{COMMON}\n\
+        "#include \"emu.h\"\nnamespace {{\n#line 1 \"reduce.cuh\"\n{common}\n\
          #line 1 \"{file}\"\n{src}\n}}\n"
     );
-    for name in kernel_names(src) {
+    for name in kernel_names(&src) {
         out.push_str(&format!("EMU_KERNEL({name})\n"));
     }
-    out
+    Ok(out)
+}
+
+/// `src` with `EMU_POISON_SHARED(name);` after each static `__shared__` declaration, on its
+/// line (so that line numbers stay), for each variable it declares: the emulator fills them
+/// with NaN at the start of every block (`emu::poison_shared`).
+fn poison_static_shared(src: &str) -> Result<String> {
+    let mut out = String::with_capacity(src.len());
+    for (i, line) in src.lines().enumerate() {
+        out.push_str(line);
+        let code = line.split("//").next().unwrap_or_default();
+        if let Some((_, declared)) = code.split_once("__shared__") {
+            if !code.contains("extern") && !code.trim_start().starts_with('#') {
+                let Some((declared, _)) = declared.split_once(';') else {
+                    bail!("line {}: a __shared__ declaration on one line: {line}", i + 1);
+                };
+                for name in declared_variables(declared) {
+                    if name.is_empty() {
+                        bail!("line {}: a __shared__ declaration without a name: {line}", i + 1);
+                    }
+                    out.push_str(&format!(" EMU_POISON_SHARED({name});"));
+                }
+            }
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// The variables of a declaration without its `;`, e.g. `__align__(16) float a[2][N], b` gives
+/// `a` and `b`: each declarator's last word before its first `[`.
+fn declared_variables(declaration: &str) -> Vec<&str> {
+    let mut depth = 0i32;
+    let mut names = Vec::new();
+    let mut start = 0;
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    for (i, c) in declaration.char_indices().chain([(declaration.len(), ',')]) {
+        match c {
+            '(' | '[' | '<' => depth += 1,
+            ')' | ']' | '>' => depth -= 1,
+            ',' if depth == 0 => {
+                let part = &declaration[start..i];
+                let head = part.split('[').next().unwrap_or_default();
+                let head = head.split(')').next_back().unwrap_or_default().trim_end();
+                let from = head.rfind(|c| !is_word(c)).map_or(0, |p| p + 1);
+                names.push(&head[from..]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    names
 }
 
 fn build() -> Result<Kernels> {
@@ -144,7 +196,7 @@ fn compile(dir: &Path, library: &Path) -> Result<()> {
     let mut sources: Vec<PathBuf> = vec![runtime];
     for &(file, src) in KERNELS {
         let path = dir.join(format!("{file}.cpp"));
-        std::fs::write(&path, cpp_source(file, src))?;
+        std::fs::write(&path, cpp_source(file, src)?)?;
         sources.push(path);
     }
     let partial = dir.join(format!("kernels.so.{}", std::process::id()));
@@ -217,4 +269,37 @@ pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_shared_variables_are_found_and_poisoned() {
+        let cases: [(&str, &[&str]); 4] = [
+            ("    __shared__ float warps[32];", &["warps"]),
+            (
+                "    __shared__ __align__(16) unsigned int keys[2][Tile<HD, KEYS>::WORDS];",
+                &["keys"],
+            ),
+            (
+                "    __shared__ float st_bias[2][QUERIES], st_delta[2][QUERIES];",
+                &["st_bias", "st_delta"],
+            ),
+            ("    __shared__ int all_finite;", &["all_finite"]),
+        ];
+        for (line, names) in cases {
+            let out = poison_static_shared(line).unwrap();
+            let calls: String = names.iter().map(|n| format!(" EMU_POISON_SHARED({n});")).collect();
+            assert_eq!(out, format!("{line}{calls}\n"));
+        }
+        // Declared elsewhere, or not a declaration: left alone.
+        for line in
+            ["    extern __shared__ __align__(16) unsigned char raw[]; \\", "// __shared__ x;"]
+        {
+            assert_eq!(poison_static_shared(line).unwrap(), format!("{line}\n"));
+        }
+        assert!(poison_static_shared("    __shared__ float warps[32]").is_err());
+    }
 }

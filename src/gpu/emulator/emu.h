@@ -134,10 +134,32 @@ struct Worker {
     // Two sets of one slot per thread, for the warp exchanges.
     std::vector<uint64_t> warp_slots;
     std::vector<unsigned char> dynamic_shared;
+    // The blocks run so far, and for each static shared variable the block that last
+    // poisoned it.
+    long blocks_run = 0;
+    std::vector<std::pair<void*, long>> poisoned;
     bool deadlocked = false;
 };
 
 inline thread_local Worker* worker = nullptr;
+
+// Static shared memory (a kernel's `__shared__` variables) starts every block as NaN, as
+// dynamic shared memory does: the first thread of a block to pass a declaration fills the
+// variable with ones (emulator.rs puts EMU_POISON_SHARED after each declaration).
+inline void poison_shared(void* at, size_t bytes) {
+    Worker* w = worker;
+    for (auto& [p, block] : w->poisoned)
+        if (p == at) {
+            if (block != w->blocks_run) {
+                block = w->blocks_run;
+                std::memset(at, 0xff, bytes);
+            }
+            return;
+        }
+    w->poisoned.emplace_back(at, w->blocks_run);
+    std::memset(at, 0xff, bytes);
+}
+#define EMU_POISON_SHARED(name) emu::poison_shared(&(name), sizeof(name))
 inline std::mutex one_launch_at_a_time;
 // Room for a kernel's per-thread arrays (attention keeps four of 128 floats).
 constexpr size_t STACK_BYTES = 64 << 10;
@@ -194,10 +216,11 @@ inline void run_warp(Worker& w, int first, int end, bool descending) {
 // runs alone up to the block's next barrier, warps in ascending order in even blocks and in
 // descending order in odd ones (lanes likewise), so that a kernel which reads what another
 // warp writes, or overwrites what another warp reads, without a barrier between them does it
-// out of order in one of the two. Dynamic shared memory starts every block as NaN (all ones),
-// as a GPU's holds whatever the last block left.
+// out of order in one of the two. Shared memory starts every block as NaN (all ones), as a
+// GPU's holds whatever the last block left (static shared memory: poison_shared).
 inline void run_block(Worker& w, bool descending) {
     int n = (int)w.fibers.size();
+    w.blocks_run++;
     std::memset(w.dynamic_shared.data(), 0xff, w.dynamic_shared.size());
     for (auto& f : w.fibers) {
         start(f.context, f.stack, STACK_BYTES, fiber_main);
