@@ -24,7 +24,14 @@ fn check<A: Act>(s: AttnShape, qkv: &Buf<A>) -> Result<()> {
         s.head_dim
     );
     assert!(s.kv_heads > 0 && s.heads.is_multiple_of(s.kv_heads));
-    assert!(s.seq <= i32::MAX as usize && s.batch * s.heads <= 65_535 * 1024);
+    // Sequences-by-heads are the launches' grid y.
+    ensure!(
+        s.batch * s.heads <= 65_535,
+        "the GPU's attention takes at most 65,535 sequences x heads at once, not {} x {}",
+        s.batch,
+        s.heads
+    );
+    assert!(s.seq <= i32::MAX as usize);
     assert_eq!(qkv.len(), s.batch * s.seq * s.qkv_width());
     Ok(())
 }

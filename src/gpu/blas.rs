@@ -208,6 +208,17 @@ impl Blas {
         use sys::cublasLtMatmulPreferenceAttributes_t as P;
         let size = self.workspace.len();
         set_pref(P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, (&size as *const usize).cast(), 8)?;
+        // A product split along k adds its parts in f32 in the workspace, or is not split: the
+        // other schemes add them in the output's type (bf16 rounded at every part) or in place
+        // in an order that varies.
+        use sys::cublasLtReductionScheme_t as R;
+        let schemes = R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+        let schemes = schemes | R::CUBLASLT_REDUCTION_SCHEME_NONE as u32;
+        set_pref(
+            P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+            (&schemes as *const u32).cast(),
+            4,
+        )?;
         // cuBLASLt's A is the row-major B, its B the row-major A; D is C.
         let [align_a, align_b, align_c] = key.align;
         for (attr, align) in [

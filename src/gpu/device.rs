@@ -8,7 +8,7 @@ use super::buffer::{Arg, Buf, Elem, Mem, Meter};
 use super::driver::gpus;
 use super::nvrtc::{kernel_images, kernel_names, KERNELS};
 use super::profile::Profiler;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -29,7 +29,7 @@ enum Backend {
     Cuda {
         /// The context's default stream, which also keeps the context alive.
         stream: Arc<CudaStream>,
-        functions: HashMap<&'static str, CudaFunction>,
+        functions: HashMap<&'static str, Kernel>,
         blas: Arc<Blas>,
         /// Streaming multiprocessors.
         sms: usize,
@@ -63,23 +63,45 @@ impl Ids {
     }
 }
 
-/// Kernel `name`, or an error that names it.
-fn function<'a>(
-    functions: &'a HashMap<&str, CudaFunction>,
-    name: &str,
-) -> Result<&'a CudaFunction> {
-    functions.get(name).with_context(|| format!("no kernel {name} in src/gpu/kernels"))
+/// A loaded kernel, with the limits its compiled code puts on a launch.
+#[derive(Clone)]
+struct Kernel {
+    f: CudaFunction,
+    /// Bytes of its `__shared__` variables.
+    static_shared: u32,
+    /// The most threads a block can have, which its registers bound.
+    max_threads: u32,
 }
 
-/// Lets kernel `f` have `bytes` of dynamic shared memory: beyond 48 KB it must be allowed
-/// first.
-fn allow_shared(f: &CudaFunction, name: &str, bytes: u32) -> Result<()> {
-    if bytes > 48 * 1024 {
-        let most = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        f.set_attribute(most, bytes as i32)
-            .with_context(|| format!("{name}: {bytes} B of shared memory"))?;
+impl Kernel {
+    fn load(f: CudaFunction) -> Result<Kernel, cudarc::driver::DriverError> {
+        let static_shared = f.shared_size_bytes()? as u32;
+        let max_threads = f.max_threads_per_block()? as u32;
+        Ok(Kernel { f, static_shared, max_threads })
     }
-    Ok(())
+
+    /// Checks that a block of `threads` threads fits, and lets the kernel have `dynamic`
+    /// bytes of dynamic shared memory: beyond 48 KB with its static shared memory, that must
+    /// be allowed first.
+    fn allow(&self, name: &str, threads: u32, dynamic: u32) -> Result<()> {
+        ensure!(
+            threads <= self.max_threads,
+            "{name}: a block of {threads} threads, more than the {} its registers allow",
+            self.max_threads
+        );
+        if self.static_shared + dynamic > 48 * 1024 {
+            let most = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+            self.f.set_attribute(most, dynamic as i32).with_context(|| {
+                format!("{name}: {} B of shared memory", self.static_shared + dynamic)
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// Kernel `name`, or an error that names it.
+fn function<'a>(functions: &'a HashMap<&str, Kernel>, name: &str) -> Result<&'a Kernel> {
+    functions.get(name).with_context(|| format!("no kernel {name} in src/gpu/kernels"))
 }
 
 /// Makes the device's memory pool keep what is freed for the next allocations. By default it
@@ -120,8 +142,8 @@ impl Device {
             let image = cudarc::nvrtc::Ptx::from_binary(cubin);
             let module = ctx.load_module(image).with_context(|| format!("loading {file}"))?;
             for name in kernel_names(src) {
-                let f = module.load_function(name).with_context(|| format!("{file}: {name}"))?;
-                functions.insert(name, f);
+                let f = module.load_function(name).and_then(Kernel::load);
+                functions.insert(name, f.with_context(|| format!("{file}: {name}"))?);
             }
         }
         let sms = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT;
@@ -281,9 +303,10 @@ impl Device {
     pub fn resident_blocks(&self, name: &str, threads: u32, shared: u32) -> Result<usize> {
         match &self.backend {
             Backend::Cuda { functions, sms, .. } => {
-                let f = function(functions, name)?;
-                allow_shared(f, name, shared)?;
-                let per_sm = f
+                let k = function(functions, name)?;
+                k.allow(name, threads, shared)?;
+                let per_sm = k
+                    .f
                     .occupancy_max_active_blocks_per_multiprocessor(threads, shared as usize, None)
                     .with_context(|| format!("{name}: occupancy"))?;
                 Ok(sms * per_sm.max(1) as usize)
@@ -299,20 +322,30 @@ impl Device {
     /// `args` are the kernel's parameters in its order, each of its type, and every buffer
     /// holds what the kernel reads or writes over `cfg`.
     pub unsafe fn launch(&self, name: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let (x, y, z) = cfg.grid_dim;
+        if x == 0 || y == 0 || z == 0 {
+            // Nothing to compute, which a GPU would refuse to launch.
+            return Ok(());
+        }
+        ensure!(
+            y <= 65_535 && z <= 65_535,
+            "{name}: a grid of {x} x {y} x {z} blocks (at most 65,535 along y and z)"
+        );
         self.stamp(name)?;
         let mut values: Vec<u64> = args.iter().map(|a| a.bits()).collect();
         let mut params: Vec<*mut c_void> =
             values.iter_mut().map(|v| v as *mut u64 as *mut c_void).collect();
         match &self.backend {
             Backend::Cuda { stream, functions, .. } => {
-                let f = function(functions, name)?;
+                let k = function(functions, name)?;
                 stream.context().bind_to_thread()?;
-                allow_shared(f, name, cfg.shared_mem_bytes)?;
+                let (bx, by, bz) = cfg.block_dim;
+                k.allow(name, bx * by * bz, cfg.shared_mem_bytes)?;
                 // SAFETY: the caller's promise; `params` point at the arguments' values,
                 // which outlive the call (the driver copies them when it queues the launch).
                 unsafe {
                     cudarc::driver::result::launch_kernel(
-                        f.cu_function(),
+                        k.f.cu_function(),
                         cfg.grid_dim,
                         cfg.block_dim,
                         cfg.shared_mem_bytes,
@@ -340,6 +373,8 @@ impl Device {
         match &self.backend {
             // SAFETY: the caller's promise.
             Backend::Cuda { blas, stream, .. } => {
+                // cuBLASLt works in the thread's current context, as kernels launch.
+                stream.context().bind_to_thread()?;
                 unsafe { blas.matmul(stream, g, a.bits(), b.bits(), c.bits()) }
                     .with_context(|| format!("cuBLASLt failed on {g:?}"))
             }
@@ -369,5 +404,25 @@ mod tests {
         dev.reset_peak();
         drop(c);
         assert_eq!(dev.memory(), (0, 4000));
+    }
+
+    /// A grid without blocks launches nothing (a GPU would refuse it); one taller than a GPU
+    /// allows is an error that says so, on the emulator as on a GPU.
+    #[test]
+    fn grids_are_held_to_the_gpu_s_limits() {
+        let Some(dev) = Device::emulated("grids_are_held_to_the_gpu_s_limits") else { return };
+        let mut x = dev.upload(&[1.0f32, 2.0]).unwrap();
+        let args = [x.arg_mut(), Arg::f32(3.0), Arg::i64(2)];
+        let grid = |grid_dim| LaunchConfig { grid_dim, block_dim: (32, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `scale` takes (x, s, n), and `x` holds n values.
+        let scale = |g| unsafe { dev.launch("scale", grid(g), &args) };
+        scale((0, 1, 1)).unwrap();
+        assert_eq!(dev.download(&x).unwrap(), [1.0, 2.0]);
+        for tall in [(1, 65_536, 1), (1, 1, 65_536)] {
+            let err = scale(tall).unwrap_err().to_string();
+            assert!(err.contains("scale") && err.contains("65,535"), "{err}");
+        }
+        scale((1, 1, 1)).unwrap();
+        assert_eq!(dev.download(&x).unwrap(), [3.0, 6.0]);
     }
 }

@@ -32,6 +32,18 @@ pub fn gpus() -> Result<Vec<Gpu>> {
     };
     let failed = |e: result::DriverError| anyhow::anyhow!("the CUDA driver failed: {e}");
     result::init().map_err(failed)?;
+    // The bindings are CUDA 13's: an older driver lacks some of their functions, whose first
+    // call would panic, and cuBLASLt and NVRTC 13 need it too.
+    let mut version = 0;
+    // SAFETY: writes one int.
+    unsafe { sys::cuDriverGetVersion(&mut version) }.result().map_err(failed)?;
+    if version < 13000 {
+        let (major, minor) = (version / 1000, version % 1000 / 10);
+        bail!(
+            "the NVIDIA driver supports CUDA {major}.{minor}; the engine needs CUDA 13 (a driver \
+             of version 580 or later)"
+        );
+    }
     let count = result::device::get_count().map_err(failed)?;
     let mut out = Vec::new();
     for ordinal in 0..count {

@@ -60,11 +60,12 @@ pub const ROW_CHUNK: usize = 8;
 
 /// A launch of one block per row of `d` values, for the kernels that reduce over a row: a power
 /// of two of threads, as `reduce.cuh` needs, with a chunk of [`ROW_CHUNK`] values for each
-/// (several above 8192 values). The threads depend on `d` alone: `row_dot` (reduce.cuh) gives
-/// the same bits in every kernel only with the same threads.
+/// (several above 4096 values). At most 512 threads, so that a kernel of up to 128 registers a
+/// thread fits the 65,536 of a block. The threads depend on `d` alone: `row_dot` (reduce.cuh)
+/// gives the same bits in every kernel only with the same threads.
 pub fn per_row(rows: usize, d: usize) -> cudarc::driver::LaunchConfig {
     assert!(rows <= i32::MAX as usize && d <= i32::MAX as usize);
-    let threads = d.div_ceil(ROW_CHUNK).next_power_of_two().clamp(32, 1024) as u32;
+    let threads = d.div_ceil(ROW_CHUNK).next_power_of_two().clamp(32, 512) as u32;
     cudarc::driver::LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads, 1, 1),

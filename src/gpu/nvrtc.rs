@@ -6,7 +6,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::nvrtc::{result as nvrtc, sys};
 use rayon::prelude::*;
 use std::ffi::CString;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// What every kernel file starts with when compiled: the bf16 type and the block-wide
@@ -111,10 +111,25 @@ pub fn parse_ptxas_log(log: &str) -> Vec<Resources> {
     found
 }
 
-/// Every kernel file compiled with NVRTC for `arch` (`sm_90`, …); the first that fails ends it
-/// with NVRTC's log.
+/// Every kernel file compiled with NVRTC for `arch` (`sm_90`, …), side by side (NVRTC takes
+/// separate programs on separate threads), each CUBIN also put in [`kernel_images`]' cache so
+/// that a device opened next finds them; one that fails ends it with NVRTC's log.
 pub fn compile_all(arch: &str) -> Result<Vec<Compiled>> {
-    KERNELS.iter().map(|&(file, src)| compile(file, src, arch)).collect()
+    compile_all_in(&cache_dir().join("kernels"), arch)
+}
+
+/// [`compile_all`] with the cache in `dir`.
+fn compile_all_in(dir: &Path, arch: &str) -> Result<Vec<Compiled>> {
+    ready(arch)?;
+    let cache = Cache::new(dir, arch)?;
+    KERNELS
+        .par_iter()
+        .map(|&(file, src)| {
+            let compiled = compile(file, src, arch)?;
+            cache.put(file, src, &compiled.cubin);
+            Ok(compiled)
+        })
+        .collect()
 }
 
 /// An error unless `arch` is written as NVRTC takes it and the NVRTC library is present.
@@ -216,33 +231,56 @@ pub fn kernel_images(arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
 /// [`kernel_images`] with the cache in `dir`.
 fn kernel_images_in(dir: &Path, arch: &str) -> Result<Vec<(&'static str, Vec<u8>)>> {
     ready(arch)?;
-    let version = nvrtc_version()?;
+    let cache = Cache::new(dir, arch)?;
     // The files compile side by side (NVRTC takes separate programs on separate threads).
     KERNELS
         .par_iter()
         .map(|&(file, src)| {
-            let stem = file.trim_end_matches(".cu");
-            let options = options(arch).join(" ");
-            let key = content_key(&[
-                COMMON.as_bytes(),
-                src.as_bytes(),
-                version.as_bytes(),
-                options.as_bytes(),
-            ]);
-            let path = dir.join(format!("{stem}-{arch}-{key}.cubin"));
-            if let Ok(bytes) = std::fs::read(&path) {
-                if !bytes.is_empty() {
-                    return Ok((file, bytes));
-                }
+            if let Some(cubin) = cache.get(file, src) {
+                return Ok((file, cubin));
             }
             let cubin = compile(file, src, arch)?.cubin;
-            // A cache that cannot be written costs the next run time, nothing else.
-            let _ = std::fs::create_dir_all(dir)
-                .map_err(anyhow::Error::from)
-                .and_then(|_| write_atomic(&path, &cubin));
+            cache.put(file, src, &cubin);
             Ok((file, cubin))
         })
         .collect()
+}
+
+/// The folder of compiled kernels: a CUBIN per kernel file, architecture, and version of the
+/// sources, of NVRTC and of its options.
+struct Cache {
+    dir: PathBuf,
+    arch: String,
+    nvrtc: String,
+}
+
+impl Cache {
+    /// The cache in `dir`; NVRTC is present (`ready`).
+    fn new(dir: &Path, arch: &str) -> Result<Cache> {
+        Ok(Cache { dir: dir.to_path_buf(), arch: arch.to_string(), nvrtc: nvrtc_version()? })
+    }
+
+    fn path(&self, file: &str, src: &str) -> PathBuf {
+        let stem = file.trim_end_matches(".cu");
+        let options = options(&self.arch).join(" ");
+        let sources = [COMMON, src, &self.nvrtc, &options].map(str::as_bytes);
+        let key = content_key(&sources);
+        self.dir.join(format!("{stem}-{}-{key}.cubin", self.arch))
+    }
+
+    /// The cached CUBIN of `file`, if there is one that is an ELF image (what the driver
+    /// loads), not a truncated or foreign file.
+    fn get(&self, file: &str, src: &str) -> Option<Vec<u8>> {
+        std::fs::read(self.path(file, src)).ok().filter(|bytes| bytes.starts_with(b"\x7fELF"))
+    }
+
+    /// Keeps `cubin` for `file`. A cache that cannot be written costs the next run time,
+    /// nothing else.
+    fn put(&self, file: &str, src: &str, cubin: &[u8]) {
+        let _ = std::fs::create_dir_all(&self.dir)
+            .map_err(anyhow::Error::from)
+            .and_then(|_| write_atomic(&self.path(file, src), cubin));
+    }
 }
 
 #[cfg(test)]
@@ -271,8 +309,14 @@ mod tests {
         if !nvrtc_or_skip("every_kernel_compiles_for_hopper") {
             return;
         }
-        let compiled = compile_all("sm_90").unwrap();
+        let cache = tempfile::tempdir().unwrap();
+        let compiled = compile_all_in(cache.path(), "sm_90").unwrap();
         assert_eq!(compiled.len(), KERNELS.len());
+        // What a device opened next loads, from the cache.
+        let cached = Cache::new(cache.path(), "sm_90").unwrap();
+        for (k, &(file, src)) in compiled.iter().zip(KERNELS) {
+            assert_eq!(cached.get(file, src).as_ref(), Some(&k.cubin), "{file}: not cached");
+        }
         for (k, &(file, src)) in compiled.iter().zip(KERNELS) {
             assert_eq!(k.file, file);
             assert!(k.ptx.contains(".target sm_90"), "{file}: not compiled for sm_90");
@@ -320,15 +364,18 @@ mod tests {
             // An ELF file, as the driver loads it.
             assert_eq!(&cubin[..4], b"\x7fELF", "{file}");
         }
-        // The cache is what the next call reads: a marked entry comes back as it is, an empty
-        // one is made again.
-        std::fs::write(dir.path().join(&cached[0]), b"marked").unwrap();
+        // The cache is what the next call reads: a marked ELF entry comes back as it is, an
+        // empty one or one that is not ELF is made again.
+        std::fs::write(dir.path().join(&cached[0]), b"\x7fELF marked").unwrap();
         std::fs::write(dir.path().join(&cached[1]), b"").unwrap();
+        std::fs::write(dir.path().join(&cached[2]), b"<html>").unwrap();
         let second = kernel_images_in(dir.path(), "sm_90").unwrap();
-        assert_eq!(second[0].1, b"marked");
-        assert_eq!(second[1].1, first[1].1);
-        assert_eq!(second[2..], first[2..]);
-        assert_eq!(std::fs::read(dir.path().join(&cached[1])).unwrap(), first[1].1);
+        assert_eq!(second[0].1, b"\x7fELF marked");
+        assert_eq!(second[1..], first[1..]);
+        for made in &cached[1..3] {
+            let i = cached.iter().position(|c| c == made).unwrap();
+            assert_eq!(std::fs::read(dir.path().join(made)).unwrap(), first[i].1);
+        }
     }
 
     #[test]
