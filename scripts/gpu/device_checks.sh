@@ -14,7 +14,8 @@
 # (site-packages/nvidia/cu13/lib). PARTS chooses what runs (default "device tests bench baseline
 # anchor"; "fp32" adds the exact mode's benchmark); BENCH="--batch 8 --seq 2048 ..." overrides
 # the benchmark's shape; TEST_TIMEOUT (seconds, default 300) bounds each GPU test, whose verdicts
-# go to OUT_DIR/gpu-tests-summary.txt. Exits non-zero when a check fails, after running all.
+# go to OUT_DIR/gpu-tests-summary.txt. Exits non-zero when a check fails, after running all. On
+# a rerun after a failure, CUDA_LAUNCH_BLOCKING=1 makes a fault show at the launch that made it.
 set -uo pipefail
 bin="$(cd "$1" && pwd)"; out="$2"
 mkdir -p "$out"

@@ -73,6 +73,28 @@ impl Gemm {
         Gemm { ab, c, ..self }
     }
 
+    /// The product as a profile names it: `C[m, n] = A[m, k]·B[k, n]`, an operand stored
+    /// transposed written as stored with ᵀ (`B[n, k]ᵀ`), `+=` where β ≠ 0, then the operands'
+    /// type and the result's.
+    pub fn label(&self) -> String {
+        let operand = |name: &str, rows: usize, cols: usize, trans: bool| {
+            if trans {
+                format!("{name}[{cols}, {rows}]ᵀ")
+            } else {
+                format!("{name}[{rows}, {cols}]")
+            }
+        };
+        let a = operand("A", self.m, self.k, self.a_trans);
+        let b = operand("B", self.k, self.n, self.b_trans);
+        let op = if self.beta == 0.0 { "=" } else { "+=" };
+        let name = |d: DType| match d {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        };
+        let (m, n, ab, c) = (self.m, self.n, name(self.ab), name(self.c));
+        format!("C[{m}, {n}] {op} {a}·{b} {ab}→{c}")
+    }
+
     /// Values each operand spans from its first: A, B, C.
     pub fn spans(&self) -> (usize, usize, usize) {
         let span = |rows: usize, cols: usize, ld: usize| {

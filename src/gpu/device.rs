@@ -7,7 +7,7 @@ use super::blas::{Blas, Gemm};
 use super::buffer::{Arg, Buf, Elem, Mem, Meter};
 use super::driver::gpus;
 use super::nvrtc::{kernel_images, kernel_names, KERNELS};
-use super::profile::Profiler;
+use super::profile::{Op, Profiler};
 use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig};
 use std::collections::HashMap;
@@ -272,7 +272,7 @@ impl Device {
 
     /// Stamps the start of operation `what` where a profile is open.
     fn stamp(&self, what: &str) -> Result<()> {
-        self.profiler.stamp(what, self.stream())
+        self.profiler.stamp(|| what.to_string(), 0.0, self.stream())
     }
 
     /// Starts timing each operation queued from now on ([`Self::profile_close`] says how long
@@ -281,9 +281,9 @@ impl Device {
         self.profiler.open();
     }
 
-    /// Seconds per operation since [`Self::profile_open`], the most first (waiting for the
-    /// work queued): kernels by name, cuBLASLt's products together, copies and zeroing.
-    pub fn profile_close(&self) -> Result<Vec<(String, f64)>> {
+    /// The operations since [`Self::profile_open`], the costliest first (waiting for the
+    /// work queued): kernels by name, cuBLASLt's products by shape, copies and zeroing.
+    pub fn profile_close(&self) -> Result<Vec<Op>> {
         self.profiler.close(self.stream())
     }
 
@@ -369,7 +369,8 @@ impl Device {
     /// # Safety
     /// `a`, `b` and `c` hold what `g` spans from them, and `c` overlaps neither.
     pub(super) unsafe fn matmul(&self, g: &Gemm, a: Arg, b: Arg, c: Arg) -> Result<()> {
-        self.stamp("matrix products (cuBLASLt)")?;
+        let flops = 2.0 * (g.m * g.n * g.k) as f64;
+        self.profiler.stamp(|| g.label(), flops, self.stream())?;
         match &self.backend {
             // SAFETY: the caller's promise.
             Backend::Cuda { blas, stream, .. } => {

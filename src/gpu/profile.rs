@@ -6,6 +6,7 @@
 
 use anyhow::Result;
 use cudarc::driver::{CudaEvent, CudaStream};
+use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -15,10 +16,28 @@ enum Stamp {
     Host(Instant),
 }
 
-/// The stamps of the open profile, if one is open.
+/// One operation of a profile: a kernel by name, a matrix product by shape, a copy.
+#[derive(Clone, Debug, Serialize)]
+pub struct Op {
+    pub what: String,
+    pub seconds: f64,
+    /// Times it was queued.
+    pub calls: usize,
+    /// Floating-point operations it did in all (products only; 0 for the rest).
+    pub flops: f64,
+}
+
+impl Op {
+    /// Whether it is one of cuBLASLt's products.
+    pub fn is_product(&self) -> bool {
+        self.flops > 0.0
+    }
+}
+
+/// The stamps of the open profile, if one is open: what each starts, and its flops.
 #[derive(Default)]
 pub struct Profiler {
-    stamps: Mutex<Option<Vec<(String, Stamp)>>>,
+    stamps: Mutex<Option<Vec<(String, f64, Stamp)>>>,
 }
 
 impl Profiler {
@@ -27,9 +46,15 @@ impl Profiler {
         *self.stamps.lock().unwrap_or_else(|e| e.into_inner()) = Some(Vec::new());
     }
 
-    /// Stamps the start of operation `what` where a profile is open: on `stream`, or with the
-    /// host's clock.
-    pub fn stamp(&self, what: &str, stream: Option<&Arc<CudaStream>>) -> Result<()> {
+    /// Stamps the start of operation `what` (of `flops` floating-point operations, for a
+    /// product) where a profile is open: on `stream`, or with the host's clock. `what` is
+    /// made only then.
+    pub fn stamp(
+        &self,
+        what: impl FnOnce() -> String,
+        flops: f64,
+        stream: Option<&Arc<CudaStream>>,
+    ) -> Result<()> {
         let mut stamps = self.stamps.lock().unwrap_or_else(|e| e.into_inner());
         let Some(stamps) = stamps.as_mut() else { return Ok(()) };
         let stamp = match stream {
@@ -39,30 +64,38 @@ impl Profiler {
             }
             None => Stamp::Host(Instant::now()),
         };
-        stamps.push((what.to_string(), stamp));
+        stamps.push((what(), flops, stamp));
         Ok(())
     }
 
     /// Closes the profile with a last stamp (queued after the work before it, on `stream`):
-    /// seconds per operation, the most first. Empty where none was open.
-    pub fn close(&self, stream: Option<&Arc<CudaStream>>) -> Result<Vec<(String, f64)>> {
-        self.stamp("end", stream)?;
+    /// the operations, the costliest first. Empty where none was open.
+    pub fn close(&self, stream: Option<&Arc<CudaStream>>) -> Result<Vec<Op>> {
+        self.stamp(|| "end".to_string(), 0.0, stream)?;
         let Some(stamps) = self.stamps.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             return Ok(Vec::new());
         };
-        let mut total: HashMap<String, f64> = HashMap::new();
+        let mut ops: HashMap<String, Op> = HashMap::new();
         for pair in stamps.windows(2) {
-            let ((what, from), (_, to)) = (&pair[0], &pair[1]);
+            let ((what, flops, from), (_, _, to)) = (&pair[0], &pair[1]);
             let secs = match (from, to) {
                 // Waits for both events.
                 (Stamp::Event(a), Stamp::Event(b)) => a.elapsed_ms(b)? as f64 / 1e3,
                 (Stamp::Host(a), Stamp::Host(b)) => (*b - *a).as_secs_f64(),
                 _ => unreachable!("one device stamps one way"),
             };
-            *total.entry(what.clone()).or_default() += secs;
+            let op = ops.entry(what.clone()).or_insert_with(|| Op {
+                what: what.clone(),
+                seconds: 0.0,
+                calls: 0,
+                flops: 0.0,
+            });
+            op.seconds += secs;
+            op.calls += 1;
+            op.flops += flops;
         }
-        let mut total: Vec<(String, f64)> = total.into_iter().collect();
-        total.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-        Ok(total)
+        let mut ops: Vec<Op> = ops.into_values().collect();
+        ops.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.what.cmp(&b.what)));
+        Ok(ops)
     }
 }

@@ -9,6 +9,7 @@ use crate::gpu::blas::Gemm;
 use crate::gpu::buffer::Bf16;
 use crate::gpu::device::Device;
 use crate::gpu::gemm::gemm;
+use crate::gpu::profile::Op;
 use crate::gpu::Precision;
 use crate::model::{Config, Model};
 use crate::train::gpu::trainer;
@@ -29,10 +30,9 @@ pub struct GpuModeResult {
     pub peak_bytes: usize,
     /// Step time over the first mode's.
     pub vs_first: f64,
-    /// With `Plan::profile`, the seconds of one more step spent in each operation, the most
-    /// first.
+    /// With `Plan::profile`, the operations of one more step, the costliest first.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub profile: Vec<(String, f64)>,
+    pub profile: Vec<Op>,
 }
 
 #[derive(Serialize)]
@@ -199,23 +199,52 @@ impl GpuBenchReport {
     }
 }
 
-/// The operations of one profiled step of mode `m`: the costliest each on a line, the rest
-/// together.
+/// The operations of one profiled step of mode `m`: the costliest each on a line (cuBLASLt's
+/// products together), the rest together; then the products by shape, with their rate.
 fn profile_table(m: &GpuModeResult) -> String {
     const SHOWN: usize = 16;
-    let total: f64 = m.profile.iter().map(|(_, s)| s).sum();
-    let mut out = format!("\none {} step by operation ({:.1} ms):\n", m.residual, total * 1e3);
-    let line = |out: &mut String, what: &str, secs: f64| {
-        let share = 100.0 * secs / total;
-        let _ = writeln!(out, "  {what:<34} {:>8.2} ms {share:>5.1}%", secs * 1e3);
+    let total: f64 = m.profile.iter().map(|op| op.seconds).sum();
+    let (products, others): (Vec<&Op>, Vec<&Op>) = m.profile.iter().partition(|op| op.is_product());
+    let together = |what: String, ops: &[&Op]| Op {
+        what,
+        seconds: ops.iter().map(|op| op.seconds).sum(),
+        calls: ops.iter().map(|op| op.calls).sum(),
+        flops: ops.iter().map(|op| op.flops).sum(),
     };
-    for (what, secs) in m.profile.iter().take(SHOWN) {
-        line(&mut out, what, *secs);
+    // The costliest SHOWN of `ops` (sorted), then the rest on one line.
+    let shown = |mut ops: Vec<Op>| {
+        if ops.len() > SHOWN {
+            let rest: Vec<&Op> = ops[SHOWN..].iter().collect();
+            let rest = together(format!("{} others", rest.len()), &rest);
+            ops.truncate(SHOWN);
+            ops.push(rest);
+        }
+        ops
+    };
+    let mut main: Vec<Op> = others.into_iter().cloned().collect();
+    if !products.is_empty() {
+        main.push(together("matrix products (cuBLASLt)".into(), &products));
     }
-    if m.profile.len() > SHOWN {
-        let rest = &m.profile[SHOWN..];
-        let secs = rest.iter().map(|(_, s)| s).sum();
-        line(&mut out, &format!("{} others", rest.len()), secs);
+    main.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
+    let line = |out: &mut String, op: &Op, width: usize| {
+        let share = 100.0 * op.seconds / total;
+        let rate = if op.flops > 0.0 {
+            format!(" {:>6.1} TFLOP/s", op.flops / op.seconds / 1e12)
+        } else {
+            String::new()
+        };
+        let (what, ms, calls) = (&op.what, op.seconds * 1e3, op.calls);
+        let _ = writeln!(out, "  {what:<width$} {ms:>8.2} ms {share:>5.1}% {calls:>5} calls{rate}");
+    };
+    let mut out = format!("\none {} step by operation ({:.1} ms):\n", m.residual, total * 1e3);
+    for op in &shown(main) {
+        line(&mut out, op, 34);
+    }
+    if !products.is_empty() {
+        out.push_str("\nits matrix products by shape:\n");
+        for op in &shown(products.into_iter().cloned().collect()) {
+            line(&mut out, op, 60);
+        }
     }
     out
 }
@@ -254,13 +283,23 @@ mod tests {
         assert!(table.contains("| standard |") && table.contains("| block"), "{table}");
         // The profiled step's operations: the depth attention's kernels in Block's alone.
         let ops = |m: &GpuModeResult| -> Vec<String> {
-            assert!(m.profile.iter().all(|(_, secs)| *secs >= 0.0) && m.profile[0].1 > 0.0);
-            m.profile.iter().map(|(what, _)| what.clone()).collect()
+            assert!(m.profile.iter().all(|op| op.seconds >= 0.0 && op.calls > 0));
+            assert!(m.profile[0].seconds > 0.0);
+            m.profile.iter().map(|op| op.what.clone()).collect()
         };
         let (standard, block) = (ops(&report.modes[0]), ops(&report.modes[1]));
-        for op in ["adamw", "matrix products (cuBLASLt)", "flash_forward_bf16_hd16"] {
+        for op in ["adamw", "flash_forward_bf16_hd16"] {
             assert!(standard.iter().any(|o| o == op) && block.iter().any(|o| o == op), "{op}");
         }
+        // The products by shape, with their operations: the language-model head's forward
+        // product, once a step.
+        let c = report_config();
+        let (tokens, d, v) = (2 * 16, c.hidden_size, c.vocab_size);
+        let head = format!("C[{tokens}, {v}] = A[{tokens}, {d}]·B[{v}, {d}]ᵀ bf16→bf16");
+        let found = report.modes[0].profile.iter().find(|op| op.what == head);
+        let found = found.unwrap_or_else(|| panic!("no {head} in {standard:?}"));
+        assert_eq!((found.calls, found.flops), (1, 2.0 * (tokens * d * v) as f64));
+        assert!(table.contains("matrix products (cuBLASLt)") && table.contains(&head), "{table}");
         let depth = |ops: &[String]| ops.iter().any(|o| o.starts_with("depth_phase1"));
         assert!(depth(&block) && !depth(&standard), "{block:?}");
         assert!(table.contains("one block1 step by operation"), "{table}");
