@@ -37,7 +37,7 @@ if want tests; then
     # One process per test under its own time limit, so that a hang costs one test and not the
     # call; the 300-step runs last. The run test trains the tiny preset, whose tokenizer is
     # trained once and cached under HOME.
-    tests="$("$bin/lib-tests" --ignored --list gpu:: 2>/dev/null | sed -n 's/: test$//p' \
+    tests="$("$bin/lib-tests" --ignored --list on_the_gpu 2>/dev/null | sed -n 's/: test$//p' \
         | awk '/tiny_run/ { last = last $0 "\n"; next } { print } END { printf "%s", last }')"
     : > "$out/gpu-tests.txt"
     for t in $tests; do
