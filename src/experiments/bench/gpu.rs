@@ -342,16 +342,18 @@ mod tests {
             let report = run(&dev, "emulated", &modes, plan, |_| {}).unwrap();
             report.modes.iter().map(|m| m.peak_bytes as f64).collect()
         };
-        let (small, large) = (peaks(16), peaks(48));
+        let (few, more, anchor_tokens) = (16, 48, 16 * 2048);
+        let (small, large) = (peaks(few), peaks(more));
+        let per_token = |s: f64, l: f64| (l - s) / (more - few) as f64;
         let projected: Vec<f64> = small
             .iter()
             .zip(&large)
-            .map(|(s, l)| s + (l - s) / 32.0 * (16.0 * 2048.0 - 16.0))
+            .map(|(&s, &l)| s + per_token(s, l) * (anchor_tokens - few) as f64)
             .collect();
         let ratio = projected[1] / projected[0];
         eprintln!(
-            "peak bytes at 16 tokens {small:?}, at 48 {large:?}; projected to 32768: standard \
-             {:.2} GB, block {:.2} GB, {ratio:.3}x",
+            "peak bytes at {few} tokens {small:?}, at {more} {large:?}; projected to \
+             {anchor_tokens}: standard {:.2} GB, block {:.2} GB, {ratio:.3}x",
             projected[0] / 1e9,
             projected[1] / 1e9
         );
