@@ -115,6 +115,13 @@ inline void start(Context& c, char* stack, size_t bytes, void (*entry)()) {
 }
 #endif
 
+// 16 bytes bound for shared memory, read from global memory when the copy was issued.
+struct AsyncCopy {
+    void* to;
+    unsigned char bytes[16];
+    long group;
+};
+
 struct Fiber {
     Context context;
     char* stack;
@@ -123,6 +130,10 @@ struct Fiber {
     State state;
     // Warp exchanges so far in the block: their slots alternate between two sets.
     long exchanges;
+    // Asynchronous copies (cp.async) issued and not yet landed, each with its group: the
+    // number of groups committed before it was issued.
+    std::vector<AsyncCopy> copies;
+    long groups_committed;
 };
 
 // One worker thread: the fibers of the block it runs, and what they share.
@@ -160,6 +171,34 @@ inline void poison_shared(void* at, size_t bytes) {
     std::memset(at, 0xff, bytes);
 }
 #define EMU_POISON_SHARED(name) emu::poison_shared(&(name), sizeof(name))
+
+// cp.async: between its issue and the wait that must see it (cp.async.wait_group) a copy's
+// destination holds no defined value on a GPU, so here it holds NaN (all ones) from the issue
+// and the copy lands only at that wait. A read before the wait, or a copy issued into a buffer
+// that another warp has yet to finish reading, reads NaN and fails the tests.
+inline void copy_async16(void* to, const void* from, bool valid) {
+    AsyncCopy c{to, {}, worker->current->groups_committed};
+    if (valid) std::memcpy(c.bytes, from, sizeof c.bytes);
+    worker->current->copies.push_back(c);
+    std::memset(to, 0xff, sizeof c.bytes);
+}
+// cp.async.commit_group: the copies issued since the last commit become the newest group.
+inline void copies_commit() { worker->current->groups_committed++; }
+// cp.async.wait_group: lands every copy but those of the `pending` newest groups and those
+// not yet committed to a group.
+inline void copies_wait(int pending) {
+    Fiber* f = worker->current;
+    long landed = f->groups_committed - pending;
+    std::vector<AsyncCopy> still;
+    for (const AsyncCopy& c : f->copies) {
+        if (c.group < landed)
+            std::memcpy(c.to, c.bytes, sizeof c.bytes);
+        else
+            still.push_back(c);
+    }
+    f->copies.swap(still);
+}
+
 inline std::mutex one_launch_at_a_time;
 // Room for a kernel's per-thread arrays (attention keeps four of 128 floats).
 constexpr size_t STACK_BYTES = 64 << 10;
@@ -226,6 +265,8 @@ inline void run_block(Worker& w, bool descending) {
         start(f.context, f.stack, STACK_BYTES, fiber_main);
         f.state = State::Runnable;
         f.exchanges = 0;
+        f.copies.clear();
+        f.groups_committed = 0;
     }
     int warps = (n + 31) / 32;
     for (;;) {

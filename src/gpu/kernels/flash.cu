@@ -286,16 +286,14 @@ extern "C" __global__ void fragment_check(unsigned int* out, const bf16* tile_va
 
 // 16 bytes from global memory into shared memory without passing through registers
 // (cp.async), zeros where `valid` is false (then `src` is only a valid address); the copy lands
-// after copies_wait and a barrier. The emulator copies at once.
+// after copies_wait and a barrier. The emulator lands it at the wait, not before.
 __device__ inline void copy_async16(unsigned int* dst, const bf16* src, bool valid) {
 #ifndef ATTNRES_EMULATOR
     unsigned int at = (unsigned int)__cvta_generic_to_shared(dst);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src),
                  "r"(valid ? 16 : 0));
 #else
-    Quad v = {{0u, 0u, 0u, 0u}};
-    if (valid) __builtin_memcpy(&v, src, sizeof v);
-    *(Quad*)dst = v;
+    emu::copy_async16(dst, src, valid);
 #endif
 }
 
@@ -303,6 +301,8 @@ __device__ inline void copy_async16(unsigned int* dst, const bf16* src, bool val
 __device__ inline void copies_commit() {
 #ifndef ATTNRES_EMULATOR
     asm volatile("cp.async.commit_group;\n" ::);
+#else
+    emu::copies_commit();
 #endif
 }
 
@@ -310,6 +310,8 @@ __device__ inline void copies_commit() {
 template <int PENDING> __device__ inline void copies_wait() {
 #ifndef ATTNRES_EMULATOR
     asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+#else
+    emu::copies_wait(PENDING);
 #endif
 }
 
