@@ -84,7 +84,8 @@ impl Kernels {
         match unsafe { entry(&config, params.as_mut_ptr()) } {
             0 => Ok(()),
             1 => bail!("{name}: a block of {b:?} threads (1 to 1024 in all)"),
-            _ => bail!("{name}: threads left waiting at a barrier that never fills"),
+            2 => bail!("{name}: threads left waiting at a barrier that never fills"),
+            _ => bail!("{name}: a 16-byte load, store or copy at an address not 16-byte aligned"),
         }
     }
 }

@@ -150,9 +150,17 @@ struct Worker {
     long blocks_run = 0;
     std::vector<std::pair<void*, long>> poisoned;
     bool deadlocked = false;
+    // A 16-byte access at an address a GPU would fault on ("misaligned address").
+    bool misaligned = false;
 };
 
 inline thread_local Worker* worker = nullptr;
+
+// A GPU's 16-byte loads, stores and copies need 16-byte aligned addresses; the launch that
+// makes one elsewhere is an error.
+inline void check_aligned16(const void* p) {
+    if (reinterpret_cast<uintptr_t>(p) & 15) worker->misaligned = true;
+}
 
 // Static shared memory (a kernel's `__shared__` variables) starts every block as NaN, as
 // dynamic shared memory does: the first thread of a block to pass a declaration fills the
@@ -177,6 +185,8 @@ inline void poison_shared(void* at, size_t bytes) {
 // and the copy lands only at that wait. A read before the wait, or a copy issued into a buffer
 // that another warp has yet to finish reading, reads NaN and fails the tests.
 inline void copy_async16(void* to, const void* from, bool valid) {
+    check_aligned16(to);
+    check_aligned16(from);
     AsyncCopy c{to, {}, worker->current->groups_committed};
     if (valid) std::memcpy(c.bytes, from, sizeof c.bytes);
     worker->current->copies.push_back(c);
@@ -292,7 +302,7 @@ inline void run_block(Worker& w, bool descending) {
 
 // Runs `kernel` over the grid: blocks shared among worker threads, each block's threads as
 // fibers on its worker. Returns 0, 1 for a block of no or over 1024 threads, 2 for threads
-// left waiting at a barrier.
+// left waiting at a barrier, 3 for a misaligned 16-byte access.
 inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, const Kernel& kernel) {
     std::lock_guard<std::mutex> one(one_launch_at_a_time);
     int threads = (int)(block.x * block.y * block.z);
@@ -300,7 +310,7 @@ inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, c
     long blocks = (long)grid.x * grid.y * grid.z;
     int workers = (int)std::max(1u, std::min(std::thread::hardware_concurrency(), 8u));
     std::atomic<long> next{0};
-    std::atomic<bool> deadlocked{false};
+    std::atomic<bool> deadlocked{false}, misaligned{false};
     auto work = [&] {
         Worker w;
         worker = &w;
@@ -323,6 +333,7 @@ inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, c
                             (unsigned)(b / ((long)grid.x * grid.y))};
             run_block(w, b % 2 == 1);
             if (w.deadlocked) deadlocked = true;
+            if (w.misaligned) misaligned = true;
         }
         std::free(stacks);
         worker = nullptr;
@@ -331,7 +342,7 @@ inline int run(const dim3& grid, const dim3& block, unsigned int shared_bytes, c
     for (int i = 1; i < std::min<long>(workers, blocks); i++) pool.emplace_back(work);
     work();
     for (auto& t : pool) t.join();
-    return deadlocked ? 2 : 0;
+    return deadlocked ? 2 : misaligned ? 3 : 0;
 }
 
 }  // namespace emu

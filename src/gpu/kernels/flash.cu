@@ -128,7 +128,7 @@ __device__ inline void load_tile(unsigned int* tile, const bf16* src, int b, int
         int r = e / QUADS, k = e % QUADS;
         Quad v = {{0u, 0u, 0u, 0u}};
         if (r0 + r < t) v = quad_at(src + ((size_t)b * t + r0 + r) * width + col0 + 8 * k);
-        *(Quad*)(tile + r * Tile<HD>::STRIDE + 4 * k) = v;
+        quad_store(tile + r * Tile<HD>::STRIDE + 4 * k, v);
     }
 }
 
@@ -179,11 +179,13 @@ template <int HD> __device__ inline unsigned int elem(const unsigned int* tile, 
 template <int HD>
 __device__ inline void row_fragments(unsigned int* b, const unsigned int* tile, int r0, int c) {
     int lane = threadIdx.x % 32;
-#ifndef ATTNRES_EMULATOR
-    // Matrix i: rows r0 + 8 (i / 2) .., columns 16c + 8 (i % 2) ...
+    // ldmatrix's matrix i: rows r0 + 8 (i / 2) .., columns 16c + 8 (i % 2) ...
     int i = lane / 8;
-    ldmatrix_x4<false>(b, tile + (r0 + 8 * (i / 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2));
+    const unsigned int* row = tile + (r0 + 8 * (i / 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2);
+#ifndef ATTNRES_EMULATOR
+    ldmatrix_x4<false>(b, row);
 #else
+    emu::check_aligned16(row);
     int g = lane >> 2, q = lane & 3;
     for (int i = 0; i < 4; i++) b[i] = tile[(r0 + 8 * (i / 2) + g) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2) + q];
 #endif
@@ -195,11 +197,13 @@ __device__ inline void row_fragments(unsigned int* b, const unsigned int* tile, 
 template <int HD>
 __device__ inline void column_fragments(unsigned int* b, const unsigned int* tile, int r0, int n0) {
     int lane = threadIdx.x % 32;
-#ifndef ATTNRES_EMULATOR
-    // Matrix i: rows r0 + 8 (i % 2) .., columns n0 + 8 (i / 2) .., transposed.
+    // ldmatrix's matrix i: rows r0 + 8 (i % 2) .., columns n0 + 8 (i / 2) .., transposed.
     int i = lane / 8;
-    ldmatrix_x4<true>(b, tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + (n0 + 8 * (i / 2)) / 2);
+    const unsigned int* row = tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + (n0 + 8 * (i / 2)) / 2;
+#ifndef ATTNRES_EMULATOR
+    ldmatrix_x4<true>(b, row);
 #else
+    emu::check_aligned16(row);
     int g = lane >> 2, q = lane & 3;
     for (int i = 0; i < 4; i++) {
         int row = r0 + 8 * (i % 2) + 2 * q, col = n0 + 8 * (i / 2) + g;
@@ -213,11 +217,13 @@ __device__ inline void column_fragments(unsigned int* b, const unsigned int* til
 template <int HD>
 __device__ inline void a_fragment(unsigned int* a, const unsigned int* tile, int r0, int c) {
     int lane = threadIdx.x % 32;
-#ifndef ATTNRES_EMULATOR
-    // Matrix i: rows r0 + 8 (i % 2) .., columns 16c + 8 (i / 2) ...
+    // ldmatrix's matrix i: rows r0 + 8 (i % 2) .., columns 16c + 8 (i / 2) ...
     int i = lane / 8;
-    ldmatrix_x4<false>(a, tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2));
+    const unsigned int* row = tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2);
+#ifndef ATTNRES_EMULATOR
+    ldmatrix_x4<false>(a, row);
 #else
+    emu::check_aligned16(row);
     int g = lane >> 2, q = lane & 3;
     for (int i = 0; i < 4; i++) a[i] = tile[(r0 + 8 * (i % 2) + g) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2) + q];
 #endif

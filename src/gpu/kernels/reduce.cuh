@@ -55,12 +55,13 @@ struct __align__(16) Quad {
     unsigned int w[4];
 };
 
-// The 16 bytes at p, which a GPU must find 16-byte aligned; the emulator's host buffers need
-// not be, so it copies them.
+// The 16 bytes at p, which must be 16-byte aligned: a GPU faults on any other address, and the
+// emulator makes the launch an error.
 __device__ inline Quad quad_at(const void* p) {
 #ifndef ATTNRES_EMULATOR
     return *(const Quad*)p;
 #else
+    emu::check_aligned16(p);
     Quad q;
     __builtin_memcpy(&q, p, sizeof q);
     return q;
@@ -70,6 +71,7 @@ __device__ inline void quad_store(void* p, Quad q) {
 #ifndef ATTNRES_EMULATOR
     *(Quad*)p = q;
 #else
+    emu::check_aligned16(p);
     __builtin_memcpy(p, &q, sizeof q);
 #endif
 }
