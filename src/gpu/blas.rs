@@ -120,6 +120,51 @@ impl Gemm {
     }
 }
 
+/// One matrix as a cuBLASLt layout describes it: column-major, `rows` × `cols`, each column
+/// `ld` values after the one before.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct ColumnMajor {
+    pub rows: u64,
+    pub cols: u64,
+    pub ld: u64,
+}
+
+/// A row-major [`Gemm`] as the column-major product cuBLASLt is asked for: `D = α·op(A)·op(B) +
+/// β·C` with D at C's address, where cuBLASLt's A is the row-major B and its B the row-major A
+/// ([`LtCall::addresses`]). The layouts carry the product's dimensions.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct LtCall {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub a: ColumnMajor,
+    pub b: ColumnMajor,
+    pub c: ColumnMajor,
+}
+
+impl LtCall {
+    /// The row-major product `g`'s call: `Cᵀ[n, m] = op(B)ᵀ·op(A)ᵀ`.
+    pub fn of(g: &Gemm) -> LtCall {
+        let (m, n, k) = (g.n as u64, g.m as u64, g.k as u64);
+        // A matrix stored transposed has its dimensions swapped in its layout.
+        let stored = |trans: bool, rows: u64, cols: u64, ld: usize| {
+            let (rows, cols) = if trans { (cols, rows) } else { (rows, cols) };
+            ColumnMajor { rows, cols, ld: ld as u64 }
+        };
+        LtCall {
+            trans_a: g.b_trans,
+            trans_b: g.a_trans,
+            a: stored(g.b_trans, m, k, g.ldb),
+            b: stored(g.a_trans, k, n, g.lda),
+            c: ColumnMajor { rows: m, cols: n, ld: g.ldc as u64 },
+        }
+    }
+
+    /// cuBLASLt's A, B and C for the row-major product's operands at `a`, `b`, `c`.
+    pub fn addresses(a: u64, b: u64, c: u64) -> [u64; 3] {
+        [b, a, c]
+    }
+}
+
 /// What a product's cuBLASLt plan depends on: its shape and types, and the alignment of its
 /// operands' addresses (cuBLASLt's heuristic otherwise assumes 256 bytes, which a weight
 /// inside the parameters' buffer need not have).
@@ -136,7 +181,7 @@ struct PlanKey {
 /// The descriptors and the algorithm of one product, made once per [`PlanKey`].
 struct Plan {
     desc: Desc,
-    /// cuBLASLt's A, B and C (= D): the row-major product's B, A and C.
+    /// cuBLASLt's A, B and C (= D).
     layouts: [Layout; 3],
     algo: sys::cublasLtMatmulAlgo_t,
 }
@@ -203,15 +248,11 @@ impl Blas {
             return Ok(&plans[&key]);
         }
         let (f32_, ab, c_type) = (sys::cudaDataType_t::CUDA_R_32F, g.ab.cuda(), g.c.cuda());
-        // Column-major: D[n, m] = op(B)ᵀ[n, k] · op(A)ᵀ[k, m].
-        let (m, n, k) = (g.n as u64, g.m as u64, g.k as u64);
-        let stored =
-            |trans: bool, rows: u64, cols: u64| if trans { (cols, rows) } else { (rows, cols) };
-        let (a_rows, a_cols) = stored(g.b_trans, m, k);
-        let (b_rows, b_cols) = stored(g.a_trans, k, n);
-        let la = Layout(result::create_matrix_layout(ab, a_rows, a_cols, g.ldb as i64)?);
-        let lb = Layout(result::create_matrix_layout(ab, b_rows, b_cols, g.lda as i64)?);
-        let lc = Layout(result::create_matrix_layout(c_type, m, n, g.ldc as i64)?);
+        let call = LtCall::of(g);
+        let layout = |ty, x: ColumnMajor| {
+            result::create_matrix_layout(ty, x.rows, x.cols, x.ld as i64).map(Layout)
+        };
+        let (la, lb, lc) = (layout(ab, call.a)?, layout(ab, call.b)?, layout(c_type, call.c)?);
         // f32 accumulation (bf16 operands run on the tensor cores); fp32 operands keep TF32 off.
         let compute = sys::cublasComputeType_t::CUBLAS_COMPUTE_32F;
         let desc = Desc(result::create_matmul_desc(compute, f32_)?);
@@ -220,8 +261,8 @@ impl Blas {
             unsafe { result::set_matmul_desc_attribute(desc.0, attr, (&v as *const i32).cast(), 4) }
         };
         use sys::cublasLtMatmulDescAttributes_t as A;
-        set(A::CUBLASLT_MATMUL_DESC_TRANSA, g.b_trans as i32)?;
-        set(A::CUBLASLT_MATMUL_DESC_TRANSB, g.a_trans as i32)?;
+        set(A::CUBLASLT_MATMUL_DESC_TRANSA, call.trans_a as i32)?;
+        set(A::CUBLASLT_MATMUL_DESC_TRANSB, call.trans_b as i32)?;
         let pref = Pref(result::create_matmul_pref()?);
         let set_pref = |attr, value: *const c_void, size: usize| {
             // SAFETY: `value` points at `size` bytes of the type `attr` takes.
@@ -241,11 +282,11 @@ impl Blas {
             (&schemes as *const u32).cast(),
             4,
         )?;
-        // cuBLASLt's A is the row-major B, its B the row-major A; D is C.
-        let [align_a, align_b, align_c] = key.align;
+        // In cuBLASLt's terms; D is C.
+        let [align_a, align_b, align_c] = LtCall::addresses(a, b, c).map(alignment);
         for (attr, align) in [
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_b),
-            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b),
             (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c),
             (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_c),
         ] {
@@ -272,6 +313,7 @@ impl Blas {
         let mut plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
         let plan = self.plan(&mut plans, g, a, b, c)?;
         let [la, lb, lc] = &plan.layouts;
+        let [a, b, c] = LtCall::addresses(a, b, c);
         let (w, _) = self.workspace.device_ptr(stream);
         // SAFETY: the plan's descriptors are live while it is; the caller's promise for the
         // addresses.
@@ -281,9 +323,9 @@ impl Blas {
                 plan.desc.0,
                 (&g.alpha as *const f32).cast(),
                 (&g.beta as *const f32).cast(),
-                b as *const c_void,
-                la.0,
                 a as *const c_void,
+                la.0,
+                b as *const c_void,
                 lb.0,
                 c as *const c_void,
                 lc.0,

@@ -4,9 +4,9 @@
 //! side is checked against the CPU engine in CI, which has no GPU; the same tests run on a GPU
 //! with `--ignored`.
 
-use super::blas::Gemm;
+use super::blas::{ColumnMajor, Gemm, LtCall};
 use super::nvrtc::{kernel_names, COMMON, KERNELS};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use cudarc::driver::LaunchConfig;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -217,8 +217,10 @@ fn compile(dir: &Path, library: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The product on the CPU, for the emulated device: each value summed in f64 (closer to
-/// exact than either engine, which the tests compare within their bounds).
+/// The product on the CPU, for the emulated device, computed from the column-major call
+/// cuBLASLt is given ([`LtCall`]) as its documentation defines one, so that the translation
+/// from the engine's row-major products is checked without a GPU; each value summed in f64
+/// (closer to exact than either engine, which the tests compare within their bounds).
 ///
 /// # Safety
 /// As `Device::matmul`, with host addresses.
@@ -227,10 +229,24 @@ pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
     // bfloat16 as the kernels store it (the device's `Bf16`: half's bits).
     use half::bf16;
     use rayon::prelude::*;
-    let (sa, sb, sc) = g.spans();
+    let call = LtCall::of(g);
+    let [a, b, c] = LtCall::addresses(a, b, c);
+    // op(X)'s rows and columns: X's, swapped where X is transposed.
+    let dims = |x: ColumnMajor, trans: bool| if trans { (x.cols, x.rows) } else { (x.rows, x.cols) };
+    let ((m, k), (k_b, n)) = (dims(call.a, call.trans_a), dims(call.b, call.trans_b));
+    // What cuBLASLt refuses: dimensions that do not chain, a column shorter than its rows.
+    let columns_hold = [call.a, call.b, call.c].iter().all(|x| x.ld >= x.rows.max(1));
+    ensure!(
+        k == k_b && (call.c.rows, call.c.cols) == (m, n) && columns_hold,
+        "cuBLASLt would refuse the product {call:?}, asked for {g:?}"
+    );
+    let span = |x: ColumnMajor| match x.rows * x.cols {
+        0 => 0,
+        _ => ((x.cols - 1) * x.ld + x.rows) as usize,
+    };
     // Operands of either type read as f32, which holds every bfloat16 exactly.
     let read = |at: u64, n: usize| -> Vec<f32> {
-        // SAFETY: the caller's promise: the spans lie inside the buffers.
+        // SAFETY: the caller's promise: the products' spans lie inside the buffers.
         unsafe {
             match g.ab {
                 DType::F32 => std::slice::from_raw_parts(at as *const f32, n).to_vec(),
@@ -241,30 +257,39 @@ pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
             }
         }
     };
-    let (a, b) = (read(a, sa), read(b, sb));
-    let at_a = |i: usize, p: usize| if g.a_trans { a[p * g.lda + i] } else { a[i * g.lda + p] };
-    let at_b = |p: usize, j: usize| if g.b_trans { b[j * g.ldb + p] } else { b[p * g.ldb + j] };
-    let value = |i: usize, j: usize, before: f32| {
-        let s: f64 = (0..g.k).map(|p| at_a(i, p) as f64 * at_b(p, j) as f64).sum();
+    let (va, vb) = (read(a, span(call.a)), read(b, span(call.b)));
+    // Row i, column j of op(X), X stored column by column.
+    let op = |v: &[f32], x: ColumnMajor, trans: bool, i: u64, j: u64| {
+        let (r, c) = if trans { (j, i) } else { (i, j) };
+        v[(r + c * x.ld) as usize]
+    };
+    let value = |i: u64, j: u64, before: f32| {
+        let s: f64 = (0..k)
+            .map(|p| {
+                let x = op(&va, call.a, call.trans_a, i, p);
+                x as f64 * op(&vb, call.b, call.trans_b, p, j) as f64
+            })
+            .sum();
         let before = if g.beta == 0.0 { 0.0 } else { g.beta * before };
         g.alpha * s as f32 + before
     };
-    // SAFETY: the caller's promise: `c` spans `sc` values of its type and overlaps neither
-    // operand.
+    // D = C, column by column. SAFETY: the caller's promise: `c` spans the result's values of
+    // its type and overlaps neither operand.
+    let (ld, sc) = (call.c.ld as usize, span(call.c));
     match g.c {
         DType::F32 => {
-            let c = unsafe { std::slice::from_raw_parts_mut(c as *mut f32, sc) };
-            c.par_chunks_mut(g.ldc).enumerate().for_each(|(i, row)| {
-                for (j, out) in row.iter_mut().take(g.n).enumerate() {
-                    *out = value(i, j, *out);
+            let d = unsafe { std::slice::from_raw_parts_mut(c as *mut f32, sc) };
+            d.par_chunks_mut(ld).enumerate().for_each(|(j, column)| {
+                for (i, out) in column.iter_mut().take(m as usize).enumerate() {
+                    *out = value(i as u64, j as u64, *out);
                 }
             });
         }
         DType::Bf16 => {
-            let c = unsafe { std::slice::from_raw_parts_mut(c as *mut bf16, sc) };
-            c.par_chunks_mut(g.ldc).enumerate().for_each(|(i, row)| {
-                for (j, out) in row.iter_mut().take(g.n).enumerate() {
-                    *out = bf16::from_f32(value(i, j, out.to_f32()));
+            let d = unsafe { std::slice::from_raw_parts_mut(c as *mut bf16, sc) };
+            d.par_chunks_mut(ld).enumerate().for_each(|(j, column)| {
+                for (i, out) in column.iter_mut().take(m as usize).enumerate() {
+                    *out = bf16::from_f32(value(i as u64, j as u64, out.to_f32()));
                 }
             });
         }
