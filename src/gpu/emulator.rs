@@ -161,10 +161,19 @@ fn declared_variables(declaration: &str) -> Vec<&str> {
     names
 }
 
+/// Whether `ATTNRES_EMULATOR_ASAN` asks for the kernels built with AddressSanitizer, so that a
+/// kernel that reads or writes outside its buffers (on a GPU an illegal address, or another
+/// buffer's values) stops the test that runs it with a report that names the kernel. The
+/// test binary then needs ASan's runtime loaded first, or ASan stops it at once:
+/// `LD_PRELOAD=$(g++ -print-file-name=libasan.so)`.
+fn sanitized() -> bool {
+    std::env::var_os("ATTNRES_EMULATOR_ASAN").is_some_and(|v| !v.is_empty() && v != "0")
+}
+
 fn build() -> Result<Kernels> {
-    // A folder per version of the sources, so that a stale library is never loaded.
+    // A folder per version of the sources and build, so that a stale library is never loaded.
     let mut hash = std::hash::DefaultHasher::new();
-    std::hash::Hash::hash(&(HEADER, RUNTIME, COMMON, KERNELS), &mut hash);
+    std::hash::Hash::hash(&(HEADER, RUNTIME, COMMON, KERNELS, sanitized()), &mut hash);
     let dir = std::env::temp_dir()
         .join(format!("attnres-gpu-emulator-{:016x}", std::hash::Hasher::finish(&hash)));
     let library = dir.join("kernels.so");
@@ -203,8 +212,13 @@ fn compile(dir: &Path, library: &Path) -> Result<()> {
     let partial = dir.join(format!("kernels.so.{}", std::process::id()));
     // No fused multiply-adds: the CPU kernels have none either, and the kernels that promise
     // the CPU's bits (RoPE, AdamW) round each operation on their own on the GPU.
+    let asan: &[&str] = match sanitized() {
+        true => &["-fsanitize=address", "-fno-omit-frame-pointer", "-g"],
+        false => &[],
+    };
     let out = Command::new("g++")
         .args(["-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-ffp-contract=off"])
+        .args(asan)
         .args(&sources)
         .arg("-o")
         .arg(&partial)
