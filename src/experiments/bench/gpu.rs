@@ -299,7 +299,8 @@ mod tests {
         let found = report.modes[0].profile.iter().find(|op| op.what == head);
         let found = found.unwrap_or_else(|| panic!("no {head} in {standard:?}"));
         assert_eq!((found.calls, found.flops), (1, 2.0 * (tokens * d * v) as f64));
-        assert!(table.contains("matrix products (cuBLASLt)") && table.contains(&head), "{table}");
+        // (Whether the products together make one of the costliest lines depends on timings.)
+        assert!(table.contains("its matrix products by shape") && table.contains(&head), "{table}");
         let depth = |ops: &[String]| ops.iter().any(|o| o.starts_with("depth_phase1"));
         assert!(depth(&block) && !depth(&standard), "{block:?}");
         assert!(table.contains("one block1 step by operation"), "{table}");
