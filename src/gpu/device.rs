@@ -8,8 +8,9 @@ use super::buffer::{Arg, Buf, Elem, Mem, Meter};
 use super::driver::gpus;
 use super::nvrtc::{kernel_images, kernel_names, KERNELS};
 use super::profile::{Op, Profiler};
-use anyhow::{bail, ensure, Context, Result};
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig};
+use crate::base::memory::format_bytes;
+use anyhow::{anyhow, bail, ensure, Context, Result};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError, LaunchConfig};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -22,6 +23,9 @@ pub struct Device {
     profiler: Arc<Profiler>,
     /// `sm_XY`, what the kernels were compiled for.
     pub arch: String,
+    /// The GPU's memory in bytes, for the error that says it is full; in the emulator a limit
+    /// that the tests may set, none by default.
+    capacity: usize,
 }
 
 #[derive(Clone)]
@@ -155,6 +159,7 @@ impl Device {
             arch,
             meter: Arc::default(),
             profiler: Arc::default(),
+            capacity: found[ordinal].memory_bytes,
         })
     }
 
@@ -169,12 +174,50 @@ impl Device {
                 arch: "emulated".to_string(),
                 meter: Arc::default(),
                 profiler: Arc::default(),
+                capacity: usize::MAX,
             }),
             Err(why) if std::env::var_os("ATTNRES_REQUIRE_GPU_EMULATOR").is_none() => {
                 eprintln!("{test}: skipped, the kernels cannot run on the CPU here: {why}");
                 None
             }
             Err(why) => panic!("{test}: {why}"),
+        }
+    }
+
+    /// The emulated device, holding at most `bytes` in its buffers, as a GPU of that memory.
+    #[cfg(test)]
+    pub(crate) fn with_capacity(self, bytes: usize) -> Device {
+        Device { capacity: bytes, ..self }
+    }
+
+    /// A buffer of `n` values of T that `alloc` makes, counted by the meter; where the GPU
+    /// cannot hold them, an error that says so, with what the run held and what to lower.
+    fn allocate<T: Elem>(
+        &self,
+        n: usize,
+        alloc: impl FnOnce() -> Result<Mem<T>, DriverError>,
+    ) -> Result<Buf<T>> {
+        let bytes = n * size_of::<T>();
+        let held = self.meter.now_and_peak().0;
+        let full = |held: usize| {
+            let size = |b: usize| format_bytes(b as u128);
+            anyhow!(
+                "the GPU is out of memory: {} more asked for while this run's buffers held {} of \
+                 its {}; run fewer tokens at once (train: a smaller micro_batch, which leaves \
+                 batch_tokens as it is, or seq_len; bench: --batch or --seq)",
+                size(bytes),
+                size(held),
+                size(self.capacity)
+            )
+        };
+        #[cfg(test)]
+        if matches!(self.backend, Backend::Emulated(_)) && held + bytes > self.capacity {
+            return Err(full(held));
+        }
+        match alloc() {
+            Ok(mem) => Ok(self.meter.hold(mem)),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(full(held)),
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -191,49 +234,53 @@ impl Device {
 
     pub fn upload<T: Elem>(&self, x: &[T]) -> Result<Buf<T>> {
         self.stamp("copy to the device")?;
-        let mem = match &self.backend {
-            Backend::Cuda { stream, .. } => Mem::Cuda(stream.clone_htod(x)?),
+        self.allocate(x.len(), || match &self.backend {
+            Backend::Cuda { stream, .. } => stream.clone_htod(x).map(Mem::Cuda),
             #[cfg(test)]
-            Backend::Emulated(_) => Mem::Host(x.to_vec()),
-        };
-        Ok(self.meter.hold(mem))
+            Backend::Emulated(_) => Ok(Mem::Host(x.to_vec())),
+        })
     }
 
     pub fn zeros<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
         self.stamp("zeros")?;
-        let mem = match &self.backend {
-            Backend::Cuda { stream, .. } => Mem::Cuda(stream.alloc_zeros(n)?),
+        self.allocate(n, || match &self.backend {
+            Backend::Cuda { stream, .. } => stream.alloc_zeros(n).map(Mem::Cuda),
             #[cfg(test)]
-            Backend::Emulated(_) => Mem::Host(vec![T::default(); n]),
-        };
-        Ok(self.meter.hold(mem))
+            Backend::Emulated(_) => Ok(Mem::Host(vec![T::default(); n])),
+        })
     }
 
     /// `n` values for a kernel or product to write every one of before anything reads them:
     /// not zeroed on a GPU (a pass over memory saved), filled with [`Elem::POISON`] in the
     /// emulator, where a value read before it is written then spreads into the results.
     pub fn output<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
-        let mem = match &self.backend {
+        self.allocate(n, || match &self.backend {
             // SAFETY: the caller writes every value before reading it (the emulator's poison
             // checks that in the tests); until then the memory is never read.
-            Backend::Cuda { stream, .. } => Mem::Cuda(unsafe { stream.alloc(n) }?),
+            Backend::Cuda { stream, .. } => unsafe { stream.alloc(n) }.map(Mem::Cuda),
             #[cfg(test)]
-            Backend::Emulated(_) => Mem::Host(vec![T::POISON; n]),
-        };
-        Ok(self.meter.hold(mem))
+            Backend::Emulated(_) => Ok(Mem::Host(vec![T::POISON; n])),
+        })
     }
 
     /// A copy of `x`.
     pub fn copy<T: Elem>(&self, x: &Buf<T>) -> Result<Buf<T>> {
         self.stamp("copy")?;
-        let mem = match (&self.backend, &x.mem) {
-            (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => Mem::Cuda(stream.clone_dtod(s)?),
+        #[cfg(test)]
+        ensure!(
+            matches!(
+                (&self.backend, &x.mem),
+                (Backend::Cuda { .. }, Mem::Cuda(_)) | (Backend::Emulated(_), Mem::Host(_))
+            ),
+            "a buffer used on another device"
+        );
+        self.allocate(x.len(), || match (&self.backend, &x.mem) {
+            (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => stream.clone_dtod(s).map(Mem::Cuda),
             #[cfg(test)]
-            (Backend::Emulated(_), Mem::Host(v)) => Mem::Host(v.clone()),
+            (_, Mem::Host(v)) => Ok(Mem::Host(v.clone())),
             #[cfg(test)]
-            _ => bail!("a buffer used on another device"),
-        };
-        Ok(self.meter.hold(mem))
+            (_, Mem::Cuda(_)) => unreachable!("checked above"),
+        })
     }
 
     /// Sets every value of `x` to zero.
@@ -405,6 +452,34 @@ mod tests {
         dev.reset_peak();
         drop(c);
         assert_eq!(dev.memory(), (0, 4000));
+    }
+
+    /// A buffer the GPU cannot hold is an error that says how much was asked for and held,
+    /// and what to lower; nothing is counted for it, and what fits after still does.
+    #[test]
+    fn a_full_gpu_is_an_error_that_says_what_to_lower() {
+        let Some(dev) = Device::emulated("a_full_gpu_is_an_error_that_says_what_to_lower") else {
+            return;
+        };
+        let dev = dev.with_capacity(10_000_000);
+        let a = dev.zeros::<f32>(2_000_000).unwrap();
+        for e in [
+            dev.output::<f32>(1_000_000).err(),
+            dev.copy(&a).err(),
+            dev.upload(&vec![0u32; 1_000_000]).err(),
+        ] {
+            let e = format!("{:#}", e.expect("past the GPU's memory"));
+            assert!(e.starts_with("the GPU is out of memory: "), "{e}");
+            for part in ["held 8.0 MB of its 10.0 MB", "smaller micro_batch", "--batch"] {
+                assert!(e.contains(part), "{part} in {e}");
+            }
+        }
+        let e = dev.output::<f32>(1_000_000).err().unwrap().to_string();
+        assert!(e.contains(": 4.0 MB more asked for"), "{e}");
+        assert_eq!(dev.memory().0, 8_000_000);
+        let b = dev.zeros::<f32>(500_000).unwrap();
+        assert_eq!(dev.memory().0, 10_000_000);
+        drop((a, b));
     }
 
     /// A grid without blocks launches nothing (a GPU would refuse it); one taller than a GPU

@@ -246,7 +246,8 @@ pub unsafe fn host_matmul(g: &Gemm, a: u64, b: u64, c: u64) -> Result<()> {
     let call = LtCall::of(g);
     let [a, b, c] = LtCall::addresses(a, b, c);
     // op(X)'s rows and columns: X's, swapped where X is transposed.
-    let dims = |x: ColumnMajor, trans: bool| if trans { (x.cols, x.rows) } else { (x.rows, x.cols) };
+    let dims =
+        |x: ColumnMajor, trans: bool| if trans { (x.cols, x.rows) } else { (x.rows, x.cols) };
     let ((m, k), (k_b, n)) = (dims(call.a, call.trans_a), dims(call.b, call.trans_b));
     // What cuBLASLt refuses: dimensions that do not chain, a column shorter than its rows.
     let columns_hold = [call.a, call.b, call.c].iter().all(|x| x.ld >= x.rows.max(1));
