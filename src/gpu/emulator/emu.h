@@ -234,7 +234,13 @@ inline void wait(State state) {
 inline void fiber_main() {
     Worker* w = worker;
     (*w->kernel)();
-    w->current->state = State::Done;
+    // A lane that has returned gives no value to a later warp shuffle (undefined on a GPU):
+    // its slot of the set the next exchange would use holds all ones, NaN to a kernel that
+    // reads it. (No lane still reads that set: all passed the barrier of the exchange since.)
+    Fiber* f = w->current;
+    size_t half = w->warp_slots.size() / 2;
+    w->warp_slots[(f->exchanges & 1) * half + f->rank] = ~uint64_t{0};
+    f->state = State::Done;
     // Back to the scheduler, never to return here.
     switch_to(w->current->context, w->scheduler);
 }
