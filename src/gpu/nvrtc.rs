@@ -339,6 +339,17 @@ mod tests {
                     && r.kernel != "attention_backward_delta_bf16";
                 assert!(per_thread_heads || r.in_registers(), "{file}: {r:?} uses local memory");
                 assert!(r.registers > 0 && r.registers <= 255, "{file}: {r:?}");
+                // The most threads the engine launches the kernel with fit its registers, as
+                // the GPU checks only at launch: a block has 65,536, given to each warp in
+                // units of 256. Attention's blocks are of 64 or 128 threads (any count of
+                // registers fits); column_sums takes 1024 (rmsnorm.rs); per_row at most 512.
+                let launched = match r.kernel.as_str() {
+                    _ if file == "attention.cu" || file == "flash.cu" => 128,
+                    "column_sums" => 1024,
+                    _ => 512,
+                };
+                let fit = 65_536 / (32 * r.registers).next_multiple_of(256) * 32;
+                assert!(launched <= fit, "{file}: {r:?} fits {fit} threads, not {launched}");
             }
         }
     }
