@@ -181,11 +181,11 @@ __device__ inline void row_fragments(unsigned int* b, const unsigned int* tile, 
     int lane = threadIdx.x % 32;
     // ldmatrix's matrix i: rows r0 + 8 (i / 2) .., columns 16c + 8 (i % 2) ...
     int i = lane / 8;
-    const unsigned int* row = tile + (r0 + 8 * (i / 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2);
+    const unsigned int* address = tile + (r0 + 8 * (i / 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2);
 #ifndef ATTNRES_EMULATOR
-    ldmatrix_x4<false>(b, row);
+    ldmatrix_x4<false>(b, address);
 #else
-    emu::check_aligned16(row);
+    emu::check_aligned16(address);
     int g = lane >> 2, q = lane & 3;
     for (int i = 0; i < 4; i++) b[i] = tile[(r0 + 8 * (i / 2) + g) * Tile<HD>::STRIDE + 8 * c + 4 * (i % 2) + q];
 #endif
@@ -199,11 +199,11 @@ __device__ inline void column_fragments(unsigned int* b, const unsigned int* til
     int lane = threadIdx.x % 32;
     // ldmatrix's matrix i: rows r0 + 8 (i % 2) .., columns n0 + 8 (i / 2) .., transposed.
     int i = lane / 8;
-    const unsigned int* row = tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + (n0 + 8 * (i / 2)) / 2;
+    const unsigned int* address = tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + (n0 + 8 * (i / 2)) / 2;
 #ifndef ATTNRES_EMULATOR
-    ldmatrix_x4<true>(b, row);
+    ldmatrix_x4<true>(b, address);
 #else
-    emu::check_aligned16(row);
+    emu::check_aligned16(address);
     int g = lane >> 2, q = lane & 3;
     for (int i = 0; i < 4; i++) {
         int row = r0 + 8 * (i % 2) + 2 * q, col = n0 + 8 * (i / 2) + g;
@@ -219,11 +219,11 @@ __device__ inline void a_fragment(unsigned int* a, const unsigned int* tile, int
     int lane = threadIdx.x % 32;
     // ldmatrix's matrix i: rows r0 + 8 (i % 2) .., columns 16c + 8 (i / 2) ...
     int i = lane / 8;
-    const unsigned int* row = tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2);
+    const unsigned int* address = tile + (r0 + 8 * (i % 2) + lane % 8) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2);
 #ifndef ATTNRES_EMULATOR
-    ldmatrix_x4<false>(a, row);
+    ldmatrix_x4<false>(a, address);
 #else
-    emu::check_aligned16(row);
+    emu::check_aligned16(address);
     int g = lane >> 2, q = lane & 3;
     for (int i = 0; i < 4; i++) a[i] = tile[(r0 + 8 * (i % 2) + g) * Tile<HD>::STRIDE + 8 * c + 4 * (i / 2) + q];
 #endif
