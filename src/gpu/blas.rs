@@ -174,7 +174,7 @@ struct PlanKey {
     trans: [bool; 2],
     ld: [usize; 3],
     types: [DType; 2],
-    /// Of A, B, C in the row-major product's terms.
+    /// Of cuBLASLt's A, B and C ([`LtCall::addresses`]).
     align: [u32; 3],
 }
 
@@ -242,7 +242,7 @@ impl Blas {
             trans: [g.a_trans, g.b_trans],
             ld: [g.lda, g.ldb, g.ldc],
             types: [g.ab, g.c],
-            align: [alignment(a), alignment(b), alignment(c)],
+            align: LtCall::addresses(a, b, c).map(alignment),
         };
         if plans.contains_key(&key) {
             return Ok(&plans[&key]);
@@ -282,8 +282,8 @@ impl Blas {
             (&schemes as *const u32).cast(),
             4,
         )?;
-        // In cuBLASLt's terms; D is C.
-        let [align_a, align_b, align_c] = LtCall::addresses(a, b, c).map(alignment);
+        // D is C.
+        let [align_a, align_b, align_c] = key.align;
         for (attr, align) in [
             (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a),
             (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b),
