@@ -103,6 +103,12 @@ impl Kernel {
     }
 }
 
+/// Whether `e` is the driver's report that the GPU's memory is full.
+fn out_of_memory(e: &anyhow::Error) -> bool {
+    let driver = e.downcast_ref::<DriverError>();
+    driver.is_some_and(|d| d.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)
+}
+
 /// Kernel `name`, or an error that names it.
 fn function<'a>(functions: &'a HashMap<&str, Kernel>, name: &str) -> Result<&'a Kernel> {
     functions.get(name).with_context(|| format!("no kernel {name} in src/gpu/kernels"))
@@ -195,7 +201,7 @@ impl Device {
     fn allocate<T: Elem>(
         &self,
         n: usize,
-        alloc: impl FnOnce() -> Result<Mem<T>, DriverError>,
+        alloc: impl FnOnce() -> Result<Mem<T>>,
     ) -> Result<Buf<T>> {
         let bytes = n * size_of::<T>();
         let held = self.meter.now_and_peak().0;
@@ -216,8 +222,8 @@ impl Device {
         }
         match alloc() {
             Ok(mem) => Ok(self.meter.hold(mem)),
-            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(full(held)),
-            Err(e) => Err(e.into()),
+            Err(e) if out_of_memory(&e) => Err(full(held)),
+            Err(e) => Err(e),
         }
     }
 
@@ -235,7 +241,7 @@ impl Device {
     pub fn upload<T: Elem>(&self, x: &[T]) -> Result<Buf<T>> {
         self.stamp("copy to the device")?;
         self.allocate(x.len(), || match &self.backend {
-            Backend::Cuda { stream, .. } => stream.clone_htod(x).map(Mem::Cuda),
+            Backend::Cuda { stream, .. } => Ok(Mem::Cuda(stream.clone_htod(x)?)),
             #[cfg(test)]
             Backend::Emulated(_) => Ok(Mem::Host(x.to_vec())),
         })
@@ -244,7 +250,7 @@ impl Device {
     pub fn zeros<T: Elem>(&self, n: usize) -> Result<Buf<T>> {
         self.stamp("zeros")?;
         self.allocate(n, || match &self.backend {
-            Backend::Cuda { stream, .. } => stream.alloc_zeros(n).map(Mem::Cuda),
+            Backend::Cuda { stream, .. } => Ok(Mem::Cuda(stream.alloc_zeros(n)?)),
             #[cfg(test)]
             Backend::Emulated(_) => Ok(Mem::Host(vec![T::default(); n])),
         })
@@ -257,7 +263,7 @@ impl Device {
         self.allocate(n, || match &self.backend {
             // SAFETY: the caller writes every value before reading it (the emulator's poison
             // checks that in the tests); until then the memory is never read.
-            Backend::Cuda { stream, .. } => unsafe { stream.alloc(n) }.map(Mem::Cuda),
+            Backend::Cuda { stream, .. } => Ok(Mem::Cuda(unsafe { stream.alloc(n) }?)),
             #[cfg(test)]
             Backend::Emulated(_) => Ok(Mem::Host(vec![T::POISON; n])),
         })
@@ -266,20 +272,12 @@ impl Device {
     /// A copy of `x`.
     pub fn copy<T: Elem>(&self, x: &Buf<T>) -> Result<Buf<T>> {
         self.stamp("copy")?;
-        #[cfg(test)]
-        ensure!(
-            matches!(
-                (&self.backend, &x.mem),
-                (Backend::Cuda { .. }, Mem::Cuda(_)) | (Backend::Emulated(_), Mem::Host(_))
-            ),
-            "a buffer used on another device"
-        );
         self.allocate(x.len(), || match (&self.backend, &x.mem) {
-            (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => stream.clone_dtod(s).map(Mem::Cuda),
+            (Backend::Cuda { stream, .. }, Mem::Cuda(s)) => Ok(Mem::Cuda(stream.clone_dtod(s)?)),
             #[cfg(test)]
-            (_, Mem::Host(v)) => Ok(Mem::Host(v.clone())),
+            (Backend::Emulated(_), Mem::Host(v)) => Ok(Mem::Host(v.clone())),
             #[cfg(test)]
-            (_, Mem::Cuda(_)) => unreachable!("checked above"),
+            _ => bail!("a buffer used on another device"),
         })
     }
 
@@ -476,6 +474,10 @@ mod tests {
         }
         let e = dev.output::<f32>(1_000_000).err().unwrap().to_string();
         assert!(e.contains(": 4.0 MB more asked for"), "{e}");
+        // On a GPU the driver reports it.
+        let driver = |code| anyhow::Error::from(DriverError(code));
+        assert!(out_of_memory(&driver(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY)));
+        assert!(!out_of_memory(&driver(sys::CUresult::CUDA_ERROR_INVALID_VALUE)));
         assert_eq!(dev.memory().0, 8_000_000);
         let b = dev.zeros::<f32>(500_000).unwrap();
         assert_eq!(dev.memory().0, 10_000_000);
