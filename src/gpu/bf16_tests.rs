@@ -40,7 +40,7 @@ fn down(dev: &Device, x: &Buf<Bf16>) -> Vec<f32> {
 }
 
 /// Every value within `rounding` of its own size plus 1e-5 of the largest.
-fn within(got: &[f32], want: &[f32], rounding: f32, what: &str) {
+pub(super) fn within(got: &[f32], want: &[f32], rounding: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let largest = want.iter().fold(0f32, |m, x| m.max(x.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
@@ -49,7 +49,7 @@ fn within(got: &[f32], want: &[f32], rounding: f32, what: &str) {
     }
 }
 
-const ONCE: f32 = 1.0 / 256.0;
+pub(super) const ONCE: f32 = 1.0 / 256.0;
 
 fn bf16_kernels_match_the_cpu(dev: &Device) {
     // RMSNorm forward and backward.

@@ -19,6 +19,7 @@ pub mod blas;
 pub mod buffer;
 pub mod cross_entropy;
 pub mod depth;
+pub mod depth_ablation;
 pub mod device;
 pub mod driver;
 pub mod elementwise;

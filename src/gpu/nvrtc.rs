@@ -19,6 +19,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("convert.cu", include_str!("kernels/convert.cu")),
     ("cross_entropy.cu", include_str!("kernels/cross_entropy.cu")),
     ("depth.cu", include_str!("kernels/depth.cu")),
+    ("depth_ablation.cu", include_str!("kernels/depth_ablation.cu")),
     ("embedding.cu", include_str!("kernels/embedding.cu")),
     ("flash.cu", include_str!("kernels/flash.cu")),
     ("optim.cu", include_str!("kernels/optim.cu")),
