@@ -117,7 +117,7 @@ pub fn backward_into<A: Act>(
 }
 
 /// `sums += ` the sum of the rows of `parts` (`[n, d]`), in a fixed order.
-pub(super) fn add_column_sums(
+pub fn add_column_sums(
     dev: &Device,
     sums: &mut SliceMut<f32>,
     parts: Slice<f32>,

@@ -9,14 +9,14 @@ use crate::kernels::{self, rmsnorm, zeros};
 use crate::model::config::{Config, DepthGate, DepthQuery};
 use crate::model::params::{DepthParams, Layout};
 
-/// The ablation options, when any is set.
+/// The ablation options, when any is set (the GPU runs them from this description too).
 #[derive(Clone, Copy)]
-pub(super) struct Ablation {
-    options: Options,
-    query: DepthQuery,
+pub(crate) struct Ablation {
+    pub options: Options,
+    pub query: DepthQuery,
     window: usize,
     /// Number of distinct sources (scalar and dense mixing keep one weight per source).
-    depth_sources: usize,
+    pub depth_sources: usize,
 }
 
 impl Ablation {
@@ -44,13 +44,22 @@ impl Ablation {
     /// The completed sources a consumer reads when `completed` exist: the embedding and the
     /// latest `window` others (all without a window).
     fn blocks_read(&self, completed: usize) -> Vec<usize> {
-        let first = if self.window > 0 { completed.saturating_sub(self.window).max(1) } else { 1 };
-        std::iter::once(0).chain(first..completed).collect()
+        std::iter::once(0).chain(self.first_read(completed)..completed).collect()
+    }
+
+    /// The first completed source after the embedding that a consumer reads when `completed`
+    /// exist (`completed` itself when it reads the embedding alone).
+    pub fn first_read(&self, completed: usize) -> usize {
+        if self.window > 0 {
+            completed.saturating_sub(self.window).max(1)
+        } else {
+            1
+        }
     }
 
     /// Consumer `l`'s depth attention (one pass over its sources): its input `h` and what
     /// backward needs.
-    pub fn forward(
+    pub(super) fn forward(
         &self,
         l: usize,
         src: &Sources,

@@ -14,7 +14,8 @@
 mod ablation;
 mod attnres;
 
-use self::ablation::{Ablation, BlockGrads};
+pub(crate) use self::ablation::Ablation;
+use self::ablation::BlockGrads;
 use self::attnres::{effective_queries, PendingGrads, Sources, TwoPhase};
 use super::config::Config;
 use super::params::Layout;

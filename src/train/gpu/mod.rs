@@ -2,6 +2,7 @@
 //! optimiser's state and update ([`optim`]) and whole steps ([`trainer`]) on the device,
 //! through the kernels of [`crate::gpu`]. The CPU engine is their oracle in every test.
 
+mod ablation;
 pub mod model;
 pub mod optim;
 pub mod residual;

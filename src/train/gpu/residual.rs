@@ -13,14 +13,26 @@
 //! a completed source's gradient from all of its readers: a block of readers at a time, or
 //! all of them together when the backward pass reaches the source ([`DepthBackward`]).
 
+use super::ablation::{self, InputQuery, ParamGrads};
 use crate::gpu::act::Act;
 use crate::gpu::buffer::{Buf, Slice, SliceMut};
 use crate::gpu::depth::{self, ConsumerGrad, Normed, PartialSum, Phase1, Source, Weights};
+use crate::gpu::depth_ablation::{self, Read};
 use crate::gpu::device::Device;
 use crate::gpu::rmsnorm;
 use crate::model::params::Layout;
+use crate::model::residual::Ablation;
 use crate::model::Config;
 use anyhow::Result;
+
+/// The model's parameters as the residual reads them: the f32 masters, the weights the matrix
+/// products take (the masters themselves, or their bf16 copy), and where each tensor lies.
+#[derive(Clone, Copy)]
+pub struct Params<'a, A: Act> {
+    pub params: &'a Buf<f32>,
+    pub weights: &'a Buf<A>,
+    pub layout: &'a Layout,
+}
 
 /// Where consumer `l`'s pseudo-query and key-norm gain lie among the parameters: the effective
 /// query is their product.
@@ -50,12 +62,18 @@ pub enum ResidualForward<A: Act> {
 
 /// What one consumer of the depth attention saved for backward.
 struct ConsumerSaved<A: Act> {
-    /// `[rows, K]` each: weights and logits over the sources read (completed first).
+    /// `[rows, K]` each (`[rows, K, heads]` with heads): weights and logits over the sources
+    /// read (completed first).
     alpha: Buf<f32>,
     logits: Buf<f32>,
     n_sources: usize,
     /// The partial sum it read, values and per-token 1/rms.
     partial: Option<(Buf<A>, Buf<f32>)>,
+    /// The completed sources it read: the embedding, then `first..completed`.
+    first: usize,
+    completed: usize,
+    /// An ablation's input-dependent query.
+    input_query: Option<InputQuery<A>>,
 }
 
 /// The sources of Full or Block AttnRes as the forward pass makes them, and what each consumer
@@ -66,8 +84,10 @@ pub struct DepthForward<A: Act> {
     rows: usize,
     d: usize,
     eps: f32,
-    /// Effective query `q ⊙ γ` of every consumer (sublayers, then the output), `[L + 1, d]`.
-    queries: Buf<f32>,
+    /// Effective query `q ⊙ γ` of every consumer (sublayers, then the output), `[L + 1, d]`;
+    /// none with the ablation options, which are run one consumer at a time instead.
+    queries: Option<Buf<f32>>,
+    ablation: Option<Ablation>,
     /// The completed sources `b_0 ..` (`[capacity, rows, d]`) and their 1/rms.
     values: Buf<A>,
     rstd: Buf<f32>,
@@ -85,8 +105,7 @@ impl<A: Act> ResidualForward<A> {
     pub fn new(
         dev: &Device,
         c: &Config,
-        layout: &Layout,
-        params: &Buf<f32>,
+        p: &Params<A>,
         e: Buf<A>,
         g: Slice<f32>,
     ) -> Result<(Self, NormedInput<A>)> {
@@ -96,12 +115,19 @@ impl<A: Act> ResidualForward<A> {
             return Ok((ResidualForward::Standard { eps }, NormedInput { h: e, xn, rstd }));
         };
         let rows = e.len() / d;
-        let mut queries = dev.output((sublayers + 1) * d)?;
-        for l in 0..=sublayers {
-            let (q, g) = query_and_gain(layout, l);
-            let (q, g) = (params.slice(q), params.slice(g));
-            depth::product(dev, &mut queries.slice_mut(l * d..(l + 1) * d), q, g, false)?;
-        }
+        let ablation = Ablation::of(c);
+        let queries = match ablation {
+            Some(_) => None,
+            None => {
+                let mut queries = dev.output((sublayers + 1) * d)?;
+                for l in 0..=sublayers {
+                    let (q, g) = query_and_gain(p.layout, l);
+                    let (q, g) = (p.params.slice(q), p.params.slice(g));
+                    depth::product(dev, &mut queries.slice_mut(l * d..(l + 1) * d), q, g, false)?;
+                }
+                Some(queries)
+            }
+        };
         // The embedding and every block: what the output aggregation reads.
         let capacity = sublayers.div_ceil(s) + 1;
         let mut f = DepthForward {
@@ -111,6 +137,7 @@ impl<A: Act> ResidualForward<A> {
             d,
             eps,
             queries,
+            ablation,
             values: dev.output(capacity * rows * d)?,
             rstd: dev.output(capacity * rows)?,
             completed: 0,
@@ -119,7 +146,7 @@ impl<A: Act> ResidualForward<A> {
             saved: Vec::new(),
         };
         f.complete(dev, &e, None)?;
-        let first = f.input(dev, 0, None, g)?;
+        let first = f.input(dev, 0, None, g, p)?;
         Ok((ResidualForward::Depth(f), first))
     }
 
@@ -133,13 +160,14 @@ impl<A: Act> ResidualForward<A> {
         h: &Buf<A>,
         out: Buf<A>,
         g: Slice<f32>,
+        p: &Params<A>,
     ) -> Result<NormedInput<A>> {
         match self {
             ResidualForward::Standard { eps } => {
                 let (h, xn, rstd) = rmsnorm::add_forward(dev, h, &out, g, g.len(), *eps)?;
                 Ok(NormedInput { h, xn, rstd })
             }
-            ResidualForward::Depth(f) => f.next(dev, l, out, g),
+            ResidualForward::Depth(f) => f.next(dev, l, out, g, p),
         }
     }
 }
@@ -148,6 +176,31 @@ impl<A: Act> DepthForward<A> {
     /// Whether sublayer `l` is the last of its block (the last block may be shorter).
     fn ends_block(&self, l: usize) -> bool {
         (l + 1).is_multiple_of(self.block_size) || l + 1 == self.sublayers
+    }
+
+    /// Consumer `l`'s effective query.
+    fn query(&self, l: usize) -> Slice<'_, f32> {
+        let queries = self.queries.as_ref().expect("the method's queries");
+        queries.slice(l * self.d..(l + 1) * self.d)
+    }
+
+    /// What a consumer of the ablations reads: the embedding, the completed sources
+    /// `first..completed`, and `partial`.
+    fn read<'a>(
+        &'a self,
+        first: usize,
+        completed: usize,
+        partial: Option<&'a (Buf<A>, Buf<f32>)>,
+    ) -> Read<'a, A> {
+        Read {
+            values: self.values.all(),
+            rstds: self.rstd.all(),
+            partial: partial.map(|(v, r)| (v.all(), r.all())),
+            first,
+            completed,
+            rows: self.rows,
+            d: self.d,
+        }
     }
 
     /// Source `n` (`[rows, d]`) and its 1/rms.
@@ -177,9 +230,13 @@ impl<A: Act> DepthForward<A> {
         l: usize,
         partial: Option<PartialSum<A>>,
         g: Slice<f32>,
+        p: &Params<A>,
     ) -> Result<NormedInput<A>> {
         let (s, rows, d) = (self.block_size, self.rows, self.d);
         debug_assert_eq!(self.saved.len(), l, "consumers in order");
+        if let Some(ab) = self.ablation {
+            return self.ablation_input(dev, &ab, l, g, p);
+        }
         let is_output = l == self.sublayers;
         if is_output || l.is_multiple_of(s) {
             debug_assert!(partial.is_none(), "a block's first consumer reads no partial sum");
@@ -187,18 +244,45 @@ impl<A: Act> DepthForward<A> {
             // shorter; the output aggregation is a block of its own).
             let last = if is_output { l + 1 } else { (l + s).min(self.sublayers) };
             let c = self.completed;
-            let ws = self.queries.slice(l * d..last * d);
+            let ws = self.queries.as_ref().expect("the method's queries").slice(l * d..last * d);
             let (v, r) = (self.values.slice(0..c * rows * d), self.rstd.slice(0..c * rows));
             self.phase1 = Some(depth::phase1(dev, v, r, ws, rows, d)?);
         }
         let p1 = self.phase1.as_ref().expect("phase 1 ran at the block's start");
         let n_sources = self.completed + partial.is_some() as usize;
-        let w = self.queries.slice(l * d..(l + 1) * d);
+        let w = self.query(l);
         let j = if is_output { 0 } else { l % s };
         let x = depth::input(dev, p1, j, partial, w, g, d, self.eps)?;
-        let (alpha, logits) = (x.alpha, x.logits);
-        self.saved.push(ConsumerSaved { alpha, logits, n_sources, partial: None });
+        let (alpha, logits, completed) = (x.alpha, x.logits, self.completed);
+        let (partial, first, input_query) = (None, 1, None);
+        let saved =
+            ConsumerSaved { alpha, logits, n_sources, partial, first, completed, input_query };
+        self.saved.push(saved);
         Ok(NormedInput { h: x.h, xn: x.xn, rstd: x.rstd })
+    }
+
+    /// [`Self::input`] with the ablation options: consumer `l` reads the embedding, the latest
+    /// completed sources (all of them without a window) and the current partial sum, in one
+    /// pass.
+    fn ablation_input(
+        &mut self,
+        dev: &Device,
+        ab: &Ablation,
+        l: usize,
+        g: Slice<f32>,
+        p: &Params<A>,
+    ) -> Result<NormedInput<A>> {
+        let (completed, d, eps) = (self.completed, self.d, self.eps);
+        let first = ab.first_read(completed);
+        let read = self.read(first, completed, self.partial.as_ref());
+        let n_sources = read.k();
+        let x = ablation::forward(dev, ab, l, &read, p, eps)?;
+        let (xn, rstd) = rmsnorm::forward(dev, &x.h, g, d, eps)?;
+        let (alpha, logits, input_query, partial) = (x.alpha, x.logits, x.input_query, None);
+        let saved =
+            ConsumerSaved { alpha, logits, n_sources, partial, first, completed, input_query };
+        self.saved.push(saved);
+        Ok(NormedInput { h: x.h, xn, rstd })
     }
 
     /// Records the raw output of sublayer `l`: at the end of its block, the block's sum becomes
@@ -211,17 +295,27 @@ impl<A: Act> DepthForward<A> {
         l: usize,
         mut out: Buf<A>,
         g: Slice<f32>,
+        p: &Params<A>,
     ) -> Result<NormedInput<A>> {
         let read = self.partial.take();
         if self.ends_block(l) {
             self.complete(dev, &out, read.as_ref().map(|(v, _)| v))?;
             self.saved[l].partial = read;
-            return self.input(dev, l + 1, None, g);
+            return self.input(dev, l + 1, None, g, p);
         }
         let mut rstd = dev.output(self.rows)?;
         let prev = read.as_ref().map(|(v, _)| v.all());
+        if self.ablation.is_some() {
+            // The next partial sum first, which the next consumer then reads.
+            let mut sum = dev.output(out.len())?;
+            let (all, d, eps) = (&mut sum.all_mut(), self.d, self.eps);
+            depth::sum_rstd(dev, all, &mut rstd.all_mut(), out.all(), prev, d, eps)?;
+            self.saved[l].partial = read;
+            self.partial = Some((sum, rstd));
+            return self.input(dev, l + 1, None, g, p);
+        }
         let update = PartialSum { sum: &mut out, rstd: &mut rstd, prev };
-        let x = self.input(dev, l + 1, Some(update), g)?;
+        let x = self.input(dev, l + 1, Some(update), g, p)?;
         self.saved[l].partial = read;
         self.partial = Some((out, rstd));
         Ok(x)
@@ -236,6 +330,17 @@ pub enum ResidualBackward<A: Act> {
         acc: Buf<A>,
     },
     Depth(DepthBackward<A>),
+    Ablation(AblationBackward<A>),
+}
+
+/// The backward of the ablation options, a consumer at a time: each completed source's
+/// gradient summed over its readers in f32, and each consumer's depth parameters'.
+pub struct AblationBackward<A: Act> {
+    /// The gradient of the output of the sublayer being processed, as [`DepthBackward`]'s.
+    acc: Option<Buf<A>>,
+    /// The completed sources' gradients, laid out as their values.
+    dvalues: Buf<f32>,
+    params: ParamGrads,
 }
 
 /// A consumer backpropagated, whose gradients into completed sources are still owed.
@@ -297,6 +402,7 @@ impl<A: Act> ResidualBackward<A> {
     /// Starts from `dxn`, the gradient of the final norm's output (whose input and gain were
     /// `x` and `g`; the gain's gradient goes into `dg`): backpropagates the final norm and the
     /// output aggregation.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         dev: &Device,
         fwd: &ResidualForward<A>,
@@ -304,13 +410,24 @@ impl<A: Act> ResidualBackward<A> {
         x: &NormedInput<A>,
         g: Slice<f32>,
         dg: &mut SliceMut<f32>,
+        p: &Params<A>,
     ) -> Result<Self> {
         let ResidualForward::Depth(f) = fwd else {
             let acc = rmsnorm::backward(dev, dg, dxn, &x.h, g, &x.rstd, g.len(), None)?;
             return Ok(ResidualBackward::Standard { acc });
         };
-        let (dh, dh_dot_h) = input_grad_of(dev, dxn, x, g, dg)?;
         let (consumers, rows, d) = (f.sublayers + 1, f.rows, f.d);
+        if f.ablation.is_some() {
+            let dh = rmsnorm::backward(dev, dg, dxn, &x.h, g, &x.rstd, d, None)?;
+            let mut b = AblationBackward {
+                acc: None,
+                dvalues: dev.zeros(f.values.len())?,
+                params: ParamGrads::new(dev, p, consumers)?,
+            };
+            b.consumer(dev, f, f.sublayers, &dh, p)?;
+            return Ok(ResidualBackward::Ablation(b));
+        }
+        let (dh, dh_dot_h) = input_grad_of(dev, dxn, x, g, dg)?;
         let by_block = f.block_size >= BY_BLOCK_FROM;
         let slabs = if by_block { f.completed } else { 1 };
         let mut b = DepthBackward {
@@ -345,6 +462,15 @@ impl<A: Act> ResidualBackward<A> {
                 }
                 Ok(b.acc.as_ref().expect("a block's last sublayer comes first"))
             }
+            (ResidualBackward::Ablation(b), ResidualForward::Depth(f)) => {
+                if f.ends_block(l) {
+                    let n = l / f.block_size + 1;
+                    let plane = f.rows * f.d;
+                    let grad = b.dvalues.slice(n * plane..(n + 1) * plane);
+                    b.acc = Some(depth_ablation::narrow(dev, grad)?);
+                }
+                Ok(b.acc.as_ref().expect("a block's last sublayer comes first"))
+            }
             _ => unreachable!("backward state of another residual"),
         }
     }
@@ -363,6 +489,7 @@ impl<A: Act> ResidualBackward<A> {
         g: Slice<f32>,
         dg: &mut SliceMut<f32>,
         fwd: &ResidualForward<A>,
+        p: &Params<A>,
     ) -> Result<()> {
         match (self, fwd) {
             (ResidualBackward::Standard { acc }, _) => {
@@ -370,6 +497,10 @@ impl<A: Act> ResidualBackward<A> {
             }
             (ResidualBackward::Depth(b), ResidualForward::Depth(f)) => {
                 b.input_grad(dev, f, l, dxn, x, g, dg)
+            }
+            (ResidualBackward::Ablation(b), ResidualForward::Depth(f)) => {
+                let dh = rmsnorm::backward(dev, dg, dxn, &x.h, g, &x.rstd, f.d, None)?;
+                b.consumer(dev, f, l, &dh, p)
             }
             _ => unreachable!("backward state of another residual"),
         }
@@ -399,8 +530,43 @@ impl<A: Act> ResidualBackward<A> {
                 }
                 Ok(de)
             }
+            (ResidualBackward::Ablation(b), ResidualForward::Depth(f)) => {
+                let de = depth_ablation::narrow(dev, b.dvalues.slice(0..f.rows * f.d))?;
+                b.params.add_into(dev, grads)?;
+                Ok(de)
+            }
             _ => unreachable!("backward state of another residual"),
         }
+    }
+}
+
+impl<A: Act> AblationBackward<A> {
+    /// Backpropagates `dh`, the gradient of consumer `l`'s input, into the sources it read
+    /// (the partial sum's into `acc`) and its depth parameters.
+    fn consumer(
+        &mut self,
+        dev: &Device,
+        f: &DepthForward<A>,
+        l: usize,
+        dh: &Buf<A>,
+        p: &Params<A>,
+    ) -> Result<()> {
+        let ab = f.ablation.as_ref().expect("a model with the ablation options");
+        let saved = &f.saved[l];
+        let read = f.read(saved.first, saved.completed, saved.partial.as_ref());
+        let dp = match saved.partial {
+            Some(_) => {
+                Some(self.acc.as_mut().expect("a partial sum's reader follows a block's end"))
+            }
+            None => None,
+        };
+        let kept = ablation::Saved {
+            alpha: &saved.alpha,
+            logits: &saved.logits,
+            input_query: saved.input_query.as_ref(),
+        };
+        let (dvalues, grads) = (&mut self.dvalues, &mut self.params);
+        ablation::backward(dev, ab, l, dh, &read, kept, dvalues, dp, p, grads)
     }
 }
 
@@ -411,7 +577,7 @@ fn weights_of<A: Act>(f: &DepthForward<A>, l: usize) -> Weights<'_> {
         alpha: &saved.alpha,
         logits: &saved.logits,
         n_sources: saved.n_sources,
-        w: f.queries.slice(l * f.d..(l + 1) * f.d),
+        w: f.query(l),
     }
 }
 

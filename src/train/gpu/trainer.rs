@@ -167,6 +167,7 @@ fn sublayer_norms(layout: &Layout, squares: &[f64]) -> Vec<f64> {
 mod tests {
     use super::*;
     use crate::gpu::Precision;
+    use crate::model::config::DepthQuery;
     use crate::model::{Config, ResidualKind};
     use crate::train::optim::{OptimConfig, OptimizerKind};
     use crate::train::run::setup::Settings;
@@ -174,19 +175,22 @@ mod tests {
     use crate::train::step::{optimizer_step, Pass};
 
     /// Six steps of two micro-batches, with clipping at work, under AdamW and under Muon, with
-    /// each residual: each step's loss, gradient norm and sublayer norms against the CPU's
-    /// steps from the same start, and the weights after.
+    /// each residual and with Block AttnRes under ablation options (input-dependent queries,
+    /// whose matrices Muon takes, of two heads): each step's loss, gradient norm and sublayer
+    /// norms against the CPU's steps from the same start, and the weights after.
     fn training_steps_match_the_cpu_engine(dev: &Device) {
-        for residual in [ResidualKind::Standard, ResidualKind::Block, ResidualKind::Full] {
+        let kinds = [ResidualKind::Standard, ResidualKind::Block, ResidualKind::Full];
+        let ablated = (ResidualKind::Block, true);
+        for (residual, ablate) in kinds.map(|r| (r, false)).into_iter().chain([ablated]) {
             for optimizer in [OptimizerKind::Adamw, OptimizerKind::Muon] {
-                steps_match(dev, residual, optimizer);
+                steps_match(dev, residual, ablate, optimizer);
             }
         }
     }
     crate::gpu::on_cpu_and_gpu!(training_steps_match_the_cpu_engine);
 
-    fn steps_match(dev: &Device, residual: ResidualKind, optimizer: OptimizerKind) {
-        let c = Config {
+    fn steps_match(dev: &Device, residual: ResidualKind, ablate: bool, optimizer: OptimizerKind) {
+        let mut c = Config {
             vocab_size: 61,
             hidden_size: 32,
             intermediate_size: 48,
@@ -200,6 +204,10 @@ mod tests {
             tie_word_embeddings: false,
             ..Config::default()
         };
+        if ablate {
+            c.attn_res_query = DepthQuery::Input;
+            c.attn_res_heads = 2;
+        }
         let mut cpu = Model::init(c, 9).unwrap();
         let oc = OptimConfig {
             optimizer,
@@ -225,7 +233,7 @@ mod tests {
             let close = |a: f64, b: f64, what: &str| {
                 assert!(
                     (a - b).abs() <= 1e-4 * b.abs(),
-                    "{residual:?}, {optimizer:?} step {step}: {what} {a} vs {b}"
+                    "{residual:?} (ablated: {ablate}), {optimizer:?} step {step}: {what} {a} vs {b}"
                 )
             };
             close(got.train_loss, want.train_loss, "loss");
@@ -243,7 +251,7 @@ mod tests {
         // whose gradients are mere rounding may part by a step's worth.
         let moved = synced.params.iter().zip(&cpu.params).filter(|(a, b)| (*a - *b).abs() > 1e-3);
         let parted = moved.count() > cpu.params.len() / 1000;
-        assert!(!parted, "{residual:?}, {optimizer:?}: the weights parted");
+        assert!(!parted, "{residual:?} (ablated: {ablate}), {optimizer:?}: the weights parted");
     }
 
     /// Validation losses of `metrics.jsonl`, by step.

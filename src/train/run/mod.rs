@@ -98,7 +98,6 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
                 "--device cuda trains on one GPU in one process, not under mpirun"
             );
             if let Some(r) = &run {
-                crate::train::gpu::model::check_config(&r.model)?;
                 gpu_trainer::check_settings(&r.train)?;
             }
             Some((crate::gpu::device::Device::open(0)?, p))
