@@ -210,7 +210,8 @@ impl Device {
             anyhow!(
                 "the GPU is out of memory: {} more asked for while this run's buffers held {} of \
                  its {}; run fewer tokens at once (train: a smaller micro_batch, which leaves \
-                 batch_tokens as it is, or seq_len; bench: --batch or --seq)",
+                 batch_tokens as it is, or seq_len; bench: --batch or --seq), or recompute \
+                 activations (train: recompute=true; bench: --recompute)",
                 size(bytes),
                 size(held),
                 size(self.capacity)
@@ -468,7 +469,9 @@ mod tests {
         ] {
             let e = format!("{:#}", e.expect("past the GPU's memory"));
             assert!(e.starts_with("the GPU is out of memory: "), "{e}");
-            for part in ["held 8.0 MB of its 10.0 MB", "smaller micro_batch", "--batch"] {
+            for part in
+                ["held 8.0 MB of its 10.0 MB", "smaller micro_batch", "--batch", "recompute"]
+            {
                 assert!(e.contains(part), "{part} in {e}");
             }
         }

@@ -489,7 +489,6 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 
 /// Training steps timed on the first GPU.
 fn bench_gpu(a: &BenchArgs, configs: &[Config]) -> Result<()> {
-    ensure!(!a.recompute, "--recompute is the CPU's (not with --device cuda)");
     let dev = attnres::gpu::device::Device::open(0)?;
     let name = attnres::gpu::gpus()?.swap_remove(0).name;
     let base = &configs[0];
@@ -504,6 +503,7 @@ fn bench_gpu(a: &BenchArgs, configs: &[Config]) -> Result<()> {
         warmup: a.warmup,
         steps: a.steps,
         peak_size: 4096,
+        recompute: a.recompute,
         profile: a.profile,
     };
     let report = bench::gpu::run(&dev, &name, configs, plan, |line| log(&format!("  {line}")))?;

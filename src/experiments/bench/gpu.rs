@@ -41,6 +41,8 @@ pub struct GpuBenchReport {
     pub precision: String,
     pub batch: usize,
     pub seq: usize,
+    /// Backward recomputed each sublayer's work.
+    pub recompute: bool,
     /// cuBLASLt's rate on this GPU at the activations' precision (products of `peak_size`³,
     /// [`blas_peak`]), in TFLOP/s.
     pub blas_tflops: f64,
@@ -90,6 +92,8 @@ pub struct Plan {
     pub steps: usize,
     pub peak_size: usize,
     pub precision: Precision,
+    /// Backward recomputes each sublayer's work (the training setting `recompute`).
+    pub recompute: bool,
     /// Times each operation of one more step ([`Device::profile_open`]).
     pub profile: bool,
 }
@@ -103,7 +107,7 @@ pub fn run(
     plan: Plan,
     mut progress: impl FnMut(&str),
 ) -> Result<GpuBenchReport> {
-    let Plan { batch, seq, warmup, steps, peak_size, precision, profile } = plan;
+    let Plan { batch, seq, warmup, steps, peak_size, precision, recompute, profile } = plan;
     let blas_tflops = match precision {
         Precision::Fp32 => blas_peak::<f32>(dev, peak_size)?,
         Precision::Bf16 => blas_peak::<Bf16>(dev, peak_size)?,
@@ -115,7 +119,7 @@ pub fn run(
             [(pseudo_tokens(batch * seq, vocab, 1), pseudo_tokens(batch * seq, vocab, 2))];
         let model = Model::init(c.clone(), 0)?;
         let opt = Optimizer::new(OptimConfig::default(), &model.layout);
-        let mut trainer = trainer::start(dev.clone(), &model, &opt, precision)?;
+        let mut trainer = trainer::start(dev.clone(), &model, &opt, precision, recompute)?;
         drop((model, opt));
         dev.reset_peak();
         let mut times = Vec::new();
@@ -159,18 +163,19 @@ pub fn run(
         });
     }
     let (device, precision) = (name.to_string(), precision.to_string());
-    Ok(GpuBenchReport { device, precision, batch, seq, blas_tflops, peak_size, modes })
+    Ok(GpuBenchReport { device, precision, batch, seq, recompute, blas_tflops, peak_size, modes })
 }
 
 impl GpuBenchReport {
     /// A Markdown table, one row per mode.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "{}, batch {} x {} tokens, {}; cuBLASLt {} at {}^3: {:.1} TFLOP/s\n\n",
+            "{}, batch {} x {} tokens, {}{}; cuBLASLt {} at {}^3: {:.1} TFLOP/s\n\n",
             self.device,
             self.batch,
             self.seq,
             self.precision,
+            if self.recompute { ", recomputing activations" } else { "" },
             self.precision,
             self.peak_size,
             self.blas_tflops
@@ -271,6 +276,7 @@ mod tests {
             steps: 2,
             peak_size: 64,
             precision: Precision::Bf16,
+            recompute: false,
             profile: true,
         };
         let report = run(&dev, "emulated", &[c, block], plan, |_| {}).unwrap();
@@ -338,6 +344,7 @@ mod tests {
                 steps: 1,
                 peak_size: 64,
                 precision: Precision::Bf16,
+                recompute: false,
                 profile: false,
             };
             let report = run(&dev, "emulated", &modes, plan, |_| {}).unwrap();

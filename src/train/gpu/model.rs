@@ -32,20 +32,33 @@ pub struct GpuModel<A: Act = f32> {
     /// ([`Self::weights_mut`]).
     weights: Option<Buf<A>>,
     rope: RopeTables,
+    /// Forward keeps only each sublayer's input, and backward recomputes the sublayer's work
+    /// from it (the training setting `recompute`): the same gradients for less memory.
+    pub recompute: bool,
 }
 
-/// What the attention sublayer keeps for backward: its input with the norm's 1/rms and output,
-/// the rotated q/k with v, the attention's output and softmax statistics.
+/// What the attention sublayer keeps for backward: its input with the norm's 1/rms and output
+/// and, unless backward recomputes it, its work.
 struct AttnSaved<A: Act> {
     x: NormedInput<A>,
+    work: Option<AttnWork<A>>,
+}
+
+/// The attention's work: the rotated q/k with v, the attention's output and softmax statistics.
+struct AttnWork<A: Act> {
     qkv: Buf<A>,
     o: Buf<A>,
     stats: Buf<f32>,
 }
 
-/// What the MLP keeps: its input with the norm's 1/rms and output, gate/up and the activation.
+/// What the MLP keeps, as the attention: its input and, unless recomputed, its work.
 struct MlpSaved<A: Act> {
     x: NormedInput<A>,
+    work: Option<MlpWork<A>>,
+}
+
+/// The MLP's work: gate/up and the activation.
+struct MlpWork<A: Act> {
     gu: Buf<A>,
     act: Buf<A>,
 }
@@ -81,6 +94,7 @@ impl<A: Act> GpuModel<A> {
             params: dev.upload(&model.params)?,
             weights: None,
             rope: RopeTables::upload(dev, &model.rope)?,
+            recompute: false,
         };
         gm.refresh_weights(dev)?;
         Ok(gm)
@@ -166,13 +180,27 @@ impl<A: Act> GpuModel<A> {
         sh: AttnShape,
     ) -> Result<(AttnSaved<A>, Buf<A>)> {
         let (d, w, n) = (self.config.hidden_size, self.weights(), positions.len());
-        let (qw, ow) = (sh.qkv_width(), sh.out_width());
+        let work = self.attn_work(dev, lp, &x, positions, sh)?;
+        let out = linear(dev, &work.o, w.slice(lp.o_proj.clone()), n, sh.out_width(), d)?;
+        Ok((AttnSaved { x, work: (!self.recompute).then_some(work) }, out))
+    }
+
+    /// The attention's work on its normalised input `x`, up to its output projection.
+    fn attn_work(
+        &self,
+        dev: &Device,
+        lp: &LayerParams,
+        x: &NormedInput<A>,
+        positions: &Ids,
+        sh: AttnShape,
+    ) -> Result<AttnWork<A>> {
+        let (d, w, n) = (self.config.hidden_size, self.weights(), positions.len());
+        let qw = sh.qkv_width();
         let mut qkv = linear(dev, &x.xn, w.slice(lp.qkv.clone()), n, d, qw)?;
         let heads = sh.heads + sh.kv_heads;
         rope::apply(dev, &mut qkv, qw, 0, heads, positions, &self.rope, false)?;
         let (o, stats) = attention::forward(dev, &qkv, sh)?;
-        let out = linear(dev, &o, w.slice(lp.o_proj.clone()), n, ow, d)?;
-        Ok((AttnSaved { x, qkv, o, stats }, out))
+        Ok(AttnWork { qkv, o, stats })
     }
 
     /// The MLP sublayer on its normalised input `x`: what it keeps, and its output.
@@ -185,10 +213,19 @@ impl<A: Act> GpuModel<A> {
         let c = &self.config;
         let (d, f, w) = (c.hidden_size, c.intermediate_size, self.weights());
         let n = x.h.len() / d;
+        let work = self.mlp_work(dev, lp, &x)?;
+        let out = linear(dev, &work.act, w.slice(lp.down.clone()), n, f, d)?;
+        Ok((MlpSaved { x, work: (!self.recompute).then_some(work) }, out))
+    }
+
+    /// The MLP's work on its normalised input `x`, up to its down projection.
+    fn mlp_work(&self, dev: &Device, lp: &LayerParams, x: &NormedInput<A>) -> Result<MlpWork<A>> {
+        let c = &self.config;
+        let (d, f, w) = (c.hidden_size, c.intermediate_size, self.weights());
+        let n = x.h.len() / d;
         let gu = linear(dev, &x.xn, w.slice(lp.gate_up.clone()), n, d, 2 * f)?;
         let act = swiglu_forward(dev, &gu, f)?;
-        let out = linear(dev, &act, w.slice(lp.down.clone()), n, f, d)?;
-        Ok((MlpSaved { x, gu, act }, out))
+        Ok(MlpWork { gu, act })
     }
 
     /// The mean loss of `fwd` against `targets`, without gradients.
@@ -285,10 +322,15 @@ impl<A: Act> GpuModel<A> {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let weights = self.weights();
         let n = s.x.h.len() / d;
+        let recomputed = match s.work {
+            Some(_) => None,
+            None => Some(self.mlp_work(dev, lp, &s.x)?),
+        };
+        let work = s.work.as_ref().or(recomputed.as_ref()).expect("kept or recomputed");
         let mut dact = dev.output(n * f)?;
         let (dw, w) = (&mut grads.slice_mut(lp.down.clone()), weights.slice(lp.down.clone()));
-        linear_backward(dev, &mut dact, dw, dout, &s.act, w, n, f, d, false)?;
-        let dgu = swiglu_backward(dev, &dact, &s.gu, f)?;
+        linear_backward(dev, &mut dact, dw, dout, &work.act, w, n, f, d, false)?;
+        let dgu = swiglu_backward(dev, &dact, &work.gu, f)?;
         drop(dact);
         let mut dxn = dev.output(n * d)?;
         let (dw, w) = (&mut grads.slice_mut(lp.gate_up.clone()), weights.slice(lp.gate_up.clone()));
@@ -312,10 +354,15 @@ impl<A: Act> GpuModel<A> {
         let (d, n) = (self.config.hidden_size, positions.len());
         let weights = self.weights();
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
+        let recomputed = match s.work {
+            Some(_) => None,
+            None => Some(self.attn_work(dev, lp, &s.x, positions, sh)?),
+        };
+        let work = s.work.as_ref().or(recomputed.as_ref()).expect("kept or recomputed");
         let mut do_ = dev.output(n * ow)?;
         let (dw, w) = (&mut grads.slice_mut(lp.o_proj.clone()), weights.slice(lp.o_proj.clone()));
-        linear_backward(dev, &mut do_, dw, dout, &s.o, w, n, ow, d, false)?;
-        let mut dqkv = attention::backward(dev, &do_, &s.qkv, &s.o, &s.stats, sh)?;
+        linear_backward(dev, &mut do_, dw, dout, &work.o, w, n, ow, d, false)?;
+        let mut dqkv = attention::backward(dev, &do_, &work.qkv, &work.o, &work.stats, sh)?;
         drop(do_);
         let heads = sh.heads + sh.kv_heads;
         rope::apply(dev, &mut dqkv, qw, 0, heads, positions, &self.rope, true)?;
@@ -504,6 +551,36 @@ mod tests {
         }
     }
     crate::gpu::on_cpu_and_gpu!(a_bf16_training_pass_follows_the_cpu_engine);
+
+    /// With `recompute`, backward recomputes each sublayer's work from its input: the same
+    /// loss and gradients, bit for bit, in both precisions, with a lower peak of memory.
+    fn recomputing_gives_the_same_gradients(dev: &Device) {
+        fn check<A: Act>(dev: &Device, name: &str, model: &Model) {
+            let (batch, seq) = (2, 70);
+            let ids: Vec<u32> = (0..batch * seq).map(|i| (i * 31 % 97) as u32).collect();
+            let targets: Vec<u32> = ids.iter().map(|t| (t * 17 + 5) % 97).collect();
+            let mut gm = GpuModel::<A>::upload(dev, model).unwrap();
+            let mut pass = |recompute: bool| {
+                gm.recompute = recompute;
+                let mut grads = dev.zeros(model.params.len()).unwrap();
+                dev.reset_peak();
+                let fwd = gm.forward(dev, &ids, batch, seq).unwrap();
+                let loss = gm.backward(dev, fwd, &targets, &mut grads).unwrap();
+                let peak = dev.memory().1;
+                (loss, dev.download(&grads).unwrap(), peak)
+            };
+            let (kept, recomputed) = (pass(false), pass(true));
+            assert_eq!(kept.0.to_bits(), recomputed.0.to_bits(), "{name}: loss");
+            let same = kept.1.iter().zip(&recomputed.1).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: gradients");
+            assert!(recomputed.2 < kept.2, "{name}: peak {} vs {}", recomputed.2, kept.2);
+        }
+        for (name, model) in models() {
+            check::<f32>(dev, name, &model);
+            check::<Bf16>(dev, name, &model);
+        }
+    }
+    crate::gpu::on_cpu_and_gpu!(recomputing_gives_the_same_gradients);
 
     /// The cosine of two vectors; 1 where both are zero (a consumer that reads one source
     /// has a query gradient of exactly zero on both sides).

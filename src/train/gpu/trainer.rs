@@ -16,7 +16,6 @@ use crate::gpu::optim::{scale, tensor_squares};
 use crate::gpu::Precision;
 use crate::model::params::Layout;
 use crate::model::Model;
-use crate::train::config::TrainConfig;
 use crate::train::optim::{global_norm, Optimizer};
 use crate::train::step::{check_loss, non_finite_advice, StepOutcome};
 use anyhow::{bail, Result};
@@ -47,32 +46,31 @@ pub trait DeviceSteps {
     fn loss(&self, ids: &[u32], targets: &[u32], rows: usize, seq: usize) -> Result<f32>;
 }
 
-/// `model` and `opt` on `dev`, trained at `precision`.
+/// `model` and `opt` on `dev`, trained at `precision`; with `recompute`, backward recomputes
+/// each sublayer's work (the training setting of that name).
 pub fn start(
     dev: Device,
     model: &Model,
     opt: &Optimizer,
     precision: Precision,
+    recompute: bool,
 ) -> Result<Box<dyn DeviceSteps>> {
     Ok(match precision {
-        Precision::Fp32 => Box::new(GpuTrainer::<f32>::new(dev, model, opt)?),
-        Precision::Bf16 => Box::new(GpuTrainer::<Bf16>::new(dev, model, opt)?),
+        Precision::Fp32 => Box::new(GpuTrainer::<f32>::new(dev, model, opt, recompute)?),
+        Precision::Bf16 => Box::new(GpuTrainer::<Bf16>::new(dev, model, opt, recompute)?),
     })
 }
 
-/// An error for training settings the GPU does not run yet.
-pub fn check_settings(t: &TrainConfig) -> Result<()> {
-    anyhow::ensure!(
-        !t.recompute,
-        "recompute = true does not run on the GPU yet: set recompute=false"
-    );
-    Ok(())
-}
-
 impl<A: Act> GpuTrainer<A> {
-    /// `model` and `opt` on `dev`.
-    pub fn new(dev: Device, model: &Model, opt: &Optimizer) -> Result<GpuTrainer<A>> {
-        let gm = GpuModel::upload(&dev, model)?;
+    /// `model` and `opt` on `dev`; `recompute` as in [`start`].
+    pub fn new(
+        dev: Device,
+        model: &Model,
+        opt: &Optimizer,
+        recompute: bool,
+    ) -> Result<GpuTrainer<A>> {
+        let mut gm = GpuModel::upload(&dev, model)?;
+        gm.recompute = recompute;
         let gopt = GpuOptimizer::upload(&dev, opt)?;
         let grads = dev.zeros(model.params.len())?;
         Ok(GpuTrainer { dev, model: gm, opt: gopt, grads })
@@ -218,7 +216,7 @@ mod tests {
         };
         let mut cpu_opt = Optimizer::new(oc, &cpu.layout);
         let dev = dev.clone();
-        let mut gpu = GpuTrainer::<f32>::new(dev, &cpu, &cpu_opt).unwrap();
+        let mut gpu = GpuTrainer::<f32>::new(dev, &cpu, &cpu_opt, false).unwrap();
         let (rows, seq) = (2, 20);
         let batch = |step: usize, k: usize| -> (Vec<u32>, Vec<u32>) {
             let at = |i: usize| ((i * 7 + step * 13 + k * 5) % 61) as u32;
@@ -336,10 +334,14 @@ mod tests {
         ];
         let (fp32, bf16) =
             (Hardware::Emulated(Precision::Fp32), Hardware::Emulated(Precision::Bf16));
+        // The standard run also recomputes activations, on the CPU and the GPU alike.
+        let standard = ["residual=standard", "recompute=true"];
         for (residual, devices) in
-            [("residual=standard", vec![fp32]), ("residual=block", vec![fp32, bf16])]
+            [(&standard[..], vec![fp32]), (&["residual=block"][..], vec![fp32, bf16])]
         {
-            let sets: Vec<&str> = sets.iter().copied().chain([residual, "num_blocks=2"]).collect();
+            let residual = residual.iter().copied();
+            let sets: Vec<&str> =
+                sets.iter().copied().chain(residual).chain(["num_blocks=2"]).collect();
             a_run_agrees_with_the_cpu_and_moves_between_them(&devices, &sets);
         }
     }

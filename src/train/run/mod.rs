@@ -97,9 +97,6 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
                 group.is_none(),
                 "--device cuda trains on one GPU in one process, not under mpirun"
             );
-            if let Some(r) = &run {
-                gpu_trainer::check_settings(&r.train)?;
-            }
             Some((crate::gpu::device::Device::open(0)?, p))
         }
     };
@@ -108,9 +105,9 @@ pub fn train_on(run: Option<RunConfig>, opts: &TrainOptions, group: Option<&Grou
         Some(g) => Trainer::start_group(run, opts, g)?,
     };
     if let Some((dev, precision)) = dev {
-        gpu_trainer::check_settings(&trainer.run.train)?;
         trainer.progress.say(format!("steps on GPU 0 ({}), {precision}", dev.arch));
-        trainer.gpu = Some(gpu_trainer::start(dev, &trainer.model, &trainer.opt, precision)?);
+        let (model, opt, recompute) = (&trainer.model, &trainer.opt, trainer.run.train.recompute);
+        trainer.gpu = Some(gpu_trainer::start(dev, model, opt, precision, recompute)?);
     }
     if trainer.at.step == 0 {
         // A run is resumable from its first moment: a kill before the first regular checkpoint
