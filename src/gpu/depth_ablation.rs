@@ -298,211 +298,203 @@ mod tests {
         Scalar,
     }
 
-    /// One consumer of the ablations against the CPU kernel, both ways: reading the embedding
-    /// and the latest two of five completed sources (a window), with and without a partial
-    /// sum, for every kind of query and gate, with and without key norm, over one head or
-    /// several. Activations of type `A`, within `rounding` of their size (plus 1e-5 of the
-    /// largest value: the f32 kernels' own error) where the kernel rounds them once.
-    fn check<A: Act>(dev: &Device, rounding: f32) {
-        use Gate::*;
-        let cases = [
-            // Rows of one warp's chunks, of 203 values (heads of 29: unaligned), of 1000 (a
-            // block of four warps).
-            (9, 96, Kind::Static, Softmax, false, 1),
-            (9, 96, Kind::Static, Sigmoid, true, 3),
-            (5, 203, Kind::PerToken { gain: true }, Softmax, true, 7),
-            (5, 203, Kind::PerToken { gain: false }, Sigmoid, false, 1),
-            (4, 1000, Kind::Static, Softmax, true, 4),
-            (6, 96, Kind::Scalar, Softmax, true, 1),
-            (6, 96, Kind::Scalar, Identity, true, 1),
-        ];
-        let (n, first, n_cols) = (5, 3, 7);
-        for (rows, d, kind, gate, key_norm, heads) in cases {
-            for with_partial in [true, false] {
-                let at = format!("{rows}x{d} {kind:?} {gate:?} key norm {key_norm} heads {heads}");
-                let at = format!("{at} partial {with_partial}");
-                let o = Options { key_norm, gate, heads };
-                let plane = rows * d;
-                let vals = values::<A>(n * plane, 1, 2.0);
-                let rs = rstd_of(&vals, d, EPS);
-                let pv = values::<A>(plane, 2, 1.5);
-                let pr = rstd_of(&pv, d, EPS);
-                // The CPU takes the sources read as a list: 0, first.., the partial sum.
-                let read_ix: Vec<usize> = std::iter::once(0).chain(first..n).collect();
-                let mut sv: Vec<&[f32]> =
-                    read_ix.iter().map(|&i| &vals[i * plane..(i + 1) * plane]).collect();
-                let mut rv: Vec<&[f32]> =
-                    read_ix.iter().map(|&i| &rs[i * rows..(i + 1) * rows]).collect();
-                if with_partial {
-                    sv.push(&pv);
-                    rv.push(&pr);
-                }
-                let k = sv.len();
-                let (q, gain) = (rand_vec(rows * d, 3, 0.8), rand_vec(d, 4, 0.5));
-                let gain: Vec<f32> = gain.iter().map(|g| 1.0 + g).collect();
-                let scalars = rand_vec(n_cols, 5, 1.0);
-                let (cpu_w, cpu_c): (Vec<f32>, Vec<f32>) = match kind {
-                    Kind::Static => (q[..d].to_vec(), vec![]),
-                    Kind::PerToken { gain: false } => (q.clone(), vec![]),
-                    Kind::PerToken { gain: true } => (
-                        q.chunks(d).flat_map(|r| r.iter().zip(&gain).map(|(a, b)| a * b)).collect(),
-                        vec![],
-                    ),
-                    Kind::Scalar => {
-                        let cols =
-                            read_ix.iter().copied().chain(with_partial.then_some(n_cols - 1));
-                        (vec![], cols.map(|c| scalars[c]).collect())
-                    }
-                };
-                let cpu_q = match kind {
-                    Kind::Static => CpuQuery::Static(&cpu_w),
-                    Kind::PerToken { .. } => CpuQuery::PerToken(&cpu_w),
-                    Kind::Scalar => CpuQuery::Scalar(&cpu_c),
-                };
-                let mut want_h = vec![0.0; plane];
-                let (mut want_a, mut want_l) =
-                    (vec![0.0; rows * k * heads], vec![0.0; rows * k * heads]);
-                cpu::forward(&mut want_h, &mut want_a, &mut want_l, &sv, &rv, cpu_q, o, d);
+    /// Completed sources; the first read after the embedding (a window); the model's sources.
+    const N: usize = 5;
+    const FIRST: usize = 3;
+    const N_COLS: usize = 7;
 
-                let (vg, rg, pg, prg) = (
-                    up::<A>(dev, &vals),
-                    dev.upload(&rs).unwrap(),
-                    up::<A>(dev, &pv),
-                    dev.upload(&pr).unwrap(),
-                );
-                let (qg, gg, sg) = (
-                    dev.upload(&q).unwrap(),
-                    dev.upload(&gain).unwrap(),
-                    dev.upload(&scalars).unwrap(),
-                );
-                let read = Read {
-                    values: vg.all(),
-                    rstds: rg.all(),
-                    partial: with_partial.then(|| (pg.all(), prg.all())),
-                    first,
-                    completed: n,
-                    rows,
-                    d,
-                };
-                let query = match kind {
-                    Kind::Static => Query::Static(qg.slice(0..d)),
-                    Kind::PerToken { gain } => {
-                        Query::PerToken { q: qg.all(), gain: gain.then(|| gg.all()) }
-                    }
-                    Kind::Scalar => Query::Scalar { logits: sg.all(), partial_col: n_cols - 1 },
-                };
-                let (h, alpha, logits) = forward(dev, &read, &query, o).unwrap();
-                within(&down(dev, &h), &want_h, rounding, &format!("{at}: h"));
-                within(&dev.download(&alpha).unwrap(), &want_a, 0.0, &format!("{at}: alpha"));
-                within(&dev.download(&logits).unwrap(), &want_l, 0.0, &format!("{at}: logits"));
+    /// The sources one consumer reads, on the host and on the device: the embedding and the
+    /// latest two of five completed sources, and with `partial` a partial sum.
+    struct Sources<A: Act> {
+        rows: usize,
+        d: usize,
+        values: Vec<f32>,
+        rstds: Vec<f32>,
+        p: Vec<f32>,
+        pr: Vec<f32>,
+        partial: bool,
+        on_device: (Buf<A>, Buf<f32>, Buf<A>, Buf<f32>),
+    }
 
-                // Backward into gradients that already hold something (it adds).
-                let dh = values::<A>(plane, 6, 1.0);
-                let dv0 = rand_vec(n * plane, 7, 0.5);
-                let dp0 = values::<A>(plane, 8, 0.5);
-                let mut want_dv = dv0.clone();
-                let mut want_dp = dp0.clone();
-                let mut want_dq = vec![
-                    0.0;
-                    match kind {
-                        Kind::Scalar => k,
-                        Kind::Static => d,
-                        _ => rows * d,
-                    }
-                ];
-                {
-                    let mut dsrc: Vec<&mut [f32]> = Vec::new();
-                    let mut rest: &mut [f32] = &mut want_dv;
-                    let mut taken = 0;
-                    for &i in &read_ix {
-                        let (_, tail) = std::mem::take(&mut rest).split_at_mut((i - taken) * plane);
-                        let (mine, tail) = tail.split_at_mut(plane);
-                        dsrc.push(mine);
-                        rest = tail;
-                        taken = i + 1;
-                    }
-                    if with_partial {
-                        dsrc.push(&mut want_dp);
-                    }
-                    cpu::backward(
-                        &mut dsrc,
-                        &mut want_dq,
-                        &dh,
-                        &sv,
-                        &rv,
-                        &want_a,
-                        &want_l,
-                        cpu_q,
-                        o,
-                        d,
-                    );
-                }
-                let mut dvg = dev.upload(&dv0).unwrap();
-                let mut dpg = up::<A>(dev, &dp0);
-                let dhg = up::<A>(dev, &dh);
-                let dp = with_partial.then_some(&mut dpg);
-                let dq =
-                    backward(dev, &mut dvg, dp, &dhg, &read, &alpha, &logits, &query, o).unwrap();
-                let dq = dev.download(&dq).unwrap();
-                // Static and scalar queries' gradients are the sums over the tokens.
-                let width = dq.len() / rows;
-                let summed: Vec<f32> =
-                    (0..width).map(|c| (0..rows).map(|t| dq[t * width + c]).sum()).collect();
-                let got_dq = match kind {
-                    Kind::Static => summed,
-                    Kind::PerToken { .. } => dq.clone(),
-                    Kind::Scalar => {
-                        let cols =
-                            read_ix.iter().copied().chain(with_partial.then_some(n_cols - 1));
-                        let read: Vec<f32> = cols.clone().map(|c| summed[c]).collect();
-                        let unread = (0..n_cols).filter(|c| !cols.clone().any(|r| r == *c));
-                        assert!(
-                            unread.map(|c| summed[c]).all(|x| x == 0.0),
-                            "{at}: unread columns"
-                        );
-                        read
-                    }
-                };
-                within(&got_dq, &want_dq, 0.0, &format!("{at}: dq"));
-                within(&dev.download(&dvg).unwrap(), &want_dv, 0.0, &format!("{at}: dvalues"));
-                if with_partial {
-                    within(&down(dev, &dpg), &want_dp, rounding, &format!("{at}: dp"));
-                }
-
-                // The sum of the sources read, and its gradient spread back to each.
-                let want_x: Vec<f32> = (0..plane).map(|j| sv.iter().map(|s| s[j]).sum()).collect();
-                within(
-                    &down(dev, &read_sum(dev, &read).unwrap()),
-                    &want_x,
-                    rounding,
-                    &format!("{at}: read_sum"),
-                );
-                let mut spread = dev.upload(&dv0).unwrap();
-                let mut spread_p = up::<A>(dev, &dp0);
-                let dx = up::<A>(dev, &dh);
-                read_spread(dev, &mut spread, with_partial.then_some(&mut spread_p), &dx, &read)
-                    .unwrap();
-                let mut want_spread = dv0.clone();
-                for &i in &read_ix {
-                    want_spread[i * plane..(i + 1) * plane]
-                        .iter_mut()
-                        .zip(&dh)
-                        .for_each(|(a, b)| *a += b);
-                }
-                within(
-                    &dev.download(&spread).unwrap(),
-                    &want_spread,
-                    0.0,
-                    &format!("{at}: read_spread"),
-                );
-                if with_partial {
-                    let want: Vec<f32> = dp0.iter().zip(&dh).map(|(a, b)| a + b).collect();
-                    within(&down(dev, &spread_p), &want, rounding, &format!("{at}: read_spread p"));
-                }
-            }
+    impl<A: Act> Sources<A> {
+        fn new(dev: &Device, rows: usize, d: usize, partial: bool) -> Sources<A> {
+            let (values, p) = (values::<A>(N * rows * d, 1, 2.0), values::<A>(rows * d, 2, 1.5));
+            let (rstds, pr) = (rstd_of(&values, d, EPS), rstd_of(&p, d, EPS));
+            let on_device = (
+                up::<A>(dev, &values),
+                dev.upload(&rstds).unwrap(),
+                up::<A>(dev, &p),
+                dev.upload(&pr).unwrap(),
+            );
+            Sources { rows, d, values, rstds, p, pr, partial, on_device }
         }
 
-        // The input-dependent query through its gain, and the f32 sums narrowed.
+        /// The completed sources read, in order.
+        fn completed_read(&self) -> Vec<usize> {
+            std::iter::once(0).chain(FIRST..N).collect()
+        }
+
+        /// Each source's column among the model's sources (the partial sum's last).
+        fn columns(&self) -> Vec<usize> {
+            let partial = self.partial.then_some(N_COLS - 1);
+            self.completed_read().into_iter().chain(partial).collect()
+        }
+
+        /// The sources read and their 1/rms, as the CPU takes them: a list.
+        fn on_host(&self) -> (Vec<&[f32]>, Vec<&[f32]>) {
+            let (rows, plane) = (self.rows, self.rows * self.d);
+            let read = self.completed_read();
+            let mut sv: Vec<&[f32]> =
+                read.iter().map(|&i| &self.values[i * plane..(i + 1) * plane]).collect();
+            let mut rv: Vec<&[f32]> =
+                read.iter().map(|&i| &self.rstds[i * rows..(i + 1) * rows]).collect();
+            if self.partial {
+                sv.push(&self.p);
+                rv.push(&self.pr);
+            }
+            (sv, rv)
+        }
+
+        /// The gradients of the sources read among `dvalues` (every completed source's) and
+        /// `dp`, as the CPU takes them.
+        fn grads_on_host<'a>(
+            &self,
+            dvalues: &'a mut [f32],
+            dp: &'a mut [f32],
+        ) -> Vec<&'a mut [f32]> {
+            let plane = self.rows * self.d;
+            let mut read = self.completed_read().into_iter().peekable();
+            let mut grads: Vec<&mut [f32]> = dvalues
+                .chunks_mut(plane)
+                .enumerate()
+                .filter_map(|(i, g)| read.next_if_eq(&i).map(|_| g))
+                .collect();
+            if self.partial {
+                grads.push(dp);
+            }
+            grads
+        }
+
+        fn read(&self) -> Read<'_, A> {
+            let (v, r, p, pr) = &self.on_device;
+            Read {
+                values: v.all(),
+                rstds: r.all(),
+                partial: self.partial.then(|| (p.all(), pr.all())),
+                first: FIRST,
+                completed: N,
+                rows: self.rows,
+                d: self.d,
+            }
+        }
+    }
+
+    /// One consumer's forward and backward against the CPU kernel's, with query `kind` and
+    /// options `o`.
+    fn check_consumer<A: Act>(
+        dev: &Device,
+        rounding: f32,
+        s: &Sources<A>,
+        kind: Kind,
+        o: Options,
+        at: &str,
+    ) {
+        let (rows, d, heads) = (s.rows, s.d, o.heads);
+        let (sv, rv) = s.on_host();
+        let k = sv.len();
+        let (q, gain) = (rand_vec(rows * d, 3, 0.8), rand_vec(d, 4, 0.5));
+        let gain: Vec<f32> = gain.iter().map(|g| 1.0 + g).collect();
+        let scalars = rand_vec(N_COLS, 5, 1.0);
+        let cpu_w: Vec<f32> = match kind {
+            Kind::Static => q[..d].to_vec(),
+            Kind::PerToken { gain: false } => q.clone(),
+            Kind::PerToken { gain: true } => {
+                q.chunks(d).flat_map(|r| r.iter().zip(&gain).map(|(a, b)| a * b)).collect()
+            }
+            Kind::Scalar => s.columns().iter().map(|&c| scalars[c]).collect(),
+        };
+        let cpu_q = match kind {
+            Kind::Static => CpuQuery::Static(&cpu_w),
+            Kind::PerToken { .. } => CpuQuery::PerToken(&cpu_w),
+            Kind::Scalar => CpuQuery::Scalar(&cpu_w),
+        };
+        let mut want_h = vec![0.0; rows * d];
+        let (mut want_a, mut want_l) = (vec![0.0; rows * k * heads], vec![0.0; rows * k * heads]);
+        cpu::forward(&mut want_h, &mut want_a, &mut want_l, &sv, &rv, cpu_q, o, d);
+
+        let (qg, gg, sg) =
+            (dev.upload(&q).unwrap(), dev.upload(&gain).unwrap(), dev.upload(&scalars).unwrap());
+        let query = match kind {
+            Kind::Static => Query::Static(qg.slice(0..d)),
+            Kind::PerToken { gain } => {
+                Query::PerToken { q: qg.all(), gain: gain.then(|| gg.all()) }
+            }
+            Kind::Scalar => Query::Scalar { logits: sg.all(), partial_col: N_COLS - 1 },
+        };
+        let read = s.read();
+        let (h, alpha, logits) = forward(dev, &read, &query, o).unwrap();
+        within(&down(dev, &h), &want_h, rounding, &format!("{at}: h"));
+        within(&dev.download(&alpha).unwrap(), &want_a, 0.0, &format!("{at}: alpha"));
+        within(&dev.download(&logits).unwrap(), &want_l, 0.0, &format!("{at}: logits"));
+
+        // Backward into gradients that already hold something (it adds).
+        let dh = values::<A>(rows * d, 6, 1.0);
+        let (dv0, dp0) = (rand_vec(N * rows * d, 7, 0.5), values::<A>(rows * d, 8, 0.5));
+        let (mut want_dv, mut want_dp) = (dv0.clone(), dp0.clone());
+        // The query's gradient has the query's shape.
+        let mut want_dq = vec![0.0; cpu_w.len()];
+        let mut dsrc = s.grads_on_host(&mut want_dv, &mut want_dp);
+        cpu::backward(&mut dsrc, &mut want_dq, &dh, &sv, &rv, &want_a, &want_l, cpu_q, o, d);
+        let (mut dvg, mut dpg, dhg) =
+            (dev.upload(&dv0).unwrap(), up::<A>(dev, &dp0), up::<A>(dev, &dh));
+        let dp = s.partial.then_some(&mut dpg);
+        let dq = backward(dev, &mut dvg, dp, &dhg, &read, &alpha, &logits, &query, o).unwrap();
+        let dq = dev.download(&dq).unwrap();
+        // Static and scalar queries' gradients are the sums over the tokens.
+        let width = dq.len() / rows;
+        let summed: Vec<f32> =
+            (0..width).map(|c| (0..rows).map(|t| dq[t * width + c]).sum()).collect();
+        let got_dq = match kind {
+            Kind::Static => summed,
+            Kind::PerToken { .. } => dq.clone(),
+            Kind::Scalar => {
+                let cols = s.columns();
+                let unread = (0..N_COLS).filter(|c| !cols.contains(c));
+                assert!(unread.map(|c| summed[c]).all(|x| x == 0.0), "{at}: unread columns");
+                cols.iter().map(|&c| summed[c]).collect()
+            }
+        };
+        within(&got_dq, &want_dq, 0.0, &format!("{at}: dq"));
+        within(&dev.download(&dvg).unwrap(), &want_dv, 0.0, &format!("{at}: dvalues"));
+        if s.partial {
+            within(&down(dev, &dpg), &want_dp, rounding, &format!("{at}: dp"));
+        }
+    }
+
+    /// The sum of the sources read, and its gradient spread back to each.
+    fn check_read_sum_and_spread<A: Act>(dev: &Device, rounding: f32, s: &Sources<A>, at: &str) {
+        let (sv, _) = s.on_host();
+        let plane = s.rows * s.d;
+        let want_x: Vec<f32> = (0..plane).map(|j| sv.iter().map(|v| v[j]).sum()).collect();
+        let x = down(dev, &read_sum(dev, &s.read()).unwrap());
+        within(&x, &want_x, rounding, &format!("{at}: read_sum"));
+        let dx = values::<A>(plane, 6, 1.0);
+        let (dv0, dp0) = (rand_vec(N * plane, 7, 0.5), values::<A>(plane, 8, 0.5));
+        let (mut want_dv, mut want_dp) = (dv0.clone(), dp0.clone());
+        for g in s.grads_on_host(&mut want_dv, &mut want_dp) {
+            g.iter_mut().zip(&dx).for_each(|(a, b)| *a += b);
+        }
+        let (mut dvg, mut dpg, dxg) =
+            (dev.upload(&dv0).unwrap(), up::<A>(dev, &dp0), up::<A>(dev, &dx));
+        read_spread(dev, &mut dvg, s.partial.then_some(&mut dpg), &dxg, &s.read()).unwrap();
+        within(&dev.download(&dvg).unwrap(), &want_dv, 0.0, &format!("{at}: read_spread"));
+        if s.partial {
+            within(&down(dev, &dpg), &want_dp, rounding, &format!("{at}: read_spread p"));
+        }
+    }
+
+    /// The input-dependent query's backward through its gain, and f32 sums narrowed.
+    fn check_query_backward_and_narrow<A: Act>(dev: &Device, rounding: f32) {
         let (rows, d) = (5, 203);
         let (dw, q) = (rand_vec(rows * d, 9, 1.0), rand_vec(rows * d, 10, 1.0));
         let gain = rand_vec(d, 11, 1.0);
@@ -516,12 +508,38 @@ mod tests {
         let (dq, parts) = query_backward::<A>(dev, &dwg, &qg, None, d).unwrap();
         assert!(parts.is_none());
         within(&down(dev, &dq), &dw, rounding, "query_backward dq without a gain");
-        within(
-            &down(dev, &narrow::<A>(dev, dwg.slice(d..3 * d)).unwrap()),
-            &dw[d..3 * d],
-            rounding,
-            "narrow",
-        );
+        let narrowed = down(dev, &narrow::<A>(dev, dwg.slice(d..3 * d)).unwrap());
+        within(&narrowed, &dw[d..3 * d], rounding, "narrow");
+    }
+
+    /// The ablations' kernels against the CPU's: one consumer reading the embedding and the
+    /// latest two of five completed sources (a window), with and without a partial sum, for
+    /// every kind of query and gate, with and without key norm, over one head or several.
+    /// Activations of type `A`, within `rounding` of their size (plus 1e-5 of the largest
+    /// value: the f32 kernels' own error) where the kernel rounds them once.
+    fn check<A: Act>(dev: &Device, rounding: f32) {
+        use Gate::*;
+        let cases = [
+            // Rows of one warp's chunks, of 203 values (heads of 29: unaligned), of 1000 (a
+            // block of four warps).
+            (9, 96, Kind::Static, Softmax, false, 1),
+            (9, 96, Kind::Static, Sigmoid, true, 3),
+            (5, 203, Kind::PerToken { gain: true }, Softmax, true, 7),
+            (5, 203, Kind::PerToken { gain: false }, Sigmoid, false, 1),
+            (4, 1000, Kind::Static, Softmax, true, 4),
+            (6, 96, Kind::Scalar, Softmax, true, 1),
+            (6, 96, Kind::Scalar, Identity, true, 1),
+        ];
+        for (rows, d, kind, gate, key_norm, heads) in cases {
+            for partial in [true, false] {
+                let at = format!("{rows}x{d} {kind:?} {gate:?} key norm {key_norm} heads {heads}");
+                let at = format!("{at} partial {partial}");
+                let s = Sources::<A>::new(dev, rows, d, partial);
+                check_consumer(dev, rounding, &s, kind, Options { key_norm, gate, heads }, &at);
+                check_read_sum_and_spread(dev, rounding, &s, &at);
+            }
+        }
+        check_query_backward_and_narrow::<A>(dev, rounding);
     }
 
     fn the_ablations_match_the_cpu(dev: &Device) {
