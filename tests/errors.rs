@@ -97,4 +97,8 @@ fn asking_for_a_gpu_without_one_is_one_line() {
     fails(&["train", "--device", "cuda", "--preset", "tiny", "--out", out_s], &["libcuda.so.1"]);
     assert!(!out.exists(), "train wrote {out_s} without a GPU");
     fails(&["bench", "--device", "cuda", "--preset", "tiny", "--steps", "1"], &["libcuda.so.1"]);
+    let report = tmp.path().join("report");
+    let report_s = report.to_str().unwrap();
+    fails(&["compare", "--device", "cuda", "--quick", "--out", report_s], &["libcuda.so.1"]);
+    assert!(!report.exists(), "compare wrote {report_s} without a GPU");
 }

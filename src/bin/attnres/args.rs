@@ -313,6 +313,8 @@ pub(crate) struct CompareArgs {
     /// Print log lines instead of a progress bar.
     #[arg(long)]
     pub no_progress: bool,
+    #[command(flatten)]
+    pub hardware: HardwareArgs,
 }
 
 #[derive(Args)]
@@ -567,7 +569,7 @@ impl From<PrecisionArg> for attnres::gpu::Precision {
     }
 }
 
-/// Where `train`, `eval` and `bench` compute, and in which precision on a GPU.
+/// Where `train`, `eval`, `bench` and `compare` compute, and in which precision on a GPU.
 #[derive(Args)]
 pub(crate) struct HardwareArgs {
     /// Where the work runs: cpu, or cuda for the first NVIDIA GPU (docs/gpu.md); checkpoints

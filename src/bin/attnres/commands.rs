@@ -104,7 +104,9 @@ fn compare_cmd(a: CompareArgs) -> Result<()> {
     let name = a.suite.name();
     let variants = suite::suite(&name, &base)?;
     let plan = suite::Plan { suite: name, base, variants, seeds: a.seeds, data: a.data };
-    compare::run(&plan, &compare::CompareOptions { out: a.out, progress: !a.no_progress })
+    let opts =
+        compare::CompareOptions { out: a.out, progress: !a.no_progress, device: a.hardware.get() };
+    compare::run(&plan, &opts)
 }
 
 fn device_cmd(a: DeviceArgs) -> Result<()> {
