@@ -249,10 +249,10 @@ mod tests {
             run(&plan, &CompareOptions { out: out.clone(), progress: false, device })?;
             let metrics = Plan::run_dir(&out, "block", 0).join("metrics.jsonl");
             let text = std::fs::read_to_string(metrics)?;
-            let last = text
+            let mut losses = text
                 .lines()
                 .filter_map(|l| serde_json::from_str::<Value>(l).ok()?.get("val_loss")?.as_f64());
-            Ok::<_, anyhow::Error>(last.last().expect("a validation"))
+            Ok::<_, anyhow::Error>(losses.next_back().expect("a validation"))
         };
         let cpu = compare("cpu", run::Hardware::Cpu).unwrap();
         let gpu = compare("gpu", run::Hardware::Emulated(Precision::Fp32)).unwrap();
