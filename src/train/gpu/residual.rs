@@ -12,6 +12,8 @@
 //! Backward takes each consumer's partial-sum gradient at once, with its norm's backward, and
 //! a completed source's gradient from all of its readers: a block of readers at a time, or
 //! all of them together when the backward pass reaches the source ([`DepthBackward`]).
+//! With the ablation options the sources are the same, and each consumer is taken in one pass
+//! over those it reads, both ways ([`super::ablation`], [`AblationBackward`]).
 
 use super::ablation::{self, InputQuery, ParamGrads};
 use crate::gpu::act::Act;
@@ -87,6 +89,7 @@ pub struct DepthForward<A: Act> {
     /// Effective query `q ⊙ γ` of every consumer (sublayers, then the output), `[L + 1, d]`;
     /// none with the ablation options, which are run one consumer at a time instead.
     queries: Option<Buf<f32>>,
+    /// The ablation options, when the model sets any (`super::ablation`).
     ablation: Option<Ablation>,
     /// The completed sources `b_0 ..` (`[capacity, rows, d]`) and their 1/rms.
     values: Buf<A>,
