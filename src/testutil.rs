@@ -95,3 +95,16 @@ pub fn fd_check_at(
         );
     }
 }
+
+/// Settings of a run small enough for the emulated GPU (on the tiny preset): its model and
+/// batches, to which a test adds its token budget and evaluations.
+pub const EMULATED_RUN: &[&str] = &[
+    "hidden_size=32",
+    "intermediate_size=48",
+    "num_hidden_layers=2",
+    "num_attention_heads=2",
+    "num_key_value_heads=2",
+    "seq_len=32",
+    "micro_batch=4",
+    "batch_tokens=256",
+];

@@ -226,20 +226,9 @@ mod tests {
             return;
         }
         let tmp = tempfile::tempdir().unwrap();
-        let sets = [
-            "hidden_size=32",
-            "intermediate_size=48",
-            "num_hidden_layers=2",
-            "num_attention_heads=2",
-            "num_key_value_heads=2",
-            "seq_len=32",
-            "micro_batch=4",
-            "batch_tokens=256",
-            "max_tokens=2560",
-            "eval_every=5",
-            "eval_tokens=512",
-        ];
-        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        let budget = ["max_tokens=2560", "eval_every=5", "eval_tokens=512"];
+        let sets = crate::testutil::EMULATED_RUN.iter().copied().chain(budget);
+        let sets: Vec<String> = sets.map(String::from).collect();
         let base = crate::experiments::suite::base(true).unwrap().with_overrides(&sets).unwrap();
         let block = ["residual=block", "num_blocks=2"].map(String::from).to_vec();
         let variants = vec![Variant { name: "block".into(), sets: block, baseline: None }];

@@ -319,19 +319,8 @@ mod tests {
         if Device::emulated("a_run_on_the_emulated_gpu_agrees_with_the_cpu").is_none() {
             return;
         }
-        let sets = [
-            "hidden_size=32",
-            "intermediate_size=48",
-            "num_hidden_layers=2",
-            "num_attention_heads=2",
-            "num_key_value_heads=2",
-            "seq_len=32",
-            "micro_batch=4",
-            "batch_tokens=256",
-            "max_tokens=5120",
-            "eval_every=5",
-            "eval_tokens=1024",
-        ];
+        let budget = ["max_tokens=5120", "eval_every=5", "eval_tokens=1024"];
+        let sets: Vec<&str> = crate::testutil::EMULATED_RUN.iter().copied().chain(budget).collect();
         let (fp32, bf16) =
             (Hardware::Emulated(Precision::Fp32), Hardware::Emulated(Precision::Bf16));
         // The standard run also recomputes activations, on the CPU and the GPU alike.
