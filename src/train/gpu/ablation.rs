@@ -5,7 +5,7 @@
 //! completed source's gradient over its readers in f32, and each consumer's depth parameters'
 //! gradients in a buffer of their own until the pass ends.
 
-use super::residual::Params;
+use super::params::Params;
 use crate::gpu::act::Act;
 use crate::gpu::blas::{DType, Gemm};
 use crate::gpu::buffer::{Buf, Slice, SliceMut};

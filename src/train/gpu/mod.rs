@@ -5,5 +5,6 @@
 mod ablation;
 pub mod model;
 pub mod optim;
+mod params;
 pub mod residual;
 pub mod trainer;

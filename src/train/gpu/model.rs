@@ -5,7 +5,8 @@
 //! The standard residual, Full and Block AttnRes with or without the depth attention's ablation
 //! options (the residual connection is [`super::residual`] and [`super::ablation`]).
 
-use super::residual::{NormedInput, Params, ResidualBackward, ResidualForward};
+use super::params::Params;
+use super::residual::{NormedInput, ResidualBackward, ResidualForward};
 use crate::gpu::act::Act;
 use crate::gpu::attention;
 use crate::gpu::buffer::Buf;

@@ -16,6 +16,7 @@
 //! over those it reads, both ways ([`super::ablation`], [`AblationBackward`]).
 
 use super::ablation::{self, InputQuery, ParamGrads};
+use super::params::Params;
 use crate::gpu::act::Act;
 use crate::gpu::buffer::{Buf, Slice, SliceMut};
 use crate::gpu::depth::{self, ConsumerGrad, Normed, PartialSum, Phase1, Source, Weights};
@@ -26,15 +27,6 @@ use crate::model::params::Layout;
 use crate::model::residual::Ablation;
 use crate::model::Config;
 use anyhow::Result;
-
-/// The model's parameters as the residual reads them: the f32 masters, the weights the matrix
-/// products take (the masters themselves, or their bf16 copy), and where each tensor lies.
-#[derive(Clone, Copy)]
-pub struct Params<'a, A: Act> {
-    pub params: &'a Buf<f32>,
-    pub weights: &'a Buf<A>,
-    pub layout: &'a Layout,
-}
 
 /// Where consumer `l`'s pseudo-query and key-norm gain lie among the parameters: the effective
 /// query is their product.
