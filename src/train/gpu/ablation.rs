@@ -70,13 +70,33 @@ pub struct Mixed<A: Act> {
     pub input_query: Option<InputQuery<A>>,
 }
 
-/// Consumer `l`'s input from the sources it reads.
+/// The norm of an input-dependent query's input, which has no gain: a gain of ones, and a
+/// buffer its gradient goes to and is dropped, both made once a pass.
+pub struct UnitNorm {
+    pub gain: Buf<f32>,
+    pub grad: Buf<f32>,
+}
+
+impl UnitNorm {
+    /// For inputs of `d` values, when `ab` takes input-dependent queries.
+    pub fn of(dev: &Device, ab: &Ablation, d: usize) -> Result<Option<UnitNorm>> {
+        if ab.query != DepthQuery::Input {
+            return Ok(None);
+        }
+        Ok(Some(UnitNorm { gain: dev.upload(&vec![1.0f32; d])?, grad: dev.zeros(d)? }))
+    }
+}
+
+/// Consumer `l`'s input from the sources it reads (`unit`: the norm of an input-dependent
+/// query).
+#[allow(clippy::too_many_arguments)]
 pub fn forward<A: Act>(
     dev: &Device,
     ab: &Ablation,
     l: usize,
     read: &Read<A>,
     p: &Params<A>,
+    unit: Option<&UnitNorm>,
     eps: f32,
 ) -> Result<Mixed<A>> {
     let dp = depth_params(p, l);
@@ -92,7 +112,7 @@ pub fn forward<A: Act>(
         DepthQuery::Input => {
             // q = W·rmsnorm(x), x the sum of the sources read; the gain is the key norm's.
             let x = kernels::read_sum(dev, read)?;
-            let ones = dev.upload(&vec![1.0f32; d])?;
+            let ones = &unit.expect("a gain of ones for the input query's norm").gain;
             let (xhat, rstd) = rmsnorm::forward(dev, &x, ones.all(), d, eps)?;
             drop(x);
             let mut q = dev.output(rows * d)?;
@@ -192,7 +212,7 @@ pub struct Saved<'a, A: Act> {
 
 /// The backward of consumer `l` from `dh`, the gradient of its input: adds into the gradients
 /// of the sources it read (`dvalues`, f32, laid out as `read.values`; `dp`, the partial sum's)
-/// and of its depth parameters.
+/// and of its depth parameters (`unit`: the norm of an input-dependent query).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<A: Act>(
     dev: &Device,
@@ -205,6 +225,7 @@ pub fn backward<A: Act>(
     mut dp: Option<&mut Buf<A>>,
     p: &Params<A>,
     grads: &mut ParamGrads,
+    unit: Option<&mut UnitNorm>,
 ) -> Result<()> {
     let (rows, d, o) = (read.rows, read.d, ab.options);
     let dpar = depth_params(p, l);
@@ -244,18 +265,9 @@ pub fn backward<A: Act>(
             linear_backward(dev, &mut dxhat, &mut dquery, &dq, &iq.xhat, w, rows, d, d, false)?;
             drop(dq);
             let x = kernels::read_sum(dev, read)?;
-            // The norm has no gain: its gradient, which the kernel sums, is dropped.
-            let (ones, mut no_gain) = (dev.upload(&vec![1.0f32; d])?, dev.zeros(d)?);
-            let dx = rmsnorm::backward(
-                dev,
-                &mut no_gain.all_mut(),
-                &dxhat,
-                &x,
-                ones.all(),
-                &iq.rstd,
-                d,
-                None,
-            )?;
+            let unit = unit.expect("a gain of ones for the input query's norm");
+            let (ones, dropped) = (unit.gain.all(), &mut unit.grad.all_mut());
+            let dx = rmsnorm::backward(dev, dropped, &dxhat, &x, ones, &iq.rstd, d, None)?;
             kernels::read_spread(dev, dvalues, dp, &dx, read)?;
         }
         DepthQuery::Scalar | DepthQuery::Dense => {

@@ -323,11 +323,14 @@ impl<A: Act> GpuModel<A> {
         let (d, f) = (c.hidden_size, c.intermediate_size);
         let weights = self.weights();
         let n = s.x.h.len() / d;
-        let recomputed = match s.work {
-            Some(_) => None,
-            None => Some(self.mlp_work(dev, lp, &s.x)?),
+        let recomputed;
+        let work = match &s.work {
+            Some(kept) => kept,
+            None => {
+                recomputed = self.mlp_work(dev, lp, &s.x)?;
+                &recomputed
+            }
         };
-        let work = s.work.as_ref().or(recomputed.as_ref()).expect("kept or recomputed");
         let mut dact = dev.output(n * f)?;
         let (dw, w) = (&mut grads.slice_mut(lp.down.clone()), weights.slice(lp.down.clone()));
         linear_backward(dev, &mut dact, dw, dout, &work.act, w, n, f, d, false)?;
@@ -355,11 +358,14 @@ impl<A: Act> GpuModel<A> {
         let (d, n) = (self.config.hidden_size, positions.len());
         let weights = self.weights();
         let (qw, ow) = (sh.qkv_width(), sh.out_width());
-        let recomputed = match s.work {
-            Some(_) => None,
-            None => Some(self.attn_work(dev, lp, &s.x, positions, sh)?),
+        let recomputed;
+        let work = match &s.work {
+            Some(kept) => kept,
+            None => {
+                recomputed = self.attn_work(dev, lp, &s.x, positions, sh)?;
+                &recomputed
+            }
         };
-        let work = s.work.as_ref().or(recomputed.as_ref()).expect("kept or recomputed");
         let mut do_ = dev.output(n * ow)?;
         let (dw, w) = (&mut grads.slice_mut(lp.o_proj.clone()), weights.slice(lp.o_proj.clone()));
         linear_backward(dev, &mut do_, dw, dout, &work.o, w, n, ow, d, false)?;

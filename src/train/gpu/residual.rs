@@ -15,7 +15,7 @@
 //! With the ablation options the sources are the same, and each consumer is taken in one pass
 //! over those it reads, both ways ([`super::ablation`], [`AblationBackward`]).
 
-use super::ablation::{self, InputQuery, ParamGrads};
+use super::ablation::{self, InputQuery, ParamGrads, UnitNorm};
 use super::params::Params;
 use crate::gpu::act::Act;
 use crate::gpu::buffer::{Buf, Slice, SliceMut};
@@ -81,8 +81,10 @@ pub struct DepthForward<A: Act> {
     /// Effective query `q ⊙ γ` of every consumer (sublayers, then the output), `[L + 1, d]`;
     /// none with the ablation options, which are run one consumer at a time instead.
     queries: Option<Buf<f32>>,
-    /// The ablation options, when the model sets any (`super::ablation`).
+    /// The ablation options, when the model sets any (`super::ablation`), and the norm of
+    /// their input-dependent queries.
     ablation: Option<Ablation>,
+    unit: Option<UnitNorm>,
     /// The completed sources `b_0 ..` (`[capacity, rows, d]`) and their 1/rms.
     values: Buf<A>,
     rstd: Buf<f32>,
@@ -133,6 +135,7 @@ impl<A: Act> ResidualForward<A> {
             eps,
             queries,
             ablation,
+            unit: ablation.map(|ab| UnitNorm::of(dev, &ab, d)).transpose()?.flatten(),
             values: dev.output(capacity * rows * d)?,
             rstd: dev.output(capacity * rows)?,
             completed: 0,
@@ -271,7 +274,7 @@ impl<A: Act> DepthForward<A> {
         let first = ab.first_read(completed);
         let read = self.read(first, completed, self.partial.as_ref());
         let n_sources = read.k();
-        let x = ablation::forward(dev, ab, l, &read, p, eps)?;
+        let x = ablation::forward(dev, ab, l, &read, p, self.unit.as_ref(), eps)?;
         let (xn, rstd) = rmsnorm::forward(dev, &x.h, g, d, eps)?;
         let (alpha, logits, input_query, partial) = (x.alpha, x.logits, x.input_query, None);
         let saved =
@@ -336,6 +339,8 @@ pub struct AblationBackward<A: Act> {
     /// The completed sources' gradients, laid out as their values.
     dvalues: Buf<f32>,
     params: ParamGrads,
+    /// The norm of the input-dependent queries.
+    unit: Option<UnitNorm>,
 }
 
 /// A consumer backpropagated, whose gradients into completed sources are still owed.
@@ -412,12 +417,13 @@ impl<A: Act> ResidualBackward<A> {
             return Ok(ResidualBackward::Standard { acc });
         };
         let (consumers, rows, d) = (f.sublayers + 1, f.rows, f.d);
-        if f.ablation.is_some() {
+        if let Some(ab) = &f.ablation {
             let dh = rmsnorm::backward(dev, dg, dxn, &x.h, g, &x.rstd, d, None)?;
             let mut b = AblationBackward {
                 acc: None,
                 dvalues: dev.zeros(f.values.len())?,
                 params: ParamGrads::new(dev, p, consumers)?,
+                unit: UnitNorm::of(dev, ab, d)?,
             };
             b.consumer(dev, f, f.sublayers, &dh, p)?;
             return Ok(ResidualBackward::Ablation(b));
@@ -549,19 +555,15 @@ impl<A: Act> AblationBackward<A> {
         let ab = f.ablation.as_ref().expect("a model with the ablation options");
         let saved = &f.saved[l];
         let read = f.read(saved.first, saved.completed, saved.partial.as_ref());
-        let dp = match saved.partial {
-            Some(_) => {
-                Some(self.acc.as_mut().expect("a partial sum's reader follows a block's end"))
-            }
-            None => None,
-        };
+        let acc = "a partial sum's reader follows a block's end";
+        let dp = saved.partial.as_ref().map(|_| self.acc.as_mut().expect(acc));
         let kept = ablation::Saved {
             alpha: &saved.alpha,
             logits: &saved.logits,
             input_query: saved.input_query.as_ref(),
         };
-        let (dvalues, grads) = (&mut self.dvalues, &mut self.params);
-        ablation::backward(dev, ab, l, dh, &read, kept, dvalues, dp, p, grads)
+        let (dvalues, grads, unit) = (&mut self.dvalues, &mut self.params, self.unit.as_mut());
+        ablation::backward(dev, ab, l, dh, &read, kept, dvalues, dp, p, grads, unit)
     }
 }
 
