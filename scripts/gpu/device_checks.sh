@@ -62,6 +62,12 @@ if want bench; then
     timeout 400 "$bin/attnres" bench --device cuda $shape ${BENCH:---batch 16 --seq 2048 --steps 3} \
         --modes standard,block,full --profile > "$out/bench.txt" 2>&1 || status=1
     cat "$out/bench.txt"
+    # The attention forward with 16 rows a warp (docs/gpu-internals.md) beside its own: the
+    # two profiles' flash_forward lines time the one against the other.
+    ATTNRES_FLASH_WARP_ROWS=16 timeout 200 "$bin/attnres" bench --device cuda $shape \
+        ${BENCH:---batch 16 --seq 2048 --steps 3} --modes standard --profile \
+        > "$out/bench-warp16.txt" 2>&1 || status=1
+    grep -h flash_forward "$out/bench.txt" "$out/bench-warp16.txt"
 fi
 if want fp32; then
     step "bench fp32"

@@ -8,7 +8,7 @@ use super::buffer::{Arg, Buf};
 use super::device::Device;
 use super::per_value;
 use crate::kernels::attention::AttnShape;
-use anyhow::{ensure, Result};
+use anyhow::{bail, ensure, Result};
 use cudarc::driver::LaunchConfig;
 
 /// Rows per block and rows per shared tile, as the kernels define them (ROWS, TILE).
@@ -56,8 +56,10 @@ fn shape_args(s: AttnShape) -> [Arg; 5] {
     ]
 }
 
-/// Rows per block of the tensor-core kernels (`FLASH_ROWS` in `kernels/flash.cu`).
-const FLASH_ROWS: usize = 64;
+/// Warps per block of the tensor-core kernels (`FLASH_WARPS` in `kernels/flash.cu`), and the
+/// rows each owns in backward.
+const FLASH_WARPS: usize = 4;
+const BACKWARD_WARP_ROWS: usize = 16;
 
 /// The head sizes the tensor-core kernels are instantiated for (`NAME_hdN` in
 /// `kernels/flash.cu`): each is compiled with its loops unrolled, so that the fragments stay in
@@ -74,29 +76,69 @@ fn flash(name: &str, s: AttnShape) -> String {
     format!("{name}_hd{}", s.head_dim)
 }
 
-/// The tensor-core kernels' launch: blocks of FLASH_ROWS rows over `y` sequences-by-heads, a
-/// warp per 16 rows.
-fn flash_blocks(s: AttnShape, y: usize) -> LaunchConfig {
+/// The tensor-core kernels' launch: blocks of FLASH_WARPS warps, each owning `warp_rows` rows,
+/// over `y` sequences-by-heads.
+fn flash_blocks(s: AttnShape, y: usize, warp_rows: usize) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: (s.seq.div_ceil(FLASH_ROWS) as u32, y as u32, 1),
-        block_dim: (2 * FLASH_ROWS as u32, 1, 1),
+        grid_dim: (s.seq.div_ceil(FLASH_WARPS * warp_rows) as u32, y as u32, 1),
+        block_dim: (32 * FLASH_WARPS as u32, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+/// Query rows a warp owns in the tensor-core forward (`ForwardTiles` in `kernels/flash.cu`):
+/// two tiles of 16 for heads of up to 64 values, one for longer heads.
+fn forward_warp_rows(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        32
+    } else {
+        16
+    }
+}
+
+/// The forward's rows a warp as `ATTNRES_FLASH_WARP_ROWS` sets them (`set`): unset, the
+/// kernels' choice ([`forward_warp_rows`]); `16`, one tile of 16 for every head (the `_warp16`
+/// kernels), to measure the two against each other.
+fn warp_rows_from(set: Option<&str>, head_dim: usize) -> Result<usize> {
+    match set {
+        None => Ok(forward_warp_rows(head_dim)),
+        Some("16") => Ok(16),
+        Some(v) => bail!("ATTNRES_FLASH_WARP_ROWS is 16 or unset, not {v:?}"),
     }
 }
 
 /// Forward: `out[B·T, H·hd]` and the statistics `[B, H, T, 2]`; on the tensor cores
 /// (`kernels/flash.cu`) where [`on_tensor_cores`].
 pub fn forward<A: Act>(dev: &Device, qkv: &Buf<A>, s: AttnShape) -> Result<(Buf<A>, Buf<f32>)> {
+    let set = std::env::var_os("ATTNRES_FLASH_WARP_ROWS");
+    let warp_rows =
+        warp_rows_from(set.as_ref().map(|v| v.to_string_lossy()).as_deref(), s.head_dim)?;
+    forward_with(dev, qkv, s, warp_rows)
+}
+
+/// [`forward`], on the tensor cores with `warp_rows` query rows a warp (16, or
+/// [`forward_warp_rows`]).
+pub(super) fn forward_with<A: Act>(
+    dev: &Device,
+    qkv: &Buf<A>,
+    s: AttnShape,
+    warp_rows: usize,
+) -> Result<(Buf<A>, Buf<f32>)> {
     check(s, qkv)?;
     let (mut out, mut stats) =
         (dev.output(s.batch * s.seq * s.out_width())?, dev.output(s.stats_len())?);
     if on_tensor_cores::<A>(s) {
         let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
         args.extend(shape_args(s));
-        let cfg = flash_blocks(s, s.batch * s.heads);
+        let mut name = flash("flash_forward_bf16", s);
+        if warp_rows != forward_warp_rows(s.head_dim) {
+            assert_eq!(warp_rows, 16, "the forward's kernels take 16 rows a warp or their own");
+            name += "_warp16";
+        }
+        let cfg = flash_blocks(s, s.batch * s.heads, warp_rows);
         // SAFETY: the kernel's arguments in its order; `out`, `stats` and `qkv` hold the
-        // shape's values (checked), and the kernel is the one for its head size.
-        unsafe { dev.launch(&flash("flash_forward_bf16", s), cfg, &args) }?;
+        // shape's values (checked), and the kernel is the one for its head size and rows.
+        unsafe { dev.launch(&name, cfg, &args) }?;
         return Ok((out, stats));
     }
     let mut args = vec![out.arg_mut(), stats.arg_mut(), qkv.arg()];
@@ -144,8 +186,9 @@ pub fn backward<A: Act>(
         unsafe {
             let (dq, dkv) =
                 (flash("flash_backward_dq_bf16", s), flash("flash_backward_dkv_bf16", s));
-            dev.launch(&dq, flash_blocks(s, s.batch * s.heads), &args)?;
-            dev.launch(&dkv, flash_blocks(s, s.batch * s.kv_heads), &args)?;
+            let rows = BACKWARD_WARP_ROWS;
+            dev.launch(&dq, flash_blocks(s, s.batch * s.heads, rows), &args)?;
+            dev.launch(&dkv, flash_blocks(s, s.batch * s.kv_heads, rows), &args)?;
         }
         return Ok(dqkv);
     }
@@ -196,4 +239,13 @@ mod tests {
         }
     }
     crate::gpu::on_cpu_and_gpu!(attention_matches_the_cpu_kernel);
+
+    #[test]
+    fn the_forward_takes_its_rows_a_warp_from_the_environment() {
+        assert_eq!(warp_rows_from(None, 64).unwrap(), 32);
+        assert_eq!(warp_rows_from(None, 128).unwrap(), 16);
+        assert_eq!(warp_rows_from(Some("16"), 64).unwrap(), 16);
+        let e = warp_rows_from(Some("32"), 128).unwrap_err().to_string();
+        assert!(e.contains("ATTNRES_FLASH_WARP_ROWS") && e.contains("\"32\""), "{e}");
+    }
 }

@@ -151,6 +151,13 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
         }
         let stats_h = dev.download(&stats).unwrap();
         assert_close_to_largest(&stats_h, &want_stats, 1e-5, &format!("{s:?}: attention stats"));
+        // Where a warp owns two tiles of rows, the kernel with one a warp gives the same bits:
+        // each row's sums run in the same order, and the tiles past a row add zeros.
+        if s.head_dim <= 64 {
+            let (out16, stats16) = attention::forward_with(dev, &up(dev, &qkv), s, 16).unwrap();
+            assert!(down(dev, &out16) == down(dev, &out), "{s:?}: 16 rows a warp, out");
+            assert!(dev.download(&stats16).unwrap() == stats_h, "{s:?}: 16 rows a warp, stats");
+        }
         // Backward, from the forward's own output and statistics: its products take the
         // probabilities and their gradients rounded to bf16, and it reads the forward's rounded
         // output, so each value is held to 2^-6 of the largest.

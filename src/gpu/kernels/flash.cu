@@ -1,6 +1,6 @@
 // Causal attention on the tensor cores, bf16 operands and f32 sums: flash attention in
-// FlashAttention-2's order, forward and backward. In the forward a warp owns 16 query rows of
-// one (sequence, head); keys and values stream through shared memory FLASH_KEYS at a time; the
+// FlashAttention-2's order, forward and backward. In the forward a warp owns 32 query rows of
+// one (sequence, head) (16 for heads of more than 64 values); keys and values stream through shared memory FLASH_KEYS at a time; the
 // scores, the online softmax and the output stay in registers. It keeps the softmax statistics
 // [B, H, T, 2] of attention.cu's kernels, from which backward recomputes the probabilities: dq
 // by query rows, dk and dv by key rows (summed over each kv head's group), so without atomics.
@@ -24,6 +24,8 @@
 // (mma_shuffled); mma_check holds the two to each other on a GPU. Fragments come from shared
 // memory through ldmatrix, which the emulator reads word by word (fragment_check).
 
+// Warps a block; the rows a block of the backward owns, 16 a warp (the forward's warps may own
+// more: ForwardTiles).
 #define FLASH_WARPS 4
 #define FLASH_ROWS (16 * FLASH_WARPS)
 #define FLASH_KEYS 64
@@ -229,49 +231,67 @@ __device__ inline void a_fragment(unsigned int* a, const unsigned int* tile, int
 #endif
 }
 
-// The product of a warp's A operand (16 rows, HD columns) with the tile's ROWS rows (as B: k
-// over the head's values, n over 8 tile rows per fragment): 16 x ROWS scores. The A operand
-// is the fragments `fa` or, with `a_tile`, that tile's rows a_r0 ...
-template <int HD, int ROWS = FLASH_KEYS>
-__device__ inline void scores(float (*s)[4], const unsigned int (*fa)[4], const unsigned int* tile,
-                              const unsigned int* a_tile = nullptr, int a_r0 = 0) {
+// The product of a warp's A operand (M tiles of 16 rows, HD columns) with the tile's ROWS rows
+// (as B: k over the head's values, n over 8 tile rows per fragment): M x 16 x ROWS scores.
+// The A operand is the fragments `fa` or, with `a_tile`, that tile's rows a_r0 ... Each B
+// fragment loaded serves the M row tiles.
+template <int HD, int ROWS = FLASH_KEYS, int M = 1>
+__device__ inline void scores(float (*s)[ROWS / 8][4], const unsigned int (*fa)[HD / 16][4],
+                              const unsigned int* tile, const unsigned int* a_tile = nullptr,
+                              int a_r0 = 0) {
 #pragma unroll
-    for (int n = 0; n < ROWS / 8; n++)
+    for (int m = 0; m < M; m++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) s[n][i] = 0.0f;
+        for (int n = 0; n < ROWS / 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[m][n][i] = 0.0f;
 #pragma unroll
     for (int n = 0; n < ROWS / 8; n += 2) {
 #pragma unroll
         for (int c = 0; c < HD / 16; c++) {
-            unsigned int a[4], fb[4];
-            if (a_tile) {
-                a_fragment<HD>(a, a_tile, a_r0, c);
-            } else {
-#pragma unroll
-                for (int i = 0; i < 4; i++) a[i] = fa[c][i];
-            }
+            unsigned int fb[4];
             row_fragments<HD>(fb, tile, n * 8, c);
-            mma_bf16(s[n], a, fb, s[n]);
-            mma_bf16(s[n + 1], a, fb + 2, s[n + 1]);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                unsigned int a[4];
+                if (a_tile) {
+                    a_fragment<HD>(a, a_tile, a_r0 + 16 * m, c);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 4; i++) a[i] = fa[m][c][i];
+                }
+                mma_bf16(s[m][n], a, fb, s[m][n]);
+                mma_bf16(s[m][n + 1], a, fb + 2, s[m][n + 1]);
+            }
         }
     }
 }
 
-// acc[HD / 8][4] += x * tile, x (16 x ROWS, as the scores' fragments hold it) rounded to bf16,
-// the tile's rows as k.
-template <int HD, int ROWS = FLASH_KEYS>
-__device__ inline void times_tile(float (*acc)[4], float (*x)[4], const unsigned int* tile) {
+// acc[m][HD / 8][4] += x[m] * tile for each of M row tiles, x (16 x ROWS a tile, as the
+// scores' fragments hold it) rounded to bf16, the tile's rows as k. Each B fragment loaded
+// serves the M row tiles.
+template <int HD, int ROWS = FLASH_KEYS, int M = 1>
+__device__ inline void times_tile(float (*acc)[HD / 8][4], float (*x)[ROWS / 8][4],
+                                  const unsigned int* tile) {
 #pragma unroll
     for (int j = 0; j < ROWS / 16; j++) {
-        unsigned int fa[4] = {pack_bf16(x[2 * j][0], x[2 * j][1]), pack_bf16(x[2 * j][2], x[2 * j][3]),
-                              pack_bf16(x[2 * j + 1][0], x[2 * j + 1][1]),
-                              pack_bf16(x[2 * j + 1][2], x[2 * j + 1][3])};
+        unsigned int fa[M][4];
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            fa[m][0] = pack_bf16(x[m][2 * j][0], x[m][2 * j][1]);
+            fa[m][1] = pack_bf16(x[m][2 * j][2], x[m][2 * j][3]);
+            fa[m][2] = pack_bf16(x[m][2 * j + 1][0], x[m][2 * j + 1][1]);
+            fa[m][3] = pack_bf16(x[m][2 * j + 1][2], x[m][2 * j + 1][3]);
+        }
 #pragma unroll
         for (int n = 0; n < HD / 8; n += 2) {
             unsigned int fb[4];
             column_fragments<HD>(fb, tile, j * 16, n * 8);
-            mma_bf16(acc[n], fa, fb, acc[n]);
-            mma_bf16(acc[n + 1], fa, fb + 2, acc[n + 1]);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                mma_bf16(acc[m][n], fa[m], fb, acc[m][n]);
+                mma_bf16(acc[m][n + 1], fa[m], fb + 2, acc[m][n + 1]);
+            }
         }
     }
 }
@@ -378,30 +398,44 @@ template <int HD> struct KeyTiles {
     static constexpr int KEYS = HD > 64 ? 32 : 64;
 };
 
-// Forward: out[B*T, H*HD] and stats. Grid (ceil(T / FLASH_ROWS), B*H), 32 * FLASH_WARPS
-// threads.
-template <int HD>
+// Row tiles of 16 queries a warp owns in the forward: two for heads of up to 64 values, so
+// that each key and value fragment loaded from shared memory serves two tensor-core products
+// (and a block's tiles serve 128 queries), one for longer heads, whose accumulators would not
+// fit the registers twice. flash_forward_rows in src/gpu/attention.rs mirrors it.
+template <int HD> struct ForwardTiles {
+    static constexpr int M = HD <= 64 ? 2 : 1;
+};
+
+// Forward: out[B*T, H*HD] and stats. A warp owns M tiles of 16 query rows; grid
+// (ceil(T / (16 * M * FLASH_WARPS)), B*H), 32 * FLASH_WARPS threads.
+template <int HD, int M>
 __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t, int h, int kv,
                                 float scale) {
-    constexpr int KEYS = KeyTiles<HD>::KEYS;
+    constexpr int KEYS = KeyTiles<HD>::KEYS, WARP_ROWS = 16 * M, ROWS = WARP_ROWS * FLASH_WARPS;
     __shared__ __align__(16) unsigned int keys[2][Tile<HD, KEYS>::WORDS];
     __shared__ __align__(16) unsigned int values[2][Tile<HD, KEYS>::WORDS];
     int b = blockIdx.y / h, head = blockIdx.y % h, group = head / (h / kv);
     int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, q = lane & 3;
     int width = (h + 2 * kv) * HD;
-    int q0 = blockIdx.x * FLASH_ROWS + warp * 16;
-    // The warp's queries as A fragments, one per 16 columns of the head.
-    unsigned int qa[HD / 16][4];
-    a_rows<HD>(qa, qkv, b, q0, head * HD, width, t);
-    float o[HD / 8][4];
+    int q0 = blockIdx.x * ROWS + warp * WARP_ROWS;
+    // The warp's queries as A fragments: per row tile, one per 16 columns of the head.
+    unsigned int qa[M][HD / 16][4];
 #pragma unroll
-    for (int n = 0; n < HD / 8; n++)
+    for (int i = 0; i < M; i++) a_rows<HD>(qa[i], qkv, b, q0 + 16 * i, head * HD, width, t);
+    float o[M][HD / 8][4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) o[n][i] = 0.0f;
-    // Per row (g, g + 8): the largest score so far (unscaled) and this lane's share of the sum.
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    for (int i = 0; i < M; i++)
+#pragma unroll
+        for (int n = 0; n < HD / 8; n++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) o[i][n][j] = 0.0f;
+    // Per row (g, g + 8 of each tile): the largest score so far (unscaled) and this lane's
+    // share of the sum.
+    float m[M][2], l[M][2];
+#pragma unroll
+    for (int i = 0; i < M; i++) m[i][0] = m[i][1] = NEG_INF, l[i][0] = l[i][1] = 0.0f;
     float scale2 = scale * LOG2E;
-    int last = (int)(blockIdx.x + 1) * FLASH_ROWS;  // keys this block's rows see: below it
+    int last = (int)(blockIdx.x + 1) * ROWS;  // keys this block's rows see: below it
     if (last > t) last = t;
     int kc = (h + group) * HD, vc = (h + kv + group) * HD;
     // The tiles stream through two buffers: the next one's copy runs while this one is used.
@@ -417,69 +451,79 @@ __device__ void flash_forward_t(bf16* out, float* stats, const bf16* qkv, int t,
         copies_wait<1>();
         __syncthreads();
         // A tile whose every key is after the warp's rows is skipped.
-        if (k0 <= q0 + 15) {
-            // Scores of the warp's 16 rows against the tile's keys, 8 keys per fragment.
-            float s[KEYS / 8][4];
-            scores<HD, KEYS>(s, qa, keys[cur]);
-            // Only a tile with a key after one of the warp's rows or past the sequence is masked.
-            if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_causal<KEYS>(s, q0, k0, t);
+        if (k0 <= q0 + WARP_ROWS - 1) {
+            // Scores of the warp's rows against the tile's keys, 8 keys per fragment.
+            float s[M][KEYS / 8][4];
+            scores<HD, KEYS, M>(s, qa, keys[cur]);
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                float mx = m[r];
+            for (int i = 0; i < M; i++) {
+                // Only a row tile with a key after one of its rows or past the sequence is
+                // masked.
+                int r0 = q0 + 16 * i;
+                if (k0 + KEYS - 1 > r0 || k0 + KEYS > t) mask_causal<KEYS>(s[i], r0, k0, t);
 #pragma unroll
-                for (int n = 0; n < KEYS / 8; n++)
-                    mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                // A row that has seen no key yet (one past the sequence) keeps zeros.
-                float base = mx == NEG_INF ? 0.0f : mx * scale2;
-                float keep = exp2_approx(m[r] * scale2 - base);
-                l[r] *= keep;
+                for (int r = 0; r < 2; r++) {
+                    float mx = m[i][r];
 #pragma unroll
-                for (int n = 0; n < HD / 8; n++) {
-                    o[n][2 * r] *= keep;
-                    o[n][2 * r + 1] *= keep;
-                }
+                    for (int n = 0; n < KEYS / 8; n++)
+                        mx = fmaxf(mx, fmaxf(s[i][n][2 * r], s[i][n][2 * r + 1]));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    // A row that has seen no key yet (one past the sequence) keeps zeros.
+                    float base = mx == NEG_INF ? 0.0f : mx * scale2;
+                    float keep = exp2_approx(m[i][r] * scale2 - base);
+                    l[i][r] *= keep;
 #pragma unroll
-                for (int n = 0; n < KEYS / 8; n++) {
-#pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        float p = exp2_approx(fmaf(s[n][2 * r + j], scale2, -base));
-                        s[n][2 * r + j] = p;
-                        l[r] += p;
+                    for (int n = 0; n < HD / 8; n++) {
+                        o[i][n][2 * r] *= keep;
+                        o[i][n][2 * r + 1] *= keep;
                     }
+#pragma unroll
+                    for (int n = 0; n < KEYS / 8; n++) {
+#pragma unroll
+                        for (int j = 0; j < 2; j++) {
+                            float p = exp2_approx(fmaf(s[i][n][2 * r + j], scale2, -base));
+                            s[i][n][2 * r + j] = p;
+                            l[i][r] += p;
+                        }
+                    }
+                    m[i][r] = mx;
                 }
-                m[r] = mx;
             }
             // out += P V: the probabilities, as the scores' fragments left them, are A fragments.
-            times_tile<HD, KEYS>(o, s, values[cur]);
+            times_tile<HD, KEYS, M>(o, s, values[cur]);
         }
         // Every warp is done with the buffer before the copy two tiles on overwrites it.
         __syncthreads();
     }
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-        int row = q0 + g + 8 * r;
-        if (row >= t) continue;
-        float inv = 1.0f / l[r];
-        bf16* dst = out + ((size_t)b * t + row) * h * HD + head * HD;
+    for (int i = 0; i < M; i++) {
 #pragma unroll
-        for (int n = 0; n < HD / 8; n++) {
-            dst[n * 8 + 2 * q] = from_f32<bf16>(o[n][2 * r] * inv);
-            dst[n * 8 + 2 * q + 1] = from_f32<bf16>(o[n][2 * r + 1] * inv);
-        }
-        if (q == 0) {
-            size_t at = (((size_t)b * h + head) * t + row) * 2;
-            stats[at] = m[r] * scale;
-            stats[at + 1] = inv;
+        for (int r = 0; r < 2; r++) {
+            float sum = l[i][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            int row = q0 + 16 * i + g + 8 * r;
+            if (row >= t) continue;
+            float inv = 1.0f / sum;
+            bf16* dst = out + ((size_t)b * t + row) * h * HD + head * HD;
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                dst[n * 8 + 2 * q] = from_f32<bf16>(o[i][n][2 * r] * inv);
+                dst[n * 8 + 2 * q + 1] = from_f32<bf16>(o[i][n][2 * r + 1] * inv);
+            }
+            if (q == 0) {
+                size_t at = (((size_t)b * h + head) * t + row) * 2;
+                stats[at] = m[i][r] * scale;
+                stats[at + 1] = inv;
+            }
         }
     }
 }
 
 // Backward to the queries: the q columns of dqkv, from dout, the forward's statistics and
-// delta = <dout, out> (attention_backward_delta). Grid and block as the forward.
+// delta = <dout, out> (attention_backward_delta). Grid (ceil(T / FLASH_ROWS), B*H),
+// 32 * FLASH_WARPS threads; a warp owns 16 query rows.
 template <int HD>
 __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qkv,
                                     const float* stats, const float* delta, int t, int h, int kv,
@@ -524,8 +568,8 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
         __syncthreads();
         if (k0 <= q0 + 15) {
             float s[KEYS / 8][4], dp[KEYS / 8][4];
-            scores<HD, KEYS>(s, qa, keys[cur]);
-            scores<HD, KEYS>(dp, da, vals[cur]);
+            scores<HD, KEYS>(&s, &qa, keys[cur]);
+            scores<HD, KEYS>(&dp, &da, vals[cur]);
             if (k0 + KEYS - 1 > q0 || k0 + KEYS > t) mask_causal<KEYS>(s, q0, k0, t);
 #pragma unroll
             for (int n = 0; n < KEYS / 8; n++) {
@@ -535,7 +579,7 @@ __device__ void flash_backward_dq_t(bf16* dqkv, const bf16* dout, const bf16* qk
                     s[n][i] = p * (dp[n][i] - dl[i >> 1]);
                 }
             }
-            times_tile<HD, KEYS>(dq, s, keys[cur]);
+            times_tile<HD, KEYS>(&dq, &s, keys[cur]);
         }
         __syncthreads();
     }
@@ -622,8 +666,8 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
         if (i0 + QUERIES > j0) {  // else every query of the tile is before the keys
             const float *sb = st_bias[cur], *sd = st_delta[cur];
             float s[QUERIES / 8][4], dp[QUERIES / 8][4];
-            scores<HD, QUERIES>(s, ka, qs[cur]);
-            scores<HD, QUERIES>(dp, nullptr, dys[cur], vs, warp * 16);
+            scores<HD, QUERIES>(&s, &ka, qs[cur]);
+            scores<HD, QUERIES>(&dp, nullptr, dys[cur], vs, warp * 16);
             // Queries past the sequence have a bias of minus infinity; only a tile with a key
             // after one of its queries, or past the sequence, is masked.
             if (j0 + 15 > i0 || j0 + 15 >= t) mask_causal<QUERIES, true>(s, j0, i0, t);
@@ -637,8 +681,8 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
                     dp[n][i] = p * (dp[n][i] - sd[c]);
                 }
             }
-            times_tile<HD, QUERIES>(dv, s, dys[cur]);
-            times_tile<HD, QUERIES>(dk, dp, qs[cur]);
+            times_tile<HD, QUERIES>(&dv, &s, dys[cur]);
+            times_tile<HD, QUERIES>(&dk, &dp, qs[cur]);
         }
         __syncthreads();
     }
@@ -660,10 +704,16 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
 }
 
 // The instantiations, one per head size of FLASH_HEADS (src/gpu/attention.rs); `hd` is the
-// size the name gives.
+// size the name gives. NAME_warp16 is the forward with one row tile a warp where it would
+// take two, for measuring one against the other (ATTNRES_FLASH_WARP_ROWS in attention.rs).
 extern "C" __global__ void flash_forward_bf16_hd16(bf16* out, float* stats, const bf16* qkv,
                                                    int t, int h, int kv, int hd, float scale) {
-    flash_forward_t<16>(out, stats, qkv, t, h, kv, scale);
+    flash_forward_t<16, ForwardTiles<16>::M>(out, stats, qkv, t, h, kv, scale);
+}
+extern "C" __global__ void flash_forward_bf16_hd16_warp16(bf16* out, float* stats,
+                                                          const bf16* qkv, int t, int h, int kv,
+                                                          int hd, float scale) {
+    flash_forward_t<16, 1>(out, stats, qkv, t, h, kv, scale);
 }
 extern "C" __global__ void flash_backward_dq_bf16_hd16(bf16* dqkv, const bf16* dout,
                                                        const bf16* qkv, const float* stats,
@@ -679,7 +729,12 @@ extern "C" __global__ void flash_backward_dkv_bf16_hd16(bf16* dqkv, const bf16* 
 }
 extern "C" __global__ void flash_forward_bf16_hd32(bf16* out, float* stats, const bf16* qkv,
                                                    int t, int h, int kv, int hd, float scale) {
-    flash_forward_t<32>(out, stats, qkv, t, h, kv, scale);
+    flash_forward_t<32, ForwardTiles<32>::M>(out, stats, qkv, t, h, kv, scale);
+}
+extern "C" __global__ void flash_forward_bf16_hd32_warp16(bf16* out, float* stats,
+                                                          const bf16* qkv, int t, int h, int kv,
+                                                          int hd, float scale) {
+    flash_forward_t<32, 1>(out, stats, qkv, t, h, kv, scale);
 }
 extern "C" __global__ void flash_backward_dq_bf16_hd32(bf16* dqkv, const bf16* dout,
                                                        const bf16* qkv, const float* stats,
@@ -695,7 +750,12 @@ extern "C" __global__ void flash_backward_dkv_bf16_hd32(bf16* dqkv, const bf16* 
 }
 extern "C" __global__ void flash_forward_bf16_hd64(bf16* out, float* stats, const bf16* qkv,
                                                    int t, int h, int kv, int hd, float scale) {
-    flash_forward_t<64>(out, stats, qkv, t, h, kv, scale);
+    flash_forward_t<64, ForwardTiles<64>::M>(out, stats, qkv, t, h, kv, scale);
+}
+extern "C" __global__ void flash_forward_bf16_hd64_warp16(bf16* out, float* stats,
+                                                          const bf16* qkv, int t, int h, int kv,
+                                                          int hd, float scale) {
+    flash_forward_t<64, 1>(out, stats, qkv, t, h, kv, scale);
 }
 // Held to 168 registers, three blocks a multiprocessor, which it fits without spilling (ptxas
 // would take 208, leaving room for two).
@@ -712,7 +772,7 @@ extern "C" __global__ void flash_backward_dkv_bf16_hd64(bf16* dqkv, const bf16* 
 }
 extern "C" __global__ void flash_forward_bf16_hd96(bf16* out, float* stats, const bf16* qkv,
                                                    int t, int h, int kv, int hd, float scale) {
-    flash_forward_t<96>(out, stats, qkv, t, h, kv, scale);
+    flash_forward_t<96, ForwardTiles<96>::M>(out, stats, qkv, t, h, kv, scale);
 }
 extern "C" __global__ void flash_backward_dq_bf16_hd96(bf16* dqkv, const bf16* dout,
                                                        const bf16* qkv, const float* stats,
@@ -728,7 +788,7 @@ extern "C" __global__ void flash_backward_dkv_bf16_hd96(bf16* dqkv, const bf16* 
 }
 extern "C" __global__ void flash_forward_bf16_hd128(bf16* out, float* stats, const bf16* qkv,
                                                    int t, int h, int kv, int hd, float scale) {
-    flash_forward_t<128>(out, stats, qkv, t, h, kv, scale);
+    flash_forward_t<128, ForwardTiles<128>::M>(out, stats, qkv, t, h, kv, scale);
 }
 extern "C" __global__ void flash_backward_dq_bf16_hd128(bf16* dqkv, const bf16* dout,
                                                        const bf16* qkv, const float* stats,
