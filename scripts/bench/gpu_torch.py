@@ -9,7 +9,7 @@ The model is the one attnres trains (a Llama with the standard residual, Block o
 docs/method.md), with what makes PyTorch fast on a GPU: the q/k/v and gate/up projections each
 one matrix, F.rms_norm, scaled_dot_product_attention (flash attention), the fused AdamW, bf16
 autocast over fp32 weights (or fp32 with TF32 off, attnres's exact mode, with --precision fp32),
-and torch.compile (--compile). Full and Block AttnRes run the two-phase depth attention: each
+and torch.compile (--compile) over the model and its loss together. Full and Block AttnRes run the two-phase depth attention: each
 completed source gets its 1/rms once; when a block starts, one product per source scores it for
 all of the block's consumers (phase 1), and each consumer merges its partial sum by online softmax
 (phase 2). One step is forward, mean cross-entropy, backward and the optimiser's update.
@@ -163,6 +163,19 @@ class Model(nn.Module):
         return F.linear(F.rms_norm(x, (c.d,), self.final_norm, c.eps), self.head)
 
 
+class WithLoss(nn.Module):
+    """The model and its mean cross-entropy in one module, so that torch.compile fuses the
+    logits' cast to f32 into the loss and its gradient rather than keeping them in f32."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, targets, cos, sin):
+        logits = self.model(ids, cos, sin)
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 def step_flops(c, batch, seq):
     """attnres's count (src/experiments/bench/mod.rs: step_flops)."""
     n = batch * seq
@@ -181,13 +194,13 @@ def bench(args, mode, device):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
     ids = torch.randint(0, vocab, (args.batch, args.seq + 1), device=device)
     x, y = ids[:, :-1], ids[:, 1:]
-    fwd = torch.compile(model) if args.compile else model
+    loss_of = WithLoss(model)
+    loss_of = torch.compile(loss_of) if args.compile else loss_of
     bf16 = args.precision == "bf16"
 
     def step():
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-            logits = fwd(x, cos, sin)
-        loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
+            loss = loss_of(x, y, cos, sin)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
