@@ -632,15 +632,15 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
     for (int n = 0; n < HD / 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) dk[n][i] = dv[n][i] = 0.0f;
-    // Step s takes head group * heads + s / per_head, queries from first + (s % per_head) *
-    // QUERIES: the first query any of this block's keys meets, to the sequence's end.
+    // The steps take each head of the group in turn, and for each its queries QUERIES at a time
+    // from `first`, the first query any of this block's keys meets, to the sequence's end.
     int first = blockIdx.x * FLASH_ROWS;
-    int per_head = (t - first + QUERIES - 1) / QUERIES, steps = heads * per_head;
+    int steps = heads * ((t - first + QUERIES - 1) / QUERIES);
     int mine = threadIdx.x;  // the query whose statistics this thread loads, if below QUERIES
     float next_bias = 0.0f, next_delta = 0.0f, scale2 = scale * LOG2E;
-    // Issues step s's copies into buffer `buf` and loads its statistics into registers.
-    auto fetch = [&](int s, int buf) {
-        int head = group * heads + s / per_head, i0 = first + s % per_head * QUERIES;
+    // Issues the copies of head `head`'s queries from i0 into buffer `buf` and loads their
+    // statistics into registers.
+    auto fetch = [&](int head, int i0, int buf) {
         load_tile_async<HD, QUERIES>(qs[buf], qkv, b, i0, head * HD, width, t);
         load_tile_async<HD, QUERIES>(dys[buf], dout, b, i0, head * HD, h * HD, t);
         if (mine < QUERIES) {
@@ -650,16 +650,23 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
             next_delta = delta[at];
         }
     };
-    fetch(0, 0);
+    // This step's first query, and the next step's head and first query (counted on, not
+    // divided out: a division by a value known only at run time takes some twenty instructions).
+    int i0 = first, next_head = group * heads, next_i0 = first;
+    auto advance = [&]() {
+        next_i0 += QUERIES;
+        if (next_i0 >= t) next_i0 = first, next_head++;
+    };
+    fetch(next_head, next_i0, 0);
+    advance();
     copies_commit();
     for (int step = 0, cur = 0; step < steps; step++, cur ^= 1) {
-        int i0 = first + step % per_head * QUERIES;
         if (mine < QUERIES) {
             st_bias[cur][mine] = next_bias;
             st_delta[cur][mine] = next_delta;
         }
         // The other buffers were last read before the barrier that ended the step before.
-        if (step + 1 < steps) fetch(step + 1, cur ^ 1);
+        if (step + 1 < steps) fetch(next_head, next_i0, cur ^ 1);
         copies_commit();
         copies_wait<1>();
         __syncthreads();
@@ -685,6 +692,8 @@ __device__ void flash_backward_dkv_t(bf16* dqkv, const bf16* dout, const bf16* q
             times_tile<HD, QUERIES>(&dk, &dp, qs[cur]);
         }
         __syncthreads();
+        i0 = next_i0;
+        advance();
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
