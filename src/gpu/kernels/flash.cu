@@ -1,9 +1,10 @@
 // Causal attention on the tensor cores, bf16 operands and f32 sums: flash attention in
 // FlashAttention-2's order, forward and backward. In the forward a warp owns 32 query rows of
-// one (sequence, head) (16 for heads of more than 64 values); keys and values stream through shared memory FLASH_KEYS at a time; the
-// scores, the online softmax and the output stay in registers. It keeps the softmax statistics
-// [B, H, T, 2] of attention.cu's kernels, from which backward recomputes the probabilities: dq
-// by query rows, dk and dv by key rows (summed over each kv head's group), so without atomics.
+// one (sequence, head) (16 for heads of more than 64 values); keys and values stream through
+// shared memory FLASH_KEYS at a time; the scores, the online softmax and the output stay in
+// registers. It keeps the softmax statistics [B, H, T, 2] of attention.cu's kernels, from
+// which backward recomputes the probabilities: dq by query rows, dk and dv by key rows (summed
+// over each kv head's group), so without atomics.
 // The softmax's sums are taken of the f32 probabilities; the products take the probabilities
 // and their gradients rounded to bf16. The tensor cores leave the other instructions little
 // room, so the softmax is lean: base 2, a probability one fused multiply-add and one exp2; the
@@ -401,7 +402,7 @@ template <int HD> struct KeyTiles {
 // Row tiles of 16 queries a warp owns in the forward: two for heads of up to 64 values, so
 // that each key and value fragment loaded from shared memory serves two tensor-core products
 // (and a block's tiles serve 128 queries), one for longer heads, whose accumulators would not
-// fit the registers twice. flash_forward_rows in src/gpu/attention.rs mirrors it.
+// fit the registers twice. forward_warp_rows in src/gpu/attention.rs mirrors it.
 template <int HD> struct ForwardTiles {
     static constexpr int M = HD <= 64 ? 2 : 1;
 };
