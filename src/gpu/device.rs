@@ -44,9 +44,11 @@ enum Backend {
 
 /// Indices on the device, each checked on the host to lie below `below`, so that the kernels
 /// that index rows with them stay inside their tables: token ids (below the vocabulary), and
-/// positions (below the rotary tables' length, `RopeTables::positions`).
+/// positions (below the rotary tables' length, `RopeTables::positions`). The host keeps them
+/// too (`host`), from which the embedding's backward groups the tokens by id.
 pub struct Ids {
     pub buf: Buf<u32>,
+    pub host: Vec<u32>,
     pub below: usize,
 }
 
@@ -55,7 +57,7 @@ impl Ids {
         if let Some((i, &t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= below) {
             bail!("token id {t} at position {i} is out of range for a vocabulary of {below}");
         }
-        Ok(Ids { buf: dev.upload(ids)?, below })
+        Ok(Ids { buf: dev.upload(ids)?, host: ids.to_vec(), below })
     }
 
     pub fn len(&self) -> usize {

@@ -24,7 +24,7 @@ impl RopeTables {
         if let Some(&p) = positions.iter().find(|&&p| p as usize >= self.len) {
             bail!("position {p} is past the GPU's rotary tables ({} positions)", self.len);
         }
-        Ok(Ids { buf: dev.upload(positions)?, below: self.len })
+        Ok(Ids { buf: dev.upload(positions)?, host: positions.to_vec(), below: self.len })
     }
 
     pub fn upload(dev: &Device, t: &RopeTable) -> Result<RopeTables> {
