@@ -152,7 +152,8 @@ fn bf16_kernels_match_the_cpu(dev: &Device) {
         let stats_h = dev.download(&stats).unwrap();
         assert_close_to_largest(&stats_h, &want_stats, 1e-5, &format!("{s:?}: attention stats"));
         // Where a warp owns two tiles of rows, the kernel with one a warp gives the same bits:
-        // each row's sums run in the same order, and the tiles past a row add zeros.
+        // each row meets the same key tiles (of 64, which start at multiples of 64 as the
+        // warps' rows start at multiples of 32) and sums them in the same order.
         if s.head_dim <= 64 {
             let (out16, stats16) = attention::forward_with(dev, &up(dev, &qkv), s, 16).unwrap();
             assert!(down(dev, &out16) == down(dev, &out), "{s:?}: 16 rows a warp, out");
