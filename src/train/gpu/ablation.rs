@@ -70,25 +70,17 @@ pub struct Mixed<A: Act> {
     pub input_query: Option<InputQuery<A>>,
 }
 
-/// The norm of an input-dependent query's input, which has no gain: a gain of ones, and a
-/// buffer its gradient goes to and is dropped, both made once a pass.
-pub struct UnitNorm {
-    pub gain: Buf<f32>,
-    pub grad: Buf<f32>,
-}
-
-impl UnitNorm {
-    /// For inputs of `d` values, when `ab` takes input-dependent queries.
-    pub fn of(dev: &Device, ab: &Ablation, d: usize) -> Result<Option<UnitNorm>> {
-        if ab.query != DepthQuery::Input {
-            return Ok(None);
-        }
-        Ok(Some(UnitNorm { gain: dev.upload(&vec![1.0f32; d])?, grad: dev.zeros(d)? }))
+/// The norm of an input-dependent query's input has no gain: a gain of ones of `d` values, made
+/// once a forward pass when `ab` takes input-dependent queries (backward borrows it).
+pub fn unit_gain(dev: &Device, ab: &Ablation, d: usize) -> Result<Option<Buf<f32>>> {
+    if ab.query != DepthQuery::Input {
+        return Ok(None);
     }
+    Ok(Some(dev.upload(&vec![1.0f32; d])?))
 }
 
-/// Consumer `l`'s input from the sources it reads (`unit`: the norm of an input-dependent
-/// query).
+/// Consumer `l`'s input from the sources it reads (`unit`: the gain of ones of an
+/// input-dependent query's norm, [`unit_gain`]).
 #[allow(clippy::too_many_arguments)]
 pub fn forward<A: Act>(
     dev: &Device,
@@ -96,7 +88,7 @@ pub fn forward<A: Act>(
     l: usize,
     read: &Read<A>,
     p: &Params<A>,
-    unit: Option<&UnitNorm>,
+    unit: Option<&Buf<f32>>,
     eps: f32,
 ) -> Result<Mixed<A>> {
     let dp = depth_params(p, l);
@@ -112,7 +104,7 @@ pub fn forward<A: Act>(
         DepthQuery::Input => {
             // q = W·rmsnorm(x), x the sum of the sources read; the gain is the key norm's.
             let x = kernels::read_sum(dev, read)?;
-            let ones = &unit.expect("a gain of ones for the input query's norm").gain;
+            let ones = unit.expect("a gain of ones for the input query's norm");
             let (xhat, rstd) = rmsnorm::forward(dev, &x, ones.all(), d, eps)?;
             drop(x);
             let mut q = dev.output(rows * d)?;
@@ -212,7 +204,8 @@ pub struct Saved<'a, A: Act> {
 
 /// The backward of consumer `l` from `dh`, the gradient of its input: adds into the gradients
 /// of the sources it read (`dvalues`, f32, laid out as `read.values`; `dp`, the partial sum's)
-/// and of its depth parameters (`unit`: the norm of an input-dependent query).
+/// and of its depth parameters (`unit`: an input-dependent query's norm's gain of ones, and a
+/// buffer its gradient goes to and is dropped, made once a backward pass).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<A: Act>(
     dev: &Device,
@@ -225,7 +218,7 @@ pub fn backward<A: Act>(
     mut dp: Option<&mut Buf<A>>,
     p: &Params<A>,
     grads: &mut ParamGrads,
-    unit: Option<&mut UnitNorm>,
+    unit: Option<(&Buf<f32>, &mut Buf<f32>)>,
 ) -> Result<()> {
     let (rows, d, o) = (read.rows, read.d, ab.options);
     let dpar = depth_params(p, l);
@@ -265,8 +258,8 @@ pub fn backward<A: Act>(
             linear_backward(dev, &mut dxhat, &mut dquery, &dq, &iq.xhat, w, rows, d, d, false)?;
             drop(dq);
             let x = kernels::read_sum(dev, read)?;
-            let unit = unit.expect("a gain of ones for the input query's norm");
-            let (ones, dropped) = (unit.gain.all(), &mut unit.grad.all_mut());
+            let (ones, dropped) = unit.expect("a gain of ones for the input query's norm");
+            let (ones, dropped) = (ones.all(), &mut dropped.all_mut());
             let dx = rmsnorm::backward(dev, dropped, &dxhat, &x, ones, &iq.rstd, d, None)?;
             kernels::read_spread(dev, dvalues, dp, &dx, read)?;
         }

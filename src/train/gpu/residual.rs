@@ -15,7 +15,7 @@
 //! With the ablation options the sources are the same, and each consumer is taken in one pass
 //! over those it reads, both ways ([`super::ablation`], [`AblationBackward`]).
 
-use super::ablation::{self, InputQuery, ParamGrads, UnitNorm};
+use super::ablation::{self, InputQuery, ParamGrads};
 use super::params::Params;
 use crate::gpu::act::Act;
 use crate::gpu::buffer::{Buf, Slice, SliceMut};
@@ -81,10 +81,10 @@ pub struct DepthForward<A: Act> {
     /// Effective query `q ⊙ γ` of every consumer (sublayers, then the output), `[L + 1, d]`;
     /// none with the ablation options, which are run one consumer at a time instead.
     queries: Option<Buf<f32>>,
-    /// The ablation options, when the model sets any (`super::ablation`), and the norm of
-    /// their input-dependent queries.
+    /// The ablation options, when the model sets any (`super::ablation`), and the gain of ones
+    /// of their input-dependent queries' norm (`ablation::unit_gain`).
     ablation: Option<Ablation>,
-    unit: Option<UnitNorm>,
+    unit_gain: Option<Buf<f32>>,
     /// The completed sources `b_0 ..` (`[capacity, rows, d]`) and their 1/rms.
     values: Buf<A>,
     rstd: Buf<f32>,
@@ -135,7 +135,7 @@ impl<A: Act> ResidualForward<A> {
             eps,
             queries,
             ablation,
-            unit: ablation.map(|ab| UnitNorm::of(dev, &ab, d)).transpose()?.flatten(),
+            unit_gain: ablation.map(|ab| ablation::unit_gain(dev, &ab, d)).transpose()?.flatten(),
             values: dev.output(capacity * rows * d)?,
             rstd: dev.output(capacity * rows)?,
             completed: 0,
@@ -274,7 +274,7 @@ impl<A: Act> DepthForward<A> {
         let first = ab.first_read(completed);
         let read = self.read(first, completed, self.partial.as_ref());
         let n_sources = read.k();
-        let x = ablation::forward(dev, ab, l, &read, p, self.unit.as_ref(), eps)?;
+        let x = ablation::forward(dev, ab, l, &read, p, self.unit_gain.as_ref(), eps)?;
         let (xn, rstd) = rmsnorm::forward(dev, &x.h, g, d, eps)?;
         let (alpha, logits, input_query, partial) = (x.alpha, x.logits, x.input_query, None);
         let saved =
@@ -339,8 +339,8 @@ pub struct AblationBackward<A: Act> {
     /// The completed sources' gradients, laid out as their values.
     dvalues: Buf<f32>,
     params: ParamGrads,
-    /// The norm of the input-dependent queries.
-    unit: Option<UnitNorm>,
+    /// Where the gradient of the input-dependent queries' norm's gain of ones goes, dropped.
+    unit_grad: Option<Buf<f32>>,
 }
 
 /// A consumer backpropagated, whose gradients into completed sources are still owed.
@@ -417,13 +417,13 @@ impl<A: Act> ResidualBackward<A> {
             return Ok(ResidualBackward::Standard { acc });
         };
         let (consumers, rows, d) = (f.sublayers + 1, f.rows, f.d);
-        if let Some(ab) = &f.ablation {
+        if f.ablation.is_some() {
             let dh = rmsnorm::backward(dev, dg, dxn, &x.h, g, &x.rstd, d, None)?;
             let mut b = AblationBackward {
                 acc: None,
                 dvalues: dev.zeros(f.values.len())?,
                 params: ParamGrads::new(dev, p, consumers)?,
-                unit: UnitNorm::of(dev, ab, d)?,
+                unit_grad: f.unit_gain.as_ref().map(|_| dev.zeros(d)).transpose()?,
             };
             b.consumer(dev, f, f.sublayers, &dh, p)?;
             return Ok(ResidualBackward::Ablation(b));
@@ -562,7 +562,8 @@ impl<A: Act> AblationBackward<A> {
             logits: &saved.logits,
             input_query: saved.input_query.as_ref(),
         };
-        let (dvalues, grads, unit) = (&mut self.dvalues, &mut self.params, self.unit.as_mut());
+        let unit = f.unit_gain.as_ref().zip(self.unit_grad.as_mut());
+        let (dvalues, grads) = (&mut self.dvalues, &mut self.params);
         ablation::backward(dev, ab, l, dh, &read, kept, dvalues, dp, p, grads, unit)
     }
 }
